@@ -1,0 +1,126 @@
+"""The hybrid decoder: embedding, pre-norm blocks (token mixer, then MLP/MoE), final norm, LM head.
+
+`forward` computes logits for a ragged RowBatch and writes every row into its slot's state.
+Prefill and decode are the same forward; decode runs it row-invariantly (see ops.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, TensorSource
+from .config import ATTENTION, GDN, KDA, MLA, MOE, ModelConfig
+from .hf_config import load_config
+from .layers.attention import GatedAttention
+from .layers.gdn import GatedDeltaNet
+from .layers.kda import KimiDeltaAttention
+from .layers.mla import LatentAttention
+from .layers.mlp import DenseMLP, MoE
+import torch.nn.functional as F
+
+from .ops import each_row, rms_norm
+from .rows import RowBatch
+from .state import SlotPool
+
+log = logging.getLogger(__name__)
+
+_MIXERS = {ATTENTION: GatedAttention, MLA: LatentAttention, GDN: GatedDeltaNet, KDA: KimiDeltaAttention}
+
+
+class Block:
+    def __init__(self, config: ModelConfig, src: TensorSource, index: int):
+        prefix = f"model.layers.{index}"
+        self.mixer = _MIXERS[config.mixers[index]](config, src, prefix)
+        if config.mlps[index] == MOE:
+            self.mlp = MoE(config, src, prefix)
+        else:
+            self.mlp = DenseMLP(src, prefix + ".mlp.", config.hidden_size, config.intermediate_size)
+        self.input_norm = src.take(prefix + ".input_layernorm.weight", (config.hidden_size,))
+        self.post_norm = src.take(prefix + ".post_attention_layernorm.weight", (config.hidden_size,))
+
+
+class HybridModel:
+    def __init__(self, config: ModelConfig, src: TensorSource):
+        self.config = config
+        self.device = src.device
+        self.dtype = src.dtype
+        V, H = config.vocab_size, config.hidden_size
+        self.embed = src.take("model.embed_tokens.weight", (V, H))
+        self.blocks = [Block(config, src, i) for i in range(config.n_layers)]
+        self.final_norm = src.take("model.norm.weight", (H,))
+        if config.tie_word_embeddings:
+            if src.has("lm_head.weight"):  # some files store the tied copy; it must be the embedding
+                src.take("lm_head.weight", (V, H))
+            self.lm_head = self.embed
+        else:
+            self.lm_head = src.take("lm_head.weight", (V, H))
+        leftovers = src.leftovers()
+        if leftovers:
+            shown = ", ".join(repr(n) for n in leftovers[:8])
+            more = f" and {len(leftovers) - 8} more" if len(leftovers) > 8 else ""
+            raise CheckpointError(f"unexpected tensor(s) for a {config.model_type} model of this config: {shown}{more}")
+
+    def new_pool(self, n_slots: int, max_seq_len: int) -> SlotPool:
+        return SlotPool(self.config, n_slots, max_seq_len, self.device, self.dtype)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool = False) -> torch.Tensor:
+        """tokens [rows] int64 -> logits [rows, vocab] in fp32 (or [sequences, vocab] with last_only).
+
+        Writes every row into its slot: KV at the row's position, conv window and recurrent state
+        advanced past the sequence's last row.
+        """
+        if tokens.shape != (batch.n_rows,):
+            raise ValueError(f"tokens has shape {list(tokens.shape)}, expected [{batch.n_rows}]")
+        end = max(p + c for p, c in zip(batch.starts, batch.counts))
+        if end > pool.max_seq_len:
+            raise ValueError(f"rows reach position {end - 1}, past the pool's max_seq_len {pool.max_seq_len}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        tokens = tokens.to(self.device)
+        positions = batch.positions(self.device)
+        h = self.embed[tokens]
+        for block, state in zip(self.blocks, pool.layers):
+            x = each_row(lambda t: self._norm(t, block.input_norm), h, row_invariant=row_invariant)
+            h = h + block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant)
+            h = h + each_row(lambda t: block.mlp.forward(self._norm(t, block.post_norm)), h, row_invariant=row_invariant)
+        if last_only:
+            h = h[[o - 1 for o in batch.offsets[1:]]]
+        return each_row(self._logits, h, row_invariant=row_invariant)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+
+    def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
+        """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.
+
+        Returns the logits of the last prompt token [vocab] (or of every token [len, vocab])."""
+        if not prompt:
+            raise ValueError("prefill needs at least one prompt token")
+        outs = []
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            batch = RowBatch(slots=(slot,), starts=(start,), counts=(len(piece),))
+            logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits)
+            outs.append(logits)
+        return torch.cat(outs) if all_logits else outs[-1][0]
+
+    def decode(self, pool: SlotPool, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each of several slots, each at its own position -> logits [len(slots), vocab]."""
+        batch = RowBatch(slots=tuple(slots), starts=tuple(positions), counts=(1,) * len(slots))
+        return self.forward(torch.tensor(tokens, dtype=torch.int64), batch, pool, row_invariant=True)
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+    """Read config.json and the safetensors weights of an HF checkpoint directory."""
+    config = load_config(model_dir)
+    src = TensorSource(model_dir, device, dtype)
+    model = HybridModel(config, src)
+    log.info("loaded %s: %d layers (%s), vocab %d, %s on %s", config.model_type, config.n_layers, "".join(k[0] for k in config.mixers), config.vocab_size, dtype, device)
+    return model

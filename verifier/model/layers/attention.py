@@ -1,0 +1,60 @@
+"""Gated full attention (Qwen3-Next / Qwen3.5): q/k RMSNorm per head, partial rotary, GQA, sigmoid output gate.
+
+Tensors under `{prefix}.self_attn.`: q_proj [2*heads*hd, H] whose output per head is
+[query (hd) | gate (hd)]; k_proj, v_proj [kv_heads*hd, H]; o_proj [H, heads*hd]; q_norm, k_norm [hd].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import TensorSource
+from ..config import ModelConfig
+from ..ops import apply_partial_rope, each_row, rms_norm, rope_cos_sin
+from ..rows import RowBatch
+from ..state import AttentionState
+from .attend import attend, write_kv
+
+
+class GatedAttention:
+    def __init__(self, config: ModelConfig, src: TensorSource, prefix: str):
+        a = config.attention
+        self.cfg = a
+        self.eps = config.rms_norm_eps
+        H, hd = config.hidden_size, a.head_dim
+        p = f"{prefix}.self_attn."
+        self.w_q = src.take(p + "q_proj.weight", (2 * a.n_heads * hd, H))
+        self.w_k = src.take(p + "k_proj.weight", (a.n_kv_heads * hd, H))
+        self.w_v = src.take(p + "v_proj.weight", (a.n_kv_heads * hd, H))
+        self.w_o = src.take(p + "o_proj.weight", (H, a.n_heads * hd))
+        self.b_q = self.b_k = self.b_v = self.b_o = None
+        if a.bias:
+            self.b_q = src.take(p + "q_proj.bias", (2 * a.n_heads * hd,))
+            self.b_k = src.take(p + "k_proj.bias", (a.n_kv_heads * hd,))
+            self.b_v = src.take(p + "v_proj.bias", (a.n_kv_heads * hd,))
+            self.b_o = src.take(p + "o_proj.bias", (H,))
+        self.q_norm = src.take(p + "q_norm.weight", (hd,))
+        self.k_norm = src.take(p + "k_norm.weight", (hd,))
+        self.scale = hd**-0.5
+
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool) -> torch.Tensor:
+        query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
+        write_kv(batch, state, key, value)
+        out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
+        return each_row(self._output, out, gate, row_invariant=row_invariant)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [n, H], positions [n] -> query [n, heads, hd], key, value [n, kv_heads, hd], gate [n, heads*hd]."""
+        a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
+        q_and_gate = F.linear(x, self.w_q, self.b_q).view(n, a.n_heads, 2 * hd)
+        query, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(n, a.n_heads * hd)
+        query = rms_norm(query, self.q_norm, self.eps, zero_centred=True)
+        key = rms_norm(F.linear(x, self.w_k, self.b_k).view(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
+        value = F.linear(x, self.w_v, self.b_v).view(n, a.n_kv_heads, hd)
+        cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta, x.dtype)
+        return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """out [n, heads, hd], gate [n, heads*hd] -> [n, H]."""
+        return F.linear(out.reshape(gate.shape) * torch.sigmoid(gate), self.w_o, self.b_o)

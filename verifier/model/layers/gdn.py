@@ -1,0 +1,94 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5).
+
+Tensors under `{prefix}.linear_attn.`, in one of two projection layouts:
+  separate (Qwen3.5):      in_proj_qkv [2*key_dim + value_dim, H] (q | k | v), in_proj_z [value_dim, H],
+                           in_proj_b [Hv, H], in_proj_a [Hv, H]
+  interleaved (Qwen3-Next): in_proj_qkvz [2*key_dim + 2*value_dim, H] grouped per key head g as
+                           q_g, k_g, v and z of value heads g*r .. g*r+r-1; in_proj_ba [2*Hv, H] grouped
+                           per key head as b of its r value heads, then a of them.
+The interleaved weights are permuted at load into the separate layout (same rows, other order).
+Also conv1d.weight [conv_dim, 1, W] over channels q | k | v, dt_bias [Hv], A_log [Hv],
+norm.weight [d_v], out_proj.weight [H, value_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import TensorSource
+from ..config import ModelConfig
+from ..ops import each_row, silu_gated_rms_norm
+from ..rows import RowBatch
+from ..state import RecurrentState
+from .delta_rule import mix_sequences
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet:
+    def __init__(self, config: ModelConfig, src: TensorSource, prefix: str):
+        g = config.gdn
+        self.cfg = g
+        self.eps = config.rms_norm_eps
+        H = config.hidden_size
+        p = f"{prefix}.linear_attn."
+        if g.interleaved_projection:
+            self.w_qkv, self.w_z, self.w_b, self.w_a = _deinterleave(
+                g, src.take(p + "in_proj_qkvz.weight", (2 * g.key_dim + 2 * g.value_dim, H)), src.take(p + "in_proj_ba.weight", (2 * g.n_v_heads, H))
+            )
+        else:
+            self.w_qkv = src.take(p + "in_proj_qkv.weight", (g.conv_dim, H))
+            self.w_z = src.take(p + "in_proj_z.weight", (g.value_dim, H))
+            self.w_b = src.take(p + "in_proj_b.weight", (g.n_v_heads, H))
+            self.w_a = src.take(p + "in_proj_a.weight", (g.n_v_heads, H))
+        self.conv_w = src.take(p + "conv1d.weight", (g.conv_dim, 1, g.conv_width))[:, 0, :]
+        self.dt_bias = src.take(p + "dt_bias", (g.n_v_heads,))
+        self.A_log = src.take(p + "A_log", (g.n_v_heads,))
+        self.norm_w = src.take(p + "norm.weight", (g.d_v,))
+        self.w_out = src.take(p + "out_proj.weight", (H, g.value_dim))
+
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool) -> torch.Tensor:
+        qkv, z, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
+        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.d_v)
+        return each_row(self._output, out, z, row_invariant=row_invariant)
+
+    def _project(self, x: torch.Tensor):
+        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], decay [n, Hv, 1, 1], beta [n, Hv] (fp32)."""
+        g, n = self.cfg, x.shape[0]
+        qkv = F.linear(x, self.w_qkv)
+        z = F.linear(x, self.w_z).view(n, g.n_v_heads, g.d_v)
+        beta = torch.sigmoid(F.linear(x, self.w_b)).float()
+        log_decay = -self.A_log.float().exp() * F.softplus(F.linear(x, self.w_a).float() + self.dt_bias)
+        return qkv, z, log_decay.exp()[..., None, None], beta
+
+    def _split_heads(self, mixed: torch.Tensor):
+        """Conv output [n, conv_dim] -> fp32 q, k [n, Hv, d_k] (normalised, repeated per value head), v [n, Hv, d_v]."""
+        g, n = self.cfg, mixed.shape[0]
+        r = g.n_v_heads // g.n_k_heads
+        q = mixed[:, : g.key_dim].reshape(n, g.n_k_heads, g.d_k).float()
+        k = mixed[:, g.key_dim : 2 * g.key_dim].reshape(n, g.n_k_heads, g.d_k).float()
+        v = mixed[:, 2 * g.key_dim :].reshape(n, g.n_v_heads, g.d_v).float()
+        q = _l2norm(q.repeat_interleave(r, dim=1)) / (g.d_k**0.5)
+        k = _l2norm(k.repeat_interleave(r, dim=1))
+        return q, k, v
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """fp32 recurrence output [n, Hv, d_v], z [n, Hv, d_v] -> [n, H]."""
+        normed = silu_gated_rms_norm(out.to(z.dtype), z, self.norm_w, self.eps)
+        return F.linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out)
+
+
+def _deinterleave(g, w_qkvz: torch.Tensor, w_ba: torch.Tensor):
+    """Qwen3-Next's grouped rows -> (w_qkv [q|k|v], w_z, w_b, w_a), each row kept intact."""
+    r, H = g.n_v_heads // g.n_k_heads, w_qkvz.shape[1]
+    groups = w_qkvz.view(g.n_k_heads, 2 * g.d_k + 2 * r * g.d_v, H)
+    q = groups[:, : g.d_k]
+    k = groups[:, g.d_k : 2 * g.d_k]
+    v = groups[:, 2 * g.d_k : 2 * g.d_k + r * g.d_v]
+    z = groups[:, 2 * g.d_k + r * g.d_v :]
+    w_qkv = torch.cat((q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)), dim=0).contiguous()
+    ba = w_ba.view(g.n_k_heads, 2 * r, H)
+    return w_qkv, z.reshape(-1, H).contiguous(), ba[:, :r].reshape(-1, H).contiguous(), ba[:, r:].reshape(-1, H).contiguous()

@@ -1,0 +1,83 @@
+"""Kimi Delta Attention.
+
+Tensors under `{prefix}.self_attn.` (P = heads * D): q_proj, k_proj, v_proj [P, H]; the short convs
+either fused (conv1d.weight [3P, 1, W], channels q | k | v) or separate (q_conv1d, k_conv1d, v_conv1d
+[P, 1, W]); f_a_proj [D, H], f_b_proj [P, D], dt_bias [P], A_log (heads values, any shape);
+b_proj [heads, H]; g_a_proj [D, H], g_b_proj [P, D]; o_norm [D]; o_proj [H, P].
+Per row: q, k, v = silu(conv(proj(x))); decay g [heads, D] from the forget gate (softplus or
+bounded law); beta = sigmoid(b_proj(x)); delta rule; o = o_norm(o) * sigmoid(g_b(g_a(x))); o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import TensorSource
+from ..config import ModelConfig
+from ..ops import each_row, kimi_softplus, sigmoid_gated_rms_norm
+from ..rows import RowBatch
+from ..state import RecurrentState
+from .delta_rule import mix_sequences
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+class KimiDeltaAttention:
+    def __init__(self, config: ModelConfig, src: TensorSource, prefix: str):
+        c = config.kda
+        self.cfg = c
+        self.eps = config.rms_norm_eps
+        H, P, D, W = config.hidden_size, c.proj_dim, c.head_dim, c.conv_width
+        p = f"{prefix}.self_attn."
+        self.w_q = src.take(p + "q_proj.weight", (P, H))
+        self.w_k = src.take(p + "k_proj.weight", (P, H))
+        self.w_v = src.take(p + "v_proj.weight", (P, H))
+        if src.has(p + "conv1d.weight"):
+            self.conv_w = src.take(p + "conv1d.weight", (3 * P, 1, W))[:, 0, :]
+        else:
+            self.conv_w = torch.cat([src.take(p + f"{n}_conv1d.weight", (P, 1, W))[:, 0, :] for n in "qkv"], dim=0)
+        self.w_f_a = src.take(p + "f_a_proj.weight", (D, H))
+        self.w_f_b = src.take(p + "f_b_proj.weight", (P, D))
+        self.dt_bias = src.take(p + "dt_bias", (P,), fp32=True)
+        A_log = src.take_raw(p + "A_log")
+        if A_log.numel() != c.n_heads:
+            raise ValueError(f"tensor {src.stored_name(p + 'A_log')!r} has {A_log.numel()} values, expected {c.n_heads} (one per head)")
+        self.A_log = A_log.reshape(c.n_heads, 1).to(device=src.device, dtype=torch.float32)
+        self.w_beta = src.take(p + "b_proj.weight", (c.n_heads, H))
+        self.w_g_a = src.take(p + "g_a_proj.weight", (D, H))
+        self.w_g_b = src.take(p + "g_b_proj.weight", (P, D))
+        self.o_norm = src.take(p + "o_norm.weight", (D,))
+        self.w_o = src.take(p + "o_proj.weight", (H, P))
+
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool) -> torch.Tensor:
+        qkv, gate, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
+        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.head_dim)
+        return each_row(self._output, out, gate, row_invariant=row_invariant)
+
+    def _project(self, x: torch.Tensor):
+        """x [n, H] -> raw conv inputs [n, 3P], output gate [n, heads, D], decay [n, heads, D, 1], beta [n, heads] (fp32)."""
+        c, n = self.cfg, x.shape[0]
+        qkv = torch.cat([F.linear(x, w) for w in (self.w_q, self.w_k, self.w_v)], dim=-1)
+        raw = F.linear(F.linear(x, self.w_f_a), self.w_f_b)
+        raw = (raw.float() + self.dt_bias).view(n, c.n_heads, c.head_dim)
+        if c.gate_law == "softplus":
+            log_decay = -self.A_log.exp() * kimi_softplus(raw)
+        else:
+            log_decay = c.gate_lower_bound * torch.sigmoid(self.A_log.exp() * raw)
+        beta = torch.sigmoid(F.linear(x, self.w_beta)).float()
+        gate = F.linear(F.linear(x, self.w_g_a), self.w_g_b).view(n, c.n_heads, c.head_dim)
+        return qkv, gate, log_decay.exp()[..., None], beta
+
+    def _split_heads(self, mixed: torch.Tensor):
+        """Conv output [n, 3P] -> fp32 q, k (normalised; q scaled) and v, each [n, heads, D]."""
+        c, n, P = self.cfg, mixed.shape[0], self.cfg.proj_dim
+        q, k, v = (mixed[:, i * P : (i + 1) * P].reshape(n, c.n_heads, c.head_dim).float() for i in range(3))
+        return _l2norm(q) * (1 / c.head_dim**0.5), _l2norm(k), v
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """fp32 recurrence output [n, heads, D], output gate [n, heads, D] -> [n, H]."""
+        normed = sigmoid_gated_rms_norm(out.to(gate.dtype), gate, self.o_norm, self.eps)
+        return F.linear(normed.reshape(out.shape[0], self.cfg.proj_dim), self.w_o)

@@ -1,0 +1,111 @@
+"""Channel mixers: the dense SwiGLU MLP and the two MoE routers.
+
+Dense (`{prefix}.mlp.`): gate_proj, up_proj [I, H]; down_proj [H, I]; out = down(silu(gate(x)) * up(x)).
+
+MoE (`{prefix}.mlp.`): router gate.weight [E, H]; experts stored per expert
+(experts.{e}.gate_proj/up_proj/down_proj, or Kimi's w1/w3/w2) or fused
+(experts.gate_up_proj [E, 2I, H] gate then up, experts.down_proj [E, H, I]).
+Qwen3-Next: shared_expert.* plus shared_expert_gate.weight [1, H]. Kimi: gate.e_score_correction_bias [E]
+and shared_experts.*. Routed outputs are summed in ascending expert order, each cast to the
+activation dtype first, as the HF modules do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import TensorSource
+from ..config import ModelConfig, MoEConfig
+
+
+class DenseMLP:
+    def __init__(self, src: TensorSource, prefix: str, hidden: int, intermediate: int):
+        self.w_gate = src.take(prefix + "gate_proj.weight", (intermediate, hidden))
+        self.w_up = src.take(prefix + "up_proj.weight", (intermediate, hidden))
+        self.w_down = src.take(prefix + "down_proj.weight", (hidden, intermediate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.linear(x, self.w_gate)
+        up = F.linear(x, self.w_up)
+        return F.linear(F.silu(gate) * up, self.w_down)
+
+
+class MoE:
+    def __init__(self, config: ModelConfig, src: TensorSource, prefix: str):
+        m: MoEConfig = config.moe
+        self.cfg = m
+        H, E, I = config.hidden_size, m.n_experts, m.expert_intermediate_size
+        p = f"{prefix}.mlp."
+        if m.router == "sigmoid":  # Kimi keeps the router in fp32
+            self.w_router = src.take(p + "gate.weight", (E, H), fp32=True)
+            self.score_bias = src.take(p + "gate.e_score_correction_bias", (E,), fp32=True)
+        else:
+            self.w_router = src.take(p + "gate.weight", (E, H))
+        self.experts = self._experts(src, p + "experts.", E, H, I)
+        self.shared = None
+        if m.shared_intermediate_size:
+            name = "shared_expert." if m.shared_gate else "shared_experts."
+            self.shared = DenseMLP(src, p + name, H, m.shared_intermediate_size)
+        if m.shared_gate:
+            self.w_shared_gate = src.take(p + "shared_expert_gate.weight", (1, H))
+
+    @staticmethod
+    def _experts(src: TensorSource, p: str, E: int, H: int, I: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """[(gate [I, H], up [I, H], down [H, I])] per expert."""
+        if src.has(p + "gate_up_proj"):
+            gate_up = src.take(p + "gate_up_proj", (E, 2 * I, H))
+            down = src.take(p + "down_proj", (E, H, I))
+            return [(gate_up[e, :I].contiguous(), gate_up[e, I:].contiguous(), down[e].contiguous()) for e in range(E)]
+        names = ("gate_proj", "up_proj", "down_proj") if src.has(p + "0.gate_proj.weight") else ("w1", "w3", "w2")
+        return [
+            (
+                src.take(f"{p}{e}.{names[0]}.weight", (I, H)),
+                src.take(f"{p}{e}.{names[1]}.weight", (I, H)),
+                src.take(f"{p}{e}.{names[2]}.weight", (H, I)),
+            )
+            for e in range(E)
+        ]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (expert ids [rows, top_k], weights [rows, top_k])."""
+        m = self.cfg
+        if m.router == "softmax":
+            logits = F.linear(x, self.w_router)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, m.top_k, dim=-1)
+            if m.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return ids, weights.to(x.dtype)
+        scores = torch.sigmoid(F.linear(x.float(), self.w_router))  # [rows, E]
+        choice = scores + self.score_bias
+        if m.n_group > 1:
+            per_group = m.n_experts // m.n_group
+            group_scores = choice.view(-1, m.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [rows, groups]
+            keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, m.topk_group, dim=-1, sorted=False)[1], 1.0)
+            keep = keep[:, :, None].expand(-1, m.n_group, per_group).reshape(-1, m.n_experts)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        ids = torch.topk(choice, m.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if m.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * m.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = torch.zeros_like(x)
+        # Expert by expert in ascending order; a row meets each of its experts once, so its sum
+        # order is the expert order whatever other rows share the batch.
+        for e in torch.unique(ids).tolist():
+            row_idx, k_idx = torch.where(ids == e)
+            gate, up, down = self.experts[e]
+            xe = x[row_idx]
+            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)
+            ye = F.linear(h, down) * weights[row_idx, k_idx, None]
+            out.index_add_(0, row_idx, ye.to(out.dtype))
+        if self.shared is not None:
+            shared = self.shared.forward(x)
+            if self.cfg.shared_gate:
+                shared = torch.sigmoid(F.linear(x, self.w_shared_gate)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,100 @@
+"""Reference numeric primitives, written to mirror the casts of the HF modules they stand for.
+
+Row invariance. Decode and verify compute every row as a function of that row alone, so a row
+gives the same bits whether it is decoded alone or among K others (DESIGN.md section 5). torch on
+the CPU does not promise that for batched ops: a one-row matmul takes a GEMV path and a K-row
+matmul a GEMM path with another summation order, and elementwise sigmoid / silu / softplus / exp
+run a SIMD body plus a scalar tail whose split depends on the tensor's total size, so the same
+value can round differently in a 1-row and a K-row tensor. `each_row(..., row_invariant=True)`
+therefore runs row-local work one row at a time on a fresh copy of the row: every row always
+meets the same kernels with the same shapes and bytes. Prefill uses the batched form: the
+contract is between verify and serial decode, and both run the row-invariant form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
+    """fn(*tensors) over all rows at once, or (row_invariant) one row at a time, concatenated.
+
+    Every tensor has rows on dim 0; fn returns a tensor or a tuple of tensors with rows on dim 0.
+    """
+    if not row_invariant:
+        return fn(*tensors)
+    outs = [fn(*(t[r : r + 1].clone() for t in tensors)) for r in range(tensors[0].shape[0])]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """RMSNorm over the last dim.
+
+    zero-centred (Qwen): cast(norm(x32) * (1 + w32)); plain (Kimi): w * cast(norm(x32)).
+    """
+    dtype = x.dtype
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (normed * (1.0 + weight.float())).to(dtype)
+    return weight * normed.to(dtype)
+
+
+def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: cast(w * cast(norm(x32)) * silu(gate32)); weight not zero-centred."""
+    dtype = x.dtype
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return ((weight * normed) * F.silu(gate.float())).to(dtype)
+
+
+def sigmoid_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA output norm: cast(w32 * norm(x32) * sigmoid(gate32))."""
+    dtype = x.dtype
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed * torch.sigmoid(gate.float())).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [rows, rotary_dim] for integer positions [rows] (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x [rows, heads, head_dim]; cos, sin [rows, rotary_dim]."""
+    rd = cos.shape[-1]
+    if rd == 0:
+        return x
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv plus SiLU for one row.
+
+    window [W, channels]: the W raw inputs ending at this row; weight [channels, W]
+    (weight[:, W-1] multiplies the current row) -> [1, channels]. A fixed left-to-right
+    sum of W products, computed one row at a time so its bits never depend on the batch.
+    """
+    out = window[0:1] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        out = out + window[j : j + 1] * weight[:, j]
+    return F.silu(out)
+
+
+def kimi_softplus(x: torch.Tensor) -> torch.Tensor:
+    """The Kimi forget gate's softplus: x above 20, else log(1 + exp(x)) (not log1p)."""
+    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))

@@ -1,0 +1,91 @@
+"""Slot state (DESIGN.md section 4): a pool of `n_slots` sequences of up to `max_seq_len` positions.
+
+Per layer:
+  attention / MLA: keys [n_slots, max_seq_len, kv_heads, d_k], values [n_slots, max_seq_len, kv_heads, d_v]
+      (MLA keeps its keys and values expanded per head, so both attention kinds read the same layout)
+  GDN / KDA: conv window [n_slots, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
+      recurrent state [n_slots, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ATTENTION, GDN, KDA, MLA, ModelConfig
+
+
+@dataclass
+class AttentionState:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class RecurrentState:
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+class PoolFullError(RuntimeError):
+    """No free slot."""
+
+
+class SlotPool:
+    def __init__(self, config: ModelConfig, n_slots: int, max_seq_len: int, device: torch.device | str, dtype: torch.dtype):
+        if n_slots < 1 or max_seq_len < 1:
+            raise ValueError(f"SlotPool: n_slots {n_slots} and max_seq_len {max_seq_len} must be positive")
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        self.layers: list[AttentionState | RecurrentState] = [
+            self._layer_state(config, kind, n_slots, max_seq_len, device, dtype) for kind in config.mixers
+        ]
+        self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @staticmethod
+    def _layer_state(config, kind, n_slots, max_seq_len, device, dtype):
+        if kind == ATTENTION:
+            a = config.attention
+            shape = (n_slots, max_seq_len, a.n_kv_heads, a.head_dim)
+            return AttentionState(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        if kind == MLA:
+            m = config.mla
+            return AttentionState(
+                torch.zeros(n_slots, max_seq_len, m.n_heads, m.qk_head_dim, dtype=dtype, device=device),
+                torch.zeros(n_slots, max_seq_len, m.n_heads, m.v_head_dim, dtype=dtype, device=device),
+            )
+        if kind == GDN:
+            g = config.gdn
+            conv_dim, width, heads, d_k, d_v = g.conv_dim, g.conv_width, g.n_v_heads, g.d_k, g.d_v
+        elif kind == KDA:
+            k = config.kda
+            conv_dim, width, heads, d_k, d_v = k.conv_dim, k.conv_width, k.n_heads, k.head_dim, k.head_dim
+        else:
+            raise ValueError(f"unknown mixer {kind!r}")
+        return RecurrentState(
+            torch.zeros(n_slots, conv_dim, width - 1, dtype=dtype, device=device),
+            torch.zeros(n_slots, heads, d_k, d_v, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def admit(self) -> int:
+        """Take a free slot; its conv windows and recurrent states start at zero (they accumulate)."""
+        if not self._free:
+            raise PoolFullError(f"all {self.n_slots} slots are in use")
+        slot = self._free.pop()
+        for layer in self.layers:
+            if isinstance(layer, RecurrentState):
+                layer.conv[slot].zero_()
+                layer.recurrent[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} is outside the pool of {self.n_slots}")
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is not in use")
+        self._free.append(slot)
