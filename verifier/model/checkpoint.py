@@ -99,6 +99,13 @@ class TensorSource:
             )
         return tensor.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype).contiguous()
 
+    def take_flat(self, name: str, numel: int, *, fp32: bool = False) -> torch.Tensor:
+        """Remove tensor `name`, stored in any shape holding `numel` values -> [numel]."""
+        tensor = self.take_raw(name)
+        if tensor.numel() != numel:
+            raise CheckpointError(f"tensor {self.stored_name(name)!r} has shape {list(tensor.shape)}, expected {numel} values")
+        return tensor.reshape(numel).to(device=self.device, dtype=torch.float32 if fp32 else self.dtype)
+
     def take_raw(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"missing tensor {name!r}")

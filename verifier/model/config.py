@@ -28,15 +28,15 @@ class AttentionConfig:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    rotary_dim: int  # the first `rotary_dim` dims of each head are rotated (rotate-half)
+    rotary_dim: int  # int(head_dim * partial_rotary_factor); an odd value rotates rotary_dim + 1 dims, as HF does
     rope_theta: float
     bias: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"attention: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
-            raise ValueError(f"attention: rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+        if not 0 <= self.rotary_dim + self.rotary_dim % 2 <= self.head_dim:
+            raise ValueError(f"attention: rotary_dim {self.rotary_dim} does not fit in head_dim {self.head_dim}")
 
 
 @dataclass(frozen=True)

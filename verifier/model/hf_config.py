@@ -127,7 +127,7 @@ def _qwen(cfg: dict, model_type: str) -> ModelConfig:
 
     moe = None
     mlps = (DENSE,) * n_layers
-    n_experts = int(_get(cfg, "num_experts", default=0)) if model_type == "qwen3_next" else 0
+    n_experts = int(_get(cfg, "num_experts", default=512)) if model_type == "qwen3_next" else 0
     if n_experts > 0:
         moe = MoEConfig(
             router="softmax",

@@ -51,12 +51,12 @@ class HybridModel:
         self.embed = src.take("model.embed_tokens.weight", (V, H))
         self.blocks = [Block(config, src, i) for i in range(config.n_layers)]
         self.final_norm = src.take("model.norm.weight", (H,))
-        if config.tie_word_embeddings:
-            if src.has("lm_head.weight"):  # some files store the tied copy; it must be the embedding
-                src.take("lm_head.weight", (V, H))
-            self.lm_head = self.embed
-        else:
+        # A stored head wins even when the config says tied: transformers' Kimi port never ties and
+        # saves its head, and a Qwen file that stores the tied copy holds the embedding anyway.
+        if src.has("lm_head.weight") or not config.tie_word_embeddings:
             self.lm_head = src.take("lm_head.weight", (V, H))
+        else:
+            self.lm_head = self.embed
         leftovers = src.leftovers()
         if leftovers:
             shown = ", ".join(repr(n) for n in leftovers[:8])

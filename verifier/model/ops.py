@@ -65,7 +65,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [rows, rotary_dim] for integer positions [rows] (rotate-half layout)."""
+    """cos, sin [rows, 2 * ceil(rotary_dim / 2)] for integer positions [rows] (rotate-half layout).
+
+    inv_freq[i] = theta^(-2i / rotary_dim), i < ceil(rotary_dim / 2), exactly as transformers builds it."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

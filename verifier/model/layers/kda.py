@@ -42,10 +42,7 @@ class KimiDeltaAttention:
         self.w_f_a = src.take(p + "f_a_proj.weight", (D, H))
         self.w_f_b = src.take(p + "f_b_proj.weight", (P, D))
         self.dt_bias = src.take(p + "dt_bias", (P,), fp32=True)
-        A_log = src.take_raw(p + "A_log")
-        if A_log.numel() != c.n_heads:
-            raise ValueError(f"tensor {src.stored_name(p + 'A_log')!r} has {A_log.numel()} values, expected {c.n_heads} (one per head)")
-        self.A_log = A_log.reshape(c.n_heads, 1).to(device=src.device, dtype=torch.float32)
+        self.A_log = src.take_flat(p + "A_log", c.n_heads, fp32=True).reshape(c.n_heads, 1)  # [heads, 1]
         self.w_beta = src.take(p + "b_proj.weight", (c.n_heads, H))
         self.w_g_a = src.take(p + "g_a_proj.weight", (D, H))
         self.w_g_b = src.take(p + "g_b_proj.weight", (P, D))

@@ -1,0 +1,66 @@
+"""`python -m verifier generate`, run as a user runs it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verifier.generate import generate_greedy
+from verifier.model import load_model
+from verifier.tokenizer import byte_level_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "verifier", *map(str, args)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+
+
+def test_generate_json_and_logits_out(hf_checkpoint, tmp_path):
+    path = hf_checkpoint("kimi_linear")
+    out_file = tmp_path / "logits.npy"
+    proc = _run("generate", "--model", path, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", 12, "--json", "--logits-out", out_file)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    expected = generate_greedy(load_model(path), [5, 6, 7, 8, 9], 12)
+    assert result["tokens"] == expected.tokens and result["finish_reason"] == expected.finish_reason
+    logits = np.load(out_file)
+    assert logits.dtype == np.float32 and logits.shape == (len(expected.tokens), 88)
+    assert np.array_equal(logits, expected.logits.numpy())
+
+
+def test_generate_text_in_and_out(hf_checkpoint, tmp_path):
+    path = shutil.copytree(hf_checkpoint("qwen3_5_text"), tmp_path / "m")
+    byte_level_tokenizer().save(str(path / "tokenizer.json"))  # ids 0..89 cover ASCII '\0'..'Y'
+    proc = _run("generate", "--model", path, "--text", "ABC", "--max-new-tokens", 4, "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["prompt_tokens"] == 3 and len(result["tokens"]) == 4 and isinstance(result["text"], str)
+
+
+def test_generate_errors_name_the_problem(hf_checkpoint):
+    path = hf_checkpoint("qwen3_5_text")
+    proc = _run("generate", "--model", path, "--prompt-ids", "1,2,500", "--max-new-tokens", 2)
+    assert proc.returncode == 2 and "[500] are outside the vocabulary 0..89" in proc.stderr
+    proc = _run("generate", "--model", path, "--text", "hi", "--max-new-tokens", 2)
+    assert proc.returncode == 2 and "tokenizer.json" in proc.stderr
+    proc = _run("generate", "--model", path, "--prompt-ids", "1,x", "--max-new-tokens", 2)
+    assert proc.returncode == 2 and "comma-separated integers" in proc.stderr
+    proc = _run("generate", "--model", path.parent / "nowhere", "--prompt-ids", "1", "--max-new-tokens", 2)
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_default_model_is_built_deterministically(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first = _run("generate", "--text", "def f(x):", "--max-new-tokens", 6, "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "no trained default model ships yet" in first.stderr
+    again = _run("generate", "--text", "def f(x):", "--max-new-tokens", 6, "--json", env=env)
+    assert json.loads(first.stdout)["tokens"] == json.loads(again.stdout)["tokens"]
+    weights = list(tmp_path.rglob("model.safetensors"))
+    assert len(weights) == 1

@@ -1,0 +1,116 @@
+"""`python -m verifier ...`: command-line entry points."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .defaults import default_model_dir
+from .generate import generate_greedy
+from .model import load_model
+from .tokenizer import TextTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m verifier", description="Bit-exact speculative-decoding verifier for hybrid LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate from a prompt with the target model")
+    gen.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--text", help="prompt text (needs tokenizer.json in the model directory)")
+    gen.add_argument("--max-new-tokens", type=_positive, required=True)
+    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.add_argument("--logits-out", type=Path, help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from")
+    gen.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _generate(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return _fail("--device cuda, but torch sees no CUDA device")
+    model_dir = args.model or default_model_dir()
+    try:
+        model = load_model(model_dir, args.device, DTYPES[args.dtype])
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
+    tokenizer = TextTokenizer.from_model_dir(model_dir)
+    if args.text is not None:
+        if tokenizer is None:
+            return _fail(f"--text needs {model_dir}/tokenizer.json; pass --prompt-ids instead")
+        prompt = tokenizer.encode(args.text)
+        if not prompt:
+            return _fail("--text encodes to no tokens")
+    else:
+        prompt = args.prompt_ids
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        return _fail(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+    limit = model.config.max_position_embeddings
+    if len(prompt) + args.max_new_tokens > limit:
+        return _fail(f"{len(prompt)} prompt tokens + {args.max_new_tokens} new tokens exceed the context length {limit}")
+
+    start = time.perf_counter()
+    result = generate_greedy(model, prompt, args.max_new_tokens)
+    seconds = time.perf_counter() - start
+    if args.logits_out:
+        np.save(args.logits_out, result.logits.cpu().numpy().astype(np.float32))
+    text = tokenizer.decode(result.tokens) if tokenizer else None
+    if args.json:
+        out = {
+            "model": str(model_dir),
+            "prompt_tokens": len(prompt),
+            "tokens": result.tokens,
+            "finish_reason": result.finish_reason,
+            "seconds": round(seconds, 4),
+            "tokens_per_s": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
+        }
+        if text is not None:
+            out["text"] = text
+        print(json.dumps(out))
+    else:
+        print(text if text is not None else ",".join(map(str, result.tokens)))
+        print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s]", file=sys.stderr)
+    return 0

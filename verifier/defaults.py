@@ -1,0 +1,64 @@
+"""Where the default model lives.
+
+A trained default model ships under `models/target` (issue 7). Until it does, the default is a
+small random Qwen3.5-style checkpoint with a byte-level tokenizer, built deterministically on
+first use into the user cache: its text is noise, but every code path is real.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TARGET = REPO_ROOT / "models" / "target"
+
+RANDOM_DEFAULT_NAME = "random-qwen3_5_text-v2"
+RANDOM_DEFAULT_CONFIG = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 257,  # 256 bytes + <|endoftext|>
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 8,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "eos_token_id": 256,
+}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hybrid-spec-verifier"
+
+
+def default_model_dir() -> Path:
+    if (SHIPPED_TARGET / "config.json").is_file():
+        return SHIPPED_TARGET
+    out = _cache_dir() / RANDOM_DEFAULT_NAME
+    if not (out / "model.safetensors").is_file():
+        from .model.random_checkpoint import write_random_checkpoint
+        from .tokenizer import byte_level_tokenizer
+
+        log.warning("no trained default model ships yet: building a deterministic random checkpoint at %s", out)
+        write_random_checkpoint(RANDOM_DEFAULT_CONFIG, out, seed=0)
+        byte_level_tokenizer().save(str(out / "tokenizer.json"))
+        with open(out / "generation_config.json", "w") as f:
+            json.dump({"eos_token_id": RANDOM_DEFAULT_CONFIG["eos_token_id"]}, f)
+    else:
+        log.warning("no trained default model ships yet: using the deterministic random checkpoint at %s", out)
+    return out
