@@ -22,6 +22,7 @@ from .layers.mlp import DenseMLP, MoE
 import torch.nn.functional as F
 
 from .ops import each_row, rms_norm
+from .rollback import COMMIT, WOA, VerifyRecord, rollback
 from .rows import RowBatch
 from .state import SlotPool
 
@@ -71,11 +72,22 @@ class HybridModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool = False) -> torch.Tensor:
-        """tokens [rows] int64 -> logits [rows, vocab] in fp32 (or [sequences, vocab] with last_only).
+        """tokens [rows] int64 -> logits [rows, vocab] fp32 (or [sequences, vocab] with last_only).
 
-        Writes every row into its slot: KV at the row's position, conv window and recurrent state
-        advanced past the sequence's last row.
-        """
+        Commits every row: KV at the row's position, conv window and recurrent state advanced
+        past the sequence's last row. Prefill runs this."""
+        return self._run(tokens, batch, pool, row_invariant, last_only, COMMIT, None)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, mode: str = WOA) -> tuple[torch.Tensor, VerifyRecord]:
+        """decode_k: tokens [rows] (per sequence its pending token then its drafts) -> (logits [rows, vocab] fp32,
+        the record `rollback` needs). Row-invariant; writes KV at the rows' positions but never a
+        slot's committed conv window or recurrent state."""
+        record = VerifyRecord(mode)
+        return self._run(tokens, batch, pool, True, False, mode, record), record
+
+    def check_rows(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool) -> None:
+        """Reject a batch before it touches any state."""
         if tokens.shape != (batch.n_rows,):
             raise ValueError(f"tokens has shape {list(tokens.shape)}, expected [{batch.n_rows}]")
         end = max(p + c for p, c in zip(batch.starts, batch.counts))
@@ -83,13 +95,19 @@ class HybridModel:
             raise ValueError(f"rows reach position {end - 1}, past the pool's max_seq_len {pool.max_seq_len}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
             raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+
+    def _run(self, tokens, batch, pool, row_invariant, last_only, mode, record):
+        self.check_rows(tokens, batch, pool)
         tokens = tokens.to(self.device)
         positions = batch.positions(self.device)
         h = self.embed[tokens]
-        for block, state in zip(self.blocks, pool.layers):
+        for index, (block, state) in enumerate(zip(self.blocks, pool.layers)):
             x = each_row(lambda t: self._norm(t, block.input_norm), h, row_invariant=row_invariant)
-            h = h + block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant)
+            layer_record = None if record is None else record.layer(index)
+            h = h + block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode, record=layer_record)
             h = h + each_row(lambda t: block.mlp.forward(self._norm(t, block.post_norm)), h, row_invariant=row_invariant)
+        if record is not None:
+            record.layers = {i: r for i, r in record.layers.items() if r}  # attention layers record nothing
         if last_only:
             h = h[[o - 1 for o in batch.offsets[1:]]]
         return each_row(self._logits, h, row_invariant=row_invariant)
@@ -112,9 +130,14 @@ class HybridModel:
         return torch.cat(outs) if all_logits else outs[-1][0]
 
     def decode(self, pool: SlotPool, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each of several slots, each at its own position -> logits [len(slots), vocab]."""
+        """One token for each of several slots, each at its own position -> logits [len(slots), vocab].
+
+        Decode is verify with no drafts: one row per slot, then rollback keeps that row."""
         batch = RowBatch(slots=tuple(slots), starts=tuple(positions), counts=(1,) * len(slots))
-        return self.forward(torch.tensor(tokens, dtype=torch.int64), batch, pool, row_invariant=True)
+        logits, record = self.verify(torch.tensor(tokens, dtype=torch.int64), batch, pool)
+        for slot in slots:
+            rollback(pool, record, slot, 1)
+        return logits
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:

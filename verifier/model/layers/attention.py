@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..ops import apply_partial_rope, each_row, rms_norm, rope_cos_sin
+from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
 from .attend import attend, write_kv
@@ -38,7 +39,9 @@ class GatedAttention:
         self.k_norm = src.take(p + "k_norm.weight", (hd,))
         self.scale = hd**-0.5
 
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
+                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
+        # Attention needs no rollback record: its cursor is the committed position.
         query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
         out = attend(batch, state, query, self.scale, row_invariant=row_invariant)

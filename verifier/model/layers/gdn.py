@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..ops import each_row, silu_gated_rms_norm
+from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import RecurrentState
-from .delta_rule import mix_sequences
+from .linear_attention import mix_sequences
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -50,9 +51,10 @@ class GatedDeltaNet:
         self.norm_w = src.take(p + "norm.weight", (g.d_v,))
         self.w_out = src.take(p + "out_proj.weight", (H, g.value_dim))
 
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
+                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
         qkv, z, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.d_v)
+        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.d_v, mode, record)
         return each_row(self._output, out, z, row_invariant=row_invariant)
 
     def _project(self, x: torch.Tensor):

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..ops import each_row, kimi_softplus, sigmoid_gated_rms_norm
+from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import RecurrentState
-from .delta_rule import mix_sequences
+from .linear_attention import mix_sequences
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +50,10 @@ class KimiDeltaAttention:
         self.o_norm = src.take(p + "o_norm.weight", (D,))
         self.w_o = src.take(p + "o_proj.weight", (H, P))
 
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
+                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
         qkv, gate, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.head_dim)
+        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.head_dim, mode, record)
         return each_row(self._output, out, gate, row_invariant=row_invariant)
 
     def _project(self, x: torch.Tensor):
