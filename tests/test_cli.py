@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verifier.generate import generate_greedy
+from verifier.engine import Engine
+from verifier.generate import generate
 from verifier.model import load_model
 from verifier.tokenizer import byte_level_tokenizer
 
@@ -27,7 +28,7 @@ def test_generate_json_and_logits_out(hf_checkpoint, tmp_path):
     proc = _run("generate", "--model", path, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", 12, "--json", "--logits-out", out_file)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    expected = generate_greedy(load_model(path), [5, 6, 7, 8, 9], 12)
+    expected = generate(Engine(load_model(path), 1, 64), [5, 6, 7, 8, 9], 12)
     assert result["tokens"] == expected.tokens and result["finish_reason"] == expected.finish_reason
     logits = np.load(out_file)
     assert logits.dtype == np.float32 and logits.shape == (len(expected.tokens), 88)

@@ -12,7 +12,8 @@ import torch
 
 from conftest import ALL_SPECS
 from hf_models import load_hf
-from verifier.generate import generate_greedy
+from verifier.engine import Engine
+from verifier.generate import generate
 from verifier.model import load_model
 
 REL_TOL = 1e-4
@@ -56,7 +57,7 @@ def test_greedy_continuation_and_decode_logits_match_hf(hf_checkpoint, name):
         do_sample=False, output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
     )
     hf_tokens = out.sequences[0, PROMPT_LEN:].tolist()
-    result = generate_greedy(ours, prompt, NEW_TOKENS, eos_ids=())
+    result = generate(Engine(ours, 1, PROMPT_LEN + NEW_TOKENS), prompt, NEW_TOKENS, eos_ids=())
     assert result.tokens == hf_tokens, f"{name}: greedy continuation differs from HF generate"
     for step, hf_logits in enumerate(out.logits):
         _close(result.logits[step], hf_logits[0].float(), f"{name} decode step {step}")

@@ -12,9 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from drafter.proposers import NgramProposer, OracleProposer, RandomProposer
+
 from .defaults import default_model_dir
-from .generate import generate_greedy
+from .engine import Engine
+from .generate import generate
 from .model import load_model
+from .model.rollback import ROLLBACK_MODES, WOA
+from .sampling import SamplingParams
 from .tokenizer import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -30,11 +35,14 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,11 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--text", help="prompt text (needs tokenizer.json in the model directory)")
-    gen.add_argument("--max-new-tokens", type=_positive, required=True)
+    gen.add_argument("--max-new-tokens", type=_at_least(1), required=True)
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--logits-out", type=Path, help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from")
+    spec = gen.add_argument_group("speculative decoding (every token and logit row equals the plain run's)")
+    spec.add_argument("--draft", default="none", choices=["none", "ngram", "random", "oracle"],
+                      help="ngram: prompt lookup; random: K uniform ids (adversarial); oracle: the true continuation")
+    spec.add_argument("--k", type=_at_least(0), default=None, help="drafts per step (default 4 with a drafter)")
+    spec.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter")
+    spec.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES, help="recurrent-state rollback: write-on-accept or snapshots")
+    samp = gen.add_argument_group("sampling (default greedy)")
+    samp.add_argument("--temperature", type=float, default=0.0)
+    samp.add_argument("--top-k", type=_at_least(0), default=0)
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--seed", type=_at_least(0), default=0)
     gen.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -92,8 +111,24 @@ def _generate(args) -> int:
     if len(prompt) + args.max_new_tokens > limit:
         return _fail(f"{len(prompt)} prompt tokens + {args.max_new_tokens} new tokens exceed the context length {limit}")
 
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as exc:
+        return _fail(str(exc))
+    k = args.k if args.k is not None else (0 if args.draft == "none" else 4)
+    if args.draft == "none" and k:
+        return _fail("--k needs a drafter: pass --draft ngram|random|oracle")
+    engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + args.max_new_tokens + k, max_k=k, rollback_mode=args.rollback)
+    proposer = None
+    if args.draft == "random":
+        proposer = RandomProposer(vocab, args.seed_draft)
+    elif args.draft == "ngram":
+        proposer = NgramProposer()
+    elif args.draft == "oracle":
+        proposer = OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
+
     start = time.perf_counter()
-    result = generate_greedy(model, prompt, args.max_new_tokens)
+    result = generate(engine, prompt, args.max_new_tokens, sampling, proposer, k)
     seconds = time.perf_counter() - start
     if args.logits_out:
         np.save(args.logits_out, result.logits.cpu().numpy().astype(np.float32))
@@ -106,11 +141,18 @@ def _generate(args) -> int:
             "finish_reason": result.finish_reason,
             "seconds": round(seconds, 4),
             "tokens_per_s": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
+            "draft": args.draft,
+            "k": k,
+            "rollback": args.rollback,
+            "steps": len(result.accepted_per_step),
+            "accepted_per_step": result.accepted_per_step,
+            "mean_acceptance_length": round(result.mean_acceptance_length, 4),
         }
         if text is not None:
             out["text"] = text
         print(json.dumps(out))
     else:
         print(text if text is not None else ",".join(map(str, result.tokens)))
-        print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s]", file=sys.stderr)
+        spec = f", {len(result.accepted_per_step)} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
+        print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s{spec}]", file=sys.stderr)
     return 0

@@ -1,44 +1,54 @@
-"""Plain serial generation: prefill the prompt, then decode one token per step (greedy)."""
+"""In-process generation through the engine: plain (K = 0) or speculative with a local proposer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .model import HybridModel
+from .engine import Engine, StepRequest
+from .sampling import SamplingParams
+
+
+class Proposer(Protocol):
+    def propose(self, context: list[int], k: int) -> list[int]: ...
 
 
 @dataclass
 class Generation:
-    tokens: list[int]  # generated ids (the eos that ended it included)
+    tokens: list[int]  # emitted ids (an eos that ended it included)
     logits: torch.Tensor  # [len(tokens), vocab] fp32: row i holds the logits tokens[i] was chosen from
     finish_reason: str  # "eos" or "length"
+    accepted_per_step: list[int]  # drafts accepted per verify step (steps with no drafts count 0)
+    drafted_per_step: list[int]  # drafts sent per step
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / steps-with-drafts: tokens per drafted step, the bonus counted."""
+        drafted = sum(1 for d in self.drafted_per_step if d)
+        accepted = sum(a for a, d in zip(self.accepted_per_step, self.drafted_per_step) if d)
+        return 1.0 + accepted / drafted if drafted else 1.0
 
 
-def greedy_token(logits: torch.Tensor) -> int:
-    """argmax over the vocabulary; ties pick the lowest id (torch.argmax returns the first maximum)."""
-    return int(torch.argmax(logits))
-
-
-def generate_greedy(model: HybridModel, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] | None = None) -> Generation:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
-    pool = model.new_pool(1, len(prompt) + max_new_tokens)
-    slot = pool.admit()
-    logits = model.prefill(pool, slot, prompt)
-    tokens, rows, reason = [], [], "length"
-    position = len(prompt)
-    while True:
-        token = greedy_token(logits)
-        tokens.append(token)
-        rows.append(logits)
-        if token in eos:
-            reason = "eos"
-            break
-        if len(tokens) == max_new_tokens:
-            break
-        logits = model.decode(pool, [slot], [position], [token])[0]
-        position += 1
-    return Generation(tokens, torch.stack(rows), reason)
+def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+             proposer: Proposer | None = None, k: int = 0, eos_ids: tuple[int, ...] | None = None) -> Generation:
+    sampling = sampling or SamplingParams()
+    seq = engine.open(prompt, sampling, max_new_tokens, eos_ids)
+    try:
+        tokens, rows = [seq.pending], [seq.first_logits]
+        accepted, drafted = [], []
+        while not seq.finished:
+            drafts = proposer.propose(prompt + tokens, k) if proposer is not None and k > 0 else []
+            room = engine.pool.max_seq_len - seq.position - 1
+            drafts = drafts[: max(0, min(k, room))]
+            (result,) = engine.step([StepRequest(seq, drafts)])
+            if result.error is not None:
+                raise result.error
+            tokens += result.tokens
+            rows.append(result.logits)
+            accepted.append(result.accepted)
+            drafted.append(len(drafts))
+        return Generation(tokens, torch.cat([rows[0][None], *rows[1:]]), seq.finish_reason, accepted, drafted)
+    finally:
+        engine.close(seq)
