@@ -1,8 +1,16 @@
 import logging
+import os
 import sys
 from pathlib import Path
 
-import pytest
+# Tiny models: one thread per test process (xdist runs one process per core, and the CLI tests'
+# subprocesses inherit this), so workers do not oversubscribe the cores.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -65,3 +65,22 @@ def test_default_model_is_built_deterministically(tmp_path):
     assert json.loads(first.stdout)["tokens"] == json.loads(again.stdout)["tokens"]
     weights = list(tmp_path.rglob("model.safetensors"))
     assert len(weights) == 1
+
+
+def test_speculative_runs_print_the_plain_tokens_and_logits(hf_checkpoint, tmp_path):
+    path = hf_checkpoint("qwen3_next_odd")
+    base = ["generate", "--model", path, "--prompt-ids", "5,6,7,5,6,7,5", "--max-new-tokens", 20, "--json"]
+    for sampling in ([], ["--temperature", "0.9", "--seed", "42"]):
+        plain_file = tmp_path / "plain.npy"
+        plain = _run(*base, *sampling, "--logits-out", plain_file)
+        assert plain.returncode == 0, plain.stderr
+        for draft, mode in (("random", "woa"), ("ngram", "snapshot"), ("oracle", "woa")):
+            spec_file = tmp_path / f"{draft}.npy"
+            spec = _run(*base, *sampling, "--draft", draft, "--k", 4, "--seed-draft", 3, "--rollback", mode, "--logits-out", spec_file)
+            assert spec.returncode == 0, spec.stderr
+            out = json.loads(spec.stdout)
+            assert out["tokens"] == json.loads(plain.stdout)["tokens"], f"{draft}/{mode} {sampling}: tokens differ"
+            assert np.array_equal(np.load(spec_file), np.load(plain_file)), f"{draft}/{mode} {sampling}: logits differ"
+            assert out["steps"] == len(out["accepted_per_step"]) and out["mean_acceptance_length"] >= 1.0
+            if draft == "oracle":
+                assert out["mean_acceptance_length"] > 3.0

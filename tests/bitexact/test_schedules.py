@@ -56,7 +56,7 @@ def _check_schedule(model, serials, prompts, mode, schedule):
 
 
 def _property(family):
-    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(schedule=st.lists(step_plan, min_size=1, max_size=8), mode=st.sampled_from(["woa", "snapshot"]))
     def check(model_of, schedule, mode):
         model = model_of(family)

@@ -1,0 +1,163 @@
+"""Snapshot versus write-on-accept rollback: bytes moved and time per verify.
+
+For Gated DeltaNet layers at a few state sizes, one sequence verifies K drafts of which `a` are
+accepted (the drafts are the serial continuation with the (a+1)-th spoiled). Correctness first:
+both modes must leave the slot state bitwise equal to serial decode. Then, per mode: median
+wall time of the verify forward and of the rollback alone, on the torch reference backend, and
+the state traffic per sequence and layer from the layouts (DESIGN.md section 4):
+  snapshot: verify reads S, writes (K+1) S;             rollback reads S, writes S
+  WOA:      verify reads S, writes (K+1) rows of stash; rollback reads (a+1) stash rows, reads S, writes S
+Writes bench/results/rollback_<date>.json.
+
+    python bench/rollback.py [--device cpu|cuda] [--repeats 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from verifier.engine import Engine, StepRequest  # noqa: E402
+from verifier.model import RowBatch, load_model  # noqa: E402
+from verifier.model.random_checkpoint import write_random_checkpoint  # noqa: E402
+from verifier.model.rollback import ROLLBACK_MODES, rollback  # noqa: E402
+from verifier.model.state import RecurrentState  # noqa: E402
+from verifier.sampling import SamplingParams  # noqa: E402
+
+SIZES = [  # (value heads, d_k = d_v): the last is Qwen3-Next's GDN layer
+    (4, 32),
+    (16, 64),
+    (32, 128),
+]
+KS = (4, 8)
+HIDDEN = 64
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def _config(heads: int, dim: int) -> dict:
+    return {
+        "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": HIDDEN, "intermediate_size": 64,
+        "num_hidden_layers": 1, "layer_types": ["linear_attention"], "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "linear_num_key_heads": heads // 2, "linear_num_value_heads": heads,
+        "linear_key_head_dim": dim, "linear_value_head_dim": dim, "linear_conv_kernel_dim": 4,
+    }
+
+
+def _state(engine: Engine, slot: int) -> list[torch.Tensor]:
+    return [t[slot].clone() for layer in engine.pool.layers if isinstance(layer, RecurrentState) for t in (layer.conv, layer.recurrent)]
+
+
+def _serial(model, k: int, device) -> tuple[list[int], list[torch.Tensor]]:
+    engine = Engine(model, 1, 64)
+    seq = engine.open(PROMPT, SamplingParams(), k + 2, eos_ids=())
+    tokens, states = [seq.pending], [_state(engine, seq.slot)]
+    while not seq.finished:
+        (res,) = engine.step([StepRequest(seq, [])])
+        tokens += res.tokens
+        states.append(_state(engine, seq.slot))
+    return tokens, states
+
+
+def _bytes(heads: int, dim: int, k: int, a: int, mode: str) -> dict:
+    state = heads * dim * dim * 4
+    stash_row = heads * (dim + dim + 1 + 1) * 4  # key, value, decay (GDN: one per head), beta
+    if mode == "snapshot":
+        verify, fold = state + (k + 1) * state, 2 * state
+    else:
+        verify, fold = state + (k + 1) * stash_row, (a + 1) * stash_row + 2 * state
+    return {"verify_bytes": verify, "rollback_bytes": fold, "total_bytes": verify + fold}
+
+
+def measure(heads: int, dim: int, device: str, repeats: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(_config(heads, dim), tmp, seed=1)
+        model = load_model(tmp, device)
+    rows = []
+    for k in KS:
+        a = k // 2
+        serial_tokens, serial_states = _serial(model, k, device)
+        drafts = serial_tokens[1 : k + 1]
+        drafts[a] = (drafts[a] + 1) % 64  # reject at row a: a drafts accepted
+        for mode in ROLLBACK_MODES:
+            engine = Engine(model, 1, 64, max_k=k, rollback_mode=mode)
+            verify_ms, rollback_ms = [], []
+            for _ in range(repeats):
+                seq = engine.open(PROMPT, SamplingParams(), 64, eos_ids=())
+                batch = RowBatch((seq.slot,), (seq.position,), (k + 1,))
+                tokens = torch.tensor([seq.pending, *drafts])
+                _sync(device)
+                t0 = time.perf_counter()
+                logits, record = model.verify(tokens, batch, engine.pool, mode)
+                _sync(device)
+                t1 = time.perf_counter()
+                rollback(engine.pool, record, seq.slot, a + 1)
+                _sync(device)
+                t2 = time.perf_counter()
+                verify_ms.append((t1 - t0) * 1e3)
+                rollback_ms.append((t2 - t1) * 1e3)
+                assert all(torch.equal(x, y) for x, y in zip(_state(engine, seq.slot), serial_states[a + 1])), f"{mode}: state differs from serial"
+                engine.close(seq)
+            rows.append({
+                "heads": heads, "d_k": dim, "d_v": dim, "state_mib": heads * dim * dim * 4 / 2**20, "k": k, "accepted": a, "mode": mode,
+                "verify_ms": statistics.median(verify_ms), "rollback_ms": statistics.median(rollback_ms),
+                "state_equal_serial": True, **_bytes(heads, dim, k, a, mode),
+            })
+            print(f"H={heads:>2} d={dim:>3} K={k} a={a} {mode:>8}: verify {rows[-1]['verify_ms']:8.2f} ms, rollback {rows[-1]['rollback_ms']:7.3f} ms, "
+                  f"state traffic {rows[-1]['total_bytes'] / 2**20:7.2f} MiB")
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = [r for heads, dim in SIZES for r in measure(heads, dim, args.device, args.repeats)]
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    today = datetime.date.today().isoformat()
+    out = {
+        "benchmark": "rollback", "device": _device_name(args.device), "backend": "torch reference", "date": today,
+        "torch": torch.__version__, "triton": triton_version, "repeats": args.repeats, "rows": rows,
+    }
+    path = Path(__file__).resolve().parent / "results" / f"rollback_{today}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
