@@ -1,0 +1,27 @@
+"""When to launch a Triton kernel rather than its torch reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Kernels serve CUDA tensors; CPU tensors take the torch reference."""
+    return t.is_cuda and triton_available()
