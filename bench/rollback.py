@@ -101,7 +101,7 @@ def measure(heads: int, dim: int, device: str, repeats: int) -> list[dict]:
                 logits, record = model.verify(tokens, batch, engine.pool, mode)
                 _sync(device)
                 t1 = time.perf_counter()
-                rollback(engine.pool, record, seq.slot, a + 1)
+                rollback(engine.pool, record, [a + 1])
                 _sync(device)
                 t2 = time.perf_counter()
                 verify_ms.append((t1 - t0) * 1e3)

@@ -25,3 +25,8 @@ def interpreting() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """Kernels serve CUDA tensors; CPU tensors take the torch reference."""
     return t.is_cuda and triton_available()
+
+
+def pick(launcher, reference, t: torch.Tensor):
+    """The launcher for CUDA tensors (when triton is there), else the torch reference."""
+    return launcher if use_triton(t) else reference

@@ -8,11 +8,11 @@ from pathlib import Path
 os.environ["OMP_NUM_THREADS"] = "1"
 # Without a GPU the Triton kernels run on the CPU through Triton's interpreter (set before any
 # import of triton). Kernel tests then use tiny shapes.
-if not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
 
@@ -37,3 +37,31 @@ def hf_checkpoint(tmp_path_factory):
 
 
 ALL_SPECS = sorted(SPECS)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--model-device", default="cpu", choices=["cpu", "cuda"],
+                     help="device the engine and bit-exactness tests load models on (cuda: the Triton backend)")
+
+
+@pytest.fixture(scope="session")
+def model_device(request):
+    device = request.config.getoption("--model-device")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--model-device cuda, but there is no GPU")
+    return device
+
+
+@pytest.fixture(scope="session")
+def load_target(hf_checkpoint, model_device):
+    """load_target(name) -> our model of checkpoint `name` on --model-device (cached per session)."""
+    from verifier.model import load_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_model(hf_checkpoint(name), model_device)
+        return cache[name]
+
+    return get

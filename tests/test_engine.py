@@ -5,13 +5,13 @@ import torch
 
 from bitexact.serial import serial_run, slot_state, states_equal
 from verifier.engine import Engine, StepError, StepRequest
-from verifier.model import PoolFullError, load_model
+from verifier.model import PoolFullError
 from verifier.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model(hf_checkpoint):
-    return load_model(hf_checkpoint("qwen3_next_moe"))
+def model(load_target):
+    return load_target("qwen3_next_moe")
 
 
 def _engine(model, **kw):

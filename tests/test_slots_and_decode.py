@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verifier.model import PoolFullError, RowBatch, load_model
+from verifier.model import PoolFullError, RowBatch
 from verifier.model.state import RecurrentState
 
 FAMILIES = ["qwen3_next_moe", "qwen3_5_text", "kimi_linear", "kimi_linear_qlora"]
@@ -19,8 +19,8 @@ def _snapshot(pool, slot):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_batched_decode_is_bitwise_equal_to_decoding_each_slot_alone(hf_checkpoint, name):
-    model = load_model(hf_checkpoint(name))
+def test_batched_decode_is_bitwise_equal_to_decoding_each_slot_alone(load_target, name):
+    model = load_target(name)
     prompts = _prompts(model.config.vocab_size)
 
     def run(together: bool):
@@ -47,8 +47,8 @@ def test_batched_decode_is_bitwise_equal_to_decoding_each_slot_alone(hf_checkpoi
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_reused_slot_is_zeroed_and_behaves_like_a_fresh_one(hf_checkpoint):
-    model = load_model(hf_checkpoint("qwen3_next_moe"))
+def test_reused_slot_is_zeroed_and_behaves_like_a_fresh_one(load_target):
+    model = load_target("qwen3_next_moe")
     prompt = _prompts(model.config.vocab_size)[0]
     pool = model.new_pool(1, 32)
     slot = pool.admit()
@@ -62,8 +62,8 @@ def test_reused_slot_is_zeroed_and_behaves_like_a_fresh_one(hf_checkpoint):
     assert torch.equal(model.prefill(pool, slot, prompt), fresh)
 
 
-def test_pool_full_and_release_errors(hf_checkpoint):
-    model = load_model(hf_checkpoint("qwen3_5_text"))
+def test_pool_full_and_release_errors(load_target):
+    model = load_target("qwen3_5_text")
     pool = model.new_pool(2, 8)
     a, b = pool.admit(), pool.admit()
     assert {a, b} == {0, 1} and pool.n_free == 0
@@ -76,8 +76,8 @@ def test_pool_full_and_release_errors(hf_checkpoint):
         pool.release(5)
 
 
-def test_bad_rows_are_rejected_before_any_state_changes(hf_checkpoint):
-    model = load_model(hf_checkpoint("kimi_linear"))
+def test_bad_rows_are_rejected_before_any_state_changes(load_target):
+    model = load_target("kimi_linear")
     pool = model.new_pool(2, 16)
     s0, s1 = pool.admit(), pool.admit()
     model.prefill(pool, s0, [4, 5, 6])
@@ -93,8 +93,8 @@ def test_bad_rows_are_rejected_before_any_state_changes(hf_checkpoint):
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
-def test_chunked_prefill_matches_one_pass(hf_checkpoint):
-    model = load_model(hf_checkpoint("qwen3_next_moe"))
+def test_chunked_prefill_matches_one_pass(load_target):
+    model = load_target("qwen3_next_moe")
     prompt = _prompts(model.config.vocab_size, lengths=(23,))[0]
     pool = model.new_pool(2, 32)
     one = model.prefill(pool, pool.admit(), prompt, all_logits=True)

@@ -150,7 +150,7 @@ class Engine:
         tokens = torch.tensor([t for r in requests for t in [r.sequence.pending, *r.drafts]], dtype=torch.int64)
         logits, record = self.model.verify(tokens, batch, self.pool, self.rollback_mode)
         logits = logits.cpu()
-        results = []
+        results, consumed = [], []
         for req, (_, start, span) in zip(requests, batch.sequences()):
             rows = logits[span]
             seq = req.sequence
@@ -160,13 +160,14 @@ class Engine:
                 accepted, bonus = accept_rejection(rows, req.drafts, req.draft_probs, seq.sampling, start)
             emitted = [*req.drafts[:accepted], bonus]
             emitted, finish = self._cut(seq, emitted)
-            # Each emitted token's row was consumed: the pending token plus the accepted drafts kept.
-            rollback(self.pool, record, seq.slot, len(emitted))
+            # Each emitted token's row is consumed: the pending token plus the accepted drafts kept.
+            consumed.append(len(emitted))
             seq.position = start + len(emitted)
             seq.pending = emitted[-1]
             seq.emitted += len(emitted)
             seq.finish_reason = finish
             results.append(StepResult(accepted, emitted, seq.position, finish, rows[: len(emitted)].clone()))
+        rollback(self.pool, record, consumed)
         return results
 
     @staticmethod

@@ -83,7 +83,7 @@ class HybridModel:
         """decode_k: tokens [rows] (per sequence its pending token then its drafts) -> (logits [rows, vocab] fp32,
         the record `rollback` needs). Row-invariant; writes KV at the rows' positions but never a
         slot's committed conv window or recurrent state."""
-        record = VerifyRecord(mode)
+        record = VerifyRecord(mode, batch)
         return self._run(tokens, batch, pool, True, False, mode, record), record
 
     def check_rows(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool) -> None:
@@ -103,11 +103,11 @@ class HybridModel:
         h = self.embed[tokens]
         for index, (block, state) in enumerate(zip(self.blocks, pool.layers)):
             x = each_row(lambda t: self._norm(t, block.input_norm), h, row_invariant=row_invariant)
-            layer_record = None if record is None else record.layer(index)
-            h = h + block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode, record=layer_record)
+            mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode)
+            h = h + mixed
+            if record is not None and layer_record is not None:
+                record.layers[index] = layer_record
             h = h + each_row(lambda t: block.mlp.forward(self._norm(t, block.post_norm)), h, row_invariant=row_invariant)
-        if record is not None:
-            record.layers = {i: r for i, r in record.layers.items() if r}  # attention layers record nothing
         if last_only:
             h = h[[o - 1 for o in batch.offsets[1:]]]
         return each_row(self._logits, h, row_invariant=row_invariant)
@@ -135,8 +135,7 @@ class HybridModel:
         Decode is verify with no drafts: one row per slot, then rollback keeps that row."""
         batch = RowBatch(slots=tuple(slots), starts=tuple(positions), counts=(1,) * len(slots))
         logits, record = self.verify(torch.tensor(tokens, dtype=torch.int64), batch, pool)
-        for slot in slots:
-            rollback(pool, record, slot, 1)
+        rollback(pool, record, [1] * len(slots))
         return logits
 
 

@@ -9,6 +9,11 @@ value can round differently in a 1-row and a K-row tensor. `each_row(..., row_in
 therefore runs row-local work one row at a time on a fresh copy of the row: every row always
 meets the same kernels with the same shapes and bytes. Prefill uses the batched form: the
 contract is between verify and serial decode, and both run the row-invariant form.
+
+On CUDA the Triton kernels (kernels/) are row-invariant by construction (DESIGN.md section 6)
+and elementwise CUDA ops compute each element alone, so `each_row` runs all rows at once there.
+The row-local functions therefore keep every reduction inside a kernel (linear, the norms,
+l2norm) or in a fixed-order sum of columns.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import linear as linear_kernel
+from kernels import norms
+from kernels.runtime import pick, use_triton
+
 
 def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
-    """fn(*tensors) over all rows at once, or (row_invariant) one row at a time, concatenated.
-
-    Every tensor has rows on dim 0; fn returns a tensor or a tuple of tensors with rows on dim 0.
-    """
-    if not row_invariant:
+    """fn(*tensors) over all rows at once, or (row_invariant, without the kernels) one row at a
+    time, concatenated. Every tensor has rows on dim 0; fn returns a tensor or a tuple of them."""
+    if not row_invariant or use_triton(tensors[0]):
         return fn(*tensors)
     outs = [fn(*(t[r : r + 1].clone() for t in tensors)) for r in range(tensors[0].shape[0])]
     if isinstance(outs[0], tuple):
@@ -30,33 +37,38 @@ def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
     return torch.cat(outs)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
-    """RMSNorm over the last dim.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in]^T (+ bias): the row-invariant Triton GEMM on CUDA."""
+    if use_triton(x):
+        return linear_kernel.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
-    zero-centred (Qwen): cast(norm(x32) * (1 + w32)); plain (Kimi): w * cast(norm(x32)).
-    """
-    dtype = x.dtype
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if zero_centred:
-        return (normed * (1.0 + weight.float())).to(dtype)
-    return weight * normed.to(dtype)
+
+def _rowwise(launcher, reference, x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
+    """Apply a norm over the last dim of x [..., d] (and like-shaped gates) as [rows, d]."""
+    shape = x.shape
+    flat = [t.reshape(-1, shape[-1]) if isinstance(t, torch.Tensor) and t.shape == shape else t for t in (x, *rest)]
+    return pick(launcher, reference, x)(*flat, **kwargs).reshape(shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """RMSNorm over the last dim. zero-centred (Qwen): cast(norm(x32) * (1 + w32)); plain (Kimi): w * cast(norm(x32))."""
+    return _rowwise(norms.rms_norm, norms.rms_norm_ref, x, weight, eps, zero_centred)
 
 
 def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm: cast(w * cast(norm(x32)) * silu(gate32)); weight not zero-centred."""
-    dtype = x.dtype
-    x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return ((weight * normed) * F.silu(gate.float())).to(dtype)
+    return _rowwise(norms.silu_gated_rms_norm, norms.silu_gated_rms_norm_ref, x, gate, weight, eps)
 
 
 def sigmoid_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """KDA output norm: cast(w32 * norm(x32) * sigmoid(gate32))."""
-    dtype = x.dtype
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * normed * torch.sigmoid(gate.float())).to(dtype)
+    return _rowwise(norms.sigmoid_gated_rms_norm, norms.sigmoid_gated_rms_norm_ref, x, gate, weight, eps)
+
+
+def l2norm(x: torch.Tensor, form: str) -> torch.Tensor:
+    """fp32 x [..., d] over the last dim: "rsqrt" x * rsqrt(sum x^2 + 1e-6) (GDN), "div" x / sqrt(...) (KDA)."""
+    return _rowwise(norms.l2norm, norms.l2norm_ref, x, form)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,19 +94,6 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     cos, sin = cos[:, None, :], sin[:, None, :]
     x_rot, x_pass = x[..., :rd], x[..., rd:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
-def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv plus SiLU for one row.
-
-    window [W, channels]: the W raw inputs ending at this row; weight [channels, W]
-    (weight[:, W-1] multiplies the current row) -> [1, channels]. A fixed left-to-right
-    sum of W products, computed one row at a time so its bits never depend on the batch.
-    """
-    out = window[0:1] * weight[:, 0]
-    for j in range(1, weight.shape[1]):
-        out = out + window[j : j + 1] * weight[:, j]
-    return F.silu(out)
 
 
 def kimi_softplus(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers.recurrence import update_state
+from kernels import delta_rule, short_conv
+from kernels.runtime import pick
+
+from .rows import RowBatch
 from .state import RecurrentState, SlotPool
 
 COMMIT = "commit"  # prefill: write the state as rows are consumed
@@ -35,44 +38,46 @@ ROLLBACK_MODES = (WOA, SNAPSHOT)
 
 
 @dataclass
-class RowRecord:
-    """One sequence's rows through one recurrent layer."""
+class LayerRecord:
+    """All rows of one verify through one recurrent layer (rows stacked as in the RowBatch)."""
 
-    conv_inputs: torch.Tensor  # [n, conv_dim] raw inputs
-    states: torch.Tensor | None = None  # snapshot: [n, heads, d_k, d_v] fp32
-    keys: torch.Tensor | None = None  # WOA: [n, heads, d_k]
-    values: torch.Tensor | None = None  # WOA: [n, heads, d_v]
-    decays: torch.Tensor | None = None  # WOA: [n, heads, d_k or 1, 1]
-    betas: torch.Tensor | None = None  # WOA: [n, heads]
+    conv_inputs: torch.Tensor  # [rows, conv_dim] raw conv inputs
+    keys: torch.Tensor  # [rows, heads, d_k] fp32: the WOA stash is keys, values, decays, betas
+    values: torch.Tensor  # [rows, heads, d_v] fp32
+    decays: torch.Tensor  # [rows, heads, 1 (GDN) or d_k (KDA)] fp32, exp(g)
+    betas: torch.Tensor  # [rows, heads] fp32
+    snapshots: torch.Tensor | None = None  # snapshot mode: [rows, heads, d_k, d_v] fp32 state after each row
 
 
 class VerifyRecord:
-    """Records of one verify forward: recurrent layer index -> slot -> RowRecord."""
+    """What one verify forward leaves for rollback: its batch and, per recurrent layer, a LayerRecord."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, batch: RowBatch):
         if mode not in ROLLBACK_MODES:
             raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {mode!r}")
         self.mode = mode
-        self.layers: dict[int, dict[int, RowRecord]] = {}
-
-    def layer(self, index: int) -> dict[int, RowRecord]:
-        return self.layers.setdefault(index, {})
+        self.batch = batch
+        self.layers: dict[int, LayerRecord] = {}
 
 
-def rollback(pool: SlotPool, record: VerifyRecord, slot: int, consumed: int) -> None:
-    """Bring `slot` to 'rows 0 .. consumed-1 consumed' (consumed = accepted + 1)."""
-    for index, per_slot in record.layers.items():
-        row = per_slot[slot]
-        state: RecurrentState = pool.layers[index]
-        if not 1 <= consumed <= row.conv_inputs.shape[0]:
-            raise ValueError(f"rollback of slot {slot}: {consumed} rows consumed, but {row.conv_inputs.shape[0]} were verified")
-        keep = state.conv.shape[-1]
-        window = torch.cat((state.conv[slot], row.conv_inputs[:consumed].t().to(state.conv.dtype)), dim=1)
-        state.conv[slot] = window[:, window.shape[1] - keep :]
-        if record.mode == SNAPSHOT:
-            state.recurrent[slot] = row.states[consumed - 1]
-        else:
-            s = state.recurrent[slot]
-            for r in range(consumed):
-                s = update_state(s, row.keys[r], row.values[r], row.decays[r], row.betas[r])
-            state.recurrent[slot] = s
+def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, consumed: list[int]) -> None:
+    """Advance each sequence's conv window and recurrent state past its first consumed[s] rows."""
+    device = state.recurrent.device
+    seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
+    kept = torch.tensor(consumed, dtype=torch.int32, device=device)
+    pick(short_conv.next_window, short_conv.next_window_ref, state.conv)(state.conv, record.conv_inputs, seq_slots, cu_rows, kept)
+    if record.snapshots is not None:
+        last = cu_rows[:-1].long() + kept.long() - 1
+        state.recurrent[seq_slots.long()] = record.snapshots[last]
+    else:
+        fold = pick(delta_rule.delta_rule_fold, delta_rule.delta_rule_fold_ref, state.recurrent)
+        fold(state.recurrent, record.keys, record.values, record.decays, record.betas, seq_slots, cu_rows, kept)
+
+
+def rollback(pool: SlotPool, record: VerifyRecord, consumed: list[int]) -> None:
+    """Bring every sequence of the verify to 'rows 0 .. consumed[s]-1 consumed' (consumed = accepted + 1)."""
+    for s, n in enumerate(consumed):
+        if not 1 <= n <= record.batch.counts[s]:
+            raise ValueError(f"rollback of slot {record.batch.slots[s]}: {n} rows consumed, but {record.batch.counts[s]} were verified")
+    for index, layer_record in record.layers.items():
+        commit(pool.layers[index], layer_record, record.batch, consumed)

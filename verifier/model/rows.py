@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,9 @@ class RowBatch:
     slots: tuple[int, ...]
     starts: tuple[int, ...]  # committed position p of each sequence before these rows
     counts: tuple[int, ...]  # rows per sequence
+    # device -> (seq_slots, cu_rows, row_slots, positions): built once per batch and device, so a
+    # forward makes no host-to-device copies after its first use (and a CUDA graph can own them)
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if not (len(self.slots) == len(self.starts) == len(self.counts)):
@@ -44,8 +47,31 @@ class RowBatch:
         for s, (slot, start) in enumerate(zip(self.slots, self.starts)):
             yield slot, start, slice(offsets[s], offsets[s + 1])
 
+    def _tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._on_device:
+            rows = [(s, p + r) for s, p, c in zip(self.slots, self.starts, self.counts) for r in range(c)]
+            host = (
+                torch.tensor(self.slots, dtype=torch.int32),
+                torch.tensor(self.offsets, dtype=torch.int32),
+                torch.tensor([s for s, _ in rows], dtype=torch.int64),
+                torch.tensor([p for _, p in rows], dtype=torch.int64),
+            )
+            self._on_device[key] = tuple(t.to(device) for t in host)
+        return self._on_device[key]
+
+    def seq_slots(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Slot of every sequence: [sequences] int32."""
+        return self._tensors(device)[0]
+
+    def cu_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Row offsets: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1. [sequences + 1] int32."""
+        return self._tensors(device)[1]
+
+    def row_slots(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Slot of every row: [n_rows] int64."""
+        return self._tensors(device)[2]
+
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every row: [n_rows] int64."""
-        return torch.cat(
-            [torch.arange(p, p + c, dtype=torch.int64) for p, c in zip(self.starts, self.counts)]
-        ).to(device)
+        return self._tensors(device)[3]

@@ -1,8 +1,17 @@
-"""Causal attention of rows over their slot's KV: shared by gated attention and MLA."""
+"""Causal attention of rows over their slot's KV: shared by gated attention and MLA.
+
+On CUDA one Triton launch serves every row (kernels/attention.py walks each row's visible prefix
+in fixed blocks from position 0). On the CPU, row-invariant mode computes each row alone over
+exactly its visible prefix, so a row's arithmetic is the same whether it is decoded alone or
+verified among K others; prefill batches a sequence's rows under a causal mask.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.attention import attend_rows
+from kernels.runtime import use_triton
 
 from ..rows import RowBatch
 from ..state import AttentionState
@@ -10,18 +19,16 @@ from ..state import AttentionState
 
 def write_kv(batch: RowBatch, state: AttentionState, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store row r of each sequence at position start + r of its slot. keys [rows, kv_heads, d_k]."""
-    for slot, start, rows in batch.sequences():
-        n = rows.stop - rows.start
-        state.keys[slot, start : start + n] = keys[rows]
-        state.values[slot, start : start + n] = values[rows]
+    row_slots, positions = batch.row_slots(keys.device), batch.positions(keys.device)
+    state.keys[row_slots, positions] = keys
+    state.values[row_slots, positions] = values
 
 
 def attend(batch: RowBatch, state: AttentionState, queries: torch.Tensor, scale: float, *, row_invariant: bool) -> torch.Tensor:
-    """queries [rows, heads, d_k] over positions 0 .. start + r of the slot -> [rows, heads, d_v].
-
-    Row-invariant mode computes each row alone over exactly its visible prefix, so a row's
-    arithmetic is the same whether it is decoded alone or verified among K others.
-    """
+    """queries [rows, heads, d_k] over positions 0 .. start + r of the slot -> [rows, heads, d_v]."""
+    if use_triton(queries):
+        device = queries.device
+        return attend_rows(queries, state.keys, state.values, batch.row_slots(device).int(), batch.positions(device).int(), scale)
     out = torch.empty(queries.shape[0], queries.shape[1], state.values.shape[-1], dtype=queries.dtype, device=queries.device)
     for slot, start, rows in batch.sequences():
         n = rows.stop - rows.start

@@ -7,11 +7,10 @@ Tensors under `{prefix}.self_attn.`: q_proj [2*heads*hd, H] whose output per hea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import apply_partial_rope, each_row, rms_norm, rope_cos_sin
+from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin
 from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
@@ -40,24 +39,24 @@ class GatedAttention:
         self.scale = hd**-0.5
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
-                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
+                mode: str = COMMIT) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
         query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
         out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
-        return each_row(self._output, out, gate, row_invariant=row_invariant)
+        return each_row(self._output, out, gate, row_invariant=row_invariant), None
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [n, H], positions [n] -> query [n, heads, hd], key, value [n, kv_heads, hd], gate [n, heads*hd]."""
         a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
-        q_and_gate = F.linear(x, self.w_q, self.b_q).view(n, a.n_heads, 2 * hd)
+        q_and_gate = linear(x, self.w_q, self.b_q).view(n, a.n_heads, 2 * hd)
         query, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(n, a.n_heads * hd)
         query = rms_norm(query, self.q_norm, self.eps, zero_centred=True)
-        key = rms_norm(F.linear(x, self.w_k, self.b_k).view(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
-        value = F.linear(x, self.w_v, self.b_v).view(n, a.n_kv_heads, hd)
+        key = rms_norm(linear(x, self.w_k, self.b_k).view(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
+        value = linear(x, self.w_v, self.b_v).view(n, a.n_kv_heads, hd)
         cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta, x.dtype)
         return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """out [n, heads, hd], gate [n, heads*hd] -> [n, H]."""
-        return F.linear(out.reshape(gate.shape) * torch.sigmoid(gate), self.w_o, self.b_o)
+        return linear(out.reshape(gate.shape) * torch.sigmoid(gate), self.w_o, self.b_o)

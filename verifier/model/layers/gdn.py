@@ -18,15 +18,11 @@ import torch.nn.functional as F
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import each_row, silu_gated_rms_norm
-from ..rollback import COMMIT
+from ..ops import each_row, l2norm, linear, silu_gated_rms_norm
+from ..rollback import COMMIT, LayerRecord
 from ..rows import RowBatch
 from ..state import RecurrentState
 from .linear_attention import mix_sequences
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 class GatedDeltaNet:
@@ -52,19 +48,19 @@ class GatedDeltaNet:
         self.w_out = src.take(p + "out_proj.weight", (H, g.value_dim))
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
-                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
+                mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
         qkv, z, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.d_v, mode, record)
-        return each_row(self._output, out, z, row_invariant=row_invariant)
+        out, record = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, row_invariant=row_invariant, mode=mode)
+        return each_row(self._output, out, z, row_invariant=row_invariant), record
 
     def _project(self, x: torch.Tensor):
-        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], decay [n, Hv, 1, 1], beta [n, Hv] (fp32)."""
+        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], decay [n, Hv, 1], beta [n, Hv] (fp32)."""
         g, n = self.cfg, x.shape[0]
-        qkv = F.linear(x, self.w_qkv)
-        z = F.linear(x, self.w_z).view(n, g.n_v_heads, g.d_v)
-        beta = torch.sigmoid(F.linear(x, self.w_b)).float()
-        log_decay = -self.A_log.float().exp() * F.softplus(F.linear(x, self.w_a).float() + self.dt_bias)
-        return qkv, z, log_decay.exp()[..., None, None], beta
+        qkv = linear(x, self.w_qkv)
+        z = linear(x, self.w_z).view(n, g.n_v_heads, g.d_v)
+        beta = torch.sigmoid(linear(x, self.w_b)).float()
+        log_decay = -self.A_log.float().exp() * F.softplus(linear(x, self.w_a).float() + self.dt_bias)
+        return qkv, z, log_decay.exp()[..., None], beta
 
     def _split_heads(self, mixed: torch.Tensor):
         """Conv output [n, conv_dim] -> fp32 q, k [n, Hv, d_k] (normalised, repeated per value head), v [n, Hv, d_v]."""
@@ -73,14 +69,14 @@ class GatedDeltaNet:
         q = mixed[:, : g.key_dim].reshape(n, g.n_k_heads, g.d_k).float()
         k = mixed[:, g.key_dim : 2 * g.key_dim].reshape(n, g.n_k_heads, g.d_k).float()
         v = mixed[:, 2 * g.key_dim :].reshape(n, g.n_v_heads, g.d_v).float()
-        q = _l2norm(q.repeat_interleave(r, dim=1)) / (g.d_k**0.5)
-        k = _l2norm(k.repeat_interleave(r, dim=1))
+        q = l2norm(q.repeat_interleave(r, dim=1), "rsqrt") / (g.d_k**0.5)
+        k = l2norm(k.repeat_interleave(r, dim=1), "rsqrt")
         return q, k, v
 
     def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """fp32 recurrence output [n, Hv, d_v], z [n, Hv, d_v] -> [n, H]."""
         normed = silu_gated_rms_norm(out.to(z.dtype), z, self.norm_w, self.eps)
-        return F.linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out)
+        return linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out)
 
 
 def _deinterleave(g, w_qkvz: torch.Tensor, w_ba: torch.Tensor):

@@ -11,19 +11,14 @@ bounded law); beta = sigmoid(b_proj(x)); delta rule; o = o_norm(o) * sigmoid(g_b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import each_row, kimi_softplus, sigmoid_gated_rms_norm
-from ..rollback import COMMIT
+from ..ops import each_row, kimi_softplus, l2norm, linear, sigmoid_gated_rms_norm
+from ..rollback import COMMIT, LayerRecord
 from ..rows import RowBatch
 from ..state import RecurrentState
 from .linear_attention import mix_sequences
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 class KimiDeltaAttention:
@@ -51,32 +46,32 @@ class KimiDeltaAttention:
         self.w_o = src.take(p + "o_proj.weight", (H, P))
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
-                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
+                mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
         qkv, gate, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, self.cfg.head_dim, mode, record)
-        return each_row(self._output, out, gate, row_invariant=row_invariant)
+        out, record = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, row_invariant=row_invariant, mode=mode)
+        return each_row(self._output, out, gate, row_invariant=row_invariant), record
 
     def _project(self, x: torch.Tensor):
-        """x [n, H] -> raw conv inputs [n, 3P], output gate [n, heads, D], decay [n, heads, D, 1], beta [n, heads] (fp32)."""
+        """x [n, H] -> raw conv inputs [n, 3P], output gate [n, heads, D], decay [n, heads, D], beta [n, heads] (fp32)."""
         c, n = self.cfg, x.shape[0]
-        qkv = torch.cat([F.linear(x, w) for w in (self.w_q, self.w_k, self.w_v)], dim=-1)
-        raw = F.linear(F.linear(x, self.w_f_a), self.w_f_b)
+        qkv = torch.cat([linear(x, w) for w in (self.w_q, self.w_k, self.w_v)], dim=-1)
+        raw = linear(linear(x, self.w_f_a), self.w_f_b)
         raw = (raw.float() + self.dt_bias).view(n, c.n_heads, c.head_dim)
         if c.gate_law == "softplus":
             log_decay = -self.A_log.exp() * kimi_softplus(raw)
         else:
             log_decay = c.gate_lower_bound * torch.sigmoid(self.A_log.exp() * raw)
-        beta = torch.sigmoid(F.linear(x, self.w_beta)).float()
-        gate = F.linear(F.linear(x, self.w_g_a), self.w_g_b).view(n, c.n_heads, c.head_dim)
-        return qkv, gate, log_decay.exp()[..., None], beta
+        beta = torch.sigmoid(linear(x, self.w_beta)).float()
+        gate = linear(linear(x, self.w_g_a), self.w_g_b).view(n, c.n_heads, c.head_dim)
+        return qkv, gate, log_decay.exp(), beta
 
     def _split_heads(self, mixed: torch.Tensor):
         """Conv output [n, 3P] -> fp32 q, k (normalised; q scaled) and v, each [n, heads, D]."""
         c, n, P = self.cfg, mixed.shape[0], self.cfg.proj_dim
         q, k, v = (mixed[:, i * P : (i + 1) * P].reshape(n, c.n_heads, c.head_dim).float() for i in range(3))
-        return _l2norm(q) * (1 / c.head_dim**0.5), _l2norm(k), v
+        return l2norm(q, "div") * (1 / c.head_dim**0.5), l2norm(k, "div"), v
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """fp32 recurrence output [n, heads, D], output gate [n, heads, D] -> [n, H]."""
         normed = sigmoid_gated_rms_norm(out.to(gate.dtype), gate, self.o_norm, self.eps)
-        return F.linear(normed.reshape(out.shape[0], self.cfg.proj_dim), self.w_o)
+        return linear(normed.reshape(out.shape[0], self.cfg.proj_dim), self.w_o)

@@ -1,7 +1,9 @@
-"""The body GDN and KDA share: the short conv, then the delta rule, sequence by sequence, row by row.
+"""The body GDN and KDA share: the short conv, then the gated delta rule, over a ragged batch.
 
-In COMMIT mode (prefill) the slot's conv window and recurrent state advance as rows are consumed.
-In SNAPSHOT and WOA modes (verify) they are only read; what rollback needs goes to a RowRecord.
+Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their torch
+references, which walk each sequence row by row, serve the CPU. Verify (SNAPSHOT or WOA mode)
+only reads a slot's committed conv window and recurrent state and leaves a LayerRecord for
+rollback; prefill (COMMIT) applies the same record at once.
 """
 
 from __future__ import annotations
@@ -10,53 +12,35 @@ from typing import Callable
 
 import torch
 
-from ..ops import causal_conv_row
-from ..rollback import COMMIT, SNAPSHOT, RowRecord
+from kernels import delta_rule, short_conv
+from kernels.runtime import pick
+
+from ..ops import each_row
+from ..rollback import COMMIT, SNAPSHOT, LayerRecord, commit
 from ..rows import RowBatch
 from ..state import RecurrentState
-from .recurrence import read_state, update_state
-
-
-def conv_sequence(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's rows through the short conv, one row at a time.
-
-    window [channels, W-1] raw inputs before the first row; inputs [n, channels]; weight [channels, W]
-    -> (outputs [n, channels] after SiLU, the next window [channels, W-1]).
-    """
-    width, n = weight.shape[1], inputs.shape[0]
-    seq = torch.cat((window.t().to(inputs.dtype), inputs), dim=0)  # [W-1+n, channels]
-    out = torch.cat([causal_conv_row(seq[r : r + width], weight) for r in range(n)])
-    return out, seq[n:].t()
-
 
 Heads = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Tensor, conv_weight: torch.Tensor,
-                  split_heads: Heads, decay: torch.Tensor, beta: torch.Tensor, d_v: int,
-                  mode: str = COMMIT, record: dict[int, RowRecord] | None = None) -> torch.Tensor:
-    """conv_inputs [rows, conv_dim] raw; split_heads maps one conv output row [1, conv_dim] to fp32
-    (query, key [1, heads, d_k], value [1, heads, d_v]); decay [rows, heads, d_k or 1, 1];
-    beta [rows, heads] -> fp32 outputs [rows, heads, d_v]. Verify modes fill record[slot]."""
-    out = torch.empty(conv_inputs.shape[0], beta.shape[1], d_v, dtype=torch.float32, device=conv_inputs.device)
-    for slot, _, span in batch.sequences():
-        mixed, next_window = conv_sequence(state.conv[slot], conv_inputs[span], conv_weight)
-        s = state.recurrent[slot]
-        states, keys, values = [], [], []
-        for r in range(span.stop - span.start):
-            q, k, v = split_heads(mixed[r : r + 1].clone())
-            i = span.start + r
-            s = update_state(s, k[0], v[0], decay[i], beta[i])
-            out[i] = read_state(s, q[0])
-            states.append(s)
-            keys.append(k[0])
-            values.append(v[0])
-        if mode == COMMIT:
-            state.conv[slot] = next_window
-            state.recurrent[slot] = s
-        elif mode == SNAPSHOT:
-            record[slot] = RowRecord(conv_inputs=conv_inputs[span], states=torch.stack(states))
-        else:
-            record[slot] = RowRecord(conv_inputs=conv_inputs[span], keys=torch.stack(keys), values=torch.stack(values),
-                                     decays=decay[span], betas=beta[span])
-    return out
+                  split_heads: Heads, decay: torch.Tensor, beta: torch.Tensor, *, row_invariant: bool,
+                  mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
+    """conv_inputs [rows, conv_dim] raw; split_heads maps conv outputs [n, conv_dim] to fp32 query, key
+    [n, heads, d_k] and value [n, heads, d_v]; decay [rows, heads, 1 or d_k] = exp(g); beta [rows, heads]
+    -> (fp32 outputs [rows, heads, d_v], the layer's record). COMMIT also applies the record."""
+    device = conv_inputs.device
+    seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
+    conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
+    mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows)
+    query, key, value = each_row(split_heads, mixed, row_invariant=row_invariant)
+    snapshots = None
+    if mode == SNAPSHOT:
+        heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
+        snapshots = torch.empty(key.shape[0], heads, d_k, d_v, dtype=torch.float32, device=device)
+    verify = pick(delta_rule.delta_rule_verify, delta_rule.delta_rule_verify_ref, state.recurrent)
+    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots)
+    record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
+    if mode == COMMIT:
+        commit(state, record, batch, list(batch.counts))
+    return out, record

@@ -10,11 +10,10 @@ key = [k_nope | k_shared]; the 'rope' slice is shared by all heads and never rot
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import each_row, rms_norm
+from ..ops import each_row, linear, rms_norm
 from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
@@ -42,27 +41,27 @@ class LatentAttention:
         self.scale = m.qk_head_dim**-0.5
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
-                mode: str = COMMIT, record: dict | None = None) -> torch.Tensor:
+                mode: str = COMMIT) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
         query, key, value = each_row(self._project, x, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
         out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
-        return each_row(self._output, out, row_invariant=row_invariant)
+        return each_row(self._output, out, row_invariant=row_invariant), None
 
     def _project(self, x: torch.Tensor):
         """x [n, H] -> query, key [n, heads, nope+rope], value [n, heads, v]."""
         m, n = self.cfg, x.shape[0]
         if m.q_lora_rank is None:
-            q = F.linear(x, self.w_q)
+            q = linear(x, self.w_q)
         else:
-            q = F.linear(rms_norm(F.linear(x, self.w_q_a), self.q_a_norm, LATENT_NORM_EPS, zero_centred=False), self.w_q_b)
-        kv_a = F.linear(x, self.w_kv_a)
+            q = linear(rms_norm(linear(x, self.w_q_a), self.q_a_norm, LATENT_NORM_EPS, zero_centred=False), self.w_q_b)
+        kv_a = linear(x, self.w_kv_a)
         latent = rms_norm(kv_a[:, : m.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS, zero_centred=False)
         k_shared = kv_a[:, m.kv_lora_rank :]
-        kv = F.linear(latent, self.w_kv_b).view(n, m.n_heads, m.qk_nope_head_dim + m.v_head_dim)
+        kv = linear(latent, self.w_kv_b).view(n, m.n_heads, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, value = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
         key = torch.cat((k_nope, k_shared[:, None, :].expand(n, m.n_heads, m.qk_rope_head_dim)), dim=-1)
         return q.view(n, m.n_heads, m.qk_head_dim), key, value
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
-        return F.linear(out.reshape(out.shape[0], -1), self.w_o)
+        return linear(out.reshape(out.shape[0], -1), self.w_o)

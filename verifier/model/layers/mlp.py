@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import TensorSource
+from ..ops import linear
 from ..config import ModelConfig, MoEConfig
 
 
@@ -26,9 +27,9 @@ class DenseMLP:
         self.w_down = src.take(prefix + "down_proj.weight", (hidden, intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.linear(x, self.w_gate)
-        up = F.linear(x, self.w_up)
-        return F.linear(F.silu(gate) * up, self.w_down)
+        gate = linear(x, self.w_gate)
+        up = linear(x, self.w_up)
+        return linear(F.silu(gate) * up, self.w_down)
 
 
 class MoE:
@@ -71,24 +72,25 @@ class MoE:
         """-> (expert ids [rows, top_k], weights [rows, top_k])."""
         m = self.cfg
         if m.router == "softmax":
-            logits = F.linear(x, self.w_router)
+            logits = linear(x, self.w_router)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, m.top_k, dim=-1)
             if m.renormalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+                weights = weights / _column_sum(weights)
             return ids, weights.to(x.dtype)
-        scores = torch.sigmoid(F.linear(x.float(), self.w_router))  # [rows, E]
+        scores = torch.sigmoid(linear(x.float(), self.w_router))  # [rows, E]
         choice = scores + self.score_bias
         if m.n_group > 1:
             per_group = m.n_experts // m.n_group
-            group_scores = choice.view(-1, m.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [rows, groups]
+            top2 = choice.view(-1, m.n_group, per_group).topk(2, dim=-1)[0]
+            group_scores = top2[..., 0] + top2[..., 1]  # [rows, groups]
             keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, m.topk_group, dim=-1, sorted=False)[1], 1.0)
             keep = keep[:, :, None].expand(-1, m.n_group, per_group).reshape(-1, m.n_experts)
             choice = choice.masked_fill(keep == 0, float("-inf"))
         ids = torch.topk(choice, m.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if m.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (_column_sum(weights) + 1e-20)
         return ids, weights * m.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,12 +102,21 @@ class MoE:
             row_idx, k_idx = torch.where(ids == e)
             gate, up, down = self.experts[e]
             xe = x[row_idx]
-            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)
-            ye = F.linear(h, down) * weights[row_idx, k_idx, None]
+            h = F.silu(linear(xe, gate)) * linear(xe, up)
+            ye = linear(h, down) * weights[row_idx, k_idx, None]
             out.index_add_(0, row_idx, ye.to(out.dtype))
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.cfg.shared_gate:
-                shared = torch.sigmoid(F.linear(x, self.w_shared_gate)) * shared
+                shared = torch.sigmoid(linear(x, self.w_shared_gate)) * shared
             out = out + shared
         return out
+
+
+def _column_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last (small) dim in a fixed left-to-right order: [rows, k] -> [rows, 1].
+    A reduction kernel may pick its order from the tensor's shape; a chain of adds cannot."""
+    total = x[:, :1]
+    for j in range(1, x.shape[1]):
+        total = total + x[:, j : j + 1]
+    return total

@@ -1,0 +1,312 @@
+"""GPU verify cost on one device: decode, K-row verify, rollback, bit-exactness, and HF + FLA beside it.
+
+    PYTHONPATH=. python bench/gpu.py --out DIR [--models qwen35_2b,qwen3next_moe,kimi_moe] [--steps 30]
+
+For each model (random bf16 weights, built with transformers and saved, so both engines read one
+checkpoint): HBM floor (bytes one decode step must read / measured copy bandwidth), decode ms at
+batch 1, verify ms for K = 1, 2, 4, 8, 16 at batch 1, decode and K = 8 verify at batch 8 and 64,
+rollback (write-on-accept fold and snapshot copy), bitwise equality of verify rows with serial
+decode at that size (checked before anything is timed), and HF transformers (with FLA kernels
+when importable) for a decode step and an 8-token forward. Writes DIR/gpu_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from verifier.engine import Engine, StepRequest  # noqa: E402
+from verifier.model import RowBatch, load_model  # noqa: E402
+from verifier.model.rollback import SNAPSHOT, WOA, rollback  # noqa: E402
+from verifier.sampling import SamplingParams  # noqa: E402
+
+PROMPT_LEN = 64
+KS = (1, 2, 4, 8, 16)
+
+DENSE_2B = dict(  # the issue's Qwen3.5-style ~2B checkpoint
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, tie_word_embeddings=True,
+)
+NEXT_MOE = dict(  # Qwen3-Next-style: same mixers, MoE of similar active size (2 of 8 experts + a shared one)
+    DENSE_2B, model_type=None, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048,
+    shared_expert_intermediate_size=2048, intermediate_size=6144,
+)
+NEXT_MOE.pop("model_type")
+KIMI_MOE = dict(  # Kimi-style: KDA + MLA (3:1), MoE (2 of 8 + 1 shared), first layer dense
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+    num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    linear_num_heads=16, linear_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048, num_shared_experts=1, routed_scaling_factor=2.5,
+    first_k_dense_replace=1, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+MODELS = {"qwen35_2b": ("qwen3_5_text", DENSE_2B), "qwen3next_moe": ("qwen3_next", NEXT_MOE), "kimi_moe": ("kimi_linear", KIMI_MOE)}
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB: bytes read + written per second."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 10)
+    del src, dst
+    return 2 * (2 << 30) / (ms / 1e3)
+
+
+def build_checkpoint(family: str, fields: dict, out: Path) -> None:
+    import transformers as tf
+
+    classes = {
+        "qwen3_5_text": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "kimi_linear": (tf.KimiLinearConfig, tf.KimiLinearForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_cls(config_cls(**fields)).to(torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def decode_bytes(model) -> int:
+    """Weights one single-row decode step reads: everything but the unchosen experts and the
+    embedding table (one row of it; a tied table is read whole as the LM head)."""
+    total = 0
+    cfg = model.config
+    for block in model.blocks:
+        for value in list(vars(block.mixer).values()) + [block.input_norm, block.post_norm]:
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+        mlp = block.mlp
+        if hasattr(mlp, "experts"):
+            gate, up, down = mlp.experts[0]
+            per_expert = sum(t.numel() * t.element_size() for t in (gate, up, down))
+            total += cfg.moe.top_k * per_expert + mlp.w_router.numel() * mlp.w_router.element_size()
+            if mlp.shared is not None:
+                total += sum(t.numel() * t.element_size() for t in (mlp.shared.w_gate, mlp.shared.w_up, mlp.shared.w_down))
+        else:
+            total += sum(t.numel() * t.element_size() for t in (mlp.w_gate, mlp.w_up, mlp.w_down))
+    total += model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * model.final_norm.element_size()
+    return total
+
+
+def open_sequences(engine: Engine, n: int) -> list:
+    gen = torch.Generator().manual_seed(1)
+    return [engine.open(torch.randint(3, 1000, (PROMPT_LEN,), generator=gen).tolist(), SamplingParams(), 10_000, eos_ids=()) for _ in range(n)]
+
+
+def bitexact_rows(model, k: int = 8, steps: int = 4) -> tuple[int, int]:
+    """Serial decode vs one K-row verify of the serial continuation: rows bitwise equal / rows."""
+    engine = Engine(model, 2, PROMPT_LEN + steps * (k + 1) + 8, max_k=k)
+    serial_seq, spec_seq = open_sequences(engine, 1)[0], None
+    serial_tokens, serial_rows = [serial_seq.pending], []
+    for _ in range(steps * (k + 1)):
+        (res,) = engine.step([StepRequest(serial_seq, [])])
+        serial_tokens += res.tokens
+        serial_rows.append(res.logits[0])
+    engine.close(serial_seq)
+    spec_seq = open_sequences(engine, 1)[0]
+    equal = total = 0
+    emitted = 1
+    for _ in range(steps):
+        drafts = serial_tokens[emitted : emitted + k]
+        (res,) = engine.step([StepRequest(spec_seq, drafts)])
+        for i, row in enumerate(res.logits):
+            total += 1
+            equal += int(torch.equal(row, serial_rows[emitted - 1 + i]))
+        emitted += len(res.tokens)
+    engine.close(spec_seq)
+    return equal, total
+
+
+def step_ms(engine: Engine, seqs: list, k: int, repeats: int) -> float:
+    """One engine step (verify + acceptance + rollback) with K drafts that are all rejected."""
+    vocab = engine.vocab_size
+    return median_ms(lambda: engine.step([StepRequest(s, [(s.pending + 1 + i) % vocab for i in range(k)]) for s in seqs]), repeats)
+
+
+def rollback_figures(model, k: int, repeats: int) -> dict:
+    out = {}
+    for mode in (WOA, SNAPSHOT):
+        engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, rollback_mode=mode)
+        seq = open_sequences(engine, 1)[0]
+        batch = RowBatch((seq.slot,), (seq.position,), (k + 1,))
+        tokens = torch.arange(k + 1) + 5
+        verify_ms, rollback_ms = [], []
+        for _ in range(repeats + 2):
+            sync()
+            t0 = time.perf_counter()
+            _, record = model.verify(tokens, batch, engine.pool, mode)
+            sync()
+            t1 = time.perf_counter()
+            rollback(engine.pool, record, [k // 2 + 1])
+            sync()
+            t2 = time.perf_counter()
+            verify_ms.append((t1 - t0) * 1e3)
+            rollback_ms.append((t2 - t1) * 1e3)
+        out[mode] = {"verify_ms": statistics.median(verify_ms[2:]), "rollback_ms": statistics.median(rollback_ms[2:])}
+    out["k"], out["accepted"] = k, k // 2
+    return out
+
+
+def hf_figures(path: Path, repeats: int) -> dict:
+    import transformers as tf
+
+    try:
+        import fla  # noqa: F401
+
+        fla_version = getattr(fla, "__version__", "present")
+    except ImportError:
+        fla_version = None
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 1000, (1, PROMPT_LEN), generator=gen).cuda()
+    drafts = torch.randint(3, 1000, (1, 8), generator=gen).cuda()
+
+    def prefill():
+        cache = tf.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        return cache
+
+    with torch.no_grad():
+        cache = prefill()
+        token = drafts[:, :1]
+        decode = median_ms(lambda: model(input_ids=token, past_key_values=cache, use_cache=True), repeats)
+        forward8 = []
+        for _ in range(repeats):
+            c = prefill()
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=drafts, past_key_values=c, use_cache=True)
+            sync()
+            forward8.append((time.perf_counter() - t0) * 1e3)
+        c = prefill()
+        rows8 = model(input_ids=drafts, past_key_values=c, use_cache=True).logits[0].float()
+        c = prefill()
+        serial = torch.stack([model(input_ids=drafts[:, i : i + 1], past_key_values=c, use_cache=True).logits[0, -1].float() for i in range(8)])
+    equal = sum(int(torch.equal(a, b)) for a, b in zip(rows8, serial))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"fla": fla_version, "hf_decode_ms": decode, "hf_verify8_ms": statistics.median(forward8), "hf_verify8_rows_equal_serial": equal}
+
+
+def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: int, workdir: Path) -> dict:
+    path = workdir / name
+    t0 = time.perf_counter()
+    build_checkpoint(family, fields, path)
+    model = load_model(path, "cuda", torch.bfloat16)
+    params = checkpoint_params(path)
+    print(f"[{name}] built and loaded in {time.perf_counter() - t0:.0f} s: {params / 1e9:.2f} B parameters", flush=True)
+    floor_bytes = decode_bytes(model)
+    result = {"family": family, "model_params": params, "decode_weight_bytes": floor_bytes, "hbm_floor_ms": floor_bytes / bandwidth * 1e3}
+
+    equal, total = bitexact_rows(model)
+    result["bitexact_rows_equal"], result["bitexact_rows_total"] = equal, total
+    print(f"[{name}] bitexact: {equal}/{total} verify rows equal serial decode", flush=True)
+    if equal != total:
+        print(f"[{name}] NOT BITEXACT: timings below are reported but the correctness gate is red", flush=True)
+
+    engine = Engine(model, 64, PROMPT_LEN + 2 * steps * 20 + 64, max_k=16)
+    one = open_sequences(engine, 1)
+    result["decode_ms"] = step_ms(engine, one, 0, steps)
+    result["verify_ms"] = {str(k): step_ms(engine, one, k, steps) for k in KS}
+    print(f"[{name}] decode {result['decode_ms']:.2f} ms (floor {result['hbm_floor_ms']:.2f}); verify {result['verify_ms']}", flush=True)
+    batch = {}
+    for n in (8, 64):
+        for s in one:
+            engine.close(s)
+        one = open_sequences(engine, n)
+        batch[str(n)] = {"decode_ms": step_ms(engine, one, 0, max(5, steps // 3)), "verify8_ms": step_ms(engine, one, 8, max(5, steps // 3))}
+        print(f"[{name}] batch {n}: {batch[str(n)]}", flush=True)
+    result["batch"] = batch
+    result["rollback"] = rollback_figures(model, 8, steps)
+    print(f"[{name}] rollback: {result['rollback']}", flush=True)
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        result.update(hf_figures(path, max(5, steps // 3)))
+    except Exception as exc:  # the comparison must not hide our own figures
+        result["hf_error"] = f"{type(exc).__name__}: {exc}"
+    print(f"[{name}] HF: { {k: v for k, v in result.items() if k.startswith('hf') or k == 'fla'} }", flush=True)
+    return result
+
+
+def checkpoint_params(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    import triton
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    today = datetime.date.today().isoformat()
+    out = {"device": torch.cuda.get_device_name(), "date": today, "torch": torch.__version__, "triton": triton.__version__,
+           "hbm_copy_bandwidth_bytes_per_s": bandwidth, "backend": "triton kernels, eager (no CUDA graphs)", "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            family, fields = MODELS[name]
+            out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp))
+    first = out["models"][args.models.split(",")[0]]
+    for key in ("model_params", "hbm_floor_ms", "decode_ms", "verify_ms", "batch", "rollback", "hf_decode_ms", "hf_verify8_ms",
+                "bitexact_rows_equal", "bitexact_rows_total"):
+        out[key] = first.get(key)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu_{today}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

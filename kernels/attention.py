@@ -1,0 +1,198 @@
+"""Causal attention of rows over their slot's KV cache: gated attention (GQA) and MLA (D_K != D_V).
+
+    query          [R, HQ, D_K]               fp32 or bf16
+    keys           [n_slots, L, HKV, D_K]     query's dtype; the slot KV cache, the rows' own keys
+    values         [n_slots, L, HKV, D_V]     query's dtype   already written at their positions
+    row_slots      [R] int32                  slot of each row
+    row_positions  [R] int32                  row i sees positions 0 .. row_positions[i] of its slot
+    scale          float
+    out            [R, HQ, D_V]               query's dtype (returned; optional preallocated buffer)
+
+Query head h reads kv head h // (HQ // HKV); MLA is the case HKV = HQ with D_K != D_V.
+scores = (q . k) * scale; softmax over the visible positions in fp32; out = probs @ v.
+
+The kernel runs one program per (row, kv head): the HQ // HKV query heads of that kv head form one
+tile (padded to BLOCK_G) and walk the visible positions from 0 upward in BLOCK_N blocks with an
+online softmax (fp32 running max, running sum and rescaled accumulator). The walk depends only on
+the row's own position and no value is shared between programs, so a row gets the same bits
+whether it is decoded alone or verified among any number of other rows (DESIGN.md section 6,
+rules 1-4). The grid carries the row count; no kernel argument depends on it.
+
+Loaded tiles are cast to fp32 and both products are fp32 ieee dots, bf16 inputs included: a bf16 x
+bf16 product is exact in fp32, and Triton's interpreter cannot run bf16 dots (it multiplies the
+raw bits, triton-lang/triton#11584), so the path the tests run is the GPU path.
+
+Caller's contract, not checked (checking would read the device tensors back): 0 <= row_slots[i] <
+n_slots and 0 <= row_positions[i] < L.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import interpreting
+
+BLOCK_N = 64  # KV positions per step of the walk: pinned, never chosen from a length or row count
+MIN_DOT = 16  # tl.dot needs every tile side >= 16 on the GPU
+NUM_WARPS = 4
+NUM_STAGES = 1
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+# A tensor of one row may carry any stride on its row dim (torch ignores it for size-1 dims), so
+# the row strides must not select a specialisation: decode and verify compile the same kernel.
+@triton.jit(do_not_specialize=["s_q_row", "s_o_row"])
+def _attend_rows_kernel(
+    p_q, p_k, p_v, p_slot, p_pos, p_o,
+    s_q_row, s_q_head,  # query strides (last dim contiguous)
+    s_k_slot, s_k_pos, s_k_head,
+    s_v_slot, s_v_pos, s_v_head,
+    s_o_row, s_o_head,
+    scale,
+    GROUP: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    i_row = tl.program_id(0).to(tl.int64)
+    i_kv_head = tl.program_id(1)
+    i_slot = tl.load(p_slot + i_row).to(tl.int64)
+    i_pos = tl.load(p_pos + i_row)
+
+    o_g = tl.arange(0, BLOCK_G)
+    o_dk = tl.arange(0, BLOCK_DK)
+    o_dv = tl.arange(0, BLOCK_DV)
+    o_n = tl.arange(0, BLOCK_N)
+    m_g = o_g < GROUP
+    m_dk = o_dk < D_K
+    m_dv = o_dv < D_V
+    o_q_head = i_kv_head * GROUP + o_g  # [BLOCK_G] the query heads reading this kv head
+
+    p_q_tile = p_q + i_row * s_q_row + o_q_head[:, None] * s_q_head + o_dk[None, :]
+    b_q = tl.load(p_q_tile, mask=m_g[:, None] & m_dk[None, :], other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_DK]
+    p_k_head = p_k + i_slot * s_k_slot + i_kv_head * s_k_head
+    p_v_head = p_v + i_slot * s_v_slot + i_kv_head * s_v_head
+
+    b_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    # Every block walked holds at least one visible position (block 0 holds position 0), so the
+    # running max is finite after each step and exp never sees -inf - -inf.
+    for i_block in range(0, i_pos // BLOCK_N + 1):
+        o_pos = i_block * BLOCK_N + o_n  # [BLOCK_N]
+        m_pos = o_pos <= i_pos
+        # Masked loads read 0, never the cache: positions past the row may hold anything (NaN).
+        p_k_tile = p_k_head + o_pos[:, None].to(tl.int64) * s_k_pos + o_dk[None, :]
+        b_k = tl.load(p_k_tile, mask=m_pos[:, None] & m_dk[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_DK]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N] fp32
+        b_s = tl.where(m_pos[None, :], b_s, float("-inf"))
+        b_max_new = tl.maximum(b_max, tl.max(b_s, axis=1))
+        b_rescale = tl.exp(b_max - b_max_new)  # [BLOCK_G]
+        b_p = tl.exp(b_s - b_max_new[:, None])  # [BLOCK_G, BLOCK_N], 0 where hidden
+        b_sum = b_sum * b_rescale + tl.sum(b_p, axis=1)
+        p_v_tile = p_v_head + o_pos[:, None].to(tl.int64) * s_v_pos + o_dv[None, :]
+        b_v = tl.load(p_v_tile, mask=m_pos[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_DV]
+        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+        b_max = b_max_new
+    b_out = b_acc / b_sum[:, None]  # [BLOCK_G, BLOCK_DV]
+    p_o_tile = p_o + i_row * s_o_row + o_q_head[:, None] * s_o_head + o_dv[None, :]
+    tl.store(p_o_tile, b_out.to(p_o.dtype.element_ty), mask=m_g[:, None] & m_dv[None, :])
+
+
+def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
+                row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's query over positions 0 .. row_positions[i] of slot row_slots[i] -> [R, HQ, D_V]."""
+    out = _check(query, keys, values, row_slots, row_positions, out)
+    if not query.is_cuda and not interpreting():
+        raise ValueError(f"attend_rows: query is on {query.device}; the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
+    n_rows, n_heads, d_k = query.shape
+    kv_heads, d_v = keys.shape[2], values.shape[3]
+    if n_rows == 0:
+        return out
+    group = n_heads // kv_heads
+    _attend_rows_kernel[(n_rows, kv_heads)](
+        query, keys, values, row_slots, row_positions, out,
+        query.stride(0), query.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        out.stride(0), out.stride(1),
+        float(scale),
+        GROUP=group, D_K=d_k, D_V=d_v,
+        BLOCK_G=_block(group), BLOCK_DK=_block(d_k), BLOCK_DV=_block(d_v), BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out
+
+
+def attend_rows_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
+                    row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """What the CPU reference backend computes in row-invariant mode: each row alone over its prefix."""
+    out = _check(query, keys, values, row_slots, row_positions, out)
+    for i, (slot, pos) in enumerate(zip(row_slots.tolist(), row_positions.tolist())):
+        out[i : i + 1] = _causal_one_row(query[i : i + 1].clone(), keys[slot, : pos + 1], values[slot, : pos + 1], scale)
+    return out
+
+
+def _causal_one_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [1, HQ, D_K]; keys [n, HKV, D_K]; values [n, HKV, D_V] -> [1, HQ, D_V]: every position visible.
+
+    The same operations, shapes and casts as the reference backend's causal attention for one row.
+    """
+    _, n_heads, d_k = q.shape
+    kv_heads = keys.shape[1]
+    group = n_heads // kv_heads
+    qh = q.reshape(1, kv_heads, group, d_k).permute(1, 0, 2, 3).reshape(kv_heads, group, d_k)
+    scores = torch.matmul(qh, keys.permute(1, 2, 0)) * scale  # [HKV, group, n] in the input dtype
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(probs, values.permute(1, 0, 2))  # [HKV, group, D_V]
+    return o.reshape(kv_heads, 1, group, -1).permute(1, 0, 2, 3).reshape(1, n_heads, -1)
+
+
+def _block(size: int) -> int:
+    return max(MIN_DOT, triton.next_power_of_2(size))
+
+
+def _check(query, keys, values, row_slots, row_positions, out) -> torch.Tensor:
+    """Validate shapes, dtypes, strides and devices; return out (allocated when None)."""
+    if query.dim() != 3:
+        raise ValueError(f"attend_rows: query must be [rows, heads, d_k], got shape {list(query.shape)}")
+    if query.dtype not in DTYPES:
+        raise ValueError(f"attend_rows: query dtype {query.dtype} is not float32 or bfloat16")
+    n_rows, n_heads, d_k = query.shape
+    if keys.dim() != 4 or values.dim() != 4:
+        raise ValueError(f"attend_rows: keys and values must be [slots, length, kv_heads, d], "
+                         f"got keys {list(keys.shape)}, values {list(values.shape)}")
+    kv_heads = keys.shape[2]
+    if keys.shape[3] != d_k:
+        raise ValueError(f"attend_rows: keys d_k {keys.shape[3]} != query d_k {d_k}")
+    if values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"attend_rows: values shape {list(values.shape)} does not match keys {list(keys.shape)} "
+                         "in slots, length, kv_heads")
+    if kv_heads < 1 or n_heads % kv_heads != 0:
+        raise ValueError(f"attend_rows: query heads {n_heads} are not a multiple of keys kv_heads {kv_heads}")
+    if d_k < 1 or values.shape[3] < 1:
+        raise ValueError(f"attend_rows: empty head size: query d_k {d_k}, values d_v {values.shape[3]}")
+    for name, t in (("keys", keys), ("values", values)):
+        if t.dtype != query.dtype:
+            raise ValueError(f"attend_rows: {name} dtype {t.dtype} != query dtype {query.dtype}")
+    for name, t in (("row_slots", row_slots), ("row_positions", row_positions)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"attend_rows: {name} dtype {t.dtype} is not int32")
+        if t.shape != (n_rows,):
+            raise ValueError(f"attend_rows: {name} shape {list(t.shape)} != [{n_rows}] (one per query row)")
+        if not t.is_contiguous():
+            raise ValueError(f"attend_rows: {name} must be contiguous")
+    if out is None:
+        out = torch.empty(n_rows, n_heads, values.shape[3], dtype=query.dtype, device=query.device)
+    else:
+        if out.shape != (n_rows, n_heads, values.shape[3]):
+            raise ValueError(f"attend_rows: out shape {list(out.shape)} != {[n_rows, n_heads, values.shape[3]]}")
+        if out.dtype != query.dtype:
+            raise ValueError(f"attend_rows: out dtype {out.dtype} != query dtype {query.dtype}")
+    for name, t in (("query", query), ("keys", keys), ("values", values), ("out", out)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"attend_rows: {name} must be contiguous in its last dim, got strides {t.stride()}")
+    for name, t in (("keys", keys), ("values", values), ("row_slots", row_slots), ("row_positions", row_positions), ("out", out)):
+        if t.device != query.device:
+            raise ValueError(f"attend_rows: {name} is on {t.device}, query on {query.device}")
+    return out

@@ -1,0 +1,276 @@
+"""The gated delta rule over the rows of a ragged batch: GDN (decay per head) and KDA (decay per key channel).
+
+    state      [n_slots, H, D_K, D_V]  fp32: the committed recurrent state of each slot
+    query      [R, H, D_K]             fp32: l2-normalised, scaled
+    key        [R, H, D_K]             fp32: l2-normalised
+    value      [R, H, D_V]             fp32
+    decay      [R, H, DECAY_K]         fp32: exp(g); DECAY_K = 1 (GDN, one per head) or D_K (KDA)
+    beta       [R, H]                  fp32
+    seq_slots  [S]                     int32: each sequence's slot in the pool (distinct slots)
+    cu_rows    [S+1]                   int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1; cu_rows[0] = 0
+    consumed   [S]                     int32: fold only, 1 <= consumed[s] <= rows of s
+    snapshots  [R, H, D_K, D_V]        fp32: verify's optional state after each row (snapshot mode)
+    out        [R, H, D_V]             fp32
+
+Per row, per head, with S the state [D_K, D_V] (`_update_state`, `_read_state`):
+    S = S * decay[:, None]
+    recalled = sum_k S[k, :] * key[k]
+    S = S + key[:, None] * ((value - recalled) * beta)[None, :]
+    out = sum_k S[k, :] * query[k]
+
+delta_rule_verify walks each sequence's rows from its slot's committed state and writes out (and
+snapshots); it never writes `state` (write-on-accept). delta_rule_fold applies each sequence's
+first consumed[s] rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA
+rollback, and prefill's commit with consumed = all rows.
+
+Bits: one kernel, `_delta_rule_kernel`, serves both launchers (constexpr flags pick what is
+stored), and every row goes through the one `@triton.jit` `_update_state` (DESIGN.md section 6
+rule 5), so a row's bits are the same whether it is decoded alone, verified among K others, or
+folded at rollback. A program owns (sequence, head, BLOCK_V columns): it loads the slot's
+[D_K, BLOCK_V] state tile once, keeps it in fp32 registers and walks the rows in order. The sums
+over D_K are tl.sum over the full tile (D_K up to 256, no split), whose order is fixed by the tile
+shape, num_warps and the tile's register layout, all chosen from (D_K, D_V) only. No pointer is
+specialised on its alignment, so the layouts the compiler picks for the [D_K, BLOCK_V] loads and
+stores do not vary with where a tensor starts and are alike in every variant (verify with or
+without snapshots, fold). FMA contraction is off. Row counts are read from cu_rows / consumed
+on the device: no integer argument depends on the rows, so 1 row and K rows run the same
+compiled kernel.
+Padded lanes (D_K, D_V not powers of two) load as 0 and stay exactly 0: they add 0 to every sum.
+
+The torch references follow verifier.model.layers.recurrence line for line; they sum over d_k in
+another order than tl.sum, so kernel and reference agree to fp32 rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import interpreting
+
+MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
+
+
+class DeltaRuleConfig(NamedTuple):
+    BLOCK_K: int
+    BLOCK_V: int
+    num_warps: int
+
+
+def delta_rule_config(d_k: int, d_v: int) -> DeltaRuleConfig:
+    """Pinned by head sizes, never by the rows: the full key dim per tile, at most 32 value columns
+    (a 128 x 32 fp32 tile is 32 registers a thread in 4 warps), so a 128 x 128 head runs as 4
+    programs per (sequence, head) to spread a decode over the SMs; tiles under 2048 values use one warp."""
+    block_k = triton.next_power_of_2(d_k)
+    block_v = min(32, triton.next_power_of_2(d_v))
+    return DeltaRuleConfig(BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v >= 2048 else 1)
+
+
+@triton.jit
+def _update_state(b_s, b_k, b_v, b_decay, b_beta):
+    """Apply one row to a state tile: b_s [BLOCK_K, BLOCK_V] fp32, b_k [BLOCK_K], b_v [BLOCK_V],
+    b_decay [BLOCK_K] (GDN: its head's scalar broadcast), b_beta scalar -> the new b_s.
+    Mirrors recurrence.update_state; the one function decode, verify and fold apply a row with."""
+    b_s = b_s * b_decay[:, None]
+    b_recalled = tl.sum(b_s * b_k[:, None], axis=0)  # [BLOCK_V]
+    b_delta = (b_v - b_recalled) * b_beta  # [BLOCK_V]
+    return b_s + b_k[:, None] * b_delta[None, :]
+
+
+@triton.jit
+def _read_state(b_s, b_q):
+    """b_s [BLOCK_K, BLOCK_V], b_q [BLOCK_K] -> out [BLOCK_V] = sum_k S[k, :] * q[k]."""
+    return tl.sum(b_s * b_q[:, None], axis=0)
+
+
+_NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
+
+
+@triton.jit(do_not_specialize_on_alignment=_NO_ALIGNMENT)
+def _delta_rule_kernel(
+    state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots,
+    H: tl.constexpr,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    DECAY_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    FOLD: tl.constexpr,  # False: verify (rows of cu_rows, store out); True: fold (first consumed rows, store state)
+    STORE_SNAPSHOTS: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s)
+    if FOLD:
+        i_rows = tl.load(consumed + i_s)
+    else:
+        i_rows = tl.load(cu_rows + i_s + 1) - i_bos
+    i_bos = i_bos.to(tl.int64)
+
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K] key channels
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value channels
+    m_k = o_k < D_K
+    m_v = o_v < D_V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * D_V + o_v[None, :]  # [BLOCK_K, BLOCK_V] within one head's state
+    if DECAY_K == 1:
+        o_decay = o_k * 0  # GDN: every lane reads the head's one decay
+    else:
+        o_decay = o_k
+
+    p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
+    b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
+
+    for i_t in range(0, i_rows):
+        i_row = i_bos + i_t  # int64
+        i_rh = i_row * H + i_h  # this row's head
+        b_k = tl.load(key + i_rh * D_K + o_k, mask=m_k, other=0.0)
+        b_v = tl.load(value + i_rh * D_V + o_v, mask=m_v, other=0.0)
+        b_decay = tl.load(decay + i_rh * DECAY_K + o_decay, mask=m_k, other=0.0)
+        b_beta = tl.load(beta + i_rh)
+        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
+        if not FOLD:
+            b_q = tl.load(query + i_rh * D_K + o_k, mask=m_k, other=0.0)
+            tl.store(out + i_rh * D_V + o_v, _read_state(b_s, b_q), mask=m_v)
+            if STORE_SNAPSHOTS:
+                tl.store(snapshots + i_rh * (D_K * D_V) + o_s, b_s, mask=m_s)
+
+    if FOLD:
+        tl.store(p_state, b_s, mask=m_s)
+
+
+def _check_tensor(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{op}: {name} must be {list(shape)}, got shape {list(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{op}: {name} must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, state on {device}")
+
+
+def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+           seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
+    """Shapes, dtypes and devices of what both launchers take. Row bounds and slot values live on
+    the device and are not checked (that would sync)."""
+    if state.dim() != 4:
+        raise ValueError(f"{op}: state must be 4-D [n_slots, H, D_K, D_V], got shape {list(state.shape)}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"{op}: state must be float32, got {state.dtype}")
+    if not state.is_cuda and not interpreting():
+        raise ValueError(f"{op}: state is on {state.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if not state.is_contiguous():
+        raise ValueError(f"{op}: state must be contiguous, got strides {state.stride()}")
+    _, heads, d_k, d_v = state.shape
+    if d_k > MAX_D_K:
+        raise ValueError(f"{op}: D_K {d_k} > {MAX_D_K}: the key dim must fit one register tile")
+    if key.dim() != 3:
+        raise ValueError(f"{op}: key must be 3-D [R, H, D_K], got shape {list(key.shape)}")
+    rows = key.shape[0]
+    f32, dev = torch.float32, state.device
+    _check_tensor(op, "key", key, (rows, heads, d_k), f32, dev)
+    _check_tensor(op, "value", value, (rows, heads, d_v), f32, dev)
+    if decay.dim() != 3 or decay.shape[2] not in (1, d_k):
+        raise ValueError(f"{op}: decay must be [R, H, 1 or D_K={d_k}], got shape {list(decay.shape)}")
+    _check_tensor(op, "decay", decay, (rows, heads, decay.shape[2]), f32, dev)
+    _check_tensor(op, "beta", beta, (rows, heads), f32, dev)
+    if seq_slots.dim() != 1:
+        raise ValueError(f"{op}: seq_slots must be [S], got shape {list(seq_slots.shape)}")
+    _check_tensor(op, "seq_slots", seq_slots, tuple(seq_slots.shape), torch.int32, dev)
+    _check_tensor(op, "cu_rows", cu_rows, (seq_slots.shape[0] + 1,), torch.int32, dev)
+
+
+def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool) -> None:
+    n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
+    if n_seqs == 0 or key.shape[0] == 0:
+        return
+    cfg = delta_rule_config(d_k, d_v)
+    grid = (n_seqs, heads, triton.cdiv(d_v, cfg.BLOCK_V))
+    _delta_rule_kernel[grid](
+        state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),
+        seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
+        H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
+        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None,
+        num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
+    )
+
+
+def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+                      snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every row of a ragged batch through the delta rule from its slot's committed state -> out
+    [R, H, D_V] fp32. state is only read. snapshots, if given, receives the state after each row.
+    out: an optional contiguous [R, H, D_V] fp32 buffer to write into; it is returned."""
+    op = "delta_rule_verify"
+    _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
+    rows, heads, d_k = key.shape
+    d_v = state.shape[3]
+    _check_tensor(op, "query", query, (rows, heads, d_k), torch.float32, state.device)
+    for name, t, shape in (("out", out, (rows, heads, d_v)), ("snapshots", snapshots, (rows, heads, d_k, d_v))):
+        if t is not None:
+            _check_tensor(op, name, t, shape, torch.float32, state.device)
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()}")
+    if out is None:
+        out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
+    # consumed is never read in verify: cu_rows stands in for it
+    _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False)
+    return out
+
+
+def delta_rule_fold(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                    seq_slots: torch.Tensor, cu_rows: torch.Tensor, consumed: torch.Tensor) -> None:
+    """In place: state[seq_slots[s]] advanced by the first consumed[s] rows of sequence s, with the
+    update verify applies. consumed[s] in 1 .. rows of s is not checked (that would sync)."""
+    op = "delta_rule_fold"
+    _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
+    _check_tensor(op, "consumed", consumed, tuple(seq_slots.shape), torch.int32, state.device)
+    # query and out are never touched in a fold: key and value stand in for them
+    _launch(state, key, key, value, decay, beta, seq_slots, cu_rows, consumed, value, None, fold=True)
+
+
+def update_state(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """state [heads, d_k, d_v]; key [heads, d_k]; value [heads, d_v]; decay [heads, d_k or 1, 1]; beta [heads].
+    Mirrors verifier.model.layers.recurrence.update_state exactly (same ops, same order)."""
+    state = state * decay
+    recalled = (state * key[..., None]).sum(dim=-2)  # [heads, d_v]
+    delta = (value - recalled) * beta[..., None]
+    return state + key[..., None] * delta[..., None, :]
+
+
+def read_state(state: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """state [heads, d_k, d_v]; query [heads, d_k] -> [heads, d_v]. Mirrors recurrence.read_state."""
+    return (state * query[..., None]).sum(dim=-2)
+
+
+def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+                          snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state."""
+    rows, heads, d_v = value.shape
+    if out is None:
+        out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
+    bounds = cu_rows.tolist()
+    for s, slot in enumerate(seq_slots.tolist()):
+        s_state = state[slot]
+        for i in range(bounds[s], bounds[s + 1]):
+            s_state = update_state(s_state, key[i], value[i], decay[i][..., None], beta[i])
+            out[i] = read_state(s_state, query[i])
+            if snapshots is not None:
+                snapshots[i] = s_state
+    return out
+
+
+def delta_rule_fold_ref(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                        seq_slots: torch.Tensor, cu_rows: torch.Tensor, consumed: torch.Tensor) -> None:
+    """delta_rule_fold in torch: WOA rollback's loop over the stash rows 0 .. consumed[s]-1."""
+    bounds = cu_rows.tolist()
+    for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):
+        s_state = state[slot]
+        for i in range(bounds[s], bounds[s] + n):
+            s_state = update_state(s_state, key[i], value[i], decay[i][..., None], beta[i])
+        state[slot] = s_state

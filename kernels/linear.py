@@ -1,0 +1,224 @@
+"""Row-invariant skinny GEMM: every projection, MLP, expert and the LM head.
+
+    x       [M, K]  fp32 or bf16: M rows (a decode or verify batch: 1 to 64+), K input features
+    weight  [N, K]  x's dtype (nn.Linear layout, rows are output features; N up to ~152k for an LM head)
+    bias    [N]     x's dtype, or None
+    out     [M, N]  x's dtype: x @ weight^T (+ bias), accumulated in fp32, cast once
+
+Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks K
+from 0 upward in BLOCK_K steps, accumulating tl.dot products in one fp32 register block; bias is
+added in fp32 after the loop and the tile is cast once. BLOCK_M is 16 whatever M (rows past M
+load as 0 and are never stored), the launch config depends only on (N, K, dtype) and M is not
+specialised on, so a row meets the same instructions in the same order whether it is decoded
+alone or among 63 others. No split-K, no atomics, no autotune. fp32 dots use
+input_precision="ieee" (TF32 off); bf16 dots use the tensor-core MMA with fp32 accumulate.
+
+Under TRITON_INTERPRET=1 (tests on the CPU) Triton 3.9's interpreter gets bf16 wrong twice: tl.dot
+multiplies the uint16 bit patterns (triton-lang/triton#11584) and the fp32 -> bf16 cast truncates
+where the GPU rounds to nearest even. The INTERPRET constexpr therefore upcasts bf16 tiles to fp32
+before the dot (bf16 products are exact in fp32) and rounds the output on the bits (_bf16_rtne).
+The GPU never takes those branches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .rounding import round_to_bf16
+
+from .runtime import interpreting
+
+BLOCK_M = 16  # rows per tile, fixed: tl.dot's smallest M, enough for a decode row or a 16-row verify
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class LinearConfig(NamedTuple):
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The pinned launch config for a weight of shape [n, k]; never a function of the row count.
+
+    Skinny GEMMs are bound by reading the weight once, so the tile is sized for bandwidth:
+    - bf16: BLOCK_K 128 (a [128, BLOCK_N] weight tile is 16 KiB at BLOCK_N 64, 4 stages in flight
+      hide the load latency) on the MMA path, 4 warps.
+    - fp32: input_precision="ieee" has no tensor cores, the dot is FMA on CUDA cores with both
+      tiles in registers, so BLOCK_K stays 32 (a [16, 32] x [32, 64] product in 4 warps without
+      spilling) and 3 stages.
+    - BLOCK_N 64 when N gives at least 128 tiles (the LM head, wide MLPs: ~one wave or more on an
+      H200's 132 SMs), else 32, so narrow projections still spread over more SMs. Without
+      split-K a small N cannot fill the GPU; that is the price of a fixed reduction order.
+    - Small N or K shrink the block to the next power of two, at least 16 (tl.dot's minimum).
+    These are reasoned, not timed. Changing them changes the CUDA backend's bits (another
+    association of the K sum) but never the row-invariance contract, since decode and verify
+    read the same config.
+    """
+    block_n = 64 if n >= 128 * 64 else 32
+    block_n = max(16, min(block_n, triton.next_power_of_2(n)))
+    if dtype == torch.bfloat16:
+        block_k, num_stages = 128, 4
+    else:
+        block_k, num_stages = 32, 3
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    return LinearConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
+
+
+@triton.jit
+def _bf16_rtne(b):
+    """fp32 block -> bf16, round to nearest even, on the bits (what the GPU's cvt.rn.bf16.f32 does)."""
+    return round_to_bf16(b).to(tl.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x, weight, bias, out,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_m = o_m < M
+    m_n = o_n < N
+    # int64 row offsets: an LM head's N * K can pass 2^31 elements
+    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
+
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if IS_FP32:
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
+        elif INTERPRET:
+            # the interpreter multiplies bf16 bit patterns (triton-lang/triton#11584); bf16
+            # products are exact in fp32, so this is the MMA's math up to summation order
+            b_acc = tl.dot(b_x.to(tl.float32), b_w.to(tl.float32), b_acc, input_precision="ieee")
+        else:
+            b_acc = tl.dot(b_x, b_w, b_acc)  # bf16 MMA, fp32 accumulate
+        p_x += BLOCK_K
+        p_w += BLOCK_K
+
+    if HAS_BIAS:
+        b_bias = tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+        b_acc += b_bias[None, :]
+    if INTERPRET and not IS_FP32:
+        b_out = _bf16_rtne(b_acc)  # the interpreter's fp32 -> bf16 cast truncates; the GPU's rounds
+    else:
+        b_out = b_acc.to(out.dtype.element_ty)  # round to nearest even
+    p_out = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
+    tl.store(p_out, b_out, mask=m_m[:, None] & m_n[None, :])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"linear: x must be 2-D [M, K], got shape {list(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"linear: x dtype {x.dtype} is not one of {DTYPES}")
+    if not x.is_cuda and not interpreting():
+        raise ValueError(f"linear: x is on {x.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if weight.dim() != 2:
+        raise ValueError(f"linear: weight must be 2-D [N, K], got shape {list(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"linear: weight K {weight.shape[1]} != x K {x.shape[1]} (weight {list(weight.shape)}, x {list(x.shape)})")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"linear: weight dtype {weight.dtype} != x dtype {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"linear: weight is on {weight.device}, x on {x.device}")
+    if weight.stride(1) != 1 and weight.shape[1] > 1:
+        # a silent copy of an LM head per call would cost more than the GEMM
+        raise ValueError(f"linear: weight must be contiguous along K, got strides {weight.stride()}")
+    n = weight.shape[0]
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"linear: bias must be [N] = [{n}], got shape {list(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"linear: bias dtype {bias.dtype} != x dtype {x.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"linear: bias is on {bias.device}, x on {x.device}")
+    if out is not None:
+        if out.shape != (x.shape[0], n):
+            raise ValueError(f"linear: out must be [M, N] = [{x.shape[0]}, {n}], got shape {list(out.shape)}")
+        if out.dtype != x.dtype:
+            raise ValueError(f"linear: out dtype {out.dtype} != x dtype {x.dtype}")
+        if out.device != x.device:
+            raise ValueError(f"linear: out is on {out.device}, x on {x.device}")
+        if out.stride(1) != 1 and n > 1:
+            raise ValueError(f"linear: out must be contiguous along N, got strides {out.stride()}")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
+
+    out: an optional [M, N] buffer to write into (rows may be strided, features contiguous); it is
+    returned. Rows of x may be strided (a slice of a larger buffer); features are made contiguous.
+    """
+    _check(x, weight, bias, out)
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = linear_config(n, k, x.dtype)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else x, out,
+        m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        IS_FP32=x.dtype == torch.float32,
+        INTERPRET=interpreting(),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference backend's projection: F.linear one row at a time on a fresh copy of the row.
+
+    Mirrors `verifier.model.ops.each_row(..., row_invariant=True)`: a K-row F.linear on the CPU
+    takes a GEMM path whose bits differ from the rows' one-row (GEMV) products, so every row is
+    computed alone. out, if given, is filled and returned (same contract as `linear`).
+    """
+    rows = [F.linear(x[r : r + 1].clone(), weight, bias) for r in range(x.shape[0])]
+    result = torch.cat(rows) if rows else F.linear(x, weight, bias)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -1,0 +1,281 @@
+"""Row-wise normalisations: RMSNorm (zero-centred and plain), the SiLU- and sigmoid-gated output
+RMSNorms of GDN and KDA, and the l2norm of GDN / KDA queries and keys.
+
+    x       [M, D]  fp32 or bf16 (l2norm: fp32): M rows, normalised over D (D up to 8192 and
+                    beyond). Head-wise norms pass [rows, heads, d] reshaped to [rows * heads, d].
+    gate    [M, D]  x's dtype (the gated norms only)
+    weight  [D]     x's dtype
+    out     [M, D]  x's dtype (l2norm: fp32)
+
+With norm(x32) = x32 * rsqrt(mean(x32^2) + eps) (x32 = x in fp32) and cast = to x's dtype:
+    rms_norm, zero_centred (Qwen):  cast(norm(x32) * (1 + w32))
+    rms_norm, plain (Kimi):         w * cast(norm(x32))                (the product in x's dtype)
+    silu_gated_rms_norm (GDN):      cast(cast(w * cast(norm(x32))) * silu(gate32))
+    sigmoid_gated_rms_norm (KDA):   cast(w32 * norm(x32) * sigmoid(gate32))
+    l2norm "rsqrt" (GDN):           x * rsqrt(sum(x^2) + 1e-6)
+    l2norm "div" (KDA):             x / sqrt(sum(x^2) + 1e-6)
+The `_ref` functions are these formulas in torch (what the CPU reference backend computes,
+`verifier.model.ops`); each launcher runs the same math in one Triton kernel.
+
+Row invariance (DESIGN.md section 6): one program per row. A row of up to MAX_BLOCK_D elements is
+loaded once into one BLOCK_D = next_power_of_2(D) block and its sum of squares is one tl.sum; a
+longer row is walked in N_BLOCKS blocks of MAX_BLOCK_D from column 0 upward, the squares
+accumulated per lane in fp32 and summed once after the loop, then walked again to write. BLOCK_D,
+N_BLOCKS and num_warps are functions of D alone, no row count reaches the kernel, and every
+pointer arrives 16-byte aligned (Triton specialises on that), so a row meets the same instructions
+in the same order whether it is normalised alone or among thousands.
+The math is fp32 with the casts exactly where the reference casts. Division, square root and
+rsqrt use the correctly rounded forms (div_rn, sqrt_rn, 1 / sqrt as the CPU computes rsqrt), so
+on a GPU the kernel differs from the reference only by the sum's association and exp's rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .rounding import round_to_bf16
+
+from .runtime import interpreting
+
+MAX_BLOCK_D = 4096  # longest row held in registers at once; longer rows loop over blocks of this
+L2_EPS = tl.constexpr(1e-6)  # the l2norm's epsilon, fixed by GDN and KDA
+ALIGN = 16  # bytes: Triton specialises pointer arguments on 16-byte alignment
+DTYPES = (torch.float32, torch.bfloat16)  # the compute dtypes (fp16 checkpoints compute in fp32 or bf16)
+
+# FORM: which normalisation the kernel computes (constexpr globals, readable inside @triton.jit)
+RMS_ZERO_CENTRED = tl.constexpr(0)
+RMS_PLAIN = tl.constexpr(1)
+RMS_SILU_GATED = tl.constexpr(2)
+RMS_SIGMOID_GATED = tl.constexpr(3)
+L2_RSQRT = tl.constexpr(4)
+L2_DIV = tl.constexpr(5)
+L2_FORMS = {"rsqrt": L2_RSQRT, "div": L2_DIV}
+
+
+@triton.jit
+def _cast(b, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """fp32 b -> DTYPE, rounding to nearest even as torch's .to() does. The interpreter truncates
+    fp32 -> bf16, so there (EMULATE_BF16_RTNE) the rounding is done on the bits first, after
+    which the cast is exact; a GPU's cast rounds to nearest even by itself."""
+    if EMULATE_BF16_RTNE and DTYPE == tl.bfloat16:
+        b = round_to_bf16(b)
+    return b.to(DTYPE)
+
+
+@triton.jit
+def _normalise(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """One block of a row: b_x [BLOCK_D] fp32, b_ss the row's fp32 sum of squares -> fp32 block
+    whose cast to the output dtype is the result; intermediate casts to DTYPE where the reference
+    casts. p_gate / p_w point at this block's gate and weight elements."""
+    if FORM == L2_RSQRT:
+        b_y = b_x * tl.math.div_rn(1.0, tl.sqrt_rn(b_ss + L2_EPS))
+    elif FORM == L2_DIV:
+        b_y = tl.math.div_rn(b_x, tl.sqrt_rn(b_ss + L2_EPS))
+    else:
+        # mean = sum / D as the CPU reference divides; D * 1.0, not D.to(): D == 1 arrives as a constexpr
+        b_inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(b_ss, D * 1.0) + eps))
+        b_n = b_x * b_inv  # norm(x32)
+        b_w = tl.load(p_w, mask=m_d, other=0.0).to(tl.float32)
+        if FORM == RMS_ZERO_CENTRED:
+            b_y = b_n * (1.0 + b_w)
+        elif FORM == RMS_PLAIN:
+            b_y = b_w * _cast(b_n, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+        elif FORM == RMS_SILU_GATED:
+            b_g = tl.load(p_gate, mask=m_d, other=0.0).to(tl.float32)
+            b_wn = _cast(b_w * _cast(b_n, DTYPE, EMULATE_BF16_RTNE).to(tl.float32), DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+            b_y = b_wn * tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g))  # silu as torch: g / (1 + exp(-g))
+        else:  # RMS_SIGMOID_GATED
+            b_g = tl.load(p_gate, mask=m_d, other=0.0).to(tl.float32)
+            b_y = (b_w * b_n) * tl.math.div_rn(1.0, 1.0 + tl.exp(-b_g))
+    return b_y
+
+
+@triton.jit
+def _row_norm_kernel(
+    x, gate, weight, out,
+    D, eps,
+    FORM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)  # the row; int64: rows * D can pass 2^31
+    DTYPE: tl.constexpr = out.dtype.element_ty
+    p_x = x + i_m * D
+    p_g = gate + i_m * D
+    p_out = out + i_m * D
+    o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    if N_BLOCKS == 1:
+        m_d = o_d < D
+        b_x = tl.load(p_x + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+        b_ss = tl.sum(b_x * b_x, axis=0)
+        b_y = _normalise(b_x, b_ss, p_g + o_d, weight + o_d, m_d, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
+        tl.store(p_out + o_d, _cast(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_d)
+    else:
+        b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
+        for i_b in range(N_BLOCKS):
+            o_c = i_b * BLOCK_D + o_d
+            b_x = tl.load(p_x + o_c, mask=o_c < D, other=0.0).to(tl.float32)
+            b_acc += b_x * b_x
+        b_ss = tl.sum(b_acc, axis=0)
+        for i_b in range(N_BLOCKS):
+            o_c = i_b * BLOCK_D + o_d
+            m_c = o_c < D
+            b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
+            b_y = _normalise(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
+            tl.store(p_out + o_c, _cast(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
+
+
+def norm_config(d: int) -> tuple[int, int, int]:
+    """(BLOCK_D, N_BLOCKS, num_warps) for rows of d elements: a function of d alone, never of the
+    row count. num_warps gives each thread at most 16 elements of a block (1 warp for a 128-wide
+    head, 8 for a 4096-wide block)."""
+    block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
+    return block_d, triton.cdiv(d, block_d), min(8, max(1, block_d // 512))
+
+
+def _check_like(name: str, t: torch.Tensor, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, op: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{op}: {name} dtype {t.dtype} != {dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous with a 16-byte-aligned start. Triton compiles another variant for a pointer off
+    that alignment, and its load layout (so the order of the row's sum) can differ: a one-row
+    decode slice at an odd offset must meet the same code as the same row inside a verify batch."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
+
+
+def _launch(
+    op: str,
+    form: tl.constexpr,
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor | None,
+    dtypes: tuple[torch.dtype, ...],
+) -> torch.Tensor:
+    """Check every tensor (messages name it), make the inputs contiguous and aligned, launch one
+    program per row."""
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D [M, D] (reshape [rows, heads, d] to [rows * heads, d]), got shape {list(x.shape)}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{op}: x dtype {x.dtype} is not one of {dtypes}")
+    if not x.is_cuda and not interpreting():
+        raise ValueError(f"{op}: x is on {x.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    m, d = x.shape
+    if d == 0:
+        raise ValueError(f"{op}: x has no columns (shape {list(x.shape)})")
+    if gate is not None:
+        _check_like("gate", gate, x, (m, d), x.dtype, op)
+        gate = _aligned(gate)
+    if weight is not None:
+        _check_like("weight", weight, x, (d,), x.dtype, op)
+        weight = _aligned(weight)
+    out_dtype = torch.float32 if form.value in (L2_RSQRT.value, L2_DIV.value) else x.dtype
+    if out is None:
+        out = torch.empty((m, d), dtype=out_dtype, device=x.device)
+    else:
+        _check_like("out", out, x, (m, d), out_dtype, op)
+        if not out.is_contiguous():
+            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
+        if out.data_ptr() % ALIGN:
+            raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see _aligned), got address {out.data_ptr():#x}")
+    x = _aligned(x)
+    if m == 0:
+        return out
+    block_d, n_blocks, num_warps = norm_config(d)
+    _row_norm_kernel[(m,)](
+        x, gate if gate is not None else x, weight if weight is not None else x, out,
+        d, eps,
+        FORM=form.value,
+        BLOCK_D=block_d,
+        N_BLOCKS=n_blocks,
+        EMULATE_BF16_RTNE=interpreting(),
+        num_warps=num_warps,
+    )
+    return out
+
+
+def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """The references' `out=`: fill the buffer and return it, as the launchers do."""
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+# --- RMSNorm (attention q/k norms, layer norms, MLA latent norms) ---
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, D], weight [D] -> [M, D] in x's dtype: zero-centred cast(norm(x32) * (1 + w32)), or
+    plain w * cast(norm(x32)). out: an optional contiguous [M, D] buffer, filled and returned."""
+    form = RMS_ZERO_CENTRED if zero_centred else RMS_PLAIN
+    return _launch("rms_norm", form, x, None, weight, eps, out, DTYPES)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return _into(out, (normed * (1.0 + weight.float())).to(dtype))
+    return _into(out, weight * normed.to(dtype))
+
+
+# --- GDN output norm ---
+
+
+def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, D], gate [M, D], weight [D] -> [M, D] in x's dtype: cast(w * cast(norm(x32)) * silu(gate32))."""
+    return _launch("silu_gated_rms_norm", RMS_SILU_GATED, x, gate, weight, eps, out, DTYPES)
+
+
+def silu_gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return _into(out, ((weight * normed) * F.silu(gate.float())).to(dtype))
+
+
+# --- KDA output norm ---
+
+
+def sigmoid_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, D], gate [M, D], weight [D] -> [M, D] in x's dtype: cast(w32 * norm(x32) * sigmoid(gate32))."""
+    return _launch("sigmoid_gated_rms_norm", RMS_SIGMOID_GATED, x, gate, weight, eps, out, DTYPES)
+
+
+def sigmoid_gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return _into(out, (weight.float() * normed * torch.sigmoid(gate.float())).to(dtype))
+
+
+# --- l2norm of GDN / KDA queries and keys ---
+
+
+def l2norm(x: torch.Tensor, form: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 x [M, D] -> fp32 [M, D]: form "rsqrt" x * rsqrt(sum(x^2) + 1e-6) (GDN), "div"
+    x / sqrt(sum(x^2) + 1e-6) (KDA)."""
+    if form not in L2_FORMS:
+        raise ValueError(f"l2norm: form must be one of {sorted(L2_FORMS)}, got {form!r}")
+    return _launch("l2norm", L2_FORMS[form], x, None, None, 0.0, out, (torch.float32,))
+
+
+def l2norm_ref(x: torch.Tensor, form: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    if form == "rsqrt":
+        return _into(out, x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS.value))
+    if form == "div":
+        return _into(out, x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS.value))
+    raise ValueError(f"l2norm: form must be one of {sorted(L2_FORMS)}, got {form!r}")

@@ -1,0 +1,239 @@
+"""The short causal conv of GDN and KDA over a ragged batch, and its window update (rollback, commit).
+
+    window     [n_slots, C, W-1]  inputs' dtype: per slot, the raw inputs before the slot's next row
+    inputs     [R, C]             fp32 or bf16: raw conv inputs, the rows of all sequences stacked
+    weight     [C, W]             inputs' dtype: depthwise taps, weight[:, W-1] multiplies the current row
+    seq_slots  [S]                int32: each sequence's slot in the pool (distinct slots)
+    cu_rows    [S+1]              int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1; cu_rows[0] = 0
+    consumed   [S]                int32: next_window only, 1 <= consumed[s] <= rows of s
+    out        [R, C]             inputs' dtype
+
+conv_rows: row t of sequence s (seq = window[slot] as rows, then the sequence's inputs):
+    out = silu(sum_{j=0..W-1} weight[:, j] * seq[t + j])
+with the sum taken left to right (j = 0 first), every product and partial sum rounded to the
+inputs' dtype, then SiLU computed in fp32 and rounded once: what `causal_conv_row` computes with
+torch's elementwise ops (each op on bf16 runs in fp32 and rounds to bf16). It never writes the
+window: verify only reads it. Rows outside [0, cu_rows[S]) are not written.
+
+next_window: window[slot] = the last W-1 of (window[slot] ++ the first consumed[s] input rows of s),
+in place: rollback to the accepted prefix, and prefill's commit with consumed = all rows.
+
+Row invariance: one program per (sequence, channel block) walks its rows in order; a row's W
+taps are read from the window or the inputs by position and combined in the same order whatever
+the number of rows. BLOCK_C and num_warps depend only on C. fp32 contraction into FMA is turned off
+(enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
+bf16 rounding is done with integer ops (`_round_bf16`), so the interpreter, which truncates on
+fp32 -> bf16 casts, and the GPU give the same bits.
+
+The SiLU is x / (1 + exp(-x)) in fp32, as torch computes it; exp differs by an ulp or so between
+torch (CPU SIMD or scalar), numpy (the interpreter) and the GPU, so outputs match the reference
+exactly where SiLU saturates (x > ~17: SiLU(x) = x in fp32) and within a few fp32 ulps (one bf16
+ulp after rounding) elsewhere. Within one backend the bits never depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .rounding import round_to_bf16
+
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+NUM_WARPS = 4
+
+
+def _block_c(channels: int) -> int:
+    """Channels per program: at most 256 (a conv_dim of 8192 gives 32 programs per sequence)."""
+    return min(256, triton.next_power_of_2(channels))
+
+
+@triton.jit
+def _round_to(b_x, IS_BF16: tl.constexpr):
+    if IS_BF16:
+        b_x = round_to_bf16(b_x)
+    return b_x
+
+
+@triton.jit
+def _conv_rows_kernel(
+    window, inputs, weight, seq_slots, cu_rows, out,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s)
+    i_rows = tl.load(cu_rows + i_s + 1) - i_bos
+    i_bos = i_bos.to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
+    m_c = o_c < C
+    p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, tap 0
+
+    for i_t in range(0, i_rows):
+        # tap j of row t is seq[t + j]: window column t + j while t + j < W-1, else input row t + j - (W-1)
+        b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(W):
+            o_pos = tl.zeros([BLOCK_C], dtype=tl.int32) + i_t + j  # [BLOCK_C] (a tensor, also in the interpreter)
+            m_win = m_c & (o_pos < W - 1)
+            m_inp = m_c & (o_pos >= W - 1)
+            b_win = tl.load(p_window + o_pos, mask=m_win, other=0.0)
+            b_inp = tl.load(inputs + (i_bos + o_pos - (W - 1)) * C + o_c, mask=m_inp, other=0.0)
+            b_x = tl.where(m_win, b_win, b_inp).to(tl.float32)
+            b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
+            b_prod = _round_to(b_x * b_w, IS_BF16)
+            if j == 0:
+                b_acc = b_prod
+            else:
+                b_acc = _round_to(b_acc + b_prod, IS_BF16)
+        b_out = _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16)  # SiLU in fp32
+        tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
+def _next_window_kernel(
+    window, inputs, seq_slots, cu_rows, consumed,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s).to(tl.int64)
+    i_n = tl.load(consumed + i_s).to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
+    o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W] new window columns
+    m_c = o_c < C
+    m_w = o_w < W - 1
+    # new column w is seq[n + w] of seq = old window ++ inputs
+    o_pos = i_n + o_w
+    m_old = m_c[:, None] & (m_w & (o_pos < W - 1))[None, :]
+    m_new = m_c[:, None] & (m_w & (o_pos >= W - 1))[None, :]
+    p_window = window + i_slot * C * (W - 1) + o_c[:, None] * (W - 1)  # [BLOCK_C, 1]
+    b_old = tl.load(p_window + o_pos[None, :], mask=m_old, other=0.0)
+    b_new = tl.load(inputs + (i_bos + o_pos - (W - 1))[None, :] * C + o_c[:, None], mask=m_new, other=0.0)
+    b_win = tl.where(m_old, b_old, b_new)  # [BLOCK_C, BLOCK_W]
+    # in place: every thread's reads of the old window land before any thread overwrites it
+    tl.debug_barrier()
+    tl.store(p_window + o_w[None, :], b_win, mask=m_c[:, None] & m_w[None, :])
+
+
+def _check_ragged(op: str, seq_slots: torch.Tensor, cu_rows: torch.Tensor, device: torch.device) -> None:
+    if seq_slots.dim() != 1 or seq_slots.dtype != torch.int32:
+        raise ValueError(f"{op}: seq_slots must be int32 [S], got {seq_slots.dtype} {list(seq_slots.shape)}")
+    if cu_rows.shape != (seq_slots.shape[0] + 1,) or cu_rows.dtype != torch.int32:
+        raise ValueError(f"{op}: cu_rows must be int32 [S+1] = [{seq_slots.shape[0] + 1}], got {cu_rows.dtype} {list(cu_rows.shape)}")
+    for name, t in (("seq_slots", seq_slots), ("cu_rows", cu_rows)):
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, inputs on {device}")
+
+
+def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
+    if inputs.dim() != 2:
+        raise ValueError(f"{op}: inputs must be 2-D [R, C], got shape {list(inputs.shape)}")
+    if inputs.dtype not in DTYPES:
+        raise ValueError(f"{op}: inputs dtype {inputs.dtype} is not one of {DTYPES}")
+    if not inputs.is_cuda and not interpreting():
+        raise ValueError(f"{op}: inputs is on {inputs.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    channels = inputs.shape[1]
+    if window.dim() != 3 or window.shape[1] != channels or window.shape[2] < 1:
+        raise ValueError(f"{op}: window must be [n_slots, C={channels}, W-1 >= 1], got shape {list(window.shape)}")
+    if window.dtype != inputs.dtype:
+        raise ValueError(f"{op}: window dtype {window.dtype} != inputs dtype {inputs.dtype}")
+    if window.device != inputs.device:
+        raise ValueError(f"{op}: window is on {window.device}, inputs on {inputs.device}")
+    if not window.is_contiguous():
+        raise ValueError(f"{op}: window must be contiguous (read in place), got strides {window.stride()}")
+    _check_ragged(op, seq_slots, cu_rows, inputs.device)
+
+
+def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
+              cu_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype); window is only read.
+
+    out: an optional contiguous [R, C] buffer to write into; it is returned."""
+    _check("conv_rows", window, inputs, seq_slots, cu_rows)
+    rows, channels = inputs.shape
+    if weight.dim() != 2 or weight.shape != (channels, window.shape[2] + 1):
+        raise ValueError(f"conv_rows: weight must be [C, W] = [{channels}, {window.shape[2] + 1}], got shape {list(weight.shape)}")
+    if weight.dtype != inputs.dtype:
+        raise ValueError(f"conv_rows: weight dtype {weight.dtype} != inputs dtype {inputs.dtype}")
+    if weight.device != inputs.device:
+        raise ValueError(f"conv_rows: weight is on {weight.device}, inputs on {inputs.device}")
+    if out is None:
+        out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
+    elif out.shape != inputs.shape or out.dtype != inputs.dtype or out.device != inputs.device or not out.is_contiguous():
+        raise ValueError(f"conv_rows: out must be a contiguous {inputs.dtype} [{rows}, {channels}] on {inputs.device}, "
+                         f"got {out.dtype} {list(out.shape)} strides {out.stride()} on {out.device}")
+    n_seqs = seq_slots.shape[0]
+    if n_seqs == 0 or rows == 0:
+        return out
+    block_c = _block_c(channels)
+    _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
+        window, inputs.contiguous(), weight.contiguous(), seq_slots, cu_rows, out,
+        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_C=block_c,
+        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,
+    )
+    return out
+
+
+def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+                consumed: torch.Tensor) -> None:
+    """In place: window[slot] = last W-1 of (window[slot] ++ the first consumed[s] input rows of s).
+
+    consumed[s] in 1 .. rows of s is not checked (that would sync the device)."""
+    _check("next_window", window, inputs, seq_slots, cu_rows)
+    if consumed.shape != seq_slots.shape or consumed.dtype != torch.int32 or consumed.device != inputs.device:
+        raise ValueError(f"next_window: consumed must be int32 [S] = [{seq_slots.shape[0]}] on {inputs.device}, "
+                         f"got {consumed.dtype} {list(consumed.shape)} on {consumed.device}")
+    n_seqs, channels, keep = seq_slots.shape[0], inputs.shape[1], window.shape[2]
+    if n_seqs == 0:
+        return
+    block_c = _block_c(channels)
+    _next_window_kernel[(n_seqs, triton.cdiv(channels, block_c))](
+        window, inputs.contiguous(), seq_slots, cu_rows, consumed,
+        C=channels, W=keep + 1, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(keep),
+        num_warps=NUM_WARPS, num_stages=1,
+    )
+
+
+def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """window [W, C] raw inputs ending at this row, weight [C, W] -> [1, C]. Mirrors
+    verifier.model.ops.causal_conv_row: a left-to-right sum of W products, then SiLU, on one row
+    (a [1, C] tensor, so torch's SIMD/tail split never depends on the batch)."""
+    out = window[0:1] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        out = out + window[j : j + 1] * weight[:, j]
+    return F.silu(out)
+
+
+def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
+                  cu_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """conv_rows in torch: each sequence's rows one at a time, as the reference backend's conv_sequence."""
+    width = weight.shape[1]
+    if out is None:
+        out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
+    bounds = cu_rows.tolist()
+    for s, slot in enumerate(seq_slots.tolist()):
+        seq = torch.cat((window[slot].t().to(inputs.dtype), inputs[bounds[s] : bounds[s + 1]]), dim=0)  # [W-1+n, C]
+        for t in range(bounds[s + 1] - bounds[s]):
+            out[bounds[s] + t] = causal_conv_row(seq[t : t + width], weight)[0]
+    return out
+
+
+def next_window_ref(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+                    consumed: torch.Tensor) -> None:
+    """next_window in torch, as rollback re-slices the window."""
+    keep = window.shape[2]
+    bounds = cu_rows.tolist()
+    for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):
+        seq = torch.cat((window[slot], inputs[bounds[s] : bounds[s] + n].t().to(window.dtype)), dim=1)  # [C, W-1+n]
+        window[slot] = seq[:, seq.shape[1] - keep :]

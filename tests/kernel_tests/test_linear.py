@@ -1,0 +1,159 @@
+"""kernels/linear.py: the row-invariant skinny GEMM against its torch reference.
+
+Tolerances (inputs are unit-variance, so an output's scale is sqrt(K)):
+- fp32: rtol 1e-5, atol 1e-5 * sqrt(K). Kernel and reference sum the same K exact-in-fp64 products
+  in fp32 in different orders (tiles of BLOCK_K vs the CPU's GEMV); that order difference is a few
+  units of 2^-24 times the partial sums' size, ~1e-6 * sqrt(K) measured at K <= 300, so the bound
+  is ~10x the observed noise yet far below any indexing or masking error (O(1) * sqrt(K)).
+- bf16: rtol 2^-7 (one bf16 ulp), atol 1e-4 * sqrt(K). Both sides accumulate the bf16 products
+  (exact in fp32) in fp32, add the bias in fp32 and round once, so they differ only where the two
+  fp32 sums straddle a rounding boundary: one ulp, at most 2^-7 |out|. atol covers sums that cancel
+  to near zero, with 10x the fp32 margin for tensor cores, whose in-MMA accumulation is not
+  IEEE round-to-nearest on real GPUs.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import BLOCK_M, linear, linear_config, linear_ref
+
+from .conftest import ROW_COUNTS, assert_close, nan_like
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPES = [(1, 40, 24), (5, 33, 70), (17, 64, 130), (33, 96, 47), (3, 300, 20)]  # (M, K, N)
+
+
+def tolerance(dtype: torch.dtype, k: int) -> tuple[float, float]:
+    if dtype == torch.float32:
+        return 1e-5, 1e-5 * math.sqrt(k)
+    return 2.0**-7, 1e-4 * math.sqrt(k)
+
+
+def make(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = torch.randn(n, k, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def on_cpu(*ts):
+    return [None if t is None else t.cpu() for t in ts]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-K{}-N{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_matches_reference(device, dtype, shape, bias):
+    m, k, n = shape
+    x, w, b = make(m, k, n, dtype, bias, device)
+    got = linear(x, w, b)
+    want = linear_ref(*on_cpu(x, w, b))  # the reference backend runs on the CPU
+    assert got.dtype == dtype
+    rtol, atol = tolerance(dtype, k)
+    assert_close(f"linear {dtype} M{m} K{k} N{n} bias={bias}", got.cpu(), want, rtol, atol)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_row_invariance(device, dtype, bias):
+    """op(x[:r]) == op(x)[:r] bitwise for every row count, and a row alone == that row in a batch.
+
+    K 136 runs several K blocks with a ragged last one (fp32: 5 of 32, bf16: 2 of 128)."""
+    k, n = 136, 24
+    x, w, b = make(max(ROW_COUNTS), k, n, dtype, bias, device)
+    full = linear(x, w, b)
+    for r in ROW_COUNTS:
+        assert torch.equal(linear(x[:r], w, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
+    # serial decode computes each verify row alone, at tile slot 0
+    for i in (1, BLOCK_M - 1, BLOCK_M, 2 * BLOCK_M + 1, len(x) - 1):
+        assert torch.equal(linear(x[i : i + 1].clone(), w, b), full[i : i + 1]), f"row {i} alone differs"
+
+
+@pytest.mark.parametrize("m", [1, 17, 33], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_nan_poisoned_output(device, dtype, m):
+    """Every [M, N] element is written, nothing outside it: out is a window of a NaN buffer."""
+    k, n = 40, 70
+    x, w, b = make(m, k, n, dtype, True, device)
+    buf = nan_like(torch.empty(m + 3, n + 5, dtype=dtype, device=device))
+    out = buf[:m, :n]
+    assert linear(x, w, b, out=out) is out
+    assert not torch.isnan(out).any(), "NaN left in out: an element was not written"
+    assert torch.equal(out, linear(x, w, b))
+    assert torch.isnan(buf[m:]).all() and torch.isnan(buf[:, n:]).all(), "wrote outside out"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_strided_x(device, dtype):
+    """x as a column window of a wider buffer, or column-major, gives the contiguous result's bits."""
+    m, k, n = 5, 33, 24
+    x, w, b = make(m, k, n, dtype, True, device)
+    wide = torch.zeros(m, k + 7, dtype=dtype, device=device)
+    wide[:, 3 : 3 + k] = x
+    want = linear(x, w, b)
+    assert torch.equal(linear(wide[:, 3 : 3 + k], w, b), want)
+    assert torch.equal(linear(x.t().contiguous().t(), w, b), want)
+
+
+def test_no_rows(device):
+    x, w, b = make(0, 16, 8, torch.float32, True, device)
+    assert linear(x, w, b).shape == (0, 8)
+
+
+def test_reference_mirrors_each_row():
+    """linear_ref is the reference backend's row-invariant projection, bit for bit."""
+    from verifier.model.ops import each_row  # here, so the kernel tests collect without the model
+
+    for dtype in DTYPES.values():
+        x, w, b = make(7, 33, 20, dtype, True, "cpu")
+        want = each_row(lambda t: F.linear(t, w, b), x, row_invariant=True)
+        assert torch.equal(linear_ref(x, w, b), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_config_is_legal(dtype):
+    """Pinned configs: powers of two >= 16 (tl.dot's minimum), from (N, K, dtype) alone."""
+    for n in (1, 24, 130, 2048, 8192, 151936):
+        for k in (1, 33, 2048, 5120):
+            cfg = linear_config(n, k, dtype)
+            for size in (cfg.BLOCK_N, cfg.BLOCK_K):
+                assert size >= 16 and size & (size - 1) == 0, cfg
+
+
+def _bad(device, **over):
+    x, w, b = make(3, 8, 5, torch.float32, True, device)
+    args = {"x": x, "weight": w, "bias": b, "out": None}
+    args.update(over)
+    return args
+
+
+ERRORS = {
+    "x-3d": (lambda d: _bad(d, x=torch.zeros(1, 3, 8, device=d)), "x must be 2-D"),
+    "x-fp16": (lambda d: _bad(d, x=torch.zeros(3, 8, dtype=torch.float16, device=d)), "x dtype"),
+    "weight-dtype-mix": (lambda d: _bad(d, weight=torch.zeros(5, 8, dtype=torch.bfloat16, device=d)), "weight dtype"),
+    "weight-K-mismatch": (lambda d: _bad(d, weight=torch.zeros(5, 9, device=d)), "weight K"),
+    "weight-1d": (lambda d: _bad(d, weight=torch.zeros(8, device=d)), "weight must be 2-D"),
+    "weight-strided-K": (lambda d: _bad(d, weight=torch.zeros(8, 5, device=d).t()), "weight must be contiguous"),
+    "bias-dtype": (lambda d: _bad(d, bias=torch.zeros(5, dtype=torch.bfloat16, device=d)), "bias dtype"),
+    "bias-shape": (lambda d: _bad(d, bias=torch.zeros(6, device=d)), "bias must be"),
+    "out-shape": (lambda d: _bad(d, out=torch.zeros(3, 6, device=d)), "out must be"),
+    "out-dtype": (lambda d: _bad(d, out=torch.zeros(3, 5, dtype=torch.bfloat16, device=d)), "out dtype"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
+def test_launcher_errors(device, case):
+    build, message = case
+    with pytest.raises(ValueError, match=message):
+        linear(**build(device))
+
+
+def test_device_mismatch(device):
+    if device != "cuda":
+        pytest.skip("needs a GPU: under the interpreter every tensor is on the CPU")
+    with pytest.raises(ValueError, match="weight is on"):
+        linear(**_bad(device, weight=torch.zeros(5, 8)))

@@ -1,0 +1,149 @@
+"""kernels/short_conv.py: conv_rows and next_window against their torch references, row and batch
+invariance, the verify-then-rollback contract of the conv window, NaN-poisoned outputs.
+
+Tolerances (conv_rows vs conv_rows_ref, general inputs):
+  fp32: rtol 1e-6 (8 ulps). The W-tap sum is bit-identical (same order, product and sum rounded
+        separately: test_conv_rows_exact_where_silu_saturates checks it with torch.equal); what
+        differs is SiLU's exp (torch's SIMD or scalar exp, numpy's in the interpreter, the GPU's
+        ex2-based one) and division, a few ulps at most (measured: 2.5e-7 relative).
+  bf16: rtol 2**-7 (one bf16 ulp): the same fp32 ulp differences can flip SiLU's final rounding
+        to bf16 (measured: never, in the interpreter).
+  atol 1e-12 in both: SiLU's relative error stays bounded down to 0.
+"""
+
+import pytest
+import torch
+
+from kernels.short_conv import conv_rows, conv_rows_ref, next_window, next_window_ref
+from .conftest import ROW_COUNTS, assert_close, nan_like
+
+TOLERANCES = {torch.float32: (1e-6, 1e-12), torch.bfloat16: (2**-7, 1e-12)}  # (rtol, atol)
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+N_SLOTS = 6
+
+
+def ragged(counts: list[int], slots: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_slots [S], cu_rows [S+1]) int32 for sequences of `counts` rows in `slots`."""
+    cu = [0]
+    for n in counts:
+        cu.append(cu[-1] + n)
+    return torch.tensor(slots, dtype=torch.int32, device=device), torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make(rows: int, channels: int, width: int, dtype, device, seed: int = 0, saturate: bool = False):
+    """(window [N_SLOTS, C, W-1], inputs [rows, C], weight [C, W]). saturate: every pre-activation
+    above 20, where SiLU(x) = x in fp32, so the output is the tap sum itself."""
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randn(N_SLOTS, channels, width - 1, generator=g) * 2
+    inputs = torch.randn(rows, channels, generator=g) * 2
+    weight = torch.randn(channels, width, generator=g)
+    if saturate:
+        window, inputs, weight = window.abs() * 5 + 20, inputs.abs() * 5 + 20, weight.abs() + 0.5
+    return window.to(device, dtype), inputs.to(device, dtype), weight.to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("width", [2, 3, 4], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("channels", [37, 300], ids=lambda c: f"C{c}")
+def test_conv_rows_matches_ref(dtype, width, channels, device):
+    counts, slots = [1, 5, 2, 9], [3, 0, 5, 1]  # rows fewer and more than W-1, slots out of order
+    window, inputs, weight = make(sum(counts), channels, width, dtype, device)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    before = window.clone()
+    out = nan_like(inputs)
+    got = conv_rows(window, inputs, weight, seq_slots, cu_rows, out)
+    want = conv_rows_ref(window, inputs, weight, seq_slots, cu_rows)
+    assert got is out and got.dtype == dtype
+    assert_close(f"conv_rows {DTYPE_IDS[dtype]}", got, want, *TOLERANCES[dtype])  # also fails on NaN
+    assert torch.equal(window, before), "conv_rows wrote the window"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("width", [2, 4], ids=lambda w: f"W{w}")
+def test_conv_rows_exact_where_silu_saturates(dtype, width, device):
+    """Same tap order, same roundings: bit-identical to the reference once SiLU is the identity."""
+    counts, slots = [1, 3, 7], [2, 4, 0]
+    window, inputs, weight = make(sum(counts), 37, width, dtype, device, seed=1, saturate=True)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    got = conv_rows(window, inputs, weight, seq_slots, cu_rows)
+    want = conv_rows_ref(window, inputs, weight, seq_slots, cu_rows)
+    assert (want.float() > 20).all()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_conv_rows_row_invariant(dtype, device):
+    """op(x[:r]) == op(x)[:r] bitwise for r in ROW_COUNTS (one sequence)."""
+    window, inputs, weight = make(max(ROW_COUNTS), 37, 4, dtype, device, seed=2)
+    seq_slots, cu_rows = ragged([max(ROW_COUNTS)], [4], device)
+    full = conv_rows(window, inputs, weight, seq_slots, cu_rows)
+    for r in ROW_COUNTS:
+        seq_slots, cu_rows = ragged([r], [4], device)
+        part = conv_rows(window, inputs[:r], weight, seq_slots, cu_rows)
+        assert torch.equal(part, full[:r]), f"rows {r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_conv_rows_batch_invariant(dtype, device):
+    """A sequence's outputs alone equal its outputs among other sequences, bitwise."""
+    counts, slots = [4, 1, 6], [5, 2, 3]
+    window, inputs, weight = make(sum(counts), 37, 3, dtype, device, seed=3)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    batched = conv_rows(window, inputs, weight, seq_slots, cu_rows)
+    start = 0
+    for n, slot in zip(counts, slots):
+        alone_slots, alone_cu = ragged([n], [slot], device)
+        alone = conv_rows(window, inputs[start : start + n], weight, alone_slots, alone_cu)
+        assert torch.equal(alone, batched[start : start + n]), f"slot {slot}"
+        start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("width", [2, 3, 4], ids=lambda w: f"W{w}")
+def test_next_window_matches_ref(dtype, width, device):
+    counts, slots = [1, 5, 2, 9], [3, 0, 5, 1]
+    consumed = [1, 2, 2, 9]  # fewer than, as many as and more than W-1 rows; all rows
+    window, inputs, _ = make(sum(counts), 37, width, dtype, device, seed=4)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    consumed_t = torch.tensor(consumed, dtype=torch.int32, device=device)
+    got, want = window.clone(), window.clone()
+    next_window(got, inputs, seq_slots, cu_rows, consumed_t)
+    next_window_ref(want, inputs, seq_slots, cu_rows, consumed_t)
+    assert torch.equal(got, want)
+    for slot in set(range(N_SLOTS)) - set(slots):
+        assert torch.equal(got[slot], window[slot]), f"slot {slot} outside the batch was written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_conv_recurrent_contract(dtype, device):
+    """K rows in one launch == K one-row launches with the window advanced by next_window(1 row)
+    between them == a split (3 + 5): outputs and final windows bitwise."""
+    k, slot = 8, 2
+    window, inputs, weight = make(k, 37, 4, dtype, device, seed=5)
+    seq_slots, cu_rows = ragged([k], [slot], device)
+    one_launch = conv_rows(window, inputs, weight, seq_slots, cu_rows)
+    final = window.clone()
+    next_window(final, inputs, seq_slots, cu_rows, torch.tensor([k], dtype=torch.int32, device=device))
+
+    for chunks in ([1] * k, [3, 5]):
+        state, outs, start = window.clone(), [], 0
+        for n in chunks:
+            part_slots, part_cu = ragged([n], [slot], device)
+            outs.append(conv_rows(state, inputs[start : start + n], weight, part_slots, part_cu))
+            next_window(state, inputs[start : start + n], part_slots, part_cu, torch.tensor([n], dtype=torch.int32, device=device))
+            start += n
+        assert torch.equal(torch.cat(outs), one_launch), f"outputs, chunks {chunks}"
+        assert torch.equal(state, final), f"window, chunks {chunks}"
+
+
+def test_launchers_reject_bad_tensors(device):
+    window, inputs, weight = make(3, 8, 3, torch.float32, device)
+    seq_slots, cu_rows = ragged([3], [0], device)
+    with pytest.raises(ValueError, match="weight dtype"):
+        conv_rows(window, inputs, weight.bfloat16(), seq_slots, cu_rows)
+    with pytest.raises(ValueError, match="window must be contiguous"):
+        conv_rows(window.transpose(0, 1).contiguous().transpose(0, 1), inputs, weight, seq_slots, cu_rows)
+    with pytest.raises(ValueError, match="cu_rows"):
+        conv_rows(window, inputs, weight, seq_slots, cu_rows.long())
+    with pytest.raises(ValueError, match="consumed"):
+        next_window(window, inputs, seq_slots, cu_rows, torch.ones(2, dtype=torch.int32, device=device))
