@@ -19,9 +19,8 @@ from .layers.gdn import GatedDeltaNet
 from .layers.kda import KimiDeltaAttention
 from .layers.mla import LatentAttention
 from .layers.mlp import DenseMLP, MoE
-import torch.nn.functional as F
 
-from .ops import each_row, rms_norm
+from .ops import each_row, linear, rms_norm
 from .rollback import COMMIT, WOA, VerifyRecord, rollback
 from .rows import RowBatch
 from .state import SlotPool
@@ -113,7 +112,7 @@ class HybridModel:
         return each_row(self._logits, h, row_invariant=row_invariant)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+        return linear(self._norm(h, self.final_norm), self.lm_head).float()
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
         """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.
