@@ -159,6 +159,7 @@ def step_ms(engine: Engine, seqs: list, k: int, repeats: int) -> float:
 
 
 def rollback_figures(model, k: int, repeats: int) -> dict:
+    """Verify of K+1 rows, then rollback to a = K/2 accepted, timed apart (CUDA-graphed when the engine graphs)."""
     out = {}
     for mode in (WOA, SNAPSHOT):
         engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, rollback_mode=mode)
@@ -169,10 +170,16 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
         for _ in range(repeats + 2):
             sync()
             t0 = time.perf_counter()
-            _, record = model.verify(tokens, batch, engine.pool, mode)
+            if engine.graphs is not None:
+                _, record = engine.graphs.verify(tokens, batch, mode)
+            else:
+                _, record = model.verify(tokens, batch, engine.pool, mode)
             sync()
             t1 = time.perf_counter()
-            rollback(engine.pool, record, [k // 2 + 1])
+            if engine.graphs is not None:
+                engine.graphs.rollback(record, [k // 2 + 1])
+            else:
+                rollback(engine.pool, record, [k // 2 + 1])
             sync()
             t2 = time.perf_counter()
             verify_ms.append((t1 - t0) * 1e3)
@@ -180,6 +187,28 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
         out[mode] = {"verify_ms": statistics.median(verify_ms[2:]), "rollback_ms": statistics.median(rollback_ms[2:])}
     out["k"], out["accepted"] = k, k // 2
     return out
+
+
+def kernel_breakdown(model, k: int) -> list[dict]:
+    """Device time per kernel name for one eager verify of K+1 rows (graphs replay the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, cuda_graphs=False)
+    seq = open_sequences(engine, 1)[0]
+    batch = RowBatch((seq.slot,), (seq.position,), (k + 1,))
+    tokens = torch.arange(k + 1) + 5
+    model.verify(tokens, batch, engine.pool)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.verify(tokens, batch, engine.pool)
+        sync()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:80], "calls": event.count, "device_ms": device_us / 1e3})
+    rows.sort(key=lambda r: -r["device_ms"])
+    return rows[:15]
 
 
 def hf_figures(path: Path, repeats: int) -> dict:
@@ -256,6 +285,13 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
     result["batch"] = batch
     result["rollback"] = rollback_figures(model, 8, steps)
     print(f"[{name}] rollback: {result['rollback']}", flush=True)
+    result["graphed"] = engine.graphs is not None
+    try:
+        result["kernel_breakdown_k0"] = kernel_breakdown(model, 0)
+        result["kernel_breakdown_k8"] = kernel_breakdown(model, 8)
+        print(f"[{name}] kernels (K=8): {result['kernel_breakdown_k8'][:6]}", flush=True)
+    except Exception as exc:
+        result["kernel_breakdown_error"] = f"{type(exc).__name__}: {exc}"
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -293,14 +329,14 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     today = datetime.date.today().isoformat()
     out = {"device": torch.cuda.get_device_name(), "date": today, "torch": torch.__version__, "triton": triton.__version__,
-           "hbm_copy_bandwidth_bytes_per_s": bandwidth, "backend": "triton kernels, eager (no CUDA graphs)", "models": {}}
+           "hbm_copy_bandwidth_bytes_per_s": bandwidth, "backend": "triton kernels, CUDA graphs per bucket (dense models); eager where a model has MoE layers", "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             family, fields = MODELS[name]
             out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp))
     first = out["models"][args.models.split(",")[0]]
     for key in ("model_params", "hbm_floor_ms", "decode_ms", "verify_ms", "batch", "rollback", "hf_decode_ms", "hf_verify8_ms",
-                "bitexact_rows_equal", "bitexact_rows_total"):
+                "bitexact_rows_equal", "bitexact_rows_total", "graphed"):
         out[key] = first.get(key)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu_{today}.json"

@@ -15,6 +15,7 @@ import torch
 
 from .acceptance import accept_matching, accept_rejection
 from .model import HybridModel, RowBatch
+from .model.graphs import GraphedSteps, graphs_supported
 from .model.rollback import ROLLBACK_MODES, WOA, rollback
 from .sampling import SamplingParams, choose
 
@@ -64,7 +65,8 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = 8, rollback_mode: str = WOA):
+    def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = 8, rollback_mode: str = WOA,
+                 cuda_graphs: bool = True):
         if rollback_mode not in ROLLBACK_MODES:
             raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {rollback_mode!r}")
         if max_k < 0:
@@ -73,6 +75,8 @@ class Engine:
         self.pool = model.new_pool(n_slots, max_seq_len)
         self.max_k = max_k
         self.rollback_mode = rollback_mode
+        # CUDA graphs replay the same kernels as the eager path (same bits), minus the launch cost
+        self.graphs = GraphedSteps(model, self.pool) if cuda_graphs and graphs_supported(model) else None
 
     @property
     def vocab_size(self) -> int:
@@ -148,8 +152,11 @@ class Engine:
             counts=tuple(len(r.drafts) + 1 for r in requests),
         )
         tokens = torch.tensor([t for r in requests for t in [r.sequence.pending, *r.drafts]], dtype=torch.int64)
-        logits, record = self.model.verify(tokens, batch, self.pool, self.rollback_mode)
-        logits = logits.cpu()
+        if self.graphs is not None:
+            logits, record = self.graphs.verify(tokens, batch, self.rollback_mode)
+        else:
+            logits, record = self.model.verify(tokens, batch, self.pool, self.rollback_mode)
+        logits = logits.cpu()  # a copy: a graph's next replay overwrites its output
         results, consumed = [], []
         for req, (_, start, span) in zip(requests, batch.sequences()):
             rows = logits[span]
@@ -167,7 +174,10 @@ class Engine:
             seq.emitted += len(emitted)
             seq.finish_reason = finish
             results.append(StepResult(accepted, emitted, seq.position, finish, rows[: len(emitted)].clone()))
-        rollback(self.pool, record, consumed)
+        if self.graphs is not None:
+            self.graphs.rollback(record, consumed)
+        else:
+            rollback(self.pool, record, consumed)
         return results
 
     @staticmethod

@@ -97,7 +97,11 @@ class HybridModel:
 
     def _run(self, tokens, batch, pool, row_invariant, last_only, mode, record):
         self.check_rows(tokens, batch, pool)
-        tokens = tokens.to(self.device)
+        return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, mode, record)
+
+    def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, row_invariant: bool, last_only: bool,
+                mode: str, record: VerifyRecord | None) -> torch.Tensor:
+        """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it."""
         positions = batch.positions(self.device)
         h = self.embed[tokens]
         for index, (block, state) in enumerate(zip(self.blocks, pool.layers)):

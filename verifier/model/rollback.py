@@ -60,11 +60,10 @@ class VerifyRecord:
         self.layers: dict[int, LayerRecord] = {}
 
 
-def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, consumed: list[int]) -> None:
-    """Advance each sequence's conv window and recurrent state past its first consumed[s] rows."""
+def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: torch.Tensor) -> None:
+    """Advance each sequence's conv window and recurrent state past its first kept[s] rows (int32 [sequences])."""
     device = state.recurrent.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
-    kept = torch.tensor(consumed, dtype=torch.int32, device=device)
     pick(short_conv.next_window, short_conv.next_window_ref, state.conv)(state.conv, record.conv_inputs, seq_slots, cu_rows, kept)
     if record.snapshots is not None:
         last = cu_rows[:-1].long() + kept.long() - 1
@@ -76,8 +75,22 @@ def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, consumed
 
 def rollback(pool: SlotPool, record: VerifyRecord, consumed: list[int]) -> None:
     """Bring every sequence of the verify to 'rows 0 .. consumed[s]-1 consumed' (consumed = accepted + 1)."""
+    check_consumed(record.batch, consumed)
+    if record.layers:
+        device = next(iter(record.layers.values())).keys.device
+        apply_rollback(pool, record, torch.tensor(consumed, dtype=torch.int32, device=device))
+
+
+def check_consumed(batch: RowBatch, consumed: list[int]) -> None:
+    if len(consumed) != len(batch.counts):
+        raise ValueError(f"rollback: {len(consumed)} counts for {len(batch.counts)} sequences")
     for s, n in enumerate(consumed):
-        if not 1 <= n <= record.batch.counts[s]:
-            raise ValueError(f"rollback of slot {record.batch.slots[s]}: {n} rows consumed, but {record.batch.counts[s]} were verified")
+        if not 1 <= n <= batch.counts[s]:
+            raise ValueError(f"rollback of slot {batch.slots[s]}: {n} rows consumed, but {batch.counts[s]} were verified")
+
+
+def apply_rollback(pool: SlotPool, record: VerifyRecord, kept: torch.Tensor) -> None:
+    """rollback with checked counts kept (int32 [sequences], on the state's device); no host syncs,
+    so a CUDA graph can capture it."""
     for index, layer_record in record.layers.items():
-        commit(pool.layers[index], layer_record, record.batch, consumed)
+        commit(pool.layers[index], layer_record, record.batch, kept)

@@ -42,5 +42,5 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if mode == COMMIT:
-        commit(state, record, batch, list(batch.counts))
+        commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
     return out, record
