@@ -70,6 +70,8 @@ class GraphedSteps:
             bucket.verify_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.verify_graph):
                 bucket.logits = self.model.compute(bucket.tokens, static, self.pool, True, False, mode, bucket.record)
+            if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
+                raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
             self._buckets[key] = bucket
         self._load(bucket, tokens, batch)
         bucket.verify_graph.replay()

@@ -48,6 +48,9 @@ class RowBatch:
             yield slot, start, slice(offsets[s], offsets[s + 1])
 
     def _tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one cache entry
+            device = torch.device("cuda", torch.cuda.current_device())
         key = str(device)
         if key not in self._on_device:
             rows = [(s, p + r) for s, p, c in zip(self.slots, self.starts, self.counts) for r in range(c)]
