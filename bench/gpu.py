@@ -330,17 +330,17 @@ def main() -> None:
     today = datetime.date.today().isoformat()
     out = {"device": torch.cuda.get_device_name(), "date": today, "torch": torch.__version__, "triton": triton.__version__,
            "hbm_copy_bandwidth_bytes_per_s": bandwidth, "backend": "triton kernels, CUDA graphs per bucket (dense models); eager where a model has MoE layers", "models": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu_{today}.json"
+    first_name = args.models.split(",")[0]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             family, fields = MODELS[name]
             out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp))
-    first = out["models"][args.models.split(",")[0]]
-    for key in ("model_params", "hbm_floor_ms", "decode_ms", "verify_ms", "batch", "rollback", "hf_decode_ms", "hf_verify8_ms",
-                "bitexact_rows_equal", "bitexact_rows_total", "graphed"):
-        out[key] = first.get(key)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu_{today}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+            for key in ("model_params", "hbm_floor_ms", "decode_ms", "verify_ms", "batch", "rollback", "hf_decode_ms", "hf_verify8_ms",
+                        "bitexact_rows_equal", "bitexact_rows_total", "graphed"):
+                out[key] = out["models"][first_name].get(key)
+            path.write_text(json.dumps(out, indent=2) + "\n")  # after each model: a time-out keeps what ran
     print(f"wrote {path}")
 
 
