@@ -14,7 +14,6 @@ from conftest import ALL_SPECS
 from hf_models import load_hf
 from verifier.engine import Engine
 from verifier.generate import generate
-from verifier.model import load_model
 
 REL_TOL = 1e-4
 PROMPT_LEN = 11
@@ -34,22 +33,22 @@ def _prompt(vocab: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ALL_SPECS)
-def test_prefill_logits_match_hf(hf_checkpoint, name):
+def test_prefill_logits_match_hf(hf_checkpoint, load_target, name):
     path = hf_checkpoint(name)
-    hf, ours = load_hf(path), load_model(path)
+    hf, ours = load_hf(path), load_target(name)
     prompt = _prompt(ours.config.vocab_size)
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt])).logits[0].float()
     pool = ours.new_pool(1, 64)
-    logits = ours.prefill(pool, pool.admit(), prompt, all_logits=True)
+    logits = ours.prefill(pool, pool.admit(), prompt, all_logits=True).cpu()
     assert logits.shape == ref.shape
     _close(logits, ref, f"{name} prefill")
 
 
 @pytest.mark.parametrize("name", ALL_SPECS)
-def test_greedy_continuation_and_decode_logits_match_hf(hf_checkpoint, name):
+def test_greedy_continuation_and_decode_logits_match_hf(hf_checkpoint, load_target, name):
     path = hf_checkpoint(name)
-    hf, ours = load_hf(path), load_model(path)
+    hf, ours = load_hf(path), load_target(name)
     prompt = _prompt(ours.config.vocab_size)
     ids = torch.tensor([prompt])
     out = hf.generate(
