@@ -1,12 +1,14 @@
 """What a verify forward leaves behind for rollback, and the rollback itself (DESIGN.md section 4).
 
-Verify never writes a slot's committed conv window or recurrent state. Per recurrent layer and
-sequence it records, for its rows 0..K:
-  both modes: the raw conv inputs [K+1, conv_dim] (rollback re-slices the window);
-  snapshot:   the recurrent state after each row [K+1, heads, d_k, d_v] (rollback copies row a's);
-  write-on-accept (WOA): the stash of what each row's update consumes: key [K+1, heads, d_k],
-              value [K+1, heads, d_v], decay [K+1, heads, d_k or 1, 1], beta [K+1, heads]
+Verify never writes a slot's committed conv window or recurrent state. Per recurrent layer it
+records a LayerRecord over all rows of the batch (each sequence's rows 0..K in order):
+  both modes: the raw conv inputs [rows, conv_dim] (rollback re-slices the window);
+  snapshot:   the recurrent state after each row [rows, heads, d_k, d_v] (rollback copies row a's);
+  write-on-accept (WOA): the stash of what each row's update consumes: key [rows, heads, d_k],
+              value [rows, heads, d_v], decay [rows, heads, 1 or d_k], beta [rows, heads]
               (rollback folds rows 0..a into the committed state with the one update function).
+Rollback runs for every sequence of the batch at once: one conv-window and one fold (or
+snapshot copy) launch per recurrent layer.
 Attention needs no record: its cursor is the committed position, and KV rows past it are
 overwritten before anything reads them.
 
