@@ -111,9 +111,8 @@ def decode_bytes(model) -> int:
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
         mlp = block.mlp
-        if hasattr(mlp, "experts"):
-            gate, up, down = mlp.experts[0]
-            per_expert = sum(t.numel() * t.element_size() for t in (gate, up, down))
+        if hasattr(mlp, "w_router"):
+            per_expert = sum(t[0].numel() * t.element_size() for t in (mlp.w_gate, mlp.w_up, mlp.w_down))
             total += cfg.moe.top_k * per_expert + mlp.w_router.numel() * mlp.w_router.element_size()
             if mlp.shared is not None:
                 total += sum(t.numel() * t.element_size() for t in (mlp.shared.w_gate, mlp.shared.w_up, mlp.shared.w_down))
@@ -329,7 +328,7 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     today = datetime.date.today().isoformat()
     out = {"device": torch.cuda.get_device_name(), "date": today, "torch": torch.__version__, "triton": triton.__version__,
-           "hbm_copy_bandwidth_bytes_per_s": bandwidth, "backend": "triton kernels, CUDA graphs per bucket (dense models); eager where a model has MoE layers", "models": {}}
+           "hbm_copy_bandwidth_bytes_per_s": bandwidth, "backend": "triton kernels, CUDA graphs per bucket of row counts", "models": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu_{today}.json"
     first_name = args.models.split(",")[0]

@@ -10,8 +10,7 @@ next verify overwrites them.
 
 First use of a bucket runs the step eagerly (it warms the Triton caches; verify writes only its
 rows' KV, which the replay rewrites with the same bytes, and the eager rollback is the real one),
-then captures. Models with MoE layers are not graphed: expert dispatch reads the routing on the
-host.
+then captures.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import MOE
 from .rollback import VerifyRecord, apply_rollback, check_consumed
 from .rows import RowBatch
 
@@ -28,7 +26,7 @@ from .rows import RowBatch
 def graphs_supported(model) -> bool:
     from kernels.runtime import use_triton
 
-    return use_triton(model.embed) and MOE not in model.config.mlps
+    return use_triton(model.embed)
 
 
 @dataclass

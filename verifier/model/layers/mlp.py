@@ -6,14 +6,18 @@ MoE (`{prefix}.mlp.`): router gate.weight [E, H]; experts stored per expert
 (experts.{e}.gate_proj/up_proj/down_proj, or Kimi's w1/w3/w2) or fused
 (experts.gate_up_proj [E, 2I, H] gate then up, experts.down_proj [E, H, I]).
 Qwen3-Next: shared_expert.* plus shared_expert_gate.weight [1, H]. Kimi: gate.e_score_correction_bias [E]
-and shared_experts.*. Routed outputs are summed in ascending expert order, each cast to the
-activation dtype first, as the HF modules do.
+and shared_experts.*. Routed outputs are summed per row in ascending expert order in fp32 and cast
+once (kernels/moe.py); HF casts each expert's output to the activation dtype before summing, which
+differs only in bf16 rounding.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import moe
+from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..ops import linear
@@ -43,7 +47,7 @@ class MoE:
             self.score_bias = src.take(p + "gate.e_score_correction_bias", (E,), fp32=True)
         else:
             self.w_router = src.take(p + "gate.weight", (E, H))
-        self.experts = self._experts(src, p + "experts.", E, H, I)
+        self.w_gate, self.w_up, self.w_down = self._experts(src, p + "experts.", E, H, I)
         self.shared = None
         if m.shared_intermediate_size:
             name = "shared_expert." if m.shared_gate else "shared_experts."
@@ -52,21 +56,15 @@ class MoE:
             self.w_shared_gate = src.take(p + "shared_expert_gate.weight", (1, H))
 
     @staticmethod
-    def _experts(src: TensorSource, p: str, E: int, H: int, I: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """[(gate [I, H], up [I, H], down [H, I])] per expert."""
+    def _experts(src: TensorSource, p: str, E: int, H: int, I: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stacked expert weights: gate [E, I, H], up [E, I, H], down [E, H, I]."""
         if src.has(p + "gate_up_proj"):
             gate_up = src.take(p + "gate_up_proj", (E, 2 * I, H))
             down = src.take(p + "down_proj", (E, H, I))
-            return [(gate_up[e, :I].contiguous(), gate_up[e, I:].contiguous(), down[e].contiguous()) for e in range(E)]
+            return gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous(), down
         names = ("gate_proj", "up_proj", "down_proj") if src.has(p + "0.gate_proj.weight") else ("w1", "w3", "w2")
-        return [
-            (
-                src.take(f"{p}{e}.{names[0]}.weight", (I, H)),
-                src.take(f"{p}{e}.{names[1]}.weight", (I, H)),
-                src.take(f"{p}{e}.{names[2]}.weight", (H, I)),
-            )
-            for e in range(E)
-        ]
+        shapes = ((I, H), (I, H), (H, I))
+        return tuple(torch.stack([src.take(f"{p}{e}.{name}.weight", shape) for e in range(E)]) for name, shape in zip(names, shapes))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [rows, top_k], weights [rows, top_k])."""
@@ -95,16 +93,10 @@ class MoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = torch.zeros_like(x)
-        # Expert by expert in ascending order; a row meets each of its experts once, so its sum
-        # order is the expert order whatever other rows share the batch.
-        for e in torch.unique(ids).tolist():
-            row_idx, k_idx = torch.where(ids == e)
-            gate, up, down = self.experts[e]
-            xe = x[row_idx]
-            h = F.silu(linear(xe, gate)) * linear(xe, up)
-            ye = linear(h, down) * weights[row_idx, k_idx, None]
-            out.index_add_(0, row_idx, ye.to(out.dtype))
+        # Per row, its experts in ascending id order, fp32 accumulation (kernels/moe.py): no host
+        # sync on the routing, so a CUDA graph can capture it.
+        experts = pick(moe.moe_experts, moe.moe_experts_ref, x)
+        out = experts(x, ids, weights.float(), self.w_gate, self.w_up, self.w_down)
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.cfg.shared_gate:

@@ -1,0 +1,316 @@
+"""The routed experts of a MoE layer, per row, with no host synchronisation (CUDA-graph capturable).
+
+    x               [R, H]     fp32 or bf16: R rows (a decode or verify batch), H hidden features
+    expert_ids      [R, T]     int64: each row's T = top_k experts, distinct, in [0, E), any order
+    expert_weights  [R, T]     fp32: the routing weight of each (row, slot)
+    w_gate, w_up    [E, I, H]  x's dtype, contiguous: E experts, I intermediate features
+    w_down          [E, H, I]  x's dtype, contiguous
+    out             [R, H]     x's dtype, contiguous
+
+Per row r, its T (expert e, weight w) pairs visited in ASCENDING expert id order, with
+cast = to x's dtype and every dot an fp32 sum of fp32 products:
+    g = x_r . w_gate[e]^T,  u = x_r . w_up[e]^T              [I]
+    h = cast(silu(g) * u),  silu(g) = g / (1 + exp(-g))       [I]   (the hidden in x's dtype)
+    y = h . w_down[e]^T                                        [H]
+    acc_r += w * y  (fp32, in ascending expert order);   out_r = cast(acc_r)
+`moe_experts_ref` is this in torch, one row at a time; `moe_experts` runs it in two kernels.
+
+Stage 1, `_moe_hidden_kernel`, grid (R * T, cdiv(I, BLOCK_I)): a program reads its (row, slot)'s
+expert id from device memory and computes g and u for BLOCK_I hidden features: it walks H from 0
+upward in BLOCK_H steps, accumulating w * x per lane in [BLOCK_I, BLOCK_H] fp32 blocks, and sums
+the lanes once after the loop (one tl.sum over BLOCK_H). h goes to a scratch [R, T, I] in x's dtype.
+Stage 2, `_moe_down_kernel`, grid (R, cdiv(H, BLOCK_H2)): a program holds its row's T ids in
+registers and makes T passes, each picking the smallest id greater than the previous pass's
+(the ascending order without a host sort); per expert it walks I from 0 upward in BLOCK_I2 steps
+the same way, then adds w * y to an fp32 accumulator, and stores the row's block once.
+
+The dots are broadcast-multiply-and-sum on one row, not tl.dot over a padded tile: a row's
+arithmetic never sees another row (nothing to pad or mask), and a decode GEMV is bound by reading
+the expert weights, not by FLOPs. bf16 tiles are upcast to fp32 before the multiply (bf16
+products are exact in fp32), so the interpreter's bf16 tl.dot bug (see kernels/linear.py) never
+arises; the interpreter's truncating fp32 -> bf16 cast is replaced by `round_to_bf16` there
+(INTERPRET), as in kernels/linear.py and kernels/norms.py.
+
+Row invariance (DESIGN.md section 6): no row count reaches either kernel (the grids carry it,
+each program finds its row from its program id), H, I and T are constexpr, the launch config is
+a function of (H, I, dtype) only, and the row-side pointers (x, ids, weights, out) are not
+specialised on alignment, so a row sliced out of a batch at any offset meets the same compiled
+code. The expert weights keep their alignment specialisation (vectorised weight loads); it does
+not depend on the rows. Each (row, slot)'s hidden and each row's output are computed by the same
+instructions in the same order whatever else shares the launch, so op(x[:r]) == op(x)[:r] and a
+row's bits do not depend on the order its expert ids are listed in.
+
+The ids are not checked on the device (that would synchronise): an id outside [0, E) reads out of
+bounds, and a repeated id is visited once. The reference checks both. On a GPU fp32 products and
+sums may contract to FMA and tl.exp is ex2.approx-based, so kernel and reference differ there by
+a few fp32 ulps besides summation order; within one backend the bits are fixed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import round_to_bf16
+
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_TOP_K = 16  # the ids live in one register block; the supported families use top_k 8 or 10
+NO_EXPERT = tl.constexpr(2**62)  # larger than any expert id: masked slots and "no id left"
+
+
+class MoEConfig(NamedTuple):
+    BLOCK_I: int  # stage 1: hidden features per program
+    BLOCK_H: int  # stage 1: H step of the gate / up dots
+    BLOCK_H2: int  # stage 2: output features per program
+    BLOCK_I2: int  # stage 2: I step of the down dot
+    num_warps: int
+
+
+def moe_config(h: int, i: int, dtype: torch.dtype) -> MoEConfig:
+    """The pinned launch config for experts of hidden size h and intermediate size i; never a
+    function of the row count.
+
+    Both stages stream expert weights: the step along the contiguous dim is 256 bytes per weight
+    row (128 bf16 or 64 fp32), so 16 weight rows make a 4 KiB (bf16) tile per load, and each of
+    the 4 warps' threads holds 16 fp32 lanes per accumulator. 16 features per program spreads a
+    decode row over many SMs: Qwen3-Next (H 2048, I 512, top_k 10) gives 320 stage-1 programs and
+    128 stage-2 programs per row. Small h or i shrink the blocks to the next power of two.
+    Reasoned, not timed; changing them changes the CUDA backend's bits (another association of
+    the sums) but never the row-invariance contract.
+    """
+    step = 128 if dtype == torch.bfloat16 else 64
+    return MoEConfig(
+        BLOCK_I=min(16, triton.next_power_of_2(i)),
+        BLOCK_H=min(step, triton.next_power_of_2(h)),
+        BLOCK_H2=min(16, triton.next_power_of_2(h)),
+        BLOCK_I2=min(step, triton.next_power_of_2(i)),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _cast(b, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 b -> DTYPE rounding to nearest even, as torch's .to() does; the interpreter truncates
+    fp32 -> bf16, so there the rounding is done on the bits first and the cast is then exact."""
+    if INTERPRET and DTYPE == tl.bfloat16:
+        b = round_to_bf16(b)
+    return b.to(DTYPE)
+
+
+@triton.jit(do_not_specialize_on_alignment=["x", "expert_ids"])
+def _moe_hidden_kernel(
+    x, expert_ids, w_gate, w_up, hidden,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    T: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    i_rt = tl.program_id(0).to(tl.int64)  # row * T + slot; int64: offsets below can pass 2^31
+    i_i = tl.program_id(1)
+    i_r = i_rt // T
+    i_e = tl.load(expert_ids + i_rt)  # int64 expert id of this (row, slot)
+    o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] hidden features
+    o_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_i = o_i < I
+    p_x = x + i_r * H + o_h  # [BLOCK_H]
+    o_w = i_e * (I * H) + o_i[:, None] * H + o_h[None, :]  # [BLOCK_I, BLOCK_H]: rows of w[e]
+    p_g = w_gate + o_w
+    p_u = w_up + o_w
+
+    b_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)  # per-lane partial dots
+    b_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        m_h = (h0 + o_h) < H
+        m_w = m_i[:, None] & m_h[None, :]
+        b_x = tl.load(p_x, mask=m_h, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_H]
+        b_g += tl.load(p_g, mask=m_w, other=0.0).to(tl.float32) * b_x
+        b_u += tl.load(p_u, mask=m_w, other=0.0).to(tl.float32) * b_x
+        p_x += BLOCK_H
+        p_g += BLOCK_H
+        p_u += BLOCK_H
+    b_gs = tl.sum(b_g, axis=1)  # [BLOCK_I] g
+    b_us = tl.sum(b_u, axis=1)  # [BLOCK_I] u
+    b_h = tl.math.div_rn(b_gs, 1.0 + tl.exp(-b_gs)) * b_us  # silu(g) * u as torch: g / (1 + exp(-g))
+    tl.store(hidden + i_rt * I + o_i, _cast(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_i)
+
+
+@triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
+def _moe_down_kernel(
+    hidden, expert_ids, expert_weights, w_down, out,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    T: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)  # the row
+    i_h = tl.program_id(1)
+    o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T] slots
+    b_ids = tl.load(expert_ids + i_r * T + o_t, mask=o_t < T, other=NO_EXPERT)  # [BLOCK_T] int64
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output features
+    o_i = tl.arange(0, BLOCK_I)  # [BLOCK_I]
+    m_h = o_h < H
+
+    b_out = tl.zeros([BLOCK_H], dtype=tl.float32)
+    i_prev = tl.full([], -1, dtype=tl.int64)
+    for _ in range(T):
+        # the next expert in ascending id order, and the slot that lists it
+        i_e = tl.min(tl.where(b_ids > i_prev, b_ids, NO_EXPERT), axis=0)
+        i_t = tl.min(tl.where(b_ids == i_e, o_t, BLOCK_T), axis=0)
+        b_w = tl.load(expert_weights + i_r * T + i_t)  # fp32 routing weight
+        p_hid = hidden + (i_r * T + i_t) * I + o_i  # [BLOCK_I]
+        p_w = w_down + i_e * (H * I) + o_h[:, None] * I + o_i[None, :]  # [BLOCK_H, BLOCK_I]: rows of w_down[e]
+        b_y = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)  # per-lane partial dots
+        for i0 in range(0, I, BLOCK_I):
+            m_i = (i0 + o_i) < I
+            b_hid = tl.load(p_hid, mask=m_i, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_I]
+            b_y += tl.load(p_w, mask=m_h[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_hid
+            p_hid += BLOCK_I
+            p_w += BLOCK_I
+        b_out += b_w * tl.sum(b_y, axis=1)
+        i_prev = i_e
+    tl.store(out + i_r * H + o_h, _cast(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
+
+
+def _check(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Shapes, dtypes, devices and contiguity, with messages that name the tensor."""
+    op = "moe_experts"
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D [R, H], got shape {list(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{op}: x dtype {x.dtype} is not one of {DTYPES}")
+    r, h = x.shape
+    if w_gate.dim() != 3:
+        raise ValueError(f"{op}: w_gate must be 3-D [E, I, H], got shape {list(w_gate.shape)}")
+    e, i, _ = w_gate.shape
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != r:
+        raise ValueError(f"{op}: expert_ids must be [R, T] with R = {r}, got shape {list(expert_ids.shape)}")
+    t = expert_ids.shape[1]
+    if not 1 <= t <= min(MAX_TOP_K, e):
+        raise ValueError(f"{op}: expert_ids has T = {t} slots per row; need 1 <= T <= min({MAX_TOP_K}, E = {e})")
+    if expert_ids.dtype != torch.int64:
+        raise ValueError(f"{op}: expert_ids dtype {expert_ids.dtype} != torch.int64")
+    if tuple(expert_weights.shape) != (r, t):
+        raise ValueError(f"{op}: expert_weights must be [R, T] = [{r}, {t}], got shape {list(expert_weights.shape)}")
+    if expert_weights.dtype != torch.float32:
+        raise ValueError(f"{op}: expert_weights dtype {expert_weights.dtype} != torch.float32")
+    shapes = {"w_gate": (e, i, h), "w_up": (e, i, h), "w_down": (e, h, i)}
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if tuple(w.shape) != shapes[name]:
+            raise ValueError(f"{op}: {name} must be {list(shapes[name])} ([E, I, H] from w_gate, H from x), got shape {list(w.shape)}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{op}: {name} dtype {w.dtype} != x dtype {x.dtype}")
+        if not w.is_contiguous():
+            # a silent copy of every expert per call would cost more than the layer
+            raise ValueError(f"{op}: {name} must be contiguous, got strides {w.stride()}")
+    if out is not None:
+        if tuple(out.shape) != (r, h):
+            raise ValueError(f"{op}: out must be [R, H] = [{r}, {h}], got shape {list(out.shape)}")
+        if out.dtype != x.dtype:
+            raise ValueError(f"{op}: out dtype {out.dtype} != x dtype {x.dtype}")
+        if not out.is_contiguous():
+            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
+    for name, tensor in (("expert_ids", expert_ids), ("expert_weights", expert_weights), ("w_gate", w_gate),
+                         ("w_up", w_up), ("w_down", w_down), ("out", out)):
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{op}: {name} is on {tensor.device}, x on {x.device}")
+
+
+def moe_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum, per row, in ascending expert order -> [R, H] in x's dtype.
+
+    out: an optional contiguous [R, H] buffer, filled and returned. x, expert_ids and
+    expert_weights may be strided (made contiguous); the expert weights must be contiguous. No
+    host synchronisation: ids are read on the device, so the call can be captured in a CUDA graph.
+    """
+    _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out)
+    if not x.is_cuda and not interpreting():
+        raise ValueError(f"moe_experts: x is on {x.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    r, h = x.shape
+    t = expert_ids.shape[1]
+    i = w_gate.shape[1]
+    if out is None:
+        out = torch.empty((r, h), dtype=x.dtype, device=x.device)
+    if r == 0:
+        return out
+    x, expert_ids, expert_weights = x.contiguous(), expert_ids.contiguous(), expert_weights.contiguous()
+    hidden = torch.empty((r, t, i), dtype=x.dtype, device=x.device)  # [R, T, I] h per (row, slot)
+    cfg = moe_config(h, i, x.dtype)
+    _moe_hidden_kernel[(r * t, triton.cdiv(i, cfg.BLOCK_I))](
+        x, expert_ids, w_gate, w_up, hidden,
+        H=h, I=i, T=t,
+        INTERPRET=interpreting(),
+        BLOCK_I=cfg.BLOCK_I,
+        BLOCK_H=cfg.BLOCK_H,
+        num_warps=cfg.num_warps,
+    )
+    _moe_down_kernel[(r, triton.cdiv(h, cfg.BLOCK_H2))](
+        hidden, expert_ids, expert_weights, w_down, out,
+        H=h, I=i, T=t,
+        BLOCK_T=triton.next_power_of_2(t),
+        INTERPRET=interpreting(),
+        BLOCK_H=cfg.BLOCK_H2,
+        BLOCK_I=cfg.BLOCK_I2,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The formulas of the module docstring in torch, one row at a time, experts in ascending id
+    order; fp32 products through fp32 copies. Raises ValueError on ids outside [0, E) or repeated
+    in a row (the kernel does not check them)."""
+    _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out)
+    dtype = x.dtype
+    n_experts = w_gate.shape[0]
+    result = torch.empty_like(x)
+    for r in range(x.shape[0]):
+        ids = expert_ids[r].tolist()
+        if len(set(ids)) != len(ids) or not all(0 <= e < n_experts for e in ids):
+            raise ValueError(f"moe_experts_ref: row {r} has expert ids {ids}; need distinct ids in [0, {n_experts})")
+        x_r = x[r].float()  # [H]
+        acc = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)  # [H]
+        for t in sorted(range(len(ids)), key=lambda t: ids[t]):
+            e = ids[t]
+            g = w_gate[e].float() @ x_r  # [I]
+            u = w_up[e].float() @ x_r  # [I]
+            hidden = (g / (1.0 + torch.exp(-g)) * u).to(dtype)  # [I]
+            y = w_down[e].float() @ hidden.float()  # [H]
+            acc = acc + expert_weights[r, t] * y
+        result[r] = acc.to(dtype)
+    if out is None:
+        return result
+    return out.copy_(result)
