@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import device_name  # noqa: E402
 from verifier.engine import Engine, StepRequest  # noqa: E402
 from verifier.model import RowBatch, load_model  # noqa: E402
 from verifier.model.random_checkpoint import write_random_checkpoint  # noqa: E402
@@ -123,18 +124,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -150,7 +139,7 @@ def main() -> None:
         triton_version = None
     today = datetime.date.today().isoformat()
     out = {
-        "benchmark": "rollback", "device": _device_name(args.device), "backend": "torch reference", "date": today,
+        "benchmark": "rollback", "device": device_name(args.device), "backend": "torch reference", "date": today,
         "torch": torch.__version__, "triton": triton_version, "repeats": args.repeats, "rows": rows,
     }
     path = Path(__file__).resolve().parent / "results" / f"rollback_{today}.json"
