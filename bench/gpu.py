@@ -115,9 +115,9 @@ def decode_bytes(model) -> int:
             per_expert = sum(t[0].numel() * t.element_size() for t in (mlp.w_gate, mlp.w_up, mlp.w_down))
             total += cfg.moe.top_k * per_expert + mlp.w_router.numel() * mlp.w_router.element_size()
             if mlp.shared is not None:
-                total += sum(t.numel() * t.element_size() for t in (mlp.shared.w_gate, mlp.shared.w_up, mlp.shared.w_down))
+                total += sum(t.numel() * t.element_size() for t in (mlp.shared.w_gate_up, mlp.shared.w_down))
         else:
-            total += sum(t.numel() * t.element_size() for t in (mlp.w_gate, mlp.w_up, mlp.w_down))
+            total += sum(t.numel() * t.element_size() for t in (mlp.w_gate_up, mlp.w_down))
     total += model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * model.final_norm.element_size()
     return total
 
@@ -207,7 +207,8 @@ def kernel_breakdown(model, k: int) -> list[dict]:
         if device_us > 0:
             rows.append({"kernel": event.key[:80], "calls": event.count, "device_ms": device_us / 1e3})
     rows.sort(key=lambda r: -r["device_ms"])
-    return rows[:15]
+    kernels = [r for r in rows if not r["kernel"].startswith(("cudaGraph", "Memcpy", "Memset"))]
+    return {"launches": sum(r["calls"] for r in kernels), "device_ms": sum(r["device_ms"] for r in kernels), "top": rows[:15]}
 
 
 def hf_figures(path: Path, repeats: int) -> dict:
@@ -253,7 +254,7 @@ def hf_figures(path: Path, repeats: int) -> dict:
     return {"fla": fla_version, "hf_decode_ms": decode, "hf_verify8_ms": statistics.median(forward8), "hf_verify8_rows_equal_serial": equal}
 
 
-def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: int, workdir: Path) -> dict:
+def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: int, workdir: Path, with_hf: bool = True) -> dict:
     path = workdir / name
     t0 = time.perf_counter()
     build_checkpoint(family, fields, path)
@@ -288,12 +289,15 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
     try:
         result["kernel_breakdown_k0"] = kernel_breakdown(model, 0)
         result["kernel_breakdown_k8"] = kernel_breakdown(model, 8)
-        print(f"[{name}] kernels (K=8): {result['kernel_breakdown_k8'][:6]}", flush=True)
+        print(f"[{name}] kernels (K=8): {result['kernel_breakdown_k8']['launches']} launches, "
+              f"{result['kernel_breakdown_k8']['device_ms']:.2f} ms; top {result['kernel_breakdown_k8']['top'][:6]}", flush=True)
     except Exception as exc:
         result["kernel_breakdown_error"] = f"{type(exc).__name__}: {exc}"
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()
+    if not with_hf:
+        return result
     try:
         result.update(hf_figures(path, max(5, steps // 3)))
     except Exception as exc:  # the comparison must not hide our own figures
@@ -321,6 +325,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     args = parser.parse_args()
     import triton
 
@@ -335,7 +340,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             family, fields = MODELS[name]
-            out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp))
+            out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp), not args.no_hf)
             for key in ("model_params", "hbm_floor_ms", "decode_ms", "verify_ms", "batch", "rollback", "hf_decode_ms", "hf_verify8_ms",
                         "bitexact_rows_equal", "bitexact_rows_total", "graphed"):
                 out[key] = out["models"][first_name].get(key)

@@ -18,9 +18,13 @@ the row's own position and no value is shared between programs, so a row gets th
 whether it is decoded alone or verified among any number of other rows (DESIGN.md section 6,
 rules 1-4). The grid carries the row count; no kernel argument depends on it.
 
-Loaded tiles are cast to fp32 and both products are fp32 ieee dots, bf16 inputs included: a bf16 x
-bf16 product is exact in fp32, and Triton's interpreter cannot run bf16 dots (it multiplies the
-raw bits, triton-lang/triton#11584), so the path the tests run is the GPU path.
+Products: fp32 inputs use fp32 ieee dots (TF32 off). bf16 inputs use the tensor cores: q k^T
+is a bf16 MMA with fp32 accumulate, and the unnormalised probabilities are rounded to bf16 before
+the p v MMA, as the reference rounds its probabilities to the input dtype before that product.
+(fp32 tiles of a 256-wide head held in registers spill, and the walk then runs ~20x slower.)
+Triton's interpreter cannot run bf16 dots (it multiplies the raw bits, triton-lang/triton#11584):
+under TRITON_INTERPRET=1 the INTERPRET constexpr upcasts the bf16 tiles to fp32 (bf16 products are
+exact in fp32) and rounds the probabilities on the bits, the same values the GPU multiplies.
 
 Caller's contract, not checked (checking would read the device tensors back): 0 <= row_slots[i] <
 n_slots and 0 <= row_positions[i] < L.
@@ -32,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import round_to_bf16
 from .runtime import interpreting
 
 BLOCK_N = 64  # KV positions per step of the walk: pinned, never chosen from a length or row count
@@ -51,6 +56,7 @@ def _attend_rows_kernel(
     s_v_slot, s_v_pos, s_v_head,
     s_o_row, s_o_head,
     scale,
+    IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
     GROUP: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -69,7 +75,7 @@ def _attend_rows_kernel(
     o_q_head = i_kv_head * GROUP + o_g  # [BLOCK_G] the query heads reading this kv head
 
     p_q_tile = p_q + i_row * s_q_row + o_q_head[:, None] * s_q_head + o_dk[None, :]
-    b_q = tl.load(p_q_tile, mask=m_g[:, None] & m_dk[None, :], other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_DK]
+    b_q = tl.load(p_q_tile, mask=m_g[:, None] & m_dk[None, :], other=0.0)  # [BLOCK_G, BLOCK_DK] input dtype
     p_k_head = p_k + i_slot * s_k_slot + i_kv_head * s_k_head
     p_v_head = p_v + i_slot * s_v_slot + i_kv_head * s_v_head
 
@@ -83,16 +89,26 @@ def _attend_rows_kernel(
         m_pos = o_pos <= i_pos
         # Masked loads read 0, never the cache: positions past the row may hold anything (NaN).
         p_k_tile = p_k_head + o_pos[:, None].to(tl.int64) * s_k_pos + o_dk[None, :]
-        b_k = tl.load(p_k_tile, mask=m_pos[:, None] & m_dk[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_DK]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N] fp32
+        b_k = tl.load(p_k_tile, mask=m_pos[:, None] & m_dk[None, :], other=0.0)  # [BLOCK_N, BLOCK_DK]
+        if IS_BF16 and not INTERPRET:
+            b_s = tl.dot(b_q, tl.trans(b_k))  # bf16 MMA, fp32 accumulate
+        else:
+            b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+        b_s = b_s * scale  # [BLOCK_G, BLOCK_N] fp32
         b_s = tl.where(m_pos[None, :], b_s, float("-inf"))
         b_max_new = tl.maximum(b_max, tl.max(b_s, axis=1))
         b_rescale = tl.exp(b_max - b_max_new)  # [BLOCK_G]
         b_p = tl.exp(b_s - b_max_new[:, None])  # [BLOCK_G, BLOCK_N], 0 where hidden
         b_sum = b_sum * b_rescale + tl.sum(b_p, axis=1)
         p_v_tile = p_v_head + o_pos[:, None].to(tl.int64) * s_v_pos + o_dv[None, :]
-        b_v = tl.load(p_v_tile, mask=m_pos[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_DV]
-        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+        b_v = tl.load(p_v_tile, mask=m_pos[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if not IS_BF16:
+            b_pv = tl.dot(b_p, b_v, input_precision="ieee")
+        elif INTERPRET:
+            b_pv = tl.dot(round_to_bf16(b_p), b_v.to(tl.float32), input_precision="ieee")
+        else:
+            b_pv = tl.dot(b_p.to(tl.bfloat16), b_v)  # bf16 MMA, fp32 accumulate
+        b_acc = b_acc * b_rescale[:, None] + b_pv
         b_max = b_max_new
     b_out = b_acc / b_sum[:, None]  # [BLOCK_G, BLOCK_DV]
     p_o_tile = p_o + i_row * s_o_row + o_q_head[:, None] * s_o_head + o_dv[None, :]
@@ -117,6 +133,7 @@ def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1),
         float(scale),
+        IS_BF16=query.dtype == torch.bfloat16, INTERPRET=interpreting(),
         GROUP=group, D_K=d_k, D_V=d_v,
         BLOCK_G=_block(group), BLOCK_DK=_block(d_k), BLOCK_DV=_block(d_v), BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,

@@ -94,10 +94,21 @@ def _normalise(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: t
 
 
 @triton.jit
+def _load_row_block(p_x, p_r, o_c, m_c, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """One block of the row to normalise, fp32: x, or x + residual rounded to DTYPE (torch's add)."""
+    b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        b_r = tl.load(p_r + o_c, mask=m_c, other=0.0).to(tl.float32)
+        b_x = _cast(b_x + b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+    return b_x
+
+
+@triton.jit
 def _row_norm_kernel(
-    x, gate, weight, out,
+    x, gate, weight, out, residual, total,
     D, eps,
     FORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
@@ -105,12 +116,16 @@ def _row_norm_kernel(
     i_m = tl.program_id(0).to(tl.int64)  # the row; int64: rows * D can pass 2^31
     DTYPE: tl.constexpr = out.dtype.element_ty
     p_x = x + i_m * D
+    p_r = residual + i_m * D
     p_g = gate + i_m * D
     p_out = out + i_m * D
+    p_total = total + i_m * D
     o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     if N_BLOCKS == 1:
         m_d = o_d < D
-        b_x = tl.load(p_x + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+        b_x = _load_row_block(p_x, p_r, o_d, m_d, HAS_RESIDUAL, DTYPE, EMULATE_BF16_RTNE)  # [BLOCK_D]
+        if HAS_RESIDUAL:
+            tl.store(p_total + o_d, b_x.to(DTYPE), mask=m_d)  # exact: b_x already holds a DTYPE value
         b_ss = tl.sum(b_x * b_x, axis=0)
         b_y = _normalise(b_x, b_ss, p_g + o_d, weight + o_d, m_d, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
         tl.store(p_out + o_d, _cast(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_d)
@@ -118,13 +133,15 @@ def _row_norm_kernel(
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
-            b_x = tl.load(p_x + o_c, mask=o_c < D, other=0.0).to(tl.float32)
+            b_x = _load_row_block(p_x, p_r, o_c, o_c < D, HAS_RESIDUAL, DTYPE, EMULATE_BF16_RTNE)
             b_acc += b_x * b_x
         b_ss = tl.sum(b_acc, axis=0)
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
             m_c = o_c < D
-            b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
+            b_x = _load_row_block(p_x, p_r, o_c, m_c, HAS_RESIDUAL, DTYPE, EMULATE_BF16_RTNE)
+            if HAS_RESIDUAL:
+                tl.store(p_total + o_c, b_x.to(DTYPE), mask=m_c)
             b_y = _normalise(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
             tl.store(p_out + o_c, _cast(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
 
@@ -163,9 +180,10 @@ def _launch(
     eps: float,
     out: torch.Tensor | None,
     dtypes: tuple[torch.dtype, ...],
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check every tensor (messages name it), make the inputs contiguous and aligned, launch one
-    program per row."""
+    program per row. With a residual: normalise x + residual and return (the sum, the norm)."""
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be 2-D [M, D] (reshape [rows, heads, d] to [rows * heads, d]), got shape {list(x.shape)}")
     if x.dtype not in dtypes:
@@ -191,19 +209,26 @@ def _launch(
         if out.data_ptr() % ALIGN:
             raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see _aligned), got address {out.data_ptr():#x}")
     x = _aligned(x)
+    total = None
+    if residual is not None:
+        _check_like("residual", residual, x, (m, d), x.dtype, op)
+        residual = _aligned(residual)
+        total = torch.empty_like(x)
     if m == 0:
-        return out
+        return out if residual is None else (total, out)
     block_d, n_blocks, num_warps = norm_config(d)
     _row_norm_kernel[(m,)](
         x, gate if gate is not None else x, weight if weight is not None else x, out,
+        residual if residual is not None else x, total if total is not None else out,
         d, eps,
         FORM=form.value,
+        HAS_RESIDUAL=residual is not None,
         BLOCK_D=block_d,
         N_BLOCKS=n_blocks,
         EMULATE_BF16_RTNE=interpreting(),
         num_warps=num_warps,
     )
-    return out
+    return out if residual is None else (total, out)
 
 
 def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
@@ -230,6 +255,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred
     if zero_centred:
         return _into(out, (normed * (1.0 + weight.float())).to(dtype))
     return _into(out, weight * normed.to(dtype))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the next pre-norm in one pass: x, residual [M, D], weight [D] ->
+    (x + residual rounded to x's dtype, rms_norm of that sum), both [M, D] in x's dtype."""
+    form = RMS_ZERO_CENTRED if zero_centred else RMS_PLAIN
+    return _launch("add_rms_norm", form, x, None, weight, eps, None, DTYPES, residual=residual)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return total, rms_norm_ref(total, weight, eps, zero_centred)
 
 
 # --- GDN output norm ---

@@ -28,7 +28,7 @@ def test_sharded_and_single_file_load_the_same_weights(hf_checkpoint):
     assert (sharded / "model.safetensors.index.json").is_file()
     a, b = load_model(sharded), load_model(single)
     assert torch.equal(a.embed, b.embed)
-    assert torch.equal(a.blocks[0].mixer.w_qkv, b.blocks[0].mixer.w_qkv)
+    assert torch.equal(a.blocks[0].mixer.w_in, b.blocks[0].mixer.w_in)
     assert all(torch.equal(getattr(a.blocks[1].mlp, w), getattr(b.blocks[1].mlp, w)) for w in ("w_gate", "w_up", "w_down"))
 
 

@@ -19,6 +19,14 @@ import torch
 from .sampling import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingParams, choose, sample_from, target_probs, uniform
 
 
+def accept_greedy(choices: list[int], drafts: list[int]) -> tuple[int, int]:
+    """choices: the argmax of each of the K+1 rows -> (accepted count a, bonus token)."""
+    for r, draft in enumerate(drafts):
+        if choices[r] != draft:
+            return r, choices[r]
+    return len(drafts), choices[len(drafts)]
+
+
 def accept_matching(rows: torch.Tensor, drafts: list[int], params: SamplingParams, first_position: int) -> tuple[int, int]:
     """rows [K+1, vocab] -> (accepted count a, bonus token): greedy or coupled sampling."""
     for r in range(len(drafts) + 1):

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import accept_matching, accept_rejection
+from kernels.runtime import pick
+from kernels.sampling import argmax_rows, argmax_rows_ref
+
+from .acceptance import accept_greedy, accept_matching, accept_rejection
 from .model import HybridModel, RowBatch
 from .model.graphs import GraphedSteps, graphs_supported
 from .model.rollback import ROLLBACK_MODES, WOA, rollback
@@ -40,7 +43,7 @@ class Sequence:
     eos_ids: frozenset[int]
     emitted: int = 1  # tokens emitted so far, the first one (chosen from the prompt) included
     finish_reason: str | None = None
-    first_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] the first token came from
+    first_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] the first token came from (model's device)
 
     @property
     def finished(self) -> bool:
@@ -60,7 +63,7 @@ class StepResult:
     tokens: list[int]  # emitted: accepted drafts then the bonus, cut at eos / the budget
     position: int  # the new committed position
     finish_reason: str | None
-    logits: torch.Tensor  # [len(tokens), vocab] fp32: row i is what tokens[i] was chosen from
+    logits: torch.Tensor  # [len(tokens), vocab] fp32 on the model's device: row i is what tokens[i] was chosen from
     error: StepError | None = None
 
 
@@ -101,7 +104,7 @@ class Engine:
             raise
         token = choose(logits, sampling, len(prompt))
         eos = frozenset(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
-        seq = Sequence(slot, len(prompt), token, sampling, max_new_tokens, eos, first_logits=logits.cpu())
+        seq = Sequence(slot, len(prompt), token, sampling, max_new_tokens, eos, first_logits=logits)
         if token in eos:
             seq.finish_reason = EOS
         elif max_new_tokens == 1:
@@ -156,15 +159,19 @@ class Engine:
             logits, record = self.graphs.verify(tokens, batch, self.rollback_mode)
         else:
             logits, record = self.model.verify(tokens, batch, self.pool, self.rollback_mode)
-        logits = logits.cpu()  # a copy: a graph's next replay overwrites its output
+        # Greedy acceptance needs each row's argmax only: computed where the logits are, so a step
+        # copies R ids to the host, not R x vocab floats. Sampled sequences read their rows.
+        choices = pick(argmax_rows, argmax_rows_ref, logits)(logits).tolist()
         results, consumed = [], []
         for req, (_, start, span) in zip(requests, batch.sequences()):
             rows = logits[span]
             seq = req.sequence
-            if req.draft_probs is None or seq.sampling.greedy:
-                accepted, bonus = accept_matching(rows, req.drafts, seq.sampling, start)
+            if seq.sampling.greedy:
+                accepted, bonus = accept_greedy(choices[span], req.drafts)
+            elif req.draft_probs is None:
+                accepted, bonus = accept_matching(rows.cpu(), req.drafts, seq.sampling, start)
             else:
-                accepted, bonus = accept_rejection(rows, req.drafts, req.draft_probs, seq.sampling, start)
+                accepted, bonus = accept_rejection(rows.cpu(), req.drafts, req.draft_probs, seq.sampling, start)
             emitted = [*req.drafts[:accepted], bonus]
             emitted, finish = self._cut(seq, emitted)
             # Each emitted token's row is consumed: the pending token plus the accepted drafts kept.
@@ -173,6 +180,7 @@ class Engine:
             seq.pending = emitted[-1]
             seq.emitted += len(emitted)
             seq.finish_reason = finish
+            # a copy: a graph's next replay overwrites its output
             results.append(StepResult(accepted, emitted, seq.position, finish, rows[: len(emitted)].clone()))
         if self.graphs is not None:
             self.graphs.rollback(record, consumed)

@@ -223,3 +223,25 @@ def test_launcher_errors(device):
     _raises("form must be one of", norms.l2norm, x, "sqrt")
     _raises("form must be one of", norms.l2norm_ref, x, "sqrt")
     _raises("out dtype", norms.l2norm, x, "div", out=torch.empty(3, 8, device=device, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("d", [40, 130, 5000], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("zero_centred", [True, False], ids=["zero_centred", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rms_norm(device, dtype, zero_centred, d):
+    """The residual add fused into the norm: the sum is torch's add bit for bit (one rounding of an
+    exact fp32 sum of two values of the dtype), the norm is rms_norm of that sum within rms_norm's
+    tolerance, and both are row-invariant."""
+    x, residual, weight = make_inputs(17, d, dtype, device, seed=3)
+    weight = weight - 1.0 if zero_centred else weight
+    total, normed = norms.add_rms_norm(x, residual, weight, EPS, zero_centred)
+    want_total, want_normed = norms.add_rms_norm_ref(x, residual, weight, EPS, zero_centred)
+    assert torch.equal(total, want_total), "the fused sum differs from torch's x + residual"
+    case = CASES["rms_zero_centred" if zero_centred else "rms_plain"]
+    assert_close(f"add_rms_norm D={d}", normed, want_normed, *tolerance(case, dtype))
+    assert torch.equal(normed, norms.rms_norm(want_total, weight, EPS, zero_centred)), "fused norm != rms_norm of the sum"
+    for n in (1, 2, 5, 16):
+        t, y = norms.add_rms_norm(x[:n], residual[:n], weight, EPS, zero_centred)
+        assert torch.equal(t, total[:n]) and torch.equal(y, normed[:n]), n
+    with pytest.raises(ValueError, match="residual"):
+        norms.add_rms_norm(x, residual[:, :-1], weight, EPS, zero_centred)

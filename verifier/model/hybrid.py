@@ -20,7 +20,7 @@ from .layers.kda import KimiDeltaAttention
 from .layers.mla import LatentAttention
 from .layers.mlp import DenseMLP, MoE
 
-from .ops import each_row, linear, rms_norm
+from .ops import add_rms_norm, each_row, linear, rms_norm
 from .rollback import COMMIT, WOA, VerifyRecord, rollback
 from .rows import RowBatch
 from .state import SlotPool
@@ -104,19 +104,27 @@ class HybridModel:
         """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it."""
         positions = batch.positions(self.device)
         h = self.embed[tokens]
-        for index, (block, state) in enumerate(zip(self.blocks, pool.layers)):
-            x = each_row(lambda t: self._norm(t, block.input_norm), h, row_invariant=row_invariant)
+        # The residual stream's adds run fused into the norm that follows them: h + mixed with the
+        # block's post-norm, h + mlp with the next block's input norm (the final norm after the last).
+        x = each_row(lambda t: self._norm(t, self.blocks[0].input_norm), h, row_invariant=row_invariant)
+        next_norms = [block.input_norm for block in self.blocks[1:]] + [self.final_norm]
+        for index, (block, state, next_norm) in enumerate(zip(self.blocks, pool.layers, next_norms)):
             mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode)
-            h = h + mixed
             if record is not None and layer_record is not None:
                 record.layers[index] = layer_record
-            h = h + each_row(lambda t: block.mlp.forward(self._norm(t, block.post_norm)), h, row_invariant=row_invariant)
+            h, x = each_row(lambda a, b: self._add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)
+            mlp_out = each_row(block.mlp.forward, x, row_invariant=row_invariant)
+            h, x = each_row(lambda a, b: self._add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
         if last_only:
-            h = h[[o - 1 for o in batch.offsets[1:]]]
-        return each_row(self._logits, h, row_invariant=row_invariant)
+            x = x[[o - 1 for o in batch.offsets[1:]]]
+        return each_row(self._logits, x, row_invariant=row_invariant)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(self._norm(h, self.final_norm), self.lm_head).float()
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden rows [rows, H] -> logits [rows, vocab] fp32."""
+        return linear(normed, self.lm_head).float()
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
         """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.

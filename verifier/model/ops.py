@@ -56,6 +56,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return _rowwise(norms.rms_norm, norms.rms_norm_ref, x, weight, eps, zero_centred)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)) for [rows, d]: one kernel on CUDA (the residual stream's add fused into the next norm)."""
+    return pick(norms.add_rms_norm, norms.add_rms_norm_ref, x)(x, residual, weight, eps, zero_centred)
+
+
 def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm: cast(w * cast(norm(x32)) * silu(gate32)); weight not zero-centred."""
     return _rowwise(norms.silu_gated_rms_norm, norms.silu_gated_rms_norm_ref, x, gate, weight, eps)

@@ -24,15 +24,17 @@ class GatedAttention:
         self.eps = config.rms_norm_eps
         H, hd = config.hidden_size, a.head_dim
         p = f"{prefix}.self_attn."
-        self.w_q = src.take(p + "q_proj.weight", (2 * a.n_heads * hd, H))
-        self.w_k = src.take(p + "k_proj.weight", (a.n_kv_heads * hd, H))
-        self.w_v = src.take(p + "v_proj.weight", (a.n_kv_heads * hd, H))
+        w_q = src.take(p + "q_proj.weight", (2 * a.n_heads * hd, H))
+        w_k = src.take(p + "k_proj.weight", (a.n_kv_heads * hd, H))
+        w_v = src.take(p + "v_proj.weight", (a.n_kv_heads * hd, H))
+        # q | k | v in one GEMM (one launch reads the three weights; columns are independent sums)
+        self.w_qkv = torch.cat((w_q, w_k, w_v)).contiguous()
+        self.qkv_splits = (2 * a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd)
         self.w_o = src.take(p + "o_proj.weight", (H, a.n_heads * hd))
-        self.b_q = self.b_k = self.b_v = self.b_o = None
+        self.b_qkv = self.b_o = None
         if a.bias:
-            self.b_q = src.take(p + "q_proj.bias", (2 * a.n_heads * hd,))
-            self.b_k = src.take(p + "k_proj.bias", (a.n_kv_heads * hd,))
-            self.b_v = src.take(p + "v_proj.bias", (a.n_kv_heads * hd,))
+            self.b_qkv = torch.cat((src.take(p + "q_proj.bias", (2 * a.n_heads * hd,)), src.take(p + "k_proj.bias", (a.n_kv_heads * hd,)),
+                                    src.take(p + "v_proj.bias", (a.n_kv_heads * hd,))))
             self.b_o = src.take(p + "o_proj.bias", (H,))
         self.q_norm = src.take(p + "q_norm.weight", (hd,))
         self.k_norm = src.take(p + "k_norm.weight", (hd,))
@@ -49,11 +51,12 @@ class GatedAttention:
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [n, H], positions [n] -> query [n, heads, hd], key, value [n, kv_heads, hd], gate [n, heads*hd]."""
         a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
-        q_and_gate = linear(x, self.w_q, self.b_q).view(n, a.n_heads, 2 * hd)
+        q_and_gate, key, value = linear(x, self.w_qkv, self.b_qkv).split(self.qkv_splits, dim=1)
+        q_and_gate = q_and_gate.reshape(n, a.n_heads, 2 * hd)
         query, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(n, a.n_heads * hd)
         query = rms_norm(query, self.q_norm, self.eps, zero_centred=True)
-        key = rms_norm(linear(x, self.w_k, self.b_k).view(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
-        value = linear(x, self.w_v, self.b_v).view(n, a.n_kv_heads, hd)
+        key = rms_norm(key.reshape(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
+        value = value.reshape(n, a.n_kv_heads, hd)
         cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta, x.dtype)
         return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
 

@@ -33,14 +33,18 @@ class GatedDeltaNet:
         H = config.hidden_size
         p = f"{prefix}.linear_attn."
         if g.interleaved_projection:
-            self.w_qkv, self.w_z, self.w_b, self.w_a = _deinterleave(
+            w_qkv, w_z, w_b, w_a = _deinterleave(
                 g, src.take(p + "in_proj_qkvz.weight", (2 * g.key_dim + 2 * g.value_dim, H)), src.take(p + "in_proj_ba.weight", (2 * g.n_v_heads, H))
             )
         else:
-            self.w_qkv = src.take(p + "in_proj_qkv.weight", (g.conv_dim, H))
-            self.w_z = src.take(p + "in_proj_z.weight", (g.value_dim, H))
-            self.w_b = src.take(p + "in_proj_b.weight", (g.n_v_heads, H))
-            self.w_a = src.take(p + "in_proj_a.weight", (g.n_v_heads, H))
+            w_qkv = src.take(p + "in_proj_qkv.weight", (g.conv_dim, H))
+            w_z = src.take(p + "in_proj_z.weight", (g.value_dim, H))
+            w_b = src.take(p + "in_proj_b.weight", (g.n_v_heads, H))
+            w_a = src.take(p + "in_proj_a.weight", (g.n_v_heads, H))
+        # One GEMM for the four input projections: the weight is read in one launch, and a
+        # column's sum does not depend on which other columns share the launch.
+        self.w_in = torch.cat((w_qkv, w_z, w_b, w_a)).contiguous()  # [conv_dim + value_dim + 2*Hv, H]
+        self.in_splits = (g.conv_dim, g.value_dim, g.n_v_heads, g.n_v_heads)
         self.conv_w = src.take(p + "conv1d.weight", (g.conv_dim, 1, g.conv_width))[:, 0, :]
         self.dt_bias = src.take(p + "dt_bias", (g.n_v_heads,))
         self.A_log = src.take(p + "A_log", (g.n_v_heads,))
@@ -56,10 +60,10 @@ class GatedDeltaNet:
     def _project(self, x: torch.Tensor):
         """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], decay [n, Hv, 1], beta [n, Hv] (fp32)."""
         g, n = self.cfg, x.shape[0]
-        qkv = linear(x, self.w_qkv)
-        z = linear(x, self.w_z).view(n, g.n_v_heads, g.d_v)
-        beta = torch.sigmoid(linear(x, self.w_b)).float()
-        log_decay = -self.A_log.float().exp() * F.softplus(linear(x, self.w_a).float() + self.dt_bias)
+        qkv, z, b, a = linear(x, self.w_in).split(self.in_splits, dim=1)
+        z = z.reshape(n, g.n_v_heads, g.d_v)
+        beta = torch.sigmoid(b).float()
+        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return qkv, z, log_decay.exp()[..., None], beta
 
     def _split_heads(self, mixed: torch.Tensor):

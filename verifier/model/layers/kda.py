@@ -28,19 +28,18 @@ class KimiDeltaAttention:
         self.eps = config.rms_norm_eps
         H, P, D, W = config.hidden_size, c.proj_dim, c.head_dim, c.conv_width
         p = f"{prefix}.self_attn."
-        self.w_q = src.take(p + "q_proj.weight", (P, H))
-        self.w_k = src.take(p + "k_proj.weight", (P, H))
-        self.w_v = src.take(p + "v_proj.weight", (P, H))
+        # q | k | v | beta | f_a | g_a: every projection of x in one GEMM (one launch, one weight read)
+        self.w_in = torch.cat([src.take(p + f"{n}_proj.weight", (P, H)) for n in "qkv"]
+                              + [src.take(p + "b_proj.weight", (c.n_heads, H)), src.take(p + "f_a_proj.weight", (D, H)),
+                                 src.take(p + "g_a_proj.weight", (D, H))]).contiguous()
+        self.in_splits = (3 * P, c.n_heads, D, D)
         if src.has(p + "conv1d.weight"):
             self.conv_w = src.take(p + "conv1d.weight", (3 * P, 1, W))[:, 0, :]
         else:
             self.conv_w = torch.cat([src.take(p + f"{n}_conv1d.weight", (P, 1, W))[:, 0, :] for n in "qkv"], dim=0)
-        self.w_f_a = src.take(p + "f_a_proj.weight", (D, H))
         self.w_f_b = src.take(p + "f_b_proj.weight", (P, D))
         self.dt_bias = src.take(p + "dt_bias", (P,), fp32=True)
         self.A_log = src.take_flat(p + "A_log", c.n_heads, fp32=True).reshape(c.n_heads, 1)  # [heads, 1]
-        self.w_beta = src.take(p + "b_proj.weight", (c.n_heads, H))
-        self.w_g_a = src.take(p + "g_a_proj.weight", (D, H))
         self.w_g_b = src.take(p + "g_b_proj.weight", (P, D))
         self.o_norm = src.take(p + "o_norm.weight", (D,))
         self.w_o = src.take(p + "o_proj.weight", (H, P))
@@ -54,15 +53,15 @@ class KimiDeltaAttention:
     def _project(self, x: torch.Tensor):
         """x [n, H] -> raw conv inputs [n, 3P], output gate [n, heads, D], decay [n, heads, D], beta [n, heads] (fp32)."""
         c, n = self.cfg, x.shape[0]
-        qkv = torch.cat([linear(x, w) for w in (self.w_q, self.w_k, self.w_v)], dim=-1)
-        raw = linear(linear(x, self.w_f_a), self.w_f_b)
+        qkv, b, f_a, g_a = linear(x, self.w_in).split(self.in_splits, dim=1)
+        raw = linear(f_a, self.w_f_b)
         raw = (raw.float() + self.dt_bias).view(n, c.n_heads, c.head_dim)
         if c.gate_law == "softplus":
             log_decay = -self.A_log.exp() * kimi_softplus(raw)
         else:
             log_decay = c.gate_lower_bound * torch.sigmoid(self.A_log.exp() * raw)
-        beta = torch.sigmoid(linear(x, self.w_beta)).float()
-        gate = linear(linear(x, self.w_g_a), self.w_g_b).view(n, c.n_heads, c.head_dim)
+        beta = torch.sigmoid(b).float()
+        gate = linear(g_a, self.w_g_b).view(n, c.n_heads, c.head_dim)
         return qkv, gate, log_decay.exp(), beta
 
     def _split_heads(self, mixed: torch.Tensor):

@@ -26,13 +26,14 @@ from ..config import ModelConfig, MoEConfig
 
 class DenseMLP:
     def __init__(self, src: TensorSource, prefix: str, hidden: int, intermediate: int):
-        self.w_gate = src.take(prefix + "gate_proj.weight", (intermediate, hidden))
-        self.w_up = src.take(prefix + "up_proj.weight", (intermediate, hidden))
+        # gate | up in one GEMM: one launch reads both weights
+        self.w_gate_up = torch.cat((src.take(prefix + "gate_proj.weight", (intermediate, hidden)),
+                                    src.take(prefix + "up_proj.weight", (intermediate, hidden)))).contiguous()
+        self.intermediate = intermediate
         self.w_down = src.take(prefix + "down_proj.weight", (hidden, intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = linear(x, self.w_gate)
-        up = linear(x, self.w_up)
+        gate, up = linear(x, self.w_gate_up).split(self.intermediate, dim=1)
         return linear(F.silu(gate) * up, self.w_down)
 
 
