@@ -8,6 +8,9 @@ static outputs (logits, the rollback record). Before a replay the step's values 
 the inputs; the engine copies the logits out and replays the bucket's rollback graph before the
 next verify overwrites them.
 
+Buckets are kept in least-recently-used order, at most `max_buckets` of them: a server sees many
+mixes of K across its sessions, and every graph holds its own static buffers.
+
 First use of a bucket runs the step eagerly (it warms the Triton caches; verify writes only its
 rows' KV, which the replay rewrites with the same bytes, and the eager rollback is the real one),
 then captures.
@@ -15,6 +18,7 @@ then captures.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +45,13 @@ class _Bucket:
 
 
 class GraphedSteps:
-    def __init__(self, model, pool):
+    def __init__(self, model, pool, max_buckets: int = 64):
+        if max_buckets < 1:
+            raise ValueError(f"max_buckets must be at least 1, got {max_buckets}")
         self.model, self.pool = model, pool
         self.device = model.device
-        self._buckets: dict[tuple, _Bucket] = {}
+        self.max_buckets = max_buckets
+        self._buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
         self._last: _Bucket | None = None
 
     def _load(self, bucket: _Bucket, tokens: torch.Tensor, batch: RowBatch) -> None:
@@ -71,6 +78,9 @@ class GraphedSteps:
             if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
                 raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
             self._buckets[key] = bucket
+            if len(self._buckets) > self.max_buckets:
+                self._buckets.popitem(last=False)  # the least recently used graph pair goes
+        self._buckets.move_to_end(key)
         self._load(bucket, tokens, batch)
         bucket.verify_graph.replay()
         self._last = bucket
