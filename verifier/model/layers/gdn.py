@@ -14,11 +14,13 @@ norm.weight [d_v], out_proj.weight [H, value_dim].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from kernels import gdn_gates, gdn_heads
+from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import each_row, l2norm, linear, silu_gated_rms_norm
+from ..ops import each_row, linear, silu_gated_rms_norm
 from ..rollback import COMMIT, LayerRecord
 from ..rows import RowBatch
 from ..state import RecurrentState
@@ -62,20 +64,15 @@ class GatedDeltaNet:
         g, n = self.cfg, x.shape[0]
         qkv, z, b, a = linear(x, self.w_in).split(self.in_splits, dim=1)
         z = z.reshape(n, g.n_v_heads, g.d_v)
-        beta = torch.sigmoid(b).float()
-        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return qkv, z, log_decay.exp()[..., None], beta
+        # one launch for sigmoid, softplus and the exps on CUDA; the reference is this layer's torch code
+        decay, beta = pick(gdn_gates.gdn_gates, gdn_gates.gdn_gates_ref, x)(b, a, self.A_log, self.dt_bias)
+        return qkv, z, decay, beta
 
     def _split_heads(self, mixed: torch.Tensor):
         """Conv output [n, conv_dim] -> fp32 q, k [n, Hv, d_k] (normalised, repeated per value head), v [n, Hv, d_v]."""
-        g, n = self.cfg, mixed.shape[0]
-        r = g.n_v_heads // g.n_k_heads
-        q = mixed[:, : g.key_dim].reshape(n, g.n_k_heads, g.d_k).float()
-        k = mixed[:, g.key_dim : 2 * g.key_dim].reshape(n, g.n_k_heads, g.d_k).float()
-        v = mixed[:, 2 * g.key_dim :].reshape(n, g.n_v_heads, g.d_v).float()
-        q = l2norm(q.repeat_interleave(r, dim=1), "rsqrt") / (g.d_k**0.5)
-        k = l2norm(k.repeat_interleave(r, dim=1), "rsqrt")
-        return q, k, v
+        g = self.cfg
+        split = pick(gdn_heads.gdn_heads, gdn_heads.gdn_heads_ref, mixed)  # one launch on CUDA
+        return split(mixed, g.n_k_heads, g.n_v_heads, g.d_k, g.d_v)
 
     def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """fp32 recurrence output [n, Hv, d_v], z [n, Hv, d_v] -> [n, H]."""

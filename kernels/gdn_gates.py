@@ -1,0 +1,125 @@
+"""Gated DeltaNet's per-head gates: the decay and the write strength beta of every row.
+
+    b        [n, Hv]     fp32 or bf16 (the activation dtype): column slices of the input
+    a        [n, Hv]     b's dtype     projection, rows strided, features contiguous
+    A_log    [Hv]        fp32 or bf16 (the checkpoint's dtype)
+    dt_bias  [Hv]        fp32 or bf16
+    decay    [n, Hv, 1]  fp32: exp(-exp(A_log32) * softplus(a32 + dt_bias32))
+    beta     [n, Hv]     fp32: sigmoid(b) computed in fp32 and rounded to b's dtype, then widened
+
+softplus(x) is torch's (beta 1, threshold 20): x where x > 20, else log1p(exp(x)). Widening A_log,
+dt_bias and a to fp32 is exact, so these are the casts of `gdn_gates_ref`, which is GatedDeltaNet's
+code as the CPU reference backend runs it.
+
+Row invariance (DESIGN.md section 6): one program per row, every element computed alone, no
+reduction; BLOCK_H and num_warps depend on Hv alone, row strides are not specialised on (a one-row
+tensor may carry any), and fp32 contraction into FMA is off. log1p is not in Triton's interpreter,
+so the kernel uses Goldberg's form, exact where 1 + e rounds to 1 and a few ulps elsewhere:
+    log1p(e) = e * log(1 + e) / ((1 + e) - 1)
+exp and log differ in their last bits between torch, numpy (the interpreter) and the GPU, so kernel
+and reference agree within a stated tolerance, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .norms import _cast
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's F.softplus default: above it softplus(x) = x
+
+
+@triton.jit
+def _softplus(b_x):
+    """fp32 block -> torch's softplus (beta 1, threshold 20); NaN stays NaN."""
+    b_big = b_x > SOFTPLUS_THRESHOLD
+    b_e = tl.exp(tl.where(b_big, 0.0, b_x))  # exp only where it is used: no overflow above the threshold
+    b_u = 1.0 + b_e
+    b_tiny = b_u == 1.0  # e below half an ulp of 1: log1p(e) = e
+    b_log1p = tl.log(b_u) * tl.math.div_rn(b_e, tl.where(b_tiny, 1.0, b_u - 1.0))
+    return tl.where(b_big, b_x, tl.where(b_tiny, b_e, b_log1p))
+
+
+@triton.jit(do_not_specialize=["s_b_row", "s_a_row"])
+def _gdn_gates_kernel(
+    b, a, A_log, dt_bias, decay, beta,
+    s_b_row, s_a_row,
+    HV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)  # the row
+    o_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] value heads
+    m_h = o_h < HV
+    b_b = tl.load(b + i_m * s_b_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_sig = tl.math.div_rn(1.0, 1.0 + tl.exp(-b_b))
+    b_beta = _cast(b_sig, b.dtype.element_ty, EMULATE_BF16_RTNE).to(tl.float32)  # sigmoid runs in b's dtype
+    b_x = tl.load(a + i_m * s_a_row + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_A = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
+    b_decay = tl.exp(-b_A * _softplus(b_x))
+    tl.store(decay + i_m * HV + o_h, b_decay, mask=m_h)
+    tl.store(beta + i_m * HV + o_h, b_beta, mask=m_h)
+
+
+def _check(b, a, A_log, dt_bias, out) -> None:
+    op = "gdn_gates"
+    if b.dim() != 2:
+        raise ValueError(f"{op}: b must be 2-D [n, Hv], got shape {list(b.shape)}")
+    n, hv = b.shape
+    if b.dtype not in DTYPES:
+        raise ValueError(f"{op}: b dtype {b.dtype} is not one of {DTYPES}")
+    if not b.is_cuda and not interpreting():
+        raise ValueError(f"{op}: b is on {b.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    named = [("b", b, (n, hv), (b.dtype,)), ("a", a, (n, hv), (b.dtype,)), ("A_log", A_log, (hv,), DTYPES), ("dt_bias", dt_bias, (hv,), DTYPES)]
+    if out is not None:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError(f"{op}: out must be a (decay, beta) tuple, got {type(out).__name__}")
+        named += [("decay", out[0], (n, hv, 1), (torch.float32,)), ("beta", out[1], (n, hv), (torch.float32,))]
+    for name, t, shape, dtypes in named:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} is not one of {dtypes}")
+        if t.device != b.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, b on {b.device}")
+    for name, t in (("b", b), ("a", a)):
+        if hv > 1 and t.stride(1) != 1:
+            raise ValueError(f"{op}: {name}'s heads must be contiguous (stride 1), got strides {t.stride()}")
+    if out is not None:
+        for name, t in zip(("decay", "beta"), out):
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()}")
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (decay [n, Hv, 1] fp32, beta [n, Hv] fp32). out: an optional (decay, beta) pair of
+    contiguous buffers, filled and returned."""
+    _check(b, a, A_log, dt_bias, out)
+    n, hv = b.shape
+    if out is None:
+        out = (torch.empty((n, hv, 1), dtype=torch.float32, device=b.device), torch.empty((n, hv), dtype=torch.float32, device=b.device))
+    if n == 0:
+        return out
+    _gdn_gates_kernel[(n,)](
+        b, a, A_log.contiguous(), dt_bias.contiguous(), out[0], out[1],
+        b.stride(0), a.stride(0),
+        HV=hv, BLOCK_H=triton.next_power_of_2(hv), EMULATE_BF16_RTNE=interpreting(),
+        num_warps=1, num_stages=1, enable_fp_fusion=False,
+    )
+    return out
+
+
+def gdn_gates_ref(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    beta = torch.sigmoid(b).float()
+    log_decay = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    decay = log_decay.exp()[..., None]
+    if out is None:
+        return decay, beta
+    return out[0].copy_(decay), out[1].copy_(beta)

@@ -1,0 +1,144 @@
+"""Gated DeltaNet's head split: the conv output of every row -> normalised queries and keys, one
+copy per value head, and the values, all fp32.
+
+    mixed  [n, 2*Hk*d_k + Hv*d_v]  fp32 or bf16: q (Hk heads) | k (Hk heads) | v (Hv heads) per row
+    q      [n, Hv, d_k]            fp32: l2norm(q32) / sqrt(d_k), key head h // r for value head h
+    k      [n, Hv, d_k]            fp32: l2norm(k32), the same repetition
+    v      [n, Hv, d_v]            fp32: v widened
+r = Hv // Hk; l2norm is kernels/norms.py's "rsqrt" form, x * rsqrt(sum(x^2) + 1e-6). `gdn_heads_ref`
+is GatedDeltaNet's code as the CPU reference backend runs it (repeat_interleave, then l2norm over
+[rows * heads, d_k], then the division by the python float sqrt(d_k), an fp32 division on the CPU).
+
+One program per (row, key head): it loads q and k of its key head once, normalises them with the
+l2norm code of kernels/norms.py (`_normalise`, the same fp32 formula and correctly rounded
+division and square root), writes each to its r value heads, and widens those heads' values.
+Row invariance (DESIGN.md section 6): a head's sum of squares is one tl.sum over one BLOCK_DK
+block inside its program; block sizes and num_warps depend on the head sizes alone, the row offset
+is the row index times the (feature-sized) row width, and mixed is made contiguous and 16-byte
+aligned (norms._aligned) so decode and verify meet one compiled variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .norms import ALIGN, L2_RSQRT, MAX_BLOCK_D, _aligned, _normalise, l2norm_ref
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _l2norm_rsqrt(b_x, m_d, D: tl.constexpr):
+    """fp32 head [BLOCK_D] (zero past D) -> x * rsqrt(sum(x^2) + 1e-6), as norms.l2norm computes a row."""
+    return _normalise(b_x, tl.sum(b_x * b_x, axis=0), b_x, b_x, m_d, D, 0.0, L2_RSQRT, tl.float32, False)
+
+
+@triton.jit
+def _gdn_heads_kernel(
+    mixed, q, k, v,
+    q_scale,
+    HK: tl.constexpr, R: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)  # the row
+    i_g = tl.program_id(1)  # the key head
+    HV: tl.constexpr = HK * R
+    o_r = tl.arange(0, BLOCK_R)
+    o_dk = tl.arange(0, BLOCK_DK)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_r, m_dk, m_dv = o_r < R, o_dk < D_K, o_dv < D_V
+    o_h = i_g * R + o_r  # [BLOCK_R] the value heads reading this key head
+    p_row = mixed + i_m * (2 * HK * D_K + HV * D_V)
+
+    b_q = tl.load(p_row + i_g * D_K + o_dk, mask=m_dk, other=0.0).to(tl.float32)  # [BLOCK_DK]
+    b_k = tl.load(p_row + (HK + i_g) * D_K + o_dk, mask=m_dk, other=0.0).to(tl.float32)
+    b_q = tl.math.div_rn(_l2norm_rsqrt(b_q, m_dk, D_K), q_scale)
+    b_k = _l2norm_rsqrt(b_k, m_dk, D_K)
+    m_qk = m_r[:, None] & m_dk[None, :]
+    o_qk = i_m * HV * D_K + o_h[:, None] * D_K + o_dk[None, :]  # [BLOCK_R, BLOCK_DK]
+    tl.store(q + o_qk, tl.broadcast_to(b_q[None, :], (BLOCK_R, BLOCK_DK)), mask=m_qk)
+    tl.store(k + o_qk, tl.broadcast_to(b_k[None, :], (BLOCK_R, BLOCK_DK)), mask=m_qk)
+
+    m_v = m_r[:, None] & m_dv[None, :]
+    b_v = tl.load(p_row + 2 * HK * D_K + o_h[:, None] * D_V + o_dv[None, :], mask=m_v, other=0.0)  # [BLOCK_R, BLOCK_DV]
+    tl.store(v + i_m * HV * D_V + o_h[:, None] * D_V + o_dv[None, :], b_v.to(tl.float32), mask=m_v)
+
+
+def heads_config(r: int, d_k: int, d_v: int) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_DK, BLOCK_DV, num_warps): functions of the head sizes alone, never of the
+    row count; a thread holds at most 8 elements of the [r, d_v] value tile."""
+    block_r, block_dv = triton.next_power_of_2(r), triton.next_power_of_2(d_v)
+    return block_r, triton.next_power_of_2(d_k), block_dv, min(4, max(1, block_r * block_dv // 256))
+
+
+def _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out) -> None:
+    op = "gdn_heads"
+    if min(n_k_heads, n_v_heads, d_k, d_v) < 1 or n_v_heads % n_k_heads:
+        raise ValueError(f"{op}: n_v_heads ({n_v_heads}) must be a positive multiple of n_k_heads ({n_k_heads}), d_k ({d_k}) and d_v ({d_v}) positive")
+    if d_k > MAX_BLOCK_D:
+        raise ValueError(f"{op}: d_k ({d_k}) over {MAX_BLOCK_D}: a key head must fit one register block")
+    width = 2 * n_k_heads * d_k + n_v_heads * d_v
+    if mixed.dim() != 2 or mixed.shape[1] != width:
+        raise ValueError(f"{op}: mixed must be [n, 2*Hk*d_k + Hv*d_v = {width}], got shape {list(mixed.shape)}")
+    if mixed.dtype not in DTYPES:
+        raise ValueError(f"{op}: mixed dtype {mixed.dtype} is not one of {DTYPES}")
+    if not mixed.is_cuda and not interpreting():
+        raise ValueError(f"{op}: mixed is on {mixed.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if out is None:
+        return
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise ValueError(f"{op}: out must be a (q, k, v) tuple, got {type(out).__name__}")
+    n = mixed.shape[0]
+    for name, t, shape in zip("qkv", out, ((n, n_v_heads, d_k), (n, n_v_heads, d_k), (n, n_v_heads, d_v))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} != torch.float32")
+        if t.device != mixed.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, mixed on {mixed.device}")
+        if not t.is_contiguous() or t.data_ptr() % ALIGN:
+            raise ValueError(f"{op}: {name} must be contiguous and start {ALIGN}-byte aligned, got strides {t.stride()}")
+
+
+def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int,
+              out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q, k [n, Hv, d_k], v [n, Hv, d_v]), fp32. out: an optional (q, k, v) triple of
+    contiguous aligned buffers, filled and returned."""
+    _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out)
+    n = mixed.shape[0]
+    if out is None:
+        empty = lambda d: torch.empty((n, n_v_heads, d), dtype=torch.float32, device=mixed.device)  # noqa: E731
+        out = (empty(d_k), empty(d_k), empty(d_v))
+    if n == 0:
+        return out
+    r = n_v_heads // n_k_heads
+    block_r, block_dk, block_dv, num_warps = heads_config(r, d_k, d_v)
+    _gdn_heads_kernel[(n, n_k_heads)](
+        _aligned(mixed), *out,
+        d_k**0.5,  # passed as fp32: the reference divides by the python float cast to fp32
+        HK=n_k_heads, R=r, D_K=d_k, D_V=d_v,
+        BLOCK_R=block_r, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
+    )
+    return out
+
+
+def gdn_heads_ref(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, r, key_dim = mixed.shape[0], n_v_heads // n_k_heads, n_k_heads * d_k
+    q = mixed[:, :key_dim].reshape(n, n_k_heads, d_k).float()
+    k = mixed[:, key_dim : 2 * key_dim].reshape(n, n_k_heads, d_k).float()
+    v = mixed[:, 2 * key_dim :].reshape(n, n_v_heads, d_v).float()
+    q = _l2norm_heads(q.repeat_interleave(r, dim=1)) / (d_k**0.5)
+    k = _l2norm_heads(k.repeat_interleave(r, dim=1))
+    if out is None:
+        return q, k, v
+    return out[0].copy_(q), out[1].copy_(k), out[2].copy_(v)
+
+
+def _l2norm_heads(x: torch.Tensor) -> torch.Tensor:
+    """[n, heads, d] -> l2norm "rsqrt" over d, as [n * heads, d] rows (verifier.model.ops.l2norm)."""
+    return l2norm_ref(x.reshape(-1, x.shape[-1]), "rsqrt").reshape(x.shape)

@@ -1,0 +1,99 @@
+"""The dense MLP's SwiGLU: silu(gate) * up, from the fused gate | up projection.
+
+    gate_up  [n, 2I]  fp32 or bf16: gate (columns 0 .. I-1) then up (I .. 2I-1), as DenseMLP's
+                      fused weight produces it; rows may be strided, features contiguous
+    out      [n, I]   gate_up's dtype, contiguous
+
+With cast = to gate_up's dtype (torch computes each bf16 elementwise op in fp32 and rounds once):
+    out = cast(cast(silu(gate32)) * up32),  silu(g) = g / (1 + exp(-g))
+The `_ref` is exactly that in torch (F.silu(gate) * up): what the CPU reference backend computes.
+
+Row invariance (DESIGN.md section 6): one program per (row, block of BLOCK_I columns); every
+element is computed alone, nothing is reduced. BLOCK_I and num_warps depend on I alone, the row
+stride is not specialised on (a one-row tensor may carry any row stride), and fp32 contraction
+into FMA is off, so a row's bits never depend on how many rows share the launch. exp's last bits
+differ between torch, numpy (the interpreter) and the GPU, so kernel and reference agree within a
+stated tolerance, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .norms import _cast
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_BLOCK_I = 1024  # columns per program: an intermediate of 6144 runs 6 programs per row
+
+
+@triton.jit(do_not_specialize=["s_row"])
+def _silu_mul_kernel(gate_up, out, s_row, I, BLOCK_I: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    i_m = tl.program_id(0).to(tl.int64)  # the row; int64: rows * 2I can pass 2^31
+    i_c = tl.program_id(1)
+    DTYPE: tl.constexpr = out.dtype.element_ty
+    o_c = i_c * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] columns of the output
+    m_c = o_c < I
+    p_row = gate_up + i_m * s_row
+    b_g = tl.load(p_row + o_c, mask=m_c, other=0.0).to(tl.float32)
+    b_u = tl.load(p_row + I + o_c, mask=m_c, other=0.0).to(tl.float32)
+    b_s = _cast(tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)), DTYPE, EMULATE_BF16_RTNE).to(tl.float32)  # silu, rounded as torch
+    tl.store(out + i_m * I + o_c, _cast(b_s * b_u, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
+
+
+def swiglu_config(intermediate: int) -> tuple[int, int]:
+    """(BLOCK_I, num_warps) for an intermediate size: a function of it alone, never of the row
+    count; each thread holds at most 8 columns."""
+    block_i = min(triton.next_power_of_2(intermediate), MAX_BLOCK_I)
+    return block_i, min(4, max(1, block_i // 256))
+
+
+def _check(gate_up: torch.Tensor, intermediate: int, out: torch.Tensor | None) -> None:
+    op = "silu_mul"
+    if gate_up.dim() != 2:
+        raise ValueError(f"{op}: gate_up must be 2-D [n, 2I], got shape {list(gate_up.shape)}")
+    if intermediate < 1 or gate_up.shape[1] != 2 * intermediate:
+        raise ValueError(f"{op}: gate_up must have 2 * intermediate = {2 * intermediate} columns, got shape {list(gate_up.shape)}")
+    if gate_up.dtype not in DTYPES:
+        raise ValueError(f"{op}: gate_up dtype {gate_up.dtype} is not one of {DTYPES}")
+    if not gate_up.is_cuda and not interpreting():
+        raise ValueError(f"{op}: gate_up is on {gate_up.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if gate_up.stride(1) != 1:
+        raise ValueError(f"{op}: gate_up's features must be contiguous (stride 1), got strides {gate_up.stride()}")
+    if out is not None:
+        want = (gate_up.shape[0], intermediate)
+        if tuple(out.shape) != want:
+            raise ValueError(f"{op}: out must have shape {list(want)}, got {list(out.shape)}")
+        if out.dtype != gate_up.dtype:
+            raise ValueError(f"{op}: out dtype {out.dtype} != gate_up dtype {gate_up.dtype}")
+        if out.device != gate_up.device:
+            raise ValueError(f"{op}: out is on {out.device}, gate_up on {gate_up.device}")
+        if not out.is_contiguous():
+            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [n, 2I] -> [n, I] in its dtype: cast(cast(silu(gate32)) * up32). out: an optional
+    contiguous [n, I] buffer, filled and returned."""
+    _check(gate_up, intermediate, out)
+    n = gate_up.shape[0]
+    if out is None:
+        out = torch.empty((n, intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    if n == 0:
+        return out
+    block_i, num_warps = swiglu_config(intermediate)
+    _silu_mul_kernel[(n, triton.cdiv(intermediate, block_i))](
+        gate_up, out, gate_up.stride(0), intermediate,
+        BLOCK_I=block_i, EMULATE_BF16_RTNE=interpreting(),
+        num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
+    )
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor, intermediate: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = gate_up.split(intermediate, dim=1)
+    y = F.silu(gate) * up
+    return y if out is None else out.copy_(y)
