@@ -21,6 +21,7 @@ NEW_TOKENS = 24
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    ours, ref = ours.cpu(), ref.cpu()  # with --model-device cuda our logits stay on the GPU
     assert not torch.isnan(ours).any(), f"{what}: NaN in our logits"
     err = (ours - ref).abs().max().item()
     scale = ref.abs().max().item()
