@@ -14,6 +14,7 @@ import torch
 
 from drafter.proposers import NgramProposer, OracleProposer, RandomProposer
 
+from .arguments import at_least, token_ids
 from .defaults import default_model_dir
 from .engine import Engine
 from .generate import generate
@@ -25,35 +26,15 @@ from .tokenizer import TextTokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
-    return ids
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verifier", description="Bit-exact speculative-decoding verifier for hybrid LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from a prompt with the target model")
     gen.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model)")
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--text", help="prompt text (needs tokenizer.json in the model directory)")
-    gen.add_argument("--max-new-tokens", type=_at_least(1), required=True)
+    gen.add_argument("--max-new-tokens", type=at_least(1), required=True)
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -61,16 +42,42 @@ def build_parser() -> argparse.ArgumentParser:
     spec = gen.add_argument_group("speculative decoding (every token and logit row equals the plain run's)")
     spec.add_argument("--draft", default="none", choices=["none", "ngram", "random", "oracle"],
                       help="ngram: prompt lookup; random: K uniform ids (adversarial); oracle: the true continuation")
-    spec.add_argument("--k", type=_at_least(0), default=None, help="drafts per step (default 4 with a drafter)")
+    spec.add_argument("--k", type=at_least(0), default=None, help="drafts per step (default 4 with a drafter)")
     spec.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter")
     spec.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES, help="recurrent-state rollback: write-on-accept or snapshots")
     samp = gen.add_argument_group("sampling (default greedy)")
     samp.add_argument("--temperature", type=float, default=0.0)
-    samp.add_argument("--top-k", type=_at_least(0), default=0)
+    samp.add_argument("--top-k", type=at_least(0), default=0)
     samp.add_argument("--top-p", type=float, default=1.0)
-    samp.add_argument("--seed", type=_at_least(0), default=0)
+    samp.add_argument("--seed", type=at_least(0), default=0)
     gen.add_argument("-v", "--verbose", action="store_true")
+    _add_serve(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    srv = sub.add_parser("serve", help="serve the verifier over gRPC until SIGTERM / SIGINT")
+    srv.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    srv.add_argument("--port", type=at_least(0), required=True, help="port to bind; 0 picks a free one (the log line says which)")
+    srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    srv.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    srv.add_argument("--n-slots", type=at_least(1), default=8, help="sessions held at once")
+    srv.add_argument("--max-seq-len", type=at_least(2), default=2048, help="positions per session (prompt + generated)")
+    srv.add_argument("--max-k", type=at_least(0), default=8, help="most drafts per step")
+    srv.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES)
+    srv.add_argument("--max-batch-rows", type=at_least(1), default=256, help="most verify rows in one engine batch")
+    srv.add_argument("--max-wait-ms", type=float, default=0.0, help="let a batch gather this long (0: run at once)")
+    srv.add_argument("--idle-timeout-s", type=float, default=None, help="reap sessions idle this long (default: never)")
+    srv.add_argument("--retry-after-ms", type=at_least(0), default=200, help="the retry hint sent when every slot is in use")
+    srv.add_argument("--max-message-mb", type=float, default=64.0, help="largest request or response message")
+    srv.add_argument("--metrics-port", type=at_least(0), default=None, help="serve Prometheus metrics on this port")
+    srv.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' (health checks exempt)")
+    srv.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (with --tls-key)")
+    srv.add_argument("--tls-key", type=Path, default=None, help="PEM private key (with --tls-cert)")
+    srv.add_argument("--grace-s", type=float, default=5.0, help="shutdown: time in-flight calls get to finish")
+    srv.add_argument("--drain-s", type=float, default=0.0, help="shutdown: time health says NOT_SERVING before the port closes")
+    srv.add_argument("-v", "--verbose", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
 
 
@@ -156,3 +165,22 @@ def _generate(args) -> int:
         spec = f", {len(result.accepted_per_step)} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s{spec}]", file=sys.stderr)
     return 0
+
+
+def _serve(args) -> int:
+    from .server import ServerConfig, serve
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return _fail("--device cuda, but torch sees no CUDA device")
+    try:
+        config = ServerConfig(
+            args.model or default_model_dir(), host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+            n_slots=args.n_slots, max_seq_len=args.max_seq_len, max_k=args.max_k, rollback=args.rollback,
+            max_batch_rows=args.max_batch_rows, max_wait_ms=args.max_wait_ms, idle_timeout_s=args.idle_timeout_s,
+            retry_after_ms=args.retry_after_ms,
+            max_message_mb=args.max_message_mb, metrics_port=args.metrics_port, auth_token=args.auth_token,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, grace_s=args.grace_s, drain_s=args.drain_s,
+        )
+        return serve(config)
+    except (ValueError, OSError) as exc:  # bad options, an unreadable checkpoint, a port in use
+        return _fail(str(exc))

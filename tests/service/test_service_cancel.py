@@ -1,0 +1,178 @@
+"""Cancellation, deadlines and batching, made deterministic with an engine whose steps wait at a
+gate: a step handed to the engine completes and its result is stored for a retry; a step still
+queued when its caller leaves is withdrawn and changes nothing; steps that queue while the engine
+is busy run together as one engine batch."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from verifier import rpc
+from verifier.engine import Engine
+from verifier.model import load_model
+from verifier.server.testing import LoopbackServer
+
+from .helpers import code_of, open_session, rpc_error, step, verify_one
+
+
+class GatedEngine(Engine):
+    """An engine whose open and step wait until `gate` is set; `entered` says one has started."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def _wait(self):
+        self.entered.set()
+        assert self.gate.wait(20), "the test never opened the gate"
+
+    def open(self, *args, **kwargs):
+        self._wait()
+        return super().open(*args, **kwargs)
+
+    def step(self, requests):
+        self._wait()
+        return super().step(requests)
+
+
+@pytest.fixture(scope="module")
+def gated(text_checkpoint):
+    engine = GatedEngine(load_model(text_checkpoint), n_slots=6, max_seq_len=96, max_k=8)
+    with LoopbackServer(text_checkpoint, n_slots=6, max_seq_len=96, max_k=8, engine=engine) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            yield server, engine, rpc.VerifierStub(channel)
+    engine.gate.set()
+
+
+@pytest.fixture
+def closed_gate(gated):
+    _, engine, _ = gated
+    engine.gate.clear()
+    engine.entered.clear()
+    yield engine
+    engine.gate.set()
+
+
+def _in_thread(fn, *args, **kwargs):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def _queued(server) -> int:
+    return server.run_on_loop(lambda: len(server.server.service.scheduler._queue))
+
+
+def _wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_deadline_after_hand_off_keeps_the_result_for_a_retry(gated, closed_gate, plain):
+    server, engine, stub = gated
+    expected = plain([7, 7, 7], 20)
+    closed_gate.gate.set()
+    opened = open_session(stub, [7, 7, 7], 20)
+    closed_gate.gate.clear()
+    closed_gate.entered.clear()
+    request = rpc.VerifyRequest(steps=[step(opened.session_id, opened.position, expected.tokens[1:3], request_id="r1")])
+    thread, out = _in_thread(stub.Verify, request, timeout=0.5)
+    assert engine.entered.wait(10)  # handed to the engine, then the caller's deadline passes
+    thread.join()
+    assert out["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    engine.gate.set()
+    (retry,) = stub.Verify(request).results
+    assert retry.status.code == 0 and list(retry.tokens) == expected.tokens[1:4]
+    assert retry.position == opened.position + 3  # advanced once
+    stale = verify_one(stub, opened.session_id, opened.position, request_id="r2")
+    assert code_of(stale) == grpc.StatusCode.ABORTED and stale.status.current_position == retry.position
+    stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
+
+
+def test_step_withdrawn_while_queued_changes_nothing(gated, closed_gate, plain):
+    server, engine, stub = gated
+    engine.gate.set()
+    a, b = open_session(stub, [1, 2], 20), open_session(stub, [3, 4], 20)
+    engine.gate.clear()
+    engine.entered.clear()
+    busy, busy_out = _in_thread(verify_one, stub, a.session_id, a.position)  # holds the engine
+    assert engine.entered.wait(10)
+    error = rpc_error(stub.Verify, rpc.VerifyRequest(steps=[step(b.session_id, b.position, [5], request_id="b1")]), timeout=0.3)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_until(lambda: _queued(server) == 0)  # the queued step left with its caller
+    engine.gate.set()
+    busy.join()
+    assert busy_out["value"].status.code == 0
+    # b never moved: a step from its original position runs and matches plain decoding
+    result = verify_one(stub, b.session_id, b.position, request_id="b1")
+    assert result.status.code == 0 and list(result.tokens) == plain([3, 4], 20).tokens[1:2]
+    for s in (a, b):
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=s.session_id))
+
+
+def test_steps_waiting_on_a_busy_engine_share_one_batch(gated, closed_gate, plain):
+    """While the engine holds one step, three sessions' steps and two back-to-back steps of a
+    fourth session (on one stream) queue: the three and the fourth's first run as one batch, the
+    fourth's second waits for the next (a session appears once per batch)."""
+    server, engine, stub = gated
+    engine.gate.set()
+    prompts = [[10 + i, 20 + i] for i in range(5)]
+    sessions = [open_session(stub, p, 20) for p in prompts]
+    before = stub.GetStats(rpc.GetStatsRequest())
+    engine.gate.clear()
+    engine.entered.clear()
+    held, _ = _in_thread(verify_one, stub, sessions[0].session_id, sessions[0].position)
+    assert engine.entered.wait(10)
+    threads = [_in_thread(verify_one, stub, s.session_id, s.position, [1, 2]) for s in sessions[1:4]]
+    last = sessions[4]
+    stream = [step(last.session_id, last.position), step(last.session_id, last.position + 1)]
+    threads.append(_in_thread(lambda: list(stub.VerifyStream(iter(stream)))))
+    _wait_until(lambda: _queued(server) == 5)
+    engine.gate.set()
+    held.join()
+    for thread, _ in threads:
+        thread.join()
+    *singles, streamed = [out["value"] for _, out in threads]
+    after = stub.GetStats(rpc.GetStatsRequest())
+    assert after.engine_steps - before.engine_steps == 3
+    assert after.rows_per_batch.sum - before.rows_per_batch.sum == 1 + 3 * 3 + 1 + 1
+    for s, prompt, result in zip(sessions[1:4], prompts[1:4], singles):
+        assert result.status.code == 0
+        assert [s.first_token, *result.tokens] == plain(prompt, 20).tokens[: 1 + len(result.tokens)]
+    assert [r.status.code for r in streamed] == [0, 0]
+    assert [last.first_token, *streamed[0].tokens, *streamed[1].tokens] == plain(prompts[4], 20).tokens[:3]
+    for s in sessions:
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=s.session_id))
+
+
+def test_cancelled_open_session(gated, closed_gate):
+    server, engine, stub = gated
+    free = stub.GetStats(rpc.GetStatsRequest()).free_slots
+    # with a request id: the session is kept, and a retry gets it
+    request = rpc.OpenSessionRequest(prompt_ids=[1, 2, 3], max_new_tokens=5, request_id="open-r1")
+    assert rpc_error(stub.OpenSession, request, timeout=0.3).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # without one: no one could name the session, so it is closed once admitted
+    orphan = rpc.OpenSessionRequest(prompt_ids=[1, 2, 3], max_new_tokens=5)
+    assert rpc_error(stub.OpenSession, orphan, timeout=0.3).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    engine.gate.set()
+    retried = stub.OpenSession(request)
+    again = stub.OpenSession(request)
+    assert retried.session_id == again.session_id and retried.position == 3
+    _wait_until(lambda: stub.GetStats(rpc.GetStatsRequest()).free_slots == free - 1)
+    assert stub.GetStats(rpc.GetStatsRequest()).open_sessions == 1
+    stub.CloseSession(rpc.CloseSessionRequest(session_id=retried.session_id))
+    assert stub.GetStats(rpc.GetStatsRequest()).free_slots == free

@@ -1,0 +1,131 @@
+"""The verifier process: load the model, build the engine, serve gRPC (our service, standard
+health checking, reflection), optional auth, TLS and a Prometheus endpoint; drain and stop.
+
+Shutdown order: health says NOT_SERVING and OpenSession answers UNAVAILABLE (drain_s, so load
+balancers notice), then the port closes to new calls (UNAVAILABLE from grpc itself) while
+in-flight calls get grace_s to finish, then whatever steps were accepted run, then the worker
+thread stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .. import rpc
+from ..engine import Engine
+from ..model import load_model
+from ..tokenizer import TextTokenizer
+from .auth import BearerTokenAuth
+from .config import ServerConfig
+from .metrics import Metrics
+from .service import VerifierService
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICES = ("", rpc.SERVICE_NAME)  # "" is the whole server
+
+
+def build_engine(config: ServerConfig) -> Engine:
+    import torch
+
+    model = load_model(config.model_dir, config.device, getattr(torch, config.dtype))
+    return Engine(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback)
+
+
+class VerifierServer:
+    def __init__(self, config: ServerConfig, engine: Engine | None = None):
+        self.config = config
+        self.engine = engine if engine is not None else build_engine(config)
+        self.tokenizer = TextTokenizer.from_model_dir(config.model_dir)
+        self.metrics = Metrics(self.engine.max_k)
+        self.service: VerifierService | None = None
+        self.address: str | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._metrics_http = None
+
+    async def start(self) -> str:
+        """Bind and serve; returns "host:port" (the real port when config.port is 0)."""
+        config = self.config
+        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics)
+        interceptors = [BearerTokenAuth(config.auth_token)] if config.auth_token else []
+        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                   ("grpc.max_send_message_length", config.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]  # a second server on the same port must fail, not share it
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        server.add_generic_rpc_handlers([rpc.servicer_handler(self.service)])
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((rpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+        target = f"{host}:{config.port}"
+        try:
+            if config.tls_cert is not None:
+                credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                port = server.add_secure_port(target, credentials)
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError as exc:  # grpc's way of saying the address cannot be bound
+            raise OSError(f"cannot listen on {target}: {exc}") from None
+        await self.service.start()
+        await server.start()
+        self._server = server
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if config.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_http, _ = start_http_server(config.metrics_port, addr=config.host, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def drain(self) -> None:
+        """NOT_SERVING and no new sessions; open sessions keep stepping until stop."""
+        if self.service is not None:
+            self.service.draining = True
+        if self._health is not None:
+            for name in HEALTH_SERVICES:
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
+        config = self.config
+        await self.drain()
+        await asyncio.sleep(config.drain_s if drain_s is None else drain_s)
+        if self._server is not None:
+            await self._server.stop(config.grace_s if grace_s is None else grace_s)
+        if self.service is not None:
+            await self.service.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+
+async def _serve_until_signalled(server: VerifierServer) -> None:
+    address = await server.start()
+    extra = f", metrics on {server.config.host}:{server.metrics_port}" if server.metrics_port is not None else ""
+    scheme = "TLS" if server.config.tls_cert is not None else "plaintext"
+    print(f"listening on {address} ({scheme}{extra})", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    print("stopping: draining sessions", file=sys.stderr, flush=True)
+    await server.stop()
+    print("stopped", file=sys.stderr, flush=True)
+
+
+def serve(config: ServerConfig) -> int:
+    """`python -m verifier serve`: serve until SIGTERM or SIGINT, then shut down gracefully."""
+    server = VerifierServer(config)
+    asyncio.run(_serve_until_signalled(server))
+    return 0

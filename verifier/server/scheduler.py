@@ -1,0 +1,225 @@
+"""The scheduler: steps from every Verify and VerifyStream call wait in one queue; a batcher task
+takes everything waiting (up to max_batch_rows verify rows, each session at most once) and runs
+ONE engine step for it on the worker thread, then the next.
+
+Steps are checked against their session (still open, not finished, expected position) when they
+are taken into a batch, not when they arrive: by then any earlier step of the same session has
+finished, so the check sees the position the engine will run from. The batcher runs one batch at
+a time and the worker writes sequences only inside a step, so no session is read on the event
+loop while the worker is writing it.
+
+A caller that goes away (cancel, deadline) withdraws its steps that are still queued; a step
+already handed to the engine completes, and its result is stored under its request id, so a
+retry gets it and nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from ..engine import LENGTH, Engine, StepError, StepRequest
+from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, ok_result
+from .metrics import Metrics
+from .sessions import Session, SessionTable
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingStep:
+    step: object  # rpc.VerifyStep
+    session: Session | None
+    drafts: list[int]
+    draft_probs: torch.Tensor | None
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.perf_counter)
+    waiters: int = 1  # callers awaiting this step (an in-flight retry joins the original)
+    taken: bool = False  # handed to a batch: it will complete whatever its callers do
+
+    @property
+    def rows(self) -> int:
+        return len(self.drafts) + 1
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, worker: Worker, sessions: SessionTable, metrics: Metrics,
+                 max_batch_rows: int, max_wait_ms: float):
+        self.engine = engine
+        self.worker = worker
+        self.sessions = sessions
+        self.metrics = metrics
+        self.max_batch_rows = max_batch_rows
+        self.max_wait_s = max_wait_ms / 1000.0
+        self._queue: list[PendingStep] = []
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
+
+    async def stop(self) -> None:
+        """Run what is still queued, then end the batcher."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    def answered(self, step, result) -> PendingStep:
+        """A step answered without the engine (a request error, a stored result)."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(result)
+        return PendingStep(step, None, [], None, future, taken=True)
+
+    def submit(self, step, session: Session, drafts: list[int], draft_probs: torch.Tensor | None) -> PendingStep:
+        pending = PendingStep(step, session, drafts, draft_probs, asyncio.get_running_loop().create_future())
+        session.busy += 1
+        session.last_used = self.sessions.clock()
+        if step.request_id:
+            session.inflight[step.request_id] = pending
+        self._queue.append(pending)
+        self._wakeup.set()
+        return pending
+
+    @staticmethod
+    def join(pending: PendingStep) -> PendingStep:
+        """A retry of a step still queued or running waits for the same result."""
+        pending.waiters += 1
+        return pending
+
+    def withdraw(self, pending: PendingStep) -> None:
+        """A caller of `pending` went away. A step no one waits for leaves the queue, unless a batch
+        has taken it (then it completes and its result is stored)."""
+        if pending.taken or pending.future.done():
+            return
+        pending.waiters -= 1
+        if pending.waiters > 0:
+            return
+        self._queue.remove(pending)
+        self._release(pending)
+        pending.future.cancel()
+
+    def _release(self, pending: PendingStep) -> None:
+        session = pending.session
+        session.busy -= 1
+        session.last_used = self.sessions.clock()
+        if session.inflight.get(pending.step.request_id) is pending:
+            del session.inflight[pending.step.request_id]
+
+    async def _batcher(self) -> None:
+        while True:
+            if not self._queue:
+                if self._stopping:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if self.max_wait_s > 0 and not self._stopping:
+                await self._gather()
+            batch = self._take()
+            try:
+                await self._run(batch)
+            except Exception:  # an engine failure must not kill the batcher or strand callers
+                log.exception("engine step failed")
+                for pending in batch:
+                    if not pending.future.done():
+                        self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; see the server log"))
+
+    async def _gather(self) -> None:
+        """Let a batch gather for up to max_wait_ms, or until it holds max_batch_rows rows."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        while sum(p.rows for p in self._queue) < self.max_batch_rows:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _take(self) -> list[PendingStep]:
+        """Waiting steps in arrival order: each session once, at most max_batch_rows rows (the
+        first step always, however many rows it has). The rest wait for the next batch."""
+        batch, rest, seen, rows, full = [], [], set(), 0, False
+        for pending in self._queue:
+            if batch and rows + pending.rows > self.max_batch_rows:
+                full = True  # later steps wait too, so arrival order is kept
+            if full or pending.session.id in seen:
+                rest.append(pending)
+                continue
+            seen.add(pending.session.id)
+            rows += pending.rows
+            pending.taken = True
+            batch.append(pending)
+        self._queue = rest
+        return batch
+
+    def _check(self, pending: PendingStep) -> tuple[grpc.StatusCode, str] | None:
+        """The step against its session's current state; never changes state."""
+        session, step = pending.session, pending.step
+        if not self.sessions.is_live(session):
+            return grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session.id)
+        seq = session.sequence
+        if seq.finished:
+            return grpc.StatusCode.FAILED_PRECONDITION, f"session_id {session.id!r} has finished ({seq.finish_reason}): open a new session"
+        if step.expected_position != seq.position:
+            return grpc.StatusCode.ABORTED, (f"expected_position {step.expected_position} is stale: the session is at "
+                                             f"position {seq.position} (Status.current_position)")
+        try:
+            self.engine.check(StepRequest(seq, pending.drafts, pending.draft_probs))
+        except StepError as exc:
+            return STEP_ERROR_CODES[exc.code], str(exc)
+        return None
+
+    async def _run(self, batch: list[PendingStep]) -> None:
+        live = []
+        for pending in batch:
+            problem = self._check(pending)
+            if problem is None:
+                live.append(pending)
+            else:
+                self._deliver(pending, error_result(pending.step, *problem, position=pending.session.sequence.position))
+        if not live:
+            return
+        requests = [StepRequest(p.session.sequence, p.drafts, p.draft_probs) for p in live]
+        want_logits = [bool(p.step.return_logits) for p in live]
+        results, logits = await self.worker.run(_step, self.engine, requests, want_logits)
+        self.metrics.record_batch(sum(p.rows for p in live))
+        max_seq_len = self.engine.pool.max_seq_len
+        for pending, result, rows in zip(live, results, logits):
+            if result.error is not None:
+                self._deliver(pending, error_result(pending.step, STEP_ERROR_CODES[result.error.code], str(result.error), result.position))
+                continue
+            seq = pending.session.sequence
+            if seq.finish_reason is None and seq.position >= max_seq_len:
+                # no room for even a one-row step: the context is full, which ends the session
+                seq.finish_reason = result.finish_reason = LENGTH
+            answer = ok_result(pending.step, result, rows)
+            if pending.step.request_id:
+                self.sessions.store_result(pending.session, pending.step.request_id, answer)
+            self.metrics.record_step(len(pending.drafts), result.accepted, time.perf_counter() - pending.arrived)
+            self._deliver(pending, answer)
+
+    def _deliver(self, pending: PendingStep, result) -> None:
+        if result.status.code != 0:
+            self.metrics.record_error(code_name(result.status.code))
+        self._release(pending)
+        if not pending.future.done():
+            pending.future.set_result(result)
+
+
+def _step(engine: Engine, requests: list[StepRequest], want_logits: list[bool]):
+    """On the worker: one engine step, and the asked-for logits as wire bytes (the device-to-host
+    copy stays off the event loop)."""
+    results = engine.step(requests)
+    logits = [logits_message(r.logits) if want and r.error is None else None for r, want in zip(results, want_logits)]
+    return results, logits

@@ -1,0 +1,79 @@
+"""Checks of a request's own fields, before anything touches a session or the engine. Each
+failure is an `Invalid` carrying the status code and a message that names the field."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from ..sampling import SamplingParams
+from .convert import draft_probs_tensor, sampling_params
+
+
+class Invalid(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _bad_ids(ids, vocab: int) -> list[int]:
+    return [t for t in ids if not 0 <= t < vocab]
+
+
+def open_prompt(request, tokenizer, vocab: int, max_seq_len: int) -> list[int]:
+    """The prompt of an OpenSessionRequest: exactly one of prompt_ids and text, in the vocabulary,
+    with room for at least one step in the context."""
+    has_ids, has_text = len(request.prompt_ids) > 0, request.text != ""
+    if has_ids and has_text:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids and text are both set: send exactly one")
+    if not has_ids and not has_text:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids and text are both empty: send exactly one")
+    if has_text:
+        if tokenizer is None:
+            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text needs a tokenizer and this model has none "
+                          "(ModelInfo.has_tokenizer is false): send prompt_ids")
+        prompt, field = tokenizer.encode(request.text), "text"
+        if not prompt:
+            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text encodes to no tokens")
+    else:
+        prompt, field = list(request.prompt_ids), "prompt_ids"
+    bad = _bad_ids(prompt, vocab)
+    if bad:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+    if len(prompt) + 1 > max_seq_len:
+        raise Invalid(grpc.StatusCode.OUT_OF_RANGE, f"{field}: a prompt of {len(prompt)} tokens leaves no room in the "
+                      f"context of {max_seq_len} positions (ModelInfo.max_context)")
+    return prompt
+
+
+def open_limits(request) -> tuple[SamplingParams, int]:
+    """(sampling, max_new_tokens) of an OpenSessionRequest."""
+    if request.max_new_tokens < 1:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1 (the first token counts)")
+    try:
+        sampling = sampling_params(request.sampling)
+    except ValueError as exc:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}") from None
+    return sampling, request.max_new_tokens
+
+
+def step_drafts(step, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor | None]:
+    """(draft ids, draft probabilities or None) of a VerifyStep. The probabilities' values (finite,
+    rows summing to 1) are the engine's check, run before the step touches state."""
+    if not step.session_id:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
+    drafts = list(step.draft_ids)
+    if len(drafts) > max_k:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids has {len(drafts)} ids, more than max_k {max_k}")
+    bad = _bad_ids(drafts, vocab)
+    if bad:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+    if not step.draft_probs:
+        return drafts, None
+    if not drafts:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "draft_probs is set but draft_ids is empty")
+    try:
+        return drafts, draft_probs_tensor(step.draft_probs, len(drafts), vocab)
+    except ValueError as exc:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
