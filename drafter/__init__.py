@@ -1,1 +1,6 @@
-"""Drafter side: the client library, proposers and the generation loop (issue 5 builds it)."""
+"""Drafter side: proposers, the client of the verifier service and the generation loop.
+
+    python -m drafter generate --server HOST:PORT --prompt-ids 1,2,3 --max-new-tokens 32
+
+Nothing here imports torch: drafting n-grams or random ids needs only grpcio, protobuf and numpy.
+"""

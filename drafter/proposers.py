@@ -7,6 +7,11 @@
 from __future__ import annotations
 
 import random
+from typing import Protocol
+
+
+class Proposer(Protocol):
+    def propose(self, context: list[int], k: int) -> list[int]: ...
 
 
 class RandomProposer:

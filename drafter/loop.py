@@ -1,0 +1,195 @@
+"""The generation loop every front end uses: open a session, propose drafts, verify, repeat, close.
+
+`DraftLoop` holds what the loop knows between steps (the prompt, the tokens emitted, the position)
+and decides each step's drafts; it does no I/O, so the blocking driver (`stream`, `generate`) and
+the asyncio driver (`agenerate`) are the same loop over different transports.
+
+Drafts are cut to the verifier's limits before they are sent: at most min(k, max_k), no row past
+the context (position + drafts + 1 <= max_context) and none past the token budget (a step emits at
+most drafts + 1 tokens, so drafts beyond `max_new_tokens - emitted - 1` could never be kept).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from .messages import ModelInfo, Sampling, Session, Step, StepOutcome, VerifierError
+from .proposers import Proposer
+
+log = logging.getLogger(__name__)
+
+STREAM, UNARY = "stream", "unary"  # transports: VerifyStream, or one Verify call per step
+
+
+@dataclass
+class Generation:
+    session_id: str
+    prompt_ids: list[int]  # the prompt as the model saw it
+    tokens: list[int]  # generated ids, the first token and an eos that ended it included
+    finish_reason: str  # "eos" or "length"
+    accepted_per_step: list[int]  # drafts accepted per verify step
+    drafts_per_step: list[int]  # drafts sent per verify step (0: a plain decode step)
+    logits: np.ndarray | None = field(default=None, repr=False)  # [len(tokens), vocab] float32 when asked
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / steps-with-drafts: tokens per drafted step, the bonus counted."""
+        drafted = [a for a, d in zip(self.accepted_per_step, self.drafts_per_step) if d]
+        return 1.0 + sum(drafted) / len(drafted) if drafted else 1.0
+
+
+class DraftLoop:
+    """One session's loop state. `next_step()` builds the step to send; `advance(step, outcome)` takes
+    its (OK) outcome in and returns the tokens it emitted."""
+
+    def __init__(self, session: Session, info: ModelInfo, proposer: Proposer | None, k: int, max_new_tokens: int,
+                 return_logits: bool = False):
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.session, self.info, self.proposer = session, info, proposer
+        self.k, self.max_new_tokens, self.return_logits = k, max_new_tokens, return_logits
+        self.position = session.position
+        self.tokens = [session.pending]
+        self.finish_reason = session.finish_reason
+        self.accepted: list[int] = []
+        self.drafted: list[int] = []
+        self._logits = [session.logits] if return_logits and session.logits is not None else []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def draft_room(self) -> int:
+        """How many drafts the next step may carry."""
+        budget = self.max_new_tokens - len(self.tokens) - 1
+        context = self.info.max_context - self.position - 1
+        return max(0, min(self.k, self.info.max_k, context, budget))
+
+    def next_step(self) -> Step:
+        room = self.draft_room()
+        drafts = []
+        if self.proposer is not None and room > 0:
+            drafts = list(self.proposer.propose(self.session.prompt_ids + self.tokens, room))[:room]
+        return Step(self.session.id, self.position, tuple(drafts), return_logits=self.return_logits)
+
+    def advance(self, step: Step, outcome: StepOutcome) -> list[int]:
+        outcome.check()
+        # A reply that does not fit the step would corrupt the stream silently: refuse it loudly.
+        if not outcome.tokens and outcome.finish_reason is None:
+            raise _internal(f"step at position {step.expected_position} emitted no tokens and did not finish")
+        if outcome.position != step.expected_position + len(outcome.tokens):
+            raise _internal(f"step at position {step.expected_position} emitted {len(outcome.tokens)} tokens "
+                            f"but moved the session to position {outcome.position}")
+        kept = min(outcome.accepted, len(outcome.tokens))
+        if outcome.accepted > len(step.draft_ids) or list(step.draft_ids[:kept]) != outcome.tokens[:kept]:
+            raise _internal(f"accepted {outcome.accepted} of drafts {list(step.draft_ids)}, but the tokens are {outcome.tokens}")
+        self.position = outcome.position
+        self.tokens += outcome.tokens
+        self.finish_reason = outcome.finish_reason
+        self.accepted.append(outcome.accepted)
+        self.drafted.append(len(step.draft_ids))
+        if self.return_logits:
+            if outcome.logits is None or outcome.logits.shape[0] != len(outcome.tokens):
+                raise _internal(f"asked for logits, got {None if outcome.logits is None else outcome.logits.shape} "
+                                f"for {len(outcome.tokens)} tokens")
+            self._logits.append(outcome.logits)
+        return list(outcome.tokens)
+
+    def result(self) -> Generation:
+        logits = np.concatenate(self._logits) if self.return_logits and self._logits else None
+        return Generation(self.session.id, list(self.session.prompt_ids), list(self.tokens), self.finish_reason,
+                          list(self.accepted), list(self.drafted), logits)
+
+
+def _internal(message: str) -> VerifierError:
+    return VerifierError(grpc.StatusCode.INTERNAL, f"inconsistent reply from the verifier: {message}")
+
+
+def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
+           max_new_tokens: int, sampling: Sampling = Sampling(), k: int = 4, return_logits: bool = False,
+           transport: str = STREAM, info: ModelInfo | None = None) -> Iterator[list[int]]:
+    """Generate through a blocking VerifierClient: yields each step's new tokens as they arrive (the
+    first token first) and returns the Generation (StopIteration.value; `generate` unwraps it). The
+    session is closed at the end, on error, on KeyboardInterrupt and when the caller stops early."""
+    if transport not in (STREAM, UNARY):
+        raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
+    info = info or client.model_info()
+    session = client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
+                                  return_logits=return_logits)
+    try:
+        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits)
+        yield list(loop.tokens)
+        steps = client.verify_stream() if transport == STREAM else client
+        try:
+            while not loop.finished:
+                step = loop.next_step()
+                yield loop.advance(step, steps.step(step))
+        finally:
+            if steps is not client:
+                steps.close()
+        return loop.result()
+    finally:
+        _close_quietly(lambda: client.close_session(session.id), session.id)
+
+
+def generate(client, proposer: Proposer | None, *, on_tokens: Callable[[list[int]], None] | None = None,
+             **kwargs) -> Generation:
+    """`stream` to the end; `on_tokens` sees each step's new tokens as they arrive."""
+    tokens = stream(client, proposer, **kwargs)
+    while True:
+        try:
+            chunk = next(tokens)
+        except StopIteration as done:
+            return done.value
+        if on_tokens is not None:
+            on_tokens(chunk)
+
+
+async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
+                    max_new_tokens: int, sampling: Sampling = Sampling(), k: int = 4, return_logits: bool = False,
+                    transport: str = STREAM, info: ModelInfo | None = None,
+                    on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
+    """The same loop through an AsyncVerifierClient."""
+    if transport not in (STREAM, UNARY):
+        raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
+    info = info or await client.model_info()
+    session = await client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
+                                        return_logits=return_logits)
+    try:
+        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits)
+        if on_tokens is not None:
+            on_tokens(list(loop.tokens))
+        steps = client.verify_stream() if transport == STREAM else client
+        try:
+            while not loop.finished:
+                step = loop.next_step()
+                new = loop.advance(step, await steps.step(step))
+                if on_tokens is not None:
+                    on_tokens(new)
+        finally:
+            if steps is not client:
+                await steps.close()
+        return loop.result()
+    finally:
+        try:
+            await client.close_session(session.id)
+        except VerifierError as err:
+            log.warning("could not close session %s: %s (the server reaps it when idle)", session.id, err)
+
+
+def _close_quietly(close: Callable[[], object], session_id: str) -> None:
+    # Closing runs on every way out, errors included: a failed close must not hide the error that
+    # got us here, and an unclosed session is reaped by the server once idle.
+    try:
+        close()
+    except VerifierError as err:
+        log.warning("could not close session %s: %s (the server reaps it when idle)", session_id, err)
