@@ -1,5 +1,7 @@
 import logging
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,3 +67,16 @@ def load_target(hf_checkpoint, model_device):
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def self_signed(tmp_path):
+    """(cert, key): a self-signed PEM certificate for localhost and 127.0.0.1, made with the openssl
+    command line (the TLS tests skip without it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key

@@ -1,7 +1,6 @@
 """Bearer-token auth and TLS, from the drafter's side: the client sends the token and trusts the
 given root certificate; the CLI reports a refused token with exit status 1."""
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,18 +31,6 @@ def test_the_token_opens_the_door_and_its_absence_does_not(served_checkpoint):
         proc = subprocess.run([sys.executable, "-m", "drafter", "generate", "--server", server.address, "--prompt-ids", "4,5",
                                "--max-new-tokens", "3", "--auth-token", "wrong"], capture_output=True, text=True, cwd=REPO, timeout=120)
         assert proc.returncode == 1 and proc.stderr.startswith("error: UNAUTHENTICATED"), proc.stderr
-
-
-@pytest.fixture
-def self_signed(tmp_path):
-    """A self-signed certificate for 127.0.0.1 and localhost (made with the openssl command line)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl command to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", key, "-out", cert],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 def test_tls_with_the_servers_root_certificate(served_checkpoint, self_signed, tmp_path):

@@ -1,8 +1,6 @@
 """Operations: health checking, reflection, bearer-token auth, TLS, message size, Prometheus
 metrics, and draining."""
 
-import shutil
-import subprocess
 import urllib.request
 
 import grpc
@@ -90,13 +88,8 @@ def test_message_size_limit(text_checkpoint):
             assert stub.GetModelInfo(rpc.GetModelInfoRequest()).max_k == 2  # small messages pass
 
 
-def test_tls(text_checkpoint, tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a self-signed certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", key, "-out", cert],
-                   check=True, capture_output=True, timeout=60)
+def test_tls(text_checkpoint, self_signed):
+    cert, key = self_signed
     with LoopbackServer(text_checkpoint, n_slots=1, max_seq_len=32, max_k=2, tls_cert=cert, tls_key=key) as server:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         with grpc.secure_channel(server.address, credentials) as channel:
