@@ -1,15 +1,37 @@
-"""Greedy choice on the device: the argmax of every logits row, ties to the lowest id.
+"""Choosing tokens on the device: greedy argmax and coupled sampling, one program per row.
 
-    logits  [R, V]  fp32 or bf16: R verify rows (any row stride), V the vocabulary
-    out     [R]     int64: the id of each row's largest logit
+    logits          [R, V]  fp32 or bf16: R verify rows (any row stride), V the vocabulary
+    temperature     [R]     fp32, > 0: each row's sampling temperature T
+    seeds           [R]     int64: each row's seed (the bits of a uint64 seed, two's complement)
+    positions       [R]     int64: where each row's chosen token will sit
+    keep_threshold  [R]     fp32 or None: the smallest scaled logit (logits / T) the row's top-k /
+                            top-p mask keeps; None keeps every id
+    out             [R]     int64: the chosen id of each row
 
-Why a kernel: the engine accepts greedy drafts by comparing them with each row's argmax, and
-copying K+1 rows of a 150k vocabulary to the host for that (5.5 MB at K = 8) costs more than
-the rest of the step's host work. One program per row walks the row in BLOCK_V blocks from id 0
-upward, keeping per lane the largest value and the first id holding it, then reduces the lanes
-with ties to the lowest id (DESIGN.md section 6, rule 8). A maximum is exact whatever the order,
-so the answer equals torch.argmax's; NaN counts as larger than every number (as in torch) and the
-first NaN wins.
+argmax_rows: the id of each row's largest logit (greedy). The engine accepts greedy drafts by
+comparing them with each row's argmax, and copying K+1 rows of a 150k vocabulary to the host for
+that (5.5 MB at K = 8) costs more than the rest of the step's host work. A maximum is exact
+whatever the order, so the answer equals torch.argmax's; NaN counts as larger than every number
+(as in torch) and the first NaN wins.
+
+coupled_choice: argmax over the kept ids of logits / T + g(seed, position, id) (DESIGN.md
+section 7), g a Gumbel value from a counter-based hash, so any row's noise is computed where it
+is used, from (seed, position, id) alone, without a generator or a host copy:
+    key(seed, position)      = splitmix64(splitmix64(seed) ^ position)
+    bits(seed, position, id) = splitmix64(key + id * GAMMA)   (the SplitMix64 stream seeded by key)
+    u = ((bits >> 41) + 0.5) * 2^-23                            (top 23 bits: 2^-24 <= u <= 1 - 2^-24)
+    g = -log(-log(u))
+23 bits, not 24: b + 0.5 must fit fp32's 24-bit significand, else the top b rounds u up to 1
+(g = +inf); with 23, u is exact, never 0 or 1, and g lies in [-2.8, 16.6].
+An id is kept when logits / T >= keep_threshold (NaN never is); among kept ids ties go to the
+lowest id; a row whose kept scores are all -inf answers its first id, as torch.argmax does. The
+kernel and the reference compute the same u bit for bit and logits / T correctly rounded on both
+(so the same ids are masked); g differs only by the logarithm's rounding (a few ulps), so the
+chosen ids agree except where two candidates' scores lie within that rounding.
+
+Both kernels walk a row in BLOCK_V blocks from id 0 upward, keeping per lane the best value and
+the first id holding it, then reduce the lanes with ties to the lowest id (DESIGN.md section 6,
+rule 8): a row's answer never depends on how many rows share the launch.
 """
 
 from __future__ import annotations
@@ -24,8 +46,12 @@ BLOCK_V = 1024  # ids per step of the walk
 NUM_WARPS = 4
 DTYPES = (torch.float32, torch.bfloat16)
 
-
 NO_ID = tl.constexpr(2147483647)
+GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / golden ratio)
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's finaliser multipliers
+U_BITS = 23  # bits of the hash kept for u: (bits + 0.5) needs 24 significant bits, so u is exact in fp32
+_GAMMA, _MIX1, _MIX2 = tl.constexpr(GAMMA), tl.constexpr(MIX1), tl.constexpr(MIX2)
+_U_SHIFT, _U_SCALE = tl.constexpr(64 - U_BITS), tl.constexpr(2.0 ** -U_BITS)
 
 
 @triton.jit
@@ -54,11 +80,84 @@ def _argmax_rows_kernel(p_logits, p_out, V, s_row, BLOCK_V: tl.constexpr):
     tl.store(p_out + i_row, b_choice.to(tl.int64))
 
 
+@triton.jit
+def _mix(x):
+    """SplitMix64's finaliser on uint64 (multiplication wraps mod 2^64)."""
+    x = (x ^ (x >> 30)) * _MIX1
+    x = (x ^ (x >> 27)) * _MIX2
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _row_key(b_seed, b_position):
+    """int64 seed and position (scalars) -> the row's uint64 key."""
+    b_key = _mix(b_seed.to(tl.uint64, bitcast=True) + _GAMMA)
+    return _mix((b_key ^ b_position.to(tl.uint64, bitcast=True)) + _GAMMA)
+
+
+@triton.jit
+def _uniform(b_key, o_id):
+    """The row key and ids [BLOCK_V] int32 -> u [BLOCK_V] fp32, 0 < u < 1."""
+    b_bits = _mix(b_key + (o_id.to(tl.uint64) + 1) * _GAMMA)
+    return ((b_bits >> _U_SHIFT).to(tl.float32) + 0.5) * _U_SCALE
+
+
+@triton.jit
+def _gumbel(b_u):
+    """u -> -log(-log(u)). The winners have u near 1, where -log(u) is tiny, so the log must be
+    accurate there (an lg2.approx-style log, absolute error ~2^-22, would not be): tl.log on fp32
+    lowers to libdevice's logf, the log torch's CUDA kernels call (on an H200 with Triton 3.6 this
+    g equals the reference's bitwise over all 2^23 values of u); the interpreter uses numpy's."""
+    return -tl.log(-tl.log(b_u))
+
+
+@triton.jit(do_not_specialize=["V", "s_row"])
+def _coupled_choice_kernel(p_logits, p_temperature, p_seed, p_position, p_threshold, p_out, V, s_row,
+                           HAS_THRESHOLD: tl.constexpr, BLOCK_V: tl.constexpr):
+    i_row = tl.program_id(0).to(tl.int64)
+    o_v = tl.arange(0, BLOCK_V)
+    p_row = p_logits + i_row * s_row
+    b_t = tl.load(p_temperature + i_row)
+    b_key = _row_key(tl.load(p_seed + i_row), tl.load(p_position + i_row))
+    b_threshold = float("-inf")
+    if HAS_THRESHOLD:
+        b_threshold = tl.load(p_threshold + i_row)
+    b_best = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per lane: the best score seen
+    b_id = tl.full([BLOCK_V], NO_ID, tl.int32)  # per lane: the first id holding it
+    for v0 in range(0, V, BLOCK_V):
+        o_id = v0 + o_v
+        m_id = o_id < V
+        # div_rn: correctly rounded as torch divides, so the threshold (computed by torch from
+        # the same quotients) masks exactly the ids the reference masks
+        b_scaled = tl.math.div_rn(tl.load(p_row + o_id, mask=m_id, other=0.0).to(tl.float32), b_t)
+        b_g = _gumbel(_uniform(b_key, o_id))
+        b_score = tl.where(b_scaled >= b_threshold, b_scaled + b_g, float("-inf"))
+        m_take = m_id & ((b_score > b_best) | (b_id == NO_ID))
+        b_best = tl.where(m_take, b_score, b_best)
+        b_id = tl.where(m_take, o_id, b_id)
+    b_max = tl.max(b_best, axis=0)
+    b_first = tl.min(tl.where(b_best == b_max, b_id, NO_ID), axis=0)
+    tl.store(p_out + i_row, b_first.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["V"])
+def _gumbel_rows_kernel(p_seed, p_position, p_u, p_g, V, BLOCK_V: tl.constexpr):
+    i_row = tl.program_id(0).to(tl.int64)
+    o_v = tl.arange(0, BLOCK_V)
+    b_key = _row_key(tl.load(p_seed + i_row), tl.load(p_position + i_row))
+    for v0 in range(0, V, BLOCK_V):
+        o_id = v0 + o_v
+        m_id = o_id < V
+        b_u = _uniform(b_key, o_id)
+        tl.store(p_u + i_row * V + o_id, b_u, mask=m_id)
+        tl.store(p_g + i_row * V + o_id, _gumbel(b_u), mask=m_id)
+
+
 def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] -> int64 [R]: each row's argmax, ties (and NaNs) to the lowest id."""
-    _check(logits, out)
-    if not logits.is_cuda and not interpreting():
-        raise ValueError(f"argmax_rows: logits are on {logits.device}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)")
+    _check_logits("argmax_rows", logits)
+    _check_out("argmax_rows", logits, out)
+    _check_launchable("argmax_rows", logits)
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -69,23 +168,126 @@ def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
 
 def argmax_rows_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.argmax over the last dim (ties and NaNs: the first)."""
-    _check(logits, out)
-    result = torch.argmax(logits, dim=-1)
+    _check_logits("argmax_rows", logits)
+    _check_out("argmax_rows", logits, out)
+    return _into(out, torch.argmax(logits, dim=-1))
+
+
+def coupled_choice(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                   keep_threshold: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's coupled-sampling choice: argmax over kept ids of logits / T + g(seed, position, id)."""
+    _check_coupled(logits, temperature, seeds, positions, keep_threshold, out)
+    _check_launchable("coupled_choice", logits)
+    rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        threshold = keep_threshold if keep_threshold is not None else temperature  # unread without a threshold
+        _coupled_choice_kernel[(rows,)](logits, temperature, seeds, positions, threshold, out, vocab, logits.stride(0),
+                                        HAS_THRESHOLD=keep_threshold is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return out
+
+
+def coupled_choice_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                       keep_threshold: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same formula in torch ops, all rows at once."""
+    _check_coupled(logits, temperature, seeds, positions, keep_threshold, out)
+    scaled = logits.float() / temperature[:, None]  # [R, V]
+    _, g = gumbel_rows_ref(seeds, positions, logits.shape[1])
+    threshold = keep_threshold[:, None] if keep_threshold is not None else float("-inf")
+    score = torch.where(scaled >= threshold, scaled + g, float("-inf"))
+    return _into(out, torch.argmax(score, dim=-1))
+
+
+def gumbel_rows(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noise coupled_choice adds: (u, g), each [R, vocab] fp32 (for tests and inspection)."""
+    _check_keys(seeds, positions)
+    _check_launchable("gumbel_rows", seeds)
+    u = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
+    g = torch.empty_like(u)
+    if seeds.shape[0] and vocab:
+        _gumbel_rows_kernel[(seeds.shape[0],)](seeds, positions, u, g, vocab, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return u, g
+
+
+def gumbel_rows_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u, g) [R, vocab] fp32 with the hash in int64 ops (two's complement: + and * wrap as uint64 does)."""
+    _check_keys(seeds, positions)
+    key = _splitmix64_ref(_splitmix64_ref(seeds) ^ positions)  # [R]
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    bits = _splitmix64_ref(key[:, None] + ids * _signed(GAMMA))  # [R, vocab]
+    u = (_shift_right(bits, 64 - U_BITS).float() + 0.5) * 2.0 ** -U_BITS
+    return u, -torch.log(-torch.log(u))
+
+
+def _signed(x: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic on int64)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64_ref(x: torch.Tensor) -> torch.Tensor:
+    return _mix_ref(x + _signed(GAMMA))
+
+
+def _mix_ref(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shift_right(x, 30)) * _signed(MIX1)
+    x = (x ^ _shift_right(x, 27)) * _signed(MIX2)
+    return x ^ _shift_right(x, 31)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     if out is None:
         return result
     out.copy_(result)
     return out
 
 
-def _check(logits: torch.Tensor, out: torch.Tensor | None) -> None:
+def _check_launchable(op: str, t: torch.Tensor) -> None:
+    if not t.is_cuda and not interpreting():
+        raise ValueError(f"{op}: tensors are on {t.device}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)")
+
+
+def _check_logits(op: str, logits: torch.Tensor) -> None:
     if logits.dim() != 2:
-        raise ValueError(f"argmax_rows: logits must be [rows, vocab], got shape {list(logits.shape)}")
+        raise ValueError(f"{op}: logits must be [rows, vocab], got shape {list(logits.shape)}")
     if logits.dtype not in DTYPES:
-        raise ValueError(f"argmax_rows: logits dtype {logits.dtype} is not one of {DTYPES}")
+        raise ValueError(f"{op}: logits dtype {logits.dtype} is not one of {DTYPES}")
     if logits.shape[1] < 1:
-        raise ValueError("argmax_rows: empty vocabulary")
+        raise ValueError(f"{op}: empty vocabulary")
     if logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"argmax_rows: logits must be contiguous along the vocabulary, got strides {logits.stride()}")
+        raise ValueError(f"{op}: logits must be contiguous along the vocabulary, got strides {logits.stride()}")
+
+
+def _check_out(op: str, logits: torch.Tensor, out: torch.Tensor | None) -> None:
     if out is not None and (out.shape != (logits.shape[0],) or out.dtype != torch.int64 or out.device != logits.device):
-        raise ValueError(f"argmax_rows: out must be int64 [{logits.shape[0]}] on {logits.device}, "
+        raise ValueError(f"{op}: out must be int64 [{logits.shape[0]}] on {logits.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
+
+
+def _check_row_vector(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    if t.shape != (rows,) or t.dtype != dtype or t.device != device or (rows > 1 and t.stride(0) != 1):
+        raise ValueError(f"coupled_choice: {name} must be contiguous {dtype} [{rows}] on {device}, "
+                         f"got {t.dtype} {list(t.shape)} strides {t.stride()} on {t.device}")
+
+
+def _check_keys(seeds: torch.Tensor, positions: torch.Tensor) -> None:
+    if seeds.dim() != 1:
+        raise ValueError(f"coupled_choice: seeds must be [rows], got shape {list(seeds.shape)}")
+    _check_row_vector("seeds", seeds, seeds.shape[0], torch.int64, seeds.device)
+    _check_row_vector("positions", positions, seeds.shape[0], torch.int64, seeds.device)
+
+
+def _check_coupled(logits, temperature, seeds, positions, keep_threshold, out) -> None:
+    _check_logits("coupled_choice", logits)
+    rows, device = logits.shape[0], logits.device
+    _check_row_vector("temperature", temperature, rows, torch.float32, device)
+    _check_row_vector("seeds", seeds, rows, torch.int64, device)
+    _check_row_vector("positions", positions, rows, torch.int64, device)
+    if keep_threshold is not None:
+        _check_row_vector("keep_threshold", keep_threshold, rows, torch.float32, device)
+    _check_out("coupled_choice", logits, out)

@@ -13,10 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.runtime import pick
-from kernels.sampling import argmax_rows, argmax_rows_ref
-
-from .acceptance import accept_greedy, accept_matching, accept_rejection
+from .acceptance import accept_choices, accept_matching, accept_rejection, step_choices
 from .model import HybridModel, RowBatch
 from .model.graphs import GraphedSteps, graphs_supported
 from .model.rollback import ROLLBACK_MODES, WOA, rollback
@@ -159,17 +156,22 @@ class Engine:
             logits, record = self.graphs.verify(tokens, batch, self.rollback_mode)
         else:
             logits, record = self.model.verify(tokens, batch, self.pool, self.rollback_mode)
-        # Greedy acceptance needs each row's argmax only: computed where the logits are, so a step
-        # copies R ids to the host, not R x vocab floats. Sampled sequences read their rows.
-        choices = pick(argmax_rows, argmax_rows_ref, logits)(logits).tolist()
+        # Greedy and coupled acceptance need each row's choice only. On the GPU all of them come
+        # from device launches (argmax; coupled sampling for the sampled rows of every sequence)
+        # and a step copies R ids to the host, not R x vocab floats; on the CPU coupled rows are
+        # chosen from the host rows. Rejection sampling reads its rows on the host either way.
+        on_device = logits.is_cuda
+        sampled = [(span, r.sequence.sampling, start) for r, (_, start, span) in zip(requests, batch.sequences())
+                   if on_device and not r.sequence.sampling.greedy and r.draft_probs is None]
+        choices = step_choices(logits, sampled)
         results, consumed = [], []
         for req, (_, start, span) in zip(requests, batch.sequences()):
             rows = logits[span]
             seq = req.sequence
-            if seq.sampling.greedy:
-                accepted, bonus = accept_greedy(choices[span], req.drafts)
+            if seq.sampling.greedy or (on_device and req.draft_probs is None):
+                accepted, bonus = accept_choices(choices[span], req.drafts)
             elif req.draft_probs is None:
-                accepted, bonus = accept_matching(rows.cpu(), req.drafts, seq.sampling, start)
+                accepted, bonus = accept_matching(rows, req.drafts, seq.sampling, start)
             else:
                 accepted, bonus = accept_rejection(rows.cpu(), req.drafts, req.draft_probs, seq.sampling, start)
             emitted = [*req.drafts[:accepted], bonus]

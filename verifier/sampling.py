@@ -2,12 +2,22 @@
 
 greedy (temperature 0): argmax, ties to the lowest id.
 coupled sampling: the token at position j is argmax(masked(logits / T) + G(seed, j)), G a Gumbel
-    vector drawn from a generator keyed by (seed, j) alone. It is an exact sample of the target
-    distribution, and it depends only on the logits row, the seed and the position, so a
-    speculative run (whose rows are bit-identical) chooses exactly the tokens a plain run chooses.
+    vector keyed by (seed, j) alone. It is an exact sample of the target distribution, and it
+    depends only on the logits row, the seed and the position, so a speculative run (whose rows
+    are bit-identical) chooses exactly the tokens a plain run chooses.
 Masks: top-k keeps the k largest logits (and any tied with the k-th); top-p keeps the smallest
     prefix of the probability-sorted vocabulary whose mass reaches p (the first token always).
 Position j is where the chosen token will sit: the row at position p chooses the token at p + 1.
+
+Two backends, each with its own noise (bits are per backend, DESIGN.md section 5):
+- CPU logits (the reference backend): G drawn by a torch.Generator seeded from (seed, j), the
+    masks applied to the row on the host (masked_logits).
+- CUDA logits: G from a counter-based hash of (seed, j, id) computed inside the choice kernel
+    (kernels/sampling.py coupled_choice), the masks turned into a per-row threshold on the device
+    (keep_threshold), so only the chosen ids reach the host. A seeded stream on the GPU is
+    therefore a different sample than the same seed on the CPU; on each backend speculative ==
+    plain holds, because on each a row's choice depends on that row, the seed and j alone.
+Rejection sampling (uniform, sample_from) always draws on the host.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from kernels.runtime import pick
+from kernels.sampling import coupled_choice, coupled_choice_ref
 
 _MASK64 = (1 << 64) - 1
 STREAM_CHOOSE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
@@ -93,7 +106,59 @@ def choose(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """The token a plain run places at `position` given the logits row [vocab] that predicts it."""
     if params.greedy:
         return int(torch.argmax(logits))
+    if logits.is_cuda:
+        return int(choose_rows(logits[None], [params], [position])[0])
     return int(torch.argmax(masked_logits(logits, params) + gumbel(params.seed, position, logits.shape[-1])))
+
+
+def choose_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """The device path of coupled sampling: logits [R, vocab] (row r sampled with params[r] for the
+    token at positions[r], temperature > 0) -> int64 [R] chosen ids, on the logits' device."""
+    if logits.dim() != 2 or len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
+        raise ValueError(f"choose_rows: logits {list(logits.shape)} need one params and one position per row, "
+                         f"got {len(params)} params and {len(positions)} positions")
+    if any(p.greedy for p in params):
+        raise ValueError("choose_rows: params has a greedy row (temperature 0); greedy rows take the argmax")
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
+    seeds = torch.tensor([_as_int64(p.seed) for p in params], dtype=torch.int64).to(device)
+    position_ids = torch.tensor(positions, dtype=torch.int64).to(device)
+    threshold = None
+    if any(_masks(p, logits.shape[1]) for p in params):
+        # one row at a time: a row's threshold never depends on which rows share the step
+        threshold = torch.stack([keep_threshold(logits[r].float() / temperature[r], p) for r, p in enumerate(params)])
+    return pick(coupled_choice, coupled_choice_ref, logits)(logits, temperature, seeds, position_ids, threshold)
+
+
+def keep_threshold(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """scaled [vocab] fp32 (logits / T) -> 0-dim fp32 on its device: the smallest scaled logit the
+    top-k / top-p masks keep (-inf when neither is on); the kept ids are those >= it.
+
+    masked_logits' rules computed on the device without a host sync. Ties at the cut stay in
+    (top-k as on the host; top-p keeps every id tied with the last one its prefix needs, where the
+    host keeps the lower ids of a tie only)."""
+    threshold = scaled.new_full((), float("-inf"))
+    vocab = scaled.shape[0]
+    if params.top_k and params.top_k < vocab:
+        threshold = torch.topk(scaled, params.top_k).values[-1]
+    if params.top_p < 1.0:
+        ordered = torch.sort(torch.where(scaled >= threshold, scaled, float("-inf")), descending=True).values
+        probs = torch.softmax(ordered, dim=-1)
+        # mass strictly before each token, as an exclusive cumsum: non-decreasing, so the kept
+        # tokens (mass before < p) are a prefix and their count locates the cut
+        before = torch.cat([probs.new_zeros(1), torch.cumsum(probs, dim=-1)[:-1]])
+        kept = (before < params.top_p).sum().clamp(min=1)
+        threshold = torch.maximum(threshold, ordered.gather(0, (kept - 1).view(1))[0])
+    return threshold
+
+
+def _masks(params: SamplingParams, vocab: int) -> bool:
+    return bool(params.top_k and params.top_k < vocab) or params.top_p < 1.0
+
+
+def _as_int64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits (the kernel hashes the bits)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def sample_from(probs: torch.Tensor, seed: int, position: int, stream: int) -> int:
