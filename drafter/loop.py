@@ -7,6 +7,12 @@ the asyncio driver (`agenerate`) are the same loop over different transports.
 Drafts are cut to the verifier's limits before they are sent: at most min(k, max_k), no row past
 the context (position + drafts + 1 <= max_context) and none past the token budget (a step emits at
 most drafts + 1 tokens, so drafts beyond `max_new_tokens - emitted - 1` could never be kept).
+
+Draft probabilities: a proposer with `propose_with_probs` (the model drafter) may return q
+[drafts, vocab]; the step carries them only when the session samples (temperature > 0), where the
+verifier then uses rejection sampling. A greedy step never carries them.
+Adaptive K: with `adaptive` (a drafter.adaptive.AdaptiveK), each step asks it for K (still cut as
+above) and tells it how many of the drafts were accepted; without it every step asks for `k`.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from typing import Callable, Iterator
 import grpc
 import numpy as np
 
+from .adaptive import AdaptiveK
 from .messages import ModelInfo, Sampling, Session, Step, StepOutcome, VerifierError
-from .proposers import Proposer
+from .proposers import ProbabilityProposer, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +59,13 @@ class DraftLoop:
     its (OK) outcome in and returns the tokens it emitted."""
 
     def __init__(self, session: Session, info: ModelInfo, proposer: Proposer | None, k: int, max_new_tokens: int,
-                 return_logits: bool = False):
+                 return_logits: bool = False, sampling: Sampling = Sampling(), adaptive: AdaptiveK | None = None):
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         self.session, self.info, self.proposer = session, info, proposer
         self.k, self.max_new_tokens, self.return_logits = k, max_new_tokens, return_logits
+        self.send_probs = sampling.temperature > 0  # rejection sampling needs q; greedy never sends it
+        self.adaptive = adaptive
         self.position = session.position
         self.tokens = [session.pending]
         self.finish_reason = session.finish_reason
@@ -68,18 +77,33 @@ class DraftLoop:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def draft_room(self) -> int:
-        """How many drafts the next step may carry."""
+    def draft_room(self, k: int | None = None) -> int:
+        """How many drafts the next step may carry when it asks for k (default: the loop's k)."""
         budget = self.max_new_tokens - len(self.tokens) - 1
         context = self.info.max_context - self.position - 1
-        return max(0, min(self.k, self.info.max_k, context, budget))
+        return max(0, min(self.k if k is None else k, self.info.max_k, context, budget))
 
     def next_step(self) -> Step:
-        room = self.draft_room()
-        drafts = []
-        if self.proposer is not None and room > 0:
-            drafts = list(self.proposer.propose(self.session.prompt_ids + self.tokens, room))[:room]
-        return Step(self.session.id, self.position, tuple(drafts), return_logits=self.return_logits)
+        drafts, probs = [], None
+        if self.proposer is not None and self.k > 0:
+            room = self.draft_room(min(self.k, self.adaptive.next_k()) if self.adaptive is not None else self.k)
+            if room > 0:
+                drafts, probs = self._propose(room)
+        return Step(self.session.id, self.position, tuple(drafts), draft_probs=probs, return_logits=self.return_logits)
+
+    def _propose(self, room: int) -> tuple[list[int], np.ndarray | None]:
+        context = self.session.prompt_ids + self.tokens
+        if not isinstance(self.proposer, ProbabilityProposer):
+            return list(self.proposer.propose(context, room))[:room], None
+        drafts, probs = self.proposer.propose_with_probs(context, room)
+        drafts = list(drafts)[:room]
+        if probs is None or not self.send_probs or not drafts:
+            return drafts, None
+        probs = np.asarray(probs, dtype=np.float32)
+        if probs.ndim != 2 or probs.shape[0] < len(drafts) or probs.shape[1] != self.info.vocab_size:
+            raise ValueError(f"the proposer's draft probabilities have shape {list(probs.shape)}, expected "
+                             f"[{len(drafts)}, {self.info.vocab_size}] (one row per draft, the served vocabulary)")
+        return drafts, probs[: len(drafts)]
 
     def advance(self, step: Step, outcome: StepOutcome) -> list[int]:
         outcome.check()
@@ -97,6 +121,8 @@ class DraftLoop:
         self.finish_reason = outcome.finish_reason
         self.accepted.append(outcome.accepted)
         self.drafted.append(len(step.draft_ids))
+        if self.adaptive is not None:
+            self.adaptive.observe(len(step.draft_ids), outcome.accepted)
         if self.return_logits:
             if outcome.logits is None or outcome.logits.shape[0] != len(outcome.tokens):
                 raise _internal(f"asked for logits, got {None if outcome.logits is None else outcome.logits.shape} "
@@ -116,7 +142,8 @@ def _internal(message: str) -> VerifierError:
 
 def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
            max_new_tokens: int, sampling: Sampling = Sampling(), k: int = 4, return_logits: bool = False,
-           transport: str = STREAM, info: ModelInfo | None = None) -> Iterator[list[int]]:
+           transport: str = STREAM, info: ModelInfo | None = None,
+           adaptive: AdaptiveK | None = None) -> Iterator[list[int]]:
     """Generate through a blocking VerifierClient: yields each step's new tokens as they arrive (the
     first token first) and returns the Generation (StopIteration.value; `generate` unwraps it). The
     session is closed at the end, on error, on KeyboardInterrupt and when the caller stops early."""
@@ -126,7 +153,7 @@ def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = 
     session = client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
                                   return_logits=return_logits)
     try:
-        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits)
+        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive)
         yield list(loop.tokens)
         steps = client.verify_stream() if transport == STREAM else client
         try:
@@ -157,7 +184,7 @@ def generate(client, proposer: Proposer | None, *, on_tokens: Callable[[list[int
 async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
                     max_new_tokens: int, sampling: Sampling = Sampling(), k: int = 4, return_logits: bool = False,
                     transport: str = STREAM, info: ModelInfo | None = None,
-                    on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
+                    on_tokens: Callable[[list[int]], None] | None = None, adaptive: AdaptiveK | None = None) -> Generation:
     """The same loop through an AsyncVerifierClient."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
@@ -165,7 +192,7 @@ async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] 
     session = await client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
                                         return_logits=return_logits)
     try:
-        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits)
+        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive)
         if on_tokens is not None:
             on_tokens(list(loop.tokens))
         steps = client.verify_stream() if transport == STREAM else client

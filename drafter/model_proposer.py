@@ -1,0 +1,237 @@
+"""The model drafter: a small checkpoint run locally through our own engine, kept in step with the
+accepted stream.
+
+State. The drafter's one slot has consumed `tokens` (a prefix of what the verifier has emitted, or
+that prefix plus some of the drafter's own drafts) and holds the logits that predict the next token.
+`propose(context, k)`:
+  1. sync: find how much of `tokens` the new context still agrees with (the drafts the verifier
+     kept). If the slot consumed drafts the verifier rejected, restore the snapshot taken before
+     the first rejected one; then consume the context's new tokens (the bonus, and the last draft
+     when all were accepted) in one decode-path forward (model.verify, then rollback keeping every
+     row: the engine's own step machinery).
+  2. draft: choose d1 from the logits, consume it with a one-row forward, choose d2, ... up to dk.
+     Before consuming each draft but the last, the slot's conv windows and recurrent states (and
+     the logits) are snapshotted: a rejection at any draft rolls back to that point with a copy,
+     with no recompute. Attention needs no snapshot: its cursor is the position, and KV rows past
+     it are overwritten before anything reads them.
+The context is prefilled only when the drafter starts (or when the context is not an extension of
+what it consumed: a new sequence), so a step costs about k one-row forwards. That prefill takes all
+but the context's last token, which is decoded, as the verifier prefills a prompt and decodes its
+first token. After any number of rejections the slot's state equals that of a drafter that
+prefilled the first context so and decoded each later token one by one (the tests check it with
+torch.equal); a drafter of the target's own checkpoint thus computes the target's logits bit for
+bit, and every one of its drafts is accepted.
+
+Choosing drafts. Greedy sessions: the draft model's argmax. Sampled sessions, two modes:
+  rejection (default): sample d from the draft model's own distribution q = softmax of its masked
+      logits / T (the session's temperature, top-k and top-p) with noise keyed by (seed, position)
+      and return q [k, vocab] float32, so the verifier's rejection sampling keeps each emitted
+      token an exact sample of the target. The stream is then not the plain run's stream.
+  coupled: d = the token the session's own coupled sampler would pick from the draft model's
+      logits (the same Gumbel noise the target uses at that position), no q sent: the verifier
+      accepts a draft only when it is the plain run's token, so the stream equals plain decoding.
+      The noise is per backend (verifier/sampling.py): it couples with the target's only when
+      both run on the same kind of device; across kinds the stream still equals plain decoding,
+      but fewer drafts are accepted.
+
+One ModelProposer follows one sequence at a time (a new context restarts it); concurrent
+sequences need one each, which may share one loaded model (`ModelProposer(model, ...)`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verifier.engine import Engine
+from verifier.model import HybridModel, RowBatch, load_config, load_model
+from verifier.model.rollback import WOA, rollback
+from verifier.model.state import RecurrentState
+from verifier.sampling import SamplingParams, choose, masked_logits, sample_from
+
+from .messages import ModelInfo, Sampling
+
+log = logging.getLogger(__name__)
+
+REJECTION, COUPLED = "rejection", "coupled"
+# The verifier keys its noise streams 0 (choose), 1 (accept) and 2 (residual) by (seed, position):
+# the drafter's own sampling takes stream 3, so its noise is independent of the verifier's even
+# when both use the same seed.
+STREAM_DRAFT = 3
+
+_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+class ModelProposer:
+    def __init__(self, model: HybridModel, vocab_size: int, max_context: int, sampling: Sampling = Sampling(),
+                 seed: int = 0, mode: str = REJECTION):
+        _check_vocab(model.config.vocab_size, vocab_size)
+        if mode not in (REJECTION, COUPLED):
+            raise ValueError(f"mode must be {REJECTION!r} or {COUPLED!r}, got {mode!r}")
+        if max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {max_context}")
+        self.model = model
+        self.params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        self.seed, self.mode = seed, mode
+        # one slot; the context the verifier allows, so any context it can send fits
+        self.engine = Engine(model, n_slots=1, max_seq_len=max_context, max_k=0, rollback_mode=WOA)
+        self.slot: int | None = None
+        self.tokens: list[int] = []  # consumed into the slot: positions 0 .. len - 1
+        self.logits: torch.Tensor | None = None  # [vocab] predicting the token at position len(tokens)
+        self._snapshots: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+        self.prefills = 0  # how many times the whole context was prefilled (tests: only at the start)
+        self.rows = 0  # rows consumed by decode-path forwards after the prefills
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, info: ModelInfo, sampling: Sampling = Sampling(), device: str = "cpu",
+                 seed: int = 0, mode: str = REJECTION) -> "ModelProposer":
+        """Load the checkpoint at `model_dir` (fp32 on the CPU, bf16 on a GPU) for the served model `info`."""
+        _check_vocab(load_config(model_dir).vocab_size, info.vocab_size)  # before reading any weights
+        return cls(load_draft_model(model_dir, device), info.vocab_size, info.max_context, sampling, seed, mode)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.pool.max_seq_len
+
+    # -- the proposer protocol --------------------------------------------------------------
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        return self.propose_with_probs(context, k)[0]
+
+    def propose_with_probs(self, context: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
+        """Up to k drafts after `context`, and their distributions q [len, vocab] float32 when the
+        session samples in rejection mode (else None: the drafts are deterministic given the logits)."""
+        # Consuming d1 .. d(k-1) must stay inside the slot: len(context) + k - 1 <= max_seq_len.
+        k = min(k, self.max_seq_len - len(context) + 1)
+        if k <= 0 or not context:
+            return [], None
+        logits = self.sync(context)
+        send_q = not self.params.greedy and self.mode == REJECTION
+        drafts, probs = [], []
+        for i in range(k):
+            position = len(self.tokens)  # where the draft will sit
+            draft, q = self._choose(logits, position)
+            drafts.append(draft)
+            if send_q:
+                probs.append(q)
+            if i + 1 < k:  # the last draft is consumed only if the verifier keeps it
+                self._snapshots[len(self.tokens)] = (self._save(), logits)
+                logits = self._consume([draft])
+        return drafts, (np.stack(probs) if send_q else None)
+
+    # -- keeping in step ---------------------------------------------------------------------
+
+    def sync(self, context: list[int]) -> torch.Tensor:
+        """Bring the slot to `context` consumed; return the logits [vocab] predicting the next token."""
+        if len(context) > self.max_seq_len:
+            raise ValueError(f"context of {len(context)} tokens passes the draft slot's max_seq_len {self.max_seq_len}")
+        agree = _common_prefix(self.tokens, context)
+        if agree < len(self.tokens):
+            # The slot consumed drafts the verifier rejected: back to the latest snapshot inside the
+            # agreed prefix, or, for a context that is no extension at all, a fresh prefill.
+            kept = [n for n in self._snapshots if n <= agree]
+            if kept:
+                self._restore(max(kept))
+            else:
+                return self._restart(context)
+        elif self.slot is None:
+            return self._restart(context)
+        self._snapshots.clear()  # they belong to the branch just settled
+        if len(context) > len(self.tokens):
+            self.logits = self._consume(context[len(self.tokens):])
+        return self.logits
+
+    def _restart(self, context: list[int]) -> torch.Tensor:
+        if self.slot is not None:
+            self.engine.pool.release(self.slot)
+            self.slot = None
+        self._snapshots.clear()
+        self.slot = self.engine.pool.admit()
+        self.prefills += 1
+        # Prefill all but the last token and decode that one, as the verifier does with a prompt and
+        # its first token: a drafter of the target's own checkpoint then holds the target's bits.
+        self.tokens = list(context[:-1])
+        if self.tokens:
+            self.model.prefill(self.engine.pool, self.slot, self.tokens)
+        return self._consume([context[-1]])
+
+    def _consume(self, new: list[int]) -> torch.Tensor:
+        """Consume `new` at the slot's position through the decode path (verify, then rollback
+        keeping every row); return the last row's logits."""
+        batch = RowBatch(slots=(self.slot,), starts=(len(self.tokens),), counts=(len(new),))
+        ids = torch.tensor(new, dtype=torch.int64)
+        graphs = self.engine.graphs
+        if graphs is not None:
+            logits, record = graphs.verify(ids, batch, WOA)
+            last = logits[-1].clone()  # the next replay overwrites the graph's output
+            graphs.rollback(record, [len(new)])
+        else:
+            logits, record = self.model.verify(ids, batch, self.engine.pool, WOA)
+            last = logits[-1]
+            rollback(self.engine.pool, record, [len(new)])
+        self.tokens += new
+        self.rows += len(new)
+        self.logits = last
+        return last
+
+    def _save(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.conv[self.slot].clone(), layer.recurrent[self.slot].clone())
+                for layer in self.engine.pool.layers if isinstance(layer, RecurrentState)]
+
+    def _restore(self, length: int) -> None:
+        saved, logits = self._snapshots[length]
+        layers = [layer for layer in self.engine.pool.layers if isinstance(layer, RecurrentState)]
+        for layer, (conv, recurrent) in zip(layers, saved):
+            layer.conv[self.slot].copy_(conv)
+            layer.recurrent[self.slot].copy_(recurrent)
+        self.tokens = self.tokens[:length]
+        self.logits = logits
+
+    # -- choosing a draft --------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, np.ndarray | None]:
+        if self.params.greedy or self.mode == COUPLED:
+            return choose(logits, self.params, position), None
+        q = torch.softmax(masked_logits(logits, self.params), dim=-1)
+        return sample_from(q, self.seed, position, STREAM_DRAFT), q.numpy().astype(np.float32)
+
+
+def _check_vocab(draft: int, served: int) -> None:
+    if draft != served:
+        raise ValueError(f"--draft-model: the draft model's vocab_size {draft} differs from the served model's "
+                         f"{served}; a drafter must share the target's vocabulary")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+_LOADED: dict[tuple[str, str], HybridModel] = {}
+
+
+def load_draft_model(model_dir: str | Path, device: str = "cpu") -> HybridModel:
+    """The draft checkpoint, loaded once per (directory, device): a bench builds a fresh proposer
+    per sequence, and they share the weights (the state lives in each proposer's own pool)."""
+    device = str(device)
+    kind = device.split(":")[0]
+    if kind not in _DTYPES:
+        raise ValueError(f"--draft-device must be cpu, cuda or cuda:N, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--draft-device cuda, but torch sees no CUDA device")
+    key = (str(Path(model_dir).resolve()), device)
+    if key not in _LOADED:
+        model = load_model(model_dir, device, _DTYPES[kind])
+        log.info("loaded the draft model %s on %s", model_dir, device)
+        if kind == "cuda":
+            # The first forwards on a GPU compile the Triton kernels (most of a second): do it here,
+            # not inside the first timed generation. A throwaway proposer with its own small pool.
+            ModelProposer(model, model.config.vocab_size, 16).propose([0] * 4, 3)
+        _LOADED[key] = model
+    return _LOADED[key]
