@@ -1,8 +1,11 @@
-"""Where the default model lives.
+"""Where the default models live.
 
-A trained default model ships under `models/target` (issue 7). Until it does, the default is a
-small random Qwen3.5-style checkpoint with a byte-level tokenizer, built deterministically on
-first use into the user cache: its text is noise, but every code path is real.
+The trained default pair ships under `models/` (issue 7, trained by `python -m bench.train run`):
+`models/target` is the verifier's default model and `models/draft` the default draft model. A
+checkout without them (the files are not there until the training run's output is committed)
+falls back to a small random Qwen3.5-style checkpoint with a byte-level tokenizer, built
+deterministically on first use into the user cache: its text is noise, but every code path is
+real. The switch is on `config.json` being present, nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TARGET = REPO_ROOT / "models" / "target"
+SHIPPED_DRAFT = REPO_ROOT / "models" / "draft"
 
 RANDOM_DEFAULT_NAME = "random-qwen3_5_text-v2"
 RANDOM_DEFAULT_CONFIG = {
@@ -62,3 +66,11 @@ def default_model_dir() -> Path:
     else:
         log.warning("no trained default model ships yet: using the deterministic random checkpoint at %s", out)
     return out
+
+
+def default_draft_model_dir() -> Path | None:
+    """The shipped draft model, or None where the pair does not ship: a draft only goes with the
+    shipped target, whose tokenizer it shares (the random fallback target has none to match)."""
+    if (SHIPPED_DRAFT / "config.json").is_file() and (SHIPPED_TARGET / "config.json").is_file():
+        return SHIPPED_DRAFT
+    return None

@@ -1,0 +1,108 @@
+"""Shapes of the target and the draft model, and building them with transformers.
+
+Both are `qwen3_5_text` (Gated DeltaNet + gated attention, tied embeddings, same tokenizer), the
+family the verifier serves. The target keeps the 3 : 1 GDN : attention rhythm of the ~2B config
+in bench/gpu.py at ~1 % of its width; the draft is one such group of four layers, narrower.
+Sizes are chosen so the pair, stored in bf16, stays under the 64 MiB the repository allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+MAX_POSITIONS = 4096
+SIZE_LIMIT_BYTES = 64 << 20  # both checkpoints together, weights and tokenizers
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    attention_every: int  # layer i is full attention when (i + 1) % attention_every == 0, else GDN
+    n_heads: int  # gated attention
+    n_kv_heads: int
+    head_dim: int
+    gdn_key_heads: int
+    gdn_value_heads: int
+    gdn_head_dim: int  # key and value head size (FLA's chunked kernels like 64)
+    conv_width: int = 4
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if value < 1:
+                raise ValueError(f"ModelShape.{name} must be positive, got {value}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelShape.n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.gdn_value_heads % self.gdn_key_heads:
+            raise ValueError(f"ModelShape.gdn_value_heads {self.gdn_value_heads} is not a multiple of gdn_key_heads {self.gdn_key_heads}")
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % self.attention_every == 0 else "linear_attention" for i in range(self.n_layers)]
+
+    def hf_fields(self, vocab_size: int, eos_id: int) -> dict:
+        """Keyword arguments of transformers' Qwen3_5TextConfig."""
+        return dict(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.n_layers,
+            layer_types=self.layer_types,
+            num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            linear_num_key_heads=self.gdn_key_heads,
+            linear_num_value_heads=self.gdn_value_heads,
+            linear_key_head_dim=self.gdn_head_dim,
+            linear_value_head_dim=self.gdn_head_dim,
+            linear_conv_kernel_dim=self.conv_width,
+            tie_word_embeddings=True,
+            max_position_embeddings=MAX_POSITIONS,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            rms_norm_eps=1e-6,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+        )
+
+
+# ~24M parameters at vocabulary 8192 (3.7M of them the tied embedding): 8 layers, GDN GDN GDN attention x 2.
+TARGET = ModelShape(hidden_size=448, intermediate_size=1216, n_layers=8, attention_every=4, n_heads=8, n_kv_heads=2,
+                    head_dim=64, gdn_key_heads=4, gdn_value_heads=8, gdn_head_dim=64)
+# ~5M parameters at vocabulary 8192 (2.1M of them the tied embedding): GDN GDN GDN attention.
+DRAFT = ModelShape(hidden_size=256, intermediate_size=640, n_layers=4, attention_every=4, n_heads=4, n_kv_heads=1,
+                   head_dim=64, gdn_key_heads=2, gdn_value_heads=4, gdn_head_dim=64)
+# Two layers each (GDN, attention): for the CPU end-to-end test.
+TINY_TARGET = ModelShape(hidden_size=32, intermediate_size=64, n_layers=2, attention_every=2, n_heads=2, n_kv_heads=1,
+                         head_dim=16, gdn_key_heads=1, gdn_value_heads=2, gdn_head_dim=16)
+TINY_DRAFT = ModelShape(hidden_size=16, intermediate_size=32, n_layers=2, attention_every=2, n_heads=2, n_kv_heads=1,
+                        head_dim=8, gdn_key_heads=1, gdn_value_heads=1, gdn_head_dim=8)
+
+PRESETS = {"default": (TARGET, DRAFT), "tiny": (TINY_TARGET, TINY_DRAFT)}
+
+
+def build_model(shape: ModelShape, vocab_size: int, eos_id: int, seed: int):
+    """A freshly initialised transformers Qwen3_5ForCausalLM (fp32, train mode)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**shape.hf_fields(vocab_size, eos_id)))
+    return model.train()
+
+
+def count_parameters(model) -> dict:
+    """Unique parameters (a tied head counted once), and those outside the embedding."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    return {"parameters": total, "non_embedding_parameters": total - embedding}
+
+
+def shape_parameters(shape: ModelShape, vocab_size: int) -> int:
+    """Parameter count of a shape without allocating it (meta device)."""
+    import transformers as tf
+
+    with torch.device("meta"):
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**shape.hf_fields(vocab_size, 0)))
+    return count_parameters(model)["parameters"]
