@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from verifier.arguments import at_least
+from verifier.defaults import default_draft_model_dir
 
 from .messages import ModelInfo, Sampling
 from .proposers import NgramProposer, Proposer, RandomProposer
@@ -59,7 +60,8 @@ def add_drafter_arguments(group, many: bool = False) -> None:
         group.add_argument("--k", type=at_least(0), default=None,
                            help=f"drafts per step (default {DEFAULT_K} with a drafter; cut to the server's max_k)")
     group.add_argument("--draft-model", type=Path, metavar="DIR",
-                       help="checkpoint directory of the model drafter (its vocabulary must equal the served model's)")
+                       help="checkpoint directory of the model drafter (its vocabulary must equal the served model's; "
+                            "default: the shipped draft model, models/draft, made for the shipped target)")
     group.add_argument("--draft-device", default="cpu", help="where the model drafter runs: cpu, cuda or cuda:N")
     group.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter and of the model drafter's sampling")
     group.add_argument("--ngram-min", type=at_least(1), default=1, help="shortest n-gram the ngram drafter matches")
@@ -78,7 +80,9 @@ def check_drafter_arguments(args, names: list[str]) -> None:
         raise ValueError(f"--ngram-min {args.ngram_min} is larger than --ngram-max {args.ngram_max}")
     if "model" in names:
         if args.draft_model is None:
-            raise ValueError("--drafter model needs --draft-model DIR")
+            args.draft_model = default_draft_model_dir()
+        if args.draft_model is None:
+            raise ValueError("--drafter model needs --draft-model DIR (no default draft model ships in this checkout)")
         if not (Path(args.draft_model) / "config.json").is_file():
             raise ValueError(f"--draft-model: no config.json in {args.draft_model}")
     if args.draft_device != "cpu" and not str(args.draft_device).startswith("cuda"):

@@ -56,15 +56,30 @@ def test_generate_errors_name_the_problem(hf_checkpoint):
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
 
-def test_default_model_is_built_deterministically(tmp_path):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    first = _run("generate", "--text", "def f(x):", "--max-new-tokens", 6, "--json", env=env)
-    assert first.returncode == 0, first.stderr
-    assert "no trained default model ships yet" in first.stderr
-    again = _run("generate", "--text", "def f(x):", "--max-new-tokens", 6, "--json", env=env)
-    assert json.loads(first.stdout)["tokens"] == json.loads(again.stdout)["tokens"]
-    weights = list(tmp_path.rglob("model.safetensors"))
-    assert len(weights) == 1
+def test_default_model_is_the_shipped_pair():
+    """Without --model the CLI serves models/target; --draft model drafts with models/draft, and the
+    speculative stream is the plain one."""
+    plain = _run("generate", "--text", "def f(x):", "--max-new-tokens", 8, "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert "no trained default model" not in plain.stderr
+    out = json.loads(plain.stdout)
+    assert out["model"].endswith("models/target") and isinstance(out["text"], str)
+    spec = _run("generate", "--text", "def f(x):", "--max-new-tokens", 8, "--json", "--draft", "model", "--k", 3)
+    assert spec.returncode == 0, spec.stderr
+    assert json.loads(spec.stdout)["tokens"] == out["tokens"]
+
+
+def test_random_fallback_is_built_deterministically(tmp_path, monkeypatch):
+    """A checkout without models/ falls back to a random checkpoint built once into the user cache."""
+    from verifier import defaults
+
+    monkeypatch.setattr(defaults, "SHIPPED_TARGET", tmp_path / "absent")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = defaults.default_model_dir()
+    assert first == tmp_path / "cache" / "hybrid-spec-verifier" / defaults.RANDOM_DEFAULT_NAME
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert defaults.default_model_dir() == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert defaults.default_draft_model_dir() is None  # a draft goes only with the shipped target
 
 
 def test_speculative_runs_print_the_plain_tokens_and_logits(hf_checkpoint, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from drafter.proposers import NgramProposer, OracleProposer, RandomProposer
 
 from .arguments import at_least, token_ids
-from .defaults import default_model_dir
+from .defaults import default_draft_model_dir, default_model_dir
 from .engine import Engine
 from .generate import generate
 from .model import load_model
@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--logits-out", type=Path, help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from")
     spec = gen.add_argument_group("speculative decoding (every token and logit row equals the plain run's)")
-    spec.add_argument("--draft", default="none", choices=["none", "ngram", "random", "oracle"],
-                      help="ngram: prompt lookup; random: K uniform ids (adversarial); oracle: the true continuation")
+    spec.add_argument("--draft", default="none", choices=["none", "ngram", "model", "random", "oracle"],
+                      help="ngram: prompt lookup; model: a small checkpoint (--draft-model); random: K uniform ids "
+                           "(adversarial); oracle: the true continuation")
+    spec.add_argument("--draft-model", type=Path, default=None,
+                      help="the model drafter's checkpoint (default: the shipped draft model, models/draft)")
     spec.add_argument("--k", type=at_least(0), default=None, help="drafts per step (default 4 with a drafter)")
     spec.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter")
     spec.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES, help="recurrent-state rollback: write-on-accept or snapshots")
@@ -126,13 +129,26 @@ def _generate(args) -> int:
         return _fail(str(exc))
     k = args.k if args.k is not None else (0 if args.draft == "none" else 4)
     if args.draft == "none" and k:
-        return _fail("--k needs a drafter: pass --draft ngram|random|oracle")
+        return _fail("--k needs a drafter: pass --draft ngram|model|random|oracle")
     engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + args.max_new_tokens + k, max_k=k, rollback_mode=args.rollback)
     proposer = None
     if args.draft == "random":
         proposer = RandomProposer(vocab, args.seed_draft)
     elif args.draft == "ngram":
         proposer = NgramProposer()
+    elif args.draft == "model":
+        draft_dir = args.draft_model or default_draft_model_dir()
+        if draft_dir is None:
+            return _fail("--draft model needs --draft-model DIR (no default draft model ships in this checkout)")
+        from drafter.messages import Sampling
+        from drafter.model_proposer import COUPLED, ModelProposer, load_draft_model
+
+        try:
+            # coupled mode: the drafter drafts with the session's own noise, so a sampled stream is the plain one
+            proposer = ModelProposer(load_draft_model(draft_dir, args.device), vocab, engine.pool.max_seq_len,
+                                     Sampling(args.temperature, args.top_k, args.top_p, args.seed), args.seed_draft, COUPLED)
+        except (ValueError, OSError) as exc:
+            return _fail(f"--draft-model {draft_dir}: {exc}")
     elif args.draft == "oracle":
         proposer = OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
 
