@@ -272,7 +272,7 @@ def test_cli_errors_name_the_problem(server, prompts_file, tmp_path):
     cases = [
         (["--prompts", bad_prompts], 2, "prompt 0: prompt_ids [500] are outside the served model's vocabulary 0..89"),
         (["--prompts", tmp_path / "missing.jsonl"], 2, "missing.jsonl"),
-        (["--prompts", prompts_file, "--drafter", "model"], 2, "--drafter model needs --draft-model DIR"),
+        (["--prompts", prompts_file, "--drafter", "model"], 2, "a drafter must share the target's vocabulary"),  # the shipped draft is the default
         (["--prompts", prompts_file, "--drafter", "ngram,bogus"], 2, "--drafter takes"),
         (["--prompts", prompts_file, "--k", "0,2"], 2, "--k values must be >= 1"),
         (["--prompts", prompts_file, "--temperature", "-1"], 2, "temperature"),

@@ -226,7 +226,7 @@ def test_cli_drafts_with_a_model(server, small_dir, target, tmp_path):
     foreign.mkdir()
     config = json.loads((small_dir / "config.json").read_text())
     (foreign / "config.json").write_text(json.dumps(dict(config, vocab_size=VOCAB + 6)))
-    for drafting, message in (((), "--drafter model needs --draft-model DIR"),
+    for drafting, message in (((), "a drafter must share the target's vocabulary"),  # the shipped draft model is the default
                               (("--draft-model", foreign), "vocab_size 96 differs from the served model's 90")):
         proc = _cli("--server", server.address, "--prompt-ids", ids, "--max-new-tokens", 4, "--drafter", "model", *drafting)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
