@@ -24,6 +24,7 @@ from ..model import load_model
 from ..tokenizer import TextTokenizer
 from .auth import BearerTokenAuth
 from .config import ServerConfig
+from .malformed import MalformedRequestGuard
 from .metrics import Metrics
 from .service import VerifierService
 
@@ -57,6 +58,7 @@ class VerifierServer:
         config = self.config
         self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics)
         interceptors = [BearerTokenAuth(config.auth_token)] if config.auth_token else []
+        interceptors.append(MalformedRequestGuard())  # after auth: a stranger's bytes are not even parsed
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # a second server on the same port must fail, not share it

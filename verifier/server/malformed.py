@@ -1,0 +1,77 @@
+"""Requests whose bytes are not a valid message: INVALID_ARGUMENT, not grpc.aio's UNKNOWN.
+
+grpc.aio turns an exception raised by a request deserializer into UNKNOWN ("Unexpected
+DecodeError"), which a client cannot tell from a server bug. This interceptor wraps our service's
+deserializers so that a DecodeError becomes a `Malformed` marker, and the method answers it with
+INVALID_ARGUMENT naming the message type before the servicer sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from .. import rpc
+
+GUARDED_PREFIX = f"/{rpc.SERVICE_NAME}/"
+
+
+@dataclass(frozen=True)
+class Malformed:
+    error: str
+
+
+class MalformedRequestGuard(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(GUARDED_PREFIX) or handler.request_deserializer is None:
+            return handler
+        return _guarded(handler, handler_call_details.method)
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    decode = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return decode(data)
+        except DecodeError as exc:
+            return Malformed(str(exc))
+
+    async def refuse(context, bad: Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request to {method} is not a valid message: {bad.error}")
+
+    async def checked(request_iterator, context):
+        async for request in request_iterator:
+            if isinstance(request, Malformed):
+                await refuse(context, request)
+            yield request
+
+    streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
+    behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+                (True, False): handler.stream_unary, (True, True): handler.stream_stream}[(streaming_in, streaming_out)]
+
+    if not streaming_in and not streaming_out:
+        async def run(request, context):
+            if isinstance(request, Malformed):
+                await refuse(context, request)
+            return await behavior(request, context)
+        make = grpc.unary_unary_rpc_method_handler
+    elif not streaming_in:
+        async def run(request, context):
+            if isinstance(request, Malformed):
+                await refuse(context, request)
+            async for response in behavior(request, context):
+                yield response
+        make = grpc.unary_stream_rpc_method_handler
+    elif not streaming_out:
+        async def run(request_iterator, context):
+            return await behavior(checked(request_iterator, context), context)
+        make = grpc.stream_unary_rpc_method_handler
+    else:
+        async def run(request_iterator, context):
+            async for response in behavior(checked(request_iterator, context), context):
+                yield response
+        make = grpc.stream_stream_rpc_method_handler
+    return make(run, request_deserializer=deserialize, response_serializer=handler.response_serializer)
