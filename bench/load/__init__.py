@@ -1,0 +1,12 @@
+"""The load benchmark (issue 8): many drafter processes against one verifier on loopback.
+
+    python -m bench.load --out bench/results [--model DIR] [--sessions 64] [--processes 4] [--steps 300]
+
+One `python -m verifier serve` subprocess (or --server HOST:PORT); several drafter processes
+(drafters.py), each running many concurrent sessions over one grpc.aio channel with the one
+generation loop (drafter.loop.DraftLoop); every session's token stream is then compared with
+plain decoding of the same prompt on a separate engine (reference.py). Writes load_<date>.json.
+
+Modules: workload (what each session does), server (the verifier subprocess), drafters (a drafter
+process), reference (plain decoding and the comparison), report (figures and the JSON), cli.
+"""

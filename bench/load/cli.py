@@ -1,0 +1,183 @@
+"""`python -m bench.load`: start the verifier, run the drafter processes, check every stream
+against plain decoding, check that slots and memory come back, write load_<date>.json."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from drafter.client import VerifierClient
+from drafter.loop import STREAM, UNARY
+
+from bench.machine import device_name
+
+from . import reference, report, workload
+from .server import REPO, ServerProcess
+
+# A tiny hybrid model (3 Gated DeltaNet layers, 1 attention layer, byte-sized vocabulary) so the
+# CPU run measures the service, not the matmuls. Written deterministically by the engine's own
+# random-checkpoint writer, no transformers needed. Tied embeddings at TINY_EMBED_STD make its
+# greedy text repeat in runs (n-gram drafts accepted 1 to 4 at a time, not never nor always),
+# so accepted-prefix rollbacks of every length are exercised.
+TINY_CONFIG = {
+    "model_type": "qwen3_5_text", "vocab_size": 257, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": True, "max_position_embeddings": 4096, "eos_token_id": 256,
+}
+TINY_EMBED_STD = 0.5
+TINY_NAME = "tiny-qwen3_5_text-h64-l4-tied"
+WARMUP_STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    out: Path
+    model: Path | None = None  # None: the tiny checkpoint above, written to a temporary directory
+    server: str | None = None  # HOST:PORT of a running verifier (then --model names its checkpoint)
+    sessions: int = 64
+    processes: int = 4
+    steps: int = 300
+    k: int = 4
+    drafter: str = "mixed"
+    device: str = "cpu"
+    dtype: str = "float32"
+    transport: str = STREAM
+    time_limit_s: float = 900.0
+    max_new_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.sessions < 1 or self.processes < 1 or self.processes > self.sessions:
+            raise ValueError(f"need 1 <= processes <= sessions, got processes {self.processes}, sessions {self.sessions}")
+        if self.server is not None and self.model is None:
+            raise ValueError("--server needs --model: the checkpoint it serves, for plain decoding here")
+        if self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+
+
+def run_drafters(address: str, plan: workload.Plan, config: LoadConfig, deadline: float, scratch: Path) -> list[dict]:
+    """Drafter processes over the sessions (contiguous shares, so each process holds every drafter and
+    sampling kind of workload.py), until done or the deadline."""
+    n, parts = config.sessions, config.processes
+    shares = [list(range(p * n // parts, (p + 1) * n // parts)) for p in range(parts)]
+    procs = []
+    for p, share in enumerate(shares):
+        cfg, out = scratch / f"drafter{p}.json", scratch / f"drafter{p}.out.json"
+        cfg.write_text(json.dumps({"address": address, "plan": plan.to_json(), "sessions": share, "deadline": deadline,
+                                   "transport": config.transport}))
+        procs.append((subprocess.Popen([sys.executable, "-m", "bench.load.drafters", str(cfg), str(out)], cwd=REPO,
+                                       stderr=subprocess.PIPE, text=True), out, share))
+    workers = []
+    for proc, out, share in procs:
+        try:  # a session stops at the deadline after its step in flight; past that plus a margin, it hangs
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.time()) + 180.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode == 0 and out.is_file():
+            workers.append(json.loads(out.read_text()))
+        else:  # the process died: its sessions count as errors, and its stderr says why
+            print(f"drafter process {proc.pid} exited {proc.returncode}:\n{err[-2000:]}", file=sys.stderr)
+            now = time.time()
+            workers.append({"sessions": share, "started": now, "ended": now, "steps": 0, "tokens": 0, "opens": 0,
+                            "latencies_ms": [], "errors": {"drafter_process_died": len(share)}, "cut_by_deadline": 0,
+                            "generations": []})
+    return workers
+
+
+def run_load(config: LoadConfig) -> dict:
+    with tempfile.TemporaryDirectory(prefix="load-") as scratch:
+        scratch = Path(scratch)
+        model_dir, model_name = config.model, config.model.name if config.model else TINY_NAME
+        if model_dir is None:
+            from verifier.model.random_checkpoint import write_random_checkpoint
+
+            model_dir = write_random_checkpoint(TINY_CONFIG, scratch / TINY_NAME, seed=0, std=TINY_EMBED_STD)
+        max_seq_len = workload.PROMPT_MAX + config.max_new_tokens + config.k + 1
+        server = None
+        if config.server is None:
+            server = ServerProcess(model_dir, device=config.device, dtype=config.dtype, n_slots=config.sessions,
+                                   max_seq_len=max_seq_len, max_k=config.k)
+        address = config.server or server.address
+        try:
+            with VerifierClient(address, timeout_s=60.0) as client:
+                info = client.model_info()
+                plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, config.drafter, config.max_new_tokens,
+                                     config.steps, config.seed)
+                # Warm-up at full width: the first batches grow the allocator's pools, which is not a leak.
+                warm = run_drafters(address, dataclasses.replace(plan, steps=WARMUP_STEPS), config, time.time() + 300, scratch)
+                before, rss_before = client.stats(), server.rss_mib() if server else None
+                workers = run_drafters(address, plan, config, time.time() + config.time_limit_s, scratch)
+                after, rss_after = client.stats(), server.rss_mib() if server else None
+        finally:
+            server_rc = server.stop() if server is not None else None
+        generations = [g for w in warm + workers for g in w["generations"]]
+        plain = reference.plain_streams(model_dir, config.device, config.dtype, generations, config.sessions,
+                                        info.max_context, info.max_k)
+        wrong = reference.mismatches(generations, plain)
+    figures, served = report.step_figures(workers), report.server_figures(before, after)
+    warm_errors = report.step_figures(warm)["errors"]
+    rss_ok = rss_before is None or rss_after - rss_before <= report.RSS_TOLERANCE_MIB
+    slots_ok = served["free_slots_after"] == served["free_slots_before"] and served["open_sessions_after"] == 0
+    versions = report.versions()
+    result = {
+        "date": report.today(), "model": model_name, "model_type": info.model_type, "layer_kinds": list(info.layer_kinds),
+        "device": info.device, "dtype": config.dtype, "machine": device_name("cuda" if config.device == "cuda" else "cpu"),
+        "versions": versions, "torch": versions["torch"],
+        "sessions": config.sessions, "processes": config.processes, "steps_per_session": config.steps, "k": config.k,
+        "drafter": config.drafter, "transport": config.transport, "max_new_tokens": config.max_new_tokens,
+        "time_limit_s": config.time_limit_s, "seed": config.seed,
+        **figures, "warmup_errors": warm_errors, **served,
+        "compared_generations": len(generations), "compared_tokens": sum(len(g["tokens"]) for g in generations),
+        "mismatches": len(wrong), "mismatch_examples": wrong[:5],
+        "server_pid_rss": server is not None, "rss_before_mib": None if rss_before is None else round(rss_before, 1),
+        "rss_after_mib": None if rss_after is None else round(rss_after, 1), "rss_tolerance_mib": report.RSS_TOLERANCE_MIB,
+        "rss_back_to_baseline": rss_ok, "free_slots_back_to_baseline": slots_ok, "server_exit_code": server_rc,
+    }
+    result["errors"] += warm_errors
+    result["ok"] = result["errors"] == 0 and not wrong and rss_ok and slots_ok and server_rc in (None, 0)
+    result["path"] = str(report.write(config.out, result))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__)
+    p.add_argument("--out", type=Path, required=True, help="directory for load_<date>.json")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint to serve (default: a tiny random one)")
+    p.add_argument("--server", default=None, help="HOST:PORT of a running verifier instead of starting one")
+    p.add_argument("--sessions", type=int, default=64, help="concurrent sessions in all")
+    p.add_argument("--processes", type=int, default=4, help="drafter processes sharing the sessions")
+    p.add_argument("--steps", type=int, default=300, help="verify steps per session")
+    p.add_argument("--k", type=int, default=4, help="drafts per step")
+    p.add_argument("--drafter", default="mixed", choices=workload.DRAFTERS)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--transport", default=STREAM, choices=[STREAM, UNARY])
+    p.add_argument("--time-limit-s", type=float, default=900.0, help="stop the sessions then and report what was done")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per generation; a session reopens until its steps are done")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    try:
+        config = LoadConfig(**args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = run_load(config)
+    print(report.summary(result))
+    if result["mismatch_examples"]:
+        print(f"first mismatches: {result['mismatch_examples']}", file=sys.stderr)
+    return 0 if result["ok"] else 1
