@@ -51,7 +51,7 @@ def test_draft_ids_outside_the_vocabulary(stub, plain_decode, drafts):
 
 @pytest.mark.parametrize("prompt", [[1, VOCAB], [1, -5]], ids=["vocab", "negative"])
 def test_prompt_ids_outside_the_vocabulary(stub, plain_decode, prompt):
-    with Witnesses(stub, plain_decode):
+    with Witnesses(stub, plain_decode, recycle=False):  # fixed pool use: free slots compare
         free = stub.GetStats(rpc.GetStatsRequest()).free_slots
         error = rpc_error(stub.OpenSession, rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=4))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_ids" in error.details()
@@ -143,7 +143,7 @@ def test_same_session_twice_in_one_batch(stub, plain_decode):
 
 
 def test_oversized_messages(stub, plain_decode):
-    with Witnesses(stub, plain_decode):
+    with Witnesses(stub, plain_decode, recycle=False):  # fixed pool use: free slots compare
         free = stub.GetStats(rpc.GetStatsRequest()).free_slots
         error = rpc_error(stub.OpenSession, rpc.OpenSessionRequest(prompt_ids=[60] * 100000, max_new_tokens=3))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -75,7 +75,7 @@ def test_client_leaves_mid_step_result_kept_for_the_retry(slow_server, stub, slo
 def test_close_while_its_step_runs(slow_server, stub, slowed, plain_decode):
     _, engine = slow_server
     expected = plain_decode(PROMPT, 30)
-    with Witnesses(stub, plain_decode):
+    with Witnesses(stub, plain_decode, recycle=False):  # fixed pool use: free slots compare
         free = _free_slots(stub)
         opened = open_session(stub, PROMPT, 30)
         slowed(opened.session_id)
@@ -98,7 +98,7 @@ def test_close_under_load(stub, plain_decode):
     """Sessions closed while threads step them: each thread sees only OK results equal to plain
     decoding, then NOT_FOUND; the slots all come back."""
     prompts = [[20 + i, 7, 7 + i] for i in range(4)]
-    with Witnesses(stub, plain_decode):
+    with Witnesses(stub, plain_decode, recycle=False):  # fixed pool use: free slots compare
         free = _free_slots(stub)
         opened = [open_session(stub, p, 40) for p in prompts]
         outcomes = [[] for _ in opened]
