@@ -18,6 +18,7 @@ from drafter.loop import STREAM, UNARY
 from bench.machine import device_name
 
 from . import reference, report, workload
+from .progress import StepProgress, say
 from .server import REPO, ServerProcess
 
 # A tiny hybrid model (3 Gated DeltaNet layers, 1 attention layer, byte-sized vocabulary) so the
@@ -115,15 +116,19 @@ def run_load(config: LoadConfig) -> dict:
                 plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, config.drafter, config.max_new_tokens,
                                      config.steps, config.seed)
                 # Warm-up at full width: the first batches grow the allocator's pools, which is not a leak.
-                warm = run_drafters(address, dataclasses.replace(plan, steps=WARMUP_STEPS), config, time.time() + 300, scratch)
+                with StepProgress(address, config.sessions * WARMUP_STEPS, "warm-up"):
+                    warm = run_drafters(address, dataclasses.replace(plan, steps=WARMUP_STEPS), config, time.time() + 300,
+                                        scratch)
                 before, rss_before = client.stats(), server.rss_mib() if server else None
-                workers = run_drafters(address, plan, config, time.time() + config.time_limit_s, scratch)
+                with StepProgress(address, config.sessions * config.steps, "load"):
+                    workers = run_drafters(address, plan, config, time.time() + config.time_limit_s, scratch)
                 after, rss_after = client.stats(), server.rss_mib() if server else None
         finally:
             server_rc = server.stop() if server is not None else None
         generations = [g for w in warm + workers for g in w["generations"]]
+        say(f"plain decoding of {len(generations)} generations to compare against")
         plain = reference.plain_streams(model_dir, config.device, config.dtype, generations, config.sessions,
-                                        info.max_context, info.max_k)
+                                        info.max_context, info.max_k, progress=say)
         wrong = reference.mismatches(generations, plain)
     figures, served = report.step_figures(workers), report.server_figures(before, after)
     warm_errors = report.step_figures(warm)["errors"]

@@ -20,8 +20,9 @@ from verifier.sampling import SamplingParams
 
 
 def plain_streams(model_dir: Path, device: str, dtype: str, generations: list[dict], n_slots: int, max_seq_len: int,
-                  max_k: int) -> list[tuple[list[int], str]]:
-    """(tokens, finish reason) of plain decoding for each generation, in order."""
+                  max_k: int, progress=None) -> list[tuple[list[int], str]]:
+    """(tokens, finish reason) of plain decoding for each generation, in order; `progress(line)`, if
+    given, hears after each batch of generations."""
     model = load_model(model_dir, device, getattr(torch, dtype))
     engine = Engine(model, n_slots, max_seq_len, max_k)
     out: list[tuple[list[int], str] | None] = [None] * len(generations)
@@ -42,6 +43,8 @@ def plain_streams(model_dir: Path, device: str, dtype: str, generations: list[di
         for i, seq in seqs.items():
             out[i] = (tokens[i], seq.finish_reason)
             engine.close(seq)
+        if progress is not None:
+            progress(f"plain decoding: {min(start + n_slots, len(todo))}/{len(todo)} generations")
     return [o if o is not None else ([], LENGTH) for o in out]
 
 
