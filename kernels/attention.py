@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_launchable, check_operand
 from .rounding import round_to_bf16
 from .runtime import interpreting
 
@@ -119,8 +120,7 @@ def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
                 row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's query over positions 0 .. row_positions[i] of slot row_slots[i] -> [R, HQ, D_V]."""
     out = _check(query, keys, values, row_slots, row_positions, out)
-    if not query.is_cuda and not interpreting():
-        raise ValueError(f"attend_rows: query is on {query.device}; the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
+    check_launchable("attend_rows", "query", query)
     n_rows, n_heads, d_k = query.shape
     kv_heads, d_v = keys.shape[2], values.shape[3]
     if n_rows == 0:
@@ -171,10 +171,7 @@ def _block(size: int) -> int:
 
 def _check(query, keys, values, row_slots, row_positions, out) -> torch.Tensor:
     """Validate shapes, dtypes, strides and devices; return out (allocated when None)."""
-    if query.dim() != 3:
-        raise ValueError(f"attend_rows: query must be [rows, heads, d_k], got shape {list(query.shape)}")
-    if query.dtype not in DTYPES:
-        raise ValueError(f"attend_rows: query dtype {query.dtype} is not float32 or bfloat16")
+    check_operand("attend_rows", "query", query, "[rows, heads, d_k]", DTYPES)
     n_rows, n_heads, d_k = query.shape
     if keys.dim() != 4 or values.dim() != 4:
         raise ValueError(f"attend_rows: keys and values must be [slots, length, kv_heads, d], "

@@ -37,8 +37,11 @@ on the device: no integer argument depends on the rows, so 1 row and K rows run 
 compiled kernel.
 Padded lanes (D_K, D_V not powers of two) load as 0 and stay exactly 0: they add 0 to every sum.
 
-The torch references follow verifier.model.layers.recurrence line for line; they sum over d_k in
-another order than tl.sum, so kernel and reference agree to fp32 rounding, not bitwise.
+The torch references (`update_state`, `read_state` and the `_ref` launchers built on them) are
+what the CPU reference backend runs (verifier.model.layers.linear_attention for verify,
+verifier.model.rollback for the fold); they follow `_update_state` and `_read_state` line for line
+but sum over d_k in another order than tl.sum, so kernel and reference agree to fp32 rounding,
+not bitwise.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import interpreting
+from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
 
 MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
 
@@ -73,7 +76,7 @@ def delta_rule_config(d_k: int, d_v: int) -> DeltaRuleConfig:
 def _update_state(b_s, b_k, b_v, b_decay, b_beta):
     """Apply one row to a state tile: b_s [BLOCK_K, BLOCK_V] fp32, b_k [BLOCK_K], b_v [BLOCK_V],
     b_decay [BLOCK_K] (GDN: its head's scalar broadcast), b_beta scalar -> the new b_s.
-    Mirrors recurrence.update_state; the one function decode, verify and fold apply a row with."""
+    Mirrors the reference `update_state` below; the one function decode, verify and fold apply a row with."""
     b_s = b_s * b_decay[:, None]
     b_recalled = tl.sum(b_s * b_k[:, None], axis=0)  # [BLOCK_V]
     b_delta = (b_v - b_recalled) * b_beta  # [BLOCK_V]
@@ -144,15 +147,6 @@ def _delta_rule_kernel(
         tl.store(p_state, b_s, mask=m_s)
 
 
-def _check_tensor(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{op}: {name} must be {list(shape)}, got shape {list(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{op}: {name} must be {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{op}: {name} is on {t.device}, state on {device}")
-
-
 def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
            seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
     """Shapes, dtypes and devices of what both launchers take. Row bounds and slot values live on
@@ -161,27 +155,21 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"{op}: state must be 4-D [n_slots, H, D_K, D_V], got shape {list(state.shape)}")
     if state.dtype != torch.float32:
         raise ValueError(f"{op}: state must be float32, got {state.dtype}")
-    if not state.is_cuda and not interpreting():
-        raise ValueError(f"{op}: state is on {state.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
-    if not state.is_contiguous():
-        raise ValueError(f"{op}: state must be contiguous, got strides {state.stride()}")
+    check_launchable(op, "state", state)
+    check_contiguous(op, "state", state)
     _, heads, d_k, d_v = state.shape
     if d_k > MAX_D_K:
         raise ValueError(f"{op}: D_K {d_k} > {MAX_D_K}: the key dim must fit one register tile")
     if key.dim() != 3:
         raise ValueError(f"{op}: key must be 3-D [R, H, D_K], got shape {list(key.shape)}")
-    rows = key.shape[0]
-    f32, dev = torch.float32, state.device
-    _check_tensor(op, "key", key, (rows, heads, d_k), f32, dev)
-    _check_tensor(op, "value", value, (rows, heads, d_v), f32, dev)
+    rows, f32, on_state = key.shape[0], torch.float32, ("state", state)
+    check_tensor(op, "key", key, (rows, heads, d_k), f32, on_state, layout="[R, H, D_K]")
+    check_tensor(op, "value", value, (rows, heads, d_v), f32, on_state, layout="[R, H, D_V]")
     if decay.dim() != 3 or decay.shape[2] not in (1, d_k):
         raise ValueError(f"{op}: decay must be [R, H, 1 or D_K={d_k}], got shape {list(decay.shape)}")
-    _check_tensor(op, "decay", decay, (rows, heads, decay.shape[2]), f32, dev)
-    _check_tensor(op, "beta", beta, (rows, heads), f32, dev)
-    if seq_slots.dim() != 1:
-        raise ValueError(f"{op}: seq_slots must be [S], got shape {list(seq_slots.shape)}")
-    _check_tensor(op, "seq_slots", seq_slots, tuple(seq_slots.shape), torch.int32, dev)
-    _check_tensor(op, "cu_rows", cu_rows, (seq_slots.shape[0] + 1,), torch.int32, dev)
+    check_tensor(op, "decay", decay, (rows, heads, decay.shape[2]), f32, on_state)
+    check_tensor(op, "beta", beta, (rows, heads), f32, on_state, layout="[R, H]")
+    check_ragged(op, seq_slots, cu_rows, on_state)
 
 
 def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool) -> None:
@@ -209,12 +197,13 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     rows, heads, d_k = key.shape
     d_v = state.shape[3]
-    _check_tensor(op, "query", query, (rows, heads, d_k), torch.float32, state.device)
-    for name, t, shape in (("out", out, (rows, heads, d_v)), ("snapshots", snapshots, (rows, heads, d_k, d_v))):
-        if t is not None:
-            _check_tensor(op, name, t, shape, torch.float32, state.device)
-            if not t.is_contiguous():
-                raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()}")
+    on_state = ("state", state)
+    check_tensor(op, "query", query, (rows, heads, d_k), torch.float32, on_state, layout="[R, H, D_K]")
+    if out is not None:
+        check_tensor(op, "out", out, (rows, heads, d_v), torch.float32, on_state, layout="[R, H, D_V]", contiguous=True)
+    if snapshots is not None:
+        check_tensor(op, "snapshots", snapshots, (rows, heads, d_k, d_v), torch.float32, on_state,
+                     layout="[R, H, D_K, D_V]", contiguous=True)
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
@@ -228,14 +217,14 @@ def delta_rule_fold(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     update verify applies. consumed[s] in 1 .. rows of s is not checked (that would sync)."""
     op = "delta_rule_fold"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
-    _check_tensor(op, "consumed", consumed, tuple(seq_slots.shape), torch.int32, state.device)
+    check_tensor(op, "consumed", consumed, seq_slots.shape, torch.int32, ("state", state), layout="[S]")
     # query and out are never touched in a fold: key and value stand in for them
     _launch(state, key, key, value, decay, beta, seq_slots, cu_rows, consumed, value, None, fold=True)
 
 
 def update_state(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """state [heads, d_k, d_v]; key [heads, d_k]; value [heads, d_v]; decay [heads, d_k or 1, 1]; beta [heads].
-    Mirrors verifier.model.layers.recurrence.update_state exactly (same ops, same order)."""
+    The reference backend's update of one row, all heads at once: `_update_state`'s ops in its order."""
     state = state * decay
     recalled = (state * key[..., None]).sum(dim=-2)  # [heads, d_v]
     delta = (value - recalled) * beta[..., None]
@@ -243,7 +232,7 @@ def update_state(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, de
 
 
 def read_state(state: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """state [heads, d_k, d_v]; query [heads, d_k] -> [heads, d_v]. Mirrors recurrence.read_state."""
+    """state [heads, d_k, d_v]; query [heads, d_k] -> [heads, d_v]: `_read_state` in torch."""
     return (state * query[..., None]).sum(dim=-2)
 
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .norms import _cast
+from .checks import check_launchable, check_operand, check_tensor
+from .rounding import cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -58,7 +59,7 @@ def _gdn_gates_kernel(
     m_h = o_h < HV
     b_b = tl.load(b + i_m * s_b_row + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_sig = tl.math.div_rn(1.0, 1.0 + tl.exp(-b_b))
-    b_beta = _cast(b_sig, b.dtype.element_ty, EMULATE_BF16_RTNE).to(tl.float32)  # sigmoid runs in b's dtype
+    b_beta = cast_rtne(b_sig, b.dtype.element_ty, EMULATE_BF16_RTNE).to(tl.float32)  # sigmoid runs in b's dtype
     b_x = tl.load(a + i_m * s_a_row + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_A = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
     b_decay = tl.exp(-b_A * _softplus(b_x))
@@ -68,32 +69,21 @@ def _gdn_gates_kernel(
 
 def _check(b, a, A_log, dt_bias, out) -> None:
     op = "gdn_gates"
-    if b.dim() != 2:
-        raise ValueError(f"{op}: b must be 2-D [n, Hv], got shape {list(b.shape)}")
+    check_operand(op, "b", b, "[n, Hv]", DTYPES)
+    check_launchable(op, "b", b)
     n, hv = b.shape
-    if b.dtype not in DTYPES:
-        raise ValueError(f"{op}: b dtype {b.dtype} is not one of {DTYPES}")
-    if not b.is_cuda and not interpreting():
-        raise ValueError(f"{op}: b is on {b.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
-    named = [("b", b, (n, hv), (b.dtype,)), ("a", a, (n, hv), (b.dtype,)), ("A_log", A_log, (hv,), DTYPES), ("dt_bias", dt_bias, (hv,), DTYPES)]
-    if out is not None:
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise ValueError(f"{op}: out must be a (decay, beta) tuple, got {type(out).__name__}")
-        named += [("decay", out[0], (n, hv, 1), (torch.float32,)), ("beta", out[1], (n, hv), (torch.float32,))]
-    for name, t, shape, dtypes in named:
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
-        if t.dtype not in dtypes:
-            raise ValueError(f"{op}: {name} dtype {t.dtype} is not one of {dtypes}")
-        if t.device != b.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, b on {b.device}")
+    on_b = ("b", b)
+    check_tensor(op, "a", a, (n, hv), b.dtype, on_b)
+    check_tensor(op, "A_log", A_log, (hv,), DTYPES, on_b)
+    check_tensor(op, "dt_bias", dt_bias, (hv,), DTYPES, on_b)
     for name, t in (("b", b), ("a", a)):
         if hv > 1 and t.stride(1) != 1:
             raise ValueError(f"{op}: {name}'s heads must be contiguous (stride 1), got strides {t.stride()}")
     if out is not None:
-        for name, t in zip(("decay", "beta"), out):
-            if not t.is_contiguous():
-                raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()}")
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError(f"{op}: out must be a (decay, beta) tuple, got {type(out).__name__}")
+        check_tensor(op, "decay", out[0], (n, hv, 1), torch.float32, on_b, contiguous=True)
+        check_tensor(op, "beta", out[1], (n, hv), torch.float32, on_b, contiguous=True)
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_launchable, check_operand, check_tensor
 from .norms import ALIGN, L2_RSQRT, MAX_BLOCK_D, _aligned, _normalise, l2norm_ref
-from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -80,25 +80,19 @@ def _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out) -> None:
         raise ValueError(f"{op}: n_v_heads ({n_v_heads}) must be a positive multiple of n_k_heads ({n_k_heads}), d_k ({d_k}) and d_v ({d_v}) positive")
     if d_k > MAX_BLOCK_D:
         raise ValueError(f"{op}: d_k ({d_k}) over {MAX_BLOCK_D}: a key head must fit one register block")
+    layout = "[n, 2*Hk*d_k + Hv*d_v]"
+    check_operand(op, "mixed", mixed, layout, DTYPES)
     width = 2 * n_k_heads * d_k + n_v_heads * d_v
-    if mixed.dim() != 2 or mixed.shape[1] != width:
-        raise ValueError(f"{op}: mixed must be [n, 2*Hk*d_k + Hv*d_v = {width}], got shape {list(mixed.shape)}")
-    if mixed.dtype not in DTYPES:
-        raise ValueError(f"{op}: mixed dtype {mixed.dtype} is not one of {DTYPES}")
-    if not mixed.is_cuda and not interpreting():
-        raise ValueError(f"{op}: mixed is on {mixed.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if mixed.shape[1] != width:
+        raise ValueError(f"{op}: mixed must be {layout[:-1]} = {width}], got shape {list(mixed.shape)}")
+    check_launchable(op, "mixed", mixed)
     if out is None:
         return
     if not isinstance(out, tuple) or len(out) != 3:
         raise ValueError(f"{op}: out must be a (q, k, v) tuple, got {type(out).__name__}")
     n = mixed.shape[0]
     for name, t, shape in zip("qkv", out, ((n, n_v_heads, d_k), (n, n_v_heads, d_k), (n, n_v_heads, d_v))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
-        if t.dtype != torch.float32:
-            raise ValueError(f"{op}: {name} dtype {t.dtype} != torch.float32")
-        if t.device != mixed.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, mixed on {mixed.device}")
+        check_tensor(op, name, t, shape, torch.float32, ("mixed", mixed))
         if not t.is_contiguous() or t.data_ptr() % ALIGN:
             raise ValueError(f"{op}: {name} must be contiguous and start {ALIGN}-byte aligned, got strides {t.stride()}")
 

@@ -5,26 +5,31 @@
     bias    [N]     x's dtype, or None
     out     [M, N]  x's dtype: x @ weight^T (+ bias), accumulated in fp32, cast once
 
-Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks K
-from 0 upward in BLOCK_K steps, accumulating tl.dot products in one fp32 register block; bias is
-added in fp32 after the loop and the tile is cast once.
-Narrow weights (few output tiles: a 2048-wide output projection gives 64 tiles for 132 SMs) take
-a fixed split of K instead: SPLIT_K programs per tile each walk their own contiguous range of K
-(boundaries fixed by K and the config alone) into an fp32 partial, and a second kernel adds the
-SPLIT_K partials in ascending order, adds the bias and casts once. That departs from DESIGN.md's
-"no split-K" rule in letter, not in purpose: the split and the order of the final sum depend on
-(N, K, dtype) only, never on the row count, so a row still meets the same arithmetic whether it
-is decoded alone or among 63 others (the row-invariance tests cover both paths). BLOCK_M is 16 whatever M (rows past M
-load as 0 and are never stored), the launch config depends only on (N, K, dtype) and M is not
-specialised on, so a row meets the same instructions in the same order whether it is decoded
-alone or among 63 others. No split-K, no atomics, no autotune. fp32 dots use
-input_precision="ieee" (TF32 off); bf16 dots use the tensor-core MMA with fp32 accumulate.
+Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks its
+range of K from the start upward in BLOCK_K steps, accumulating tl.dot products in one fp32
+register block. BLOCK_M is 16 whatever M (rows past M load as 0 and are never stored), the launch
+config depends only on (N, K, dtype) and M is not specialised on, so a row meets the same
+instructions in the same order whether it is decoded alone or among 63 others. No atomics, no
+autotune. fp32 dots use input_precision="ieee" (TF32 off); bf16 dots use the tensor-core MMA with
+fp32 accumulate.
 
-Under TRITON_INTERPRET=1 (tests on the CPU) Triton 3.9's interpreter gets bf16 wrong twice: tl.dot
-multiplies the uint16 bit patterns (triton-lang/triton#11584) and the fp32 -> bf16 cast truncates
-where the GPU rounds to nearest even. The INTERPRET constexpr therefore upcasts bf16 tiles to fp32
-before the dot (bf16 products are exact in fp32) and rounds the output on the bits (_bf16_rtne).
-The GPU never takes those branches.
+The range of K: the whole of K (SPLIT_K = 1: fp32 always, and bf16 weights with enough output
+tiles, such as an LM head), after which bias is added in fp32 and the tile is cast once. Narrow
+bf16 weights (few output tiles: a 2048-wide output projection gives 64 tiles for 132 SMs) take a
+fixed split of K instead: SPLIT_K programs per tile each walk their own contiguous range of K
+(boundaries fixed by K and the config alone) into an fp32 partial, and `_reduce_splits_kernel`
+adds the SPLIT_K partials in ascending order, adds the bias and casts once. DESIGN.md section 6
+rule 1 allows such a split: its boundaries and the order of the final sum depend on (N, K, dtype)
+only, never on the row count. The row-invariance tests cover both paths.
+
+Under TRITON_INTERPRET=1 (tests on the CPU) the INTERPRET constexpr replaces what the interpreter
+gets wrong; the GPU never takes those branches:
+- tl.dot is numpy's matmul, whose OpenBLAS kernels make a row's bits depend on its place in the
+  tile, and which multiplies bf16 bit patterns (triton-lang/triton#11584): the tiles are upcast
+  to fp32 (bf16 products are exact there) and multiplied by `_dot_rows_apart`, a broadcast product
+  summed over K that never mixes rows;
+- the fp32 -> bf16 cast truncates where the GPU rounds to nearest even: the output is rounded on
+  the bits first (`cast_rtne`).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16
-
+from .checks import check_contiguous, check_launchable, check_operand, check_tensor
+from .rounding import cast_rtne
 from .runtime import interpreting
 
 BLOCK_M = 16  # rows per tile, fixed: tl.dot's smallest M, enough for a decode row or a 16-row verify
@@ -64,8 +69,11 @@ def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     the 2B checkpoint's seven weight shapes at 1 and 9 rows on an H200
     (bench/results/linear_configs_2026-11-29.json). BLOCK_N 32, BLOCK_K 128, 4 warps, 6 stages
     is within 6% of the best candidate on every shape (3% on average), from the 2048-wide output
-    projections (64 tiles: without split-K a narrow N cannot fill 132 SMs, so deep pipelining
-    of each tile's K walk is what helps) to the 152k-row LM head.
+    projections (64 tiles, too few for 132 SMs, so deep pipelining of each tile's K walk is what
+    helped; that sweep predates SPLIT_K and ran every candidate unsplit) to the 152k-row LM head.
+    bf16 weights with few output tiles also split K (SPLIT_K, below): until about
+    TARGET_PROGRAMS programs run, at most MAX_SPLIT_K ways, each split at least
+    MIN_K_STEPS_PER_SPLIT BLOCK_K steps long; fp32 never splits.
     fp32 (tests, the CPU interpreter) is reasoned, not timed: input_precision="ieee" has no
     tensor cores, the dot is FMA with both tiles in registers, so BLOCK_K 32 and 3 stages
     keep a [16, 32] x [32, 64] product in 4 warps without spilling; BLOCK_N 64 when N gives
@@ -95,9 +103,16 @@ def split_bounds(k: int, cfg: LinearConfig) -> int:
 
 
 @triton.jit
-def _bf16_rtne(b):
-    """fp32 block -> bf16, round to nearest even, on the bits (what the GPU's cvt.rn.bf16.f32 does)."""
-    return round_to_bf16(b).to(tl.bfloat16)
+def _dot_rows_apart(b_x, b_w):
+    """b_x [BLOCK_M, BLOCK_K] @ b_w [BLOCK_K, BLOCK_N], fp32, each row's K products summed on their own.
+
+    Interpreter only. There tl.dot is numpy's matmul, and OpenBLAS's GEMM kernels give a row other
+    bits at another place in the tile (on a Haswell build rows 6..15 of a 16-row tile differ from
+    the same row at row 0), so a row decoded alone would not match itself inside a verify batch. A
+    broadcast product summed over K (numpy adds along K for every (row, column) alike) cannot
+    depend on the other rows. The GPU's tl.dot has no such dependence and never takes this path.
+    """
+    return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -132,12 +147,12 @@ def _linear_kernel(
         m_k = (k0 + o_k) < k_end
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        if IS_FP32:
+        if INTERPRET:
+            # not tl.dot: see _dot_rows_apart. bf16 products are exact in fp32, so upcasting keeps
+            # the MMA's math up to summation order
+            b_acc += _dot_rows_apart(b_x.to(tl.float32), b_w.to(tl.float32))
+        elif IS_FP32:
             b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
-        elif INTERPRET:
-            # the interpreter multiplies bf16 bit patterns (triton-lang/triton#11584); bf16
-            # products are exact in fp32, so this is the MMA's math up to summation order
-            b_acc = tl.dot(b_x.to(tl.float32), b_w.to(tl.float32), b_acc, input_precision="ieee")
         else:
             b_acc = tl.dot(b_x, b_w, b_acc)  # bf16 MMA, fp32 accumulate
         p_x += BLOCK_K
@@ -150,10 +165,7 @@ def _linear_kernel(
     if HAS_BIAS:
         b_bias = tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
         b_acc += b_bias[None, :]
-    if INTERPRET and not IS_FP32:
-        b_out = _bf16_rtne(b_acc)  # the interpreter's fp32 -> bf16 cast truncates; the GPU's rounds
-    else:
-        b_out = b_acc.to(out.dtype.element_ty)  # round to nearest even
+    b_out = cast_rtne(b_acc, out.dtype.element_ty, INTERPRET)
     p_out = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
     tl.store(p_out, b_out, mask=m_m[:, None] & m_n[None, :])
 
@@ -163,7 +175,6 @@ def _reduce_splits_kernel(
     partial, bias, out,
     M, N, stride_om,
     HAS_BIAS: tl.constexpr,
-    IS_FP32: tl.constexpr,
     INTERPRET: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -178,10 +189,7 @@ def _reduce_splits_kernel(
         b_acc += tl.load(partial + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)
     if HAS_BIAS:
         b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
-    if INTERPRET and not IS_FP32:
-        b_out = _bf16_rtne(b_acc)
-    else:
-        b_out = b_acc.to(out.dtype.element_ty)
+    b_out = cast_rtne(b_acc, out.dtype.element_ty, INTERPRET)
     tl.store(out + i_m * stride_om + o_n, b_out, mask=m_n)
 
 
@@ -189,40 +197,22 @@ REDUCE_BLOCK_N = 1024
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"linear: x must be 2-D [M, K], got shape {list(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"linear: x dtype {x.dtype} is not one of {DTYPES}")
-    if not x.is_cuda and not interpreting():
-        raise ValueError(f"linear: x is on {x.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    op = "linear"
+    check_operand(op, "x", x, "[M, K]", DTYPES)
+    check_launchable(op, "x", x)
     if weight.dim() != 2:
-        raise ValueError(f"linear: weight must be 2-D [N, K], got shape {list(weight.shape)}")
+        raise ValueError(f"{op}: weight must be 2-D [N, K], got shape {list(weight.shape)}")
     if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"linear: weight K {weight.shape[1]} != x K {x.shape[1]} (weight {list(weight.shape)}, x {list(x.shape)})")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"linear: weight dtype {weight.dtype} != x dtype {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"linear: weight is on {weight.device}, x on {x.device}")
-    if weight.stride(1) != 1 and weight.shape[1] > 1:
-        # a silent copy of an LM head per call would cost more than the GEMM
-        raise ValueError(f"linear: weight must be contiguous along K, got strides {weight.stride()}")
+        raise ValueError(f"{op}: weight K {weight.shape[1]} != x K {x.shape[1]} (weight {list(weight.shape)}, x {list(x.shape)})")
     n = weight.shape[0]
+    check_tensor(op, "weight", weight, (n, x.shape[1]), x.dtype, ("x", x))
+    # a silent copy of an LM head per call would cost more than the GEMM
+    check_contiguous(op, "weight", weight, along="K")
     if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"linear: bias must be [N] = [{n}], got shape {list(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"linear: bias dtype {bias.dtype} != x dtype {x.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"linear: bias is on {bias.device}, x on {x.device}")
+        check_tensor(op, "bias", bias, (n,), x.dtype, ("x", x), layout="[N]")
     if out is not None:
-        if out.shape != (x.shape[0], n):
-            raise ValueError(f"linear: out must be [M, N] = [{x.shape[0]}, {n}], got shape {list(out.shape)}")
-        if out.dtype != x.dtype:
-            raise ValueError(f"linear: out dtype {out.dtype} != x dtype {x.dtype}")
-        if out.device != x.device:
-            raise ValueError(f"linear: out is on {out.device}, x on {x.device}")
-        if out.stride(1) != 1 and n > 1:
-            raise ValueError(f"linear: out must be contiguous along N, got strides {out.stride()}")
+        check_tensor(op, "out", out, (x.shape[0], n), x.dtype, ("x", x), layout="[M, N]")
+        check_contiguous(op, "out", out, along="N")
 
 
 def linear(
@@ -255,12 +245,13 @@ def linear(
     # [SPLIT_K, M, N] fp32 partial sums when K is split (else unused)
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)
-    flags = dict(HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
+    flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out, partial,
         m, n, k, split_bounds(k, cfg),
         x.stride(0), weight.stride(0), out.stride(0),
         **flags,
+        IS_FP32=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,

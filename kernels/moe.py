@@ -28,8 +28,8 @@ The dots are broadcast-multiply-and-sum on one row, not tl.dot over a padded til
 arithmetic never sees another row (nothing to pad or mask), and a decode GEMV is bound by reading
 the expert weights, not by FLOPs. bf16 tiles are upcast to fp32 before the multiply (bf16
 products are exact in fp32), so the interpreter's bf16 tl.dot bug (see kernels/linear.py) never
-arises; the interpreter's truncating fp32 -> bf16 cast is replaced by `round_to_bf16` there
-(INTERPRET), as in kernels/linear.py and kernels/norms.py.
+arises; the interpreter's truncating fp32 -> bf16 cast is replaced by `cast_rtne`'s rounding on
+the bits there (INTERPRET), as in every kernel.
 
 Row invariance (DESIGN.md section 6): no row count reaches either kernel (the grids carry it,
 each program finds its row from its program id), H, I and T are constexpr, the launch config is
@@ -54,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16
-
+from .checks import check_launchable, check_operand, check_tensor
+from .rounding import cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -91,15 +91,6 @@ def moe_config(h: int, i: int, dtype: torch.dtype) -> MoEConfig:
         BLOCK_I2=min(step, triton.next_power_of_2(i)),
         num_warps=4,
     )
-
-
-@triton.jit
-def _cast(b, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 b -> DTYPE rounding to nearest even, as torch's .to() does; the interpreter truncates
-    fp32 -> bf16, so there the rounding is done on the bits first and the cast is then exact."""
-    if INTERPRET and DTYPE == tl.bfloat16:
-        b = round_to_bf16(b)
-    return b.to(DTYPE)
 
 
 @triton.jit(do_not_specialize_on_alignment=["x", "expert_ids"])
@@ -138,7 +129,7 @@ def _moe_hidden_kernel(
     b_gs = tl.sum(b_g, axis=1)  # [BLOCK_I] g
     b_us = tl.sum(b_u, axis=1)  # [BLOCK_I] u
     b_h = tl.math.div_rn(b_gs, 1.0 + tl.exp(-b_gs)) * b_us  # silu(g) * u as torch: g / (1 + exp(-g))
-    tl.store(hidden + i_rt * I + o_i, _cast(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_i)
+    tl.store(hidden + i_rt * I + o_i, cast_rtne(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_i)
 
 
 @triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
@@ -178,24 +169,14 @@ def _moe_down_kernel(
             p_w += BLOCK_I
         b_out += b_w * tl.sum(b_y, axis=1)
         i_prev = i_e
-    tl.store(out + i_r * H + o_h, _cast(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
+    tl.store(out + i_r * H + o_h, cast_rtne(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
 
 
-def _check(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    expert_weights: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    out: torch.Tensor | None,
-) -> None:
+def _check(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+           w_down: torch.Tensor, out: torch.Tensor | None) -> None:
     """Shapes, dtypes, devices and contiguity, with messages that name the tensor."""
     op = "moe_experts"
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-D [R, H], got shape {list(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"{op}: x dtype {x.dtype} is not one of {DTYPES}")
+    check_operand(op, "x", x, "[R, H]", DTYPES)
     r, h = x.shape
     if w_gate.dim() != 3:
         raise ValueError(f"{op}: w_gate must be 3-D [E, I, H], got shape {list(w_gate.shape)}")
@@ -205,43 +186,20 @@ def _check(
     t = expert_ids.shape[1]
     if not 1 <= t <= min(MAX_TOP_K, e):
         raise ValueError(f"{op}: expert_ids has T = {t} slots per row; need 1 <= T <= min({MAX_TOP_K}, E = {e})")
-    if expert_ids.dtype != torch.int64:
-        raise ValueError(f"{op}: expert_ids dtype {expert_ids.dtype} != torch.int64")
-    if tuple(expert_weights.shape) != (r, t):
-        raise ValueError(f"{op}: expert_weights must be [R, T] = [{r}, {t}], got shape {list(expert_weights.shape)}")
-    if expert_weights.dtype != torch.float32:
-        raise ValueError(f"{op}: expert_weights dtype {expert_weights.dtype} != torch.float32")
-    shapes = {"w_gate": (e, i, h), "w_up": (e, i, h), "w_down": (e, h, i)}
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if tuple(w.shape) != shapes[name]:
-            raise ValueError(f"{op}: {name} must be {list(shapes[name])} ([E, I, H] from w_gate, H from x), got shape {list(w.shape)}")
-        if w.dtype != x.dtype:
-            raise ValueError(f"{op}: {name} dtype {w.dtype} != x dtype {x.dtype}")
-        if not w.is_contiguous():
-            # a silent copy of every expert per call would cost more than the layer
-            raise ValueError(f"{op}: {name} must be contiguous, got strides {w.stride()}")
+    on_x = ("x", x)
+    check_tensor(op, "expert_ids", expert_ids, (r, t), torch.int64, on_x)
+    check_tensor(op, "expert_weights", expert_weights, (r, t), torch.float32, on_x, layout="[R, T]")
+    # E and I from w_gate, H from x; contiguous: a silent copy of every expert per call would cost
+    # more than the layer
+    check_tensor(op, "w_gate", w_gate, (e, i, h), x.dtype, on_x, layout="[E, I, H]", contiguous=True)
+    check_tensor(op, "w_up", w_up, (e, i, h), x.dtype, on_x, layout="[E, I, H]", contiguous=True)
+    check_tensor(op, "w_down", w_down, (e, h, i), x.dtype, on_x, layout="[E, H, I]", contiguous=True)
     if out is not None:
-        if tuple(out.shape) != (r, h):
-            raise ValueError(f"{op}: out must be [R, H] = [{r}, {h}], got shape {list(out.shape)}")
-        if out.dtype != x.dtype:
-            raise ValueError(f"{op}: out dtype {out.dtype} != x dtype {x.dtype}")
-        if not out.is_contiguous():
-            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
-    for name, tensor in (("expert_ids", expert_ids), ("expert_weights", expert_weights), ("w_gate", w_gate),
-                         ("w_up", w_up), ("w_down", w_down), ("out", out)):
-        if tensor is not None and tensor.device != x.device:
-            raise ValueError(f"{op}: {name} is on {tensor.device}, x on {x.device}")
+        check_tensor(op, "out", out, (r, h), x.dtype, on_x, layout="[R, H]", contiguous=True)
 
 
-def moe_experts(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    expert_weights: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
+                w_up: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' weighted sum, per row, in ascending expert order -> [R, H] in x's dtype.
 
     out: an optional contiguous [R, H] buffer, filled and returned. x, expert_ids and
@@ -249,8 +207,7 @@ def moe_experts(
     host synchronisation: ids are read on the device, so the call can be captured in a CUDA graph.
     """
     _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out)
-    if not x.is_cuda and not interpreting():
-        raise ValueError(f"moe_experts: x is on {x.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    check_launchable("moe_experts", "x", x)
     r, h = x.shape
     t = expert_ids.shape[1]
     i = w_gate.shape[1]
@@ -281,15 +238,8 @@ def moe_experts(
     return out
 
 
-def moe_experts_ref(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    expert_weights: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def moe_experts_ref(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The formulas of the module docstring in torch, one row at a time, experts in ascending id
     order; fp32 products through fp32 copies. Raises ValueError on ids outside [0, E) or repeated
     in a row (the kernel does not check them)."""

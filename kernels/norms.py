@@ -36,8 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16
-
+from .checks import check_launchable, check_operand, check_tensor
+from .rounding import cast_rtne
 from .runtime import interpreting
 
 MAX_BLOCK_D = 4096  # longest row held in registers at once; longer rows loop over blocks of this
@@ -53,16 +53,6 @@ RMS_SIGMOID_GATED = tl.constexpr(3)
 L2_RSQRT = tl.constexpr(4)
 L2_DIV = tl.constexpr(5)
 L2_FORMS = {"rsqrt": L2_RSQRT, "div": L2_DIV}
-
-
-@triton.jit
-def _cast(b, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
-    """fp32 b -> DTYPE, rounding to nearest even as torch's .to() does. The interpreter truncates
-    fp32 -> bf16, so there (EMULATE_BF16_RTNE) the rounding is done on the bits first, after
-    which the cast is exact; a GPU's cast rounds to nearest even by itself."""
-    if EMULATE_BF16_RTNE and DTYPE == tl.bfloat16:
-        b = round_to_bf16(b)
-    return b.to(DTYPE)
 
 
 @triton.jit
@@ -82,10 +72,10 @@ def _normalise(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: t
         if FORM == RMS_ZERO_CENTRED:
             b_y = b_n * (1.0 + b_w)
         elif FORM == RMS_PLAIN:
-            b_y = b_w * _cast(b_n, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+            b_y = b_w * cast_rtne(b_n, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
         elif FORM == RMS_SILU_GATED:
             b_g = tl.load(p_gate, mask=m_d, other=0.0).to(tl.float32)
-            b_wn = _cast(b_w * _cast(b_n, DTYPE, EMULATE_BF16_RTNE).to(tl.float32), DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+            b_wn = cast_rtne(b_w * cast_rtne(b_n, DTYPE, EMULATE_BF16_RTNE).to(tl.float32), DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
             b_y = b_wn * tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g))  # silu as torch: g / (1 + exp(-g))
         else:  # RMS_SIGMOID_GATED
             b_g = tl.load(p_gate, mask=m_d, other=0.0).to(tl.float32)
@@ -99,7 +89,7 @@ def _load_row_block(p_x, p_r, o_c, m_c, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.co
     b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         b_r = tl.load(p_r + o_c, mask=m_c, other=0.0).to(tl.float32)
-        b_x = _cast(b_x + b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+        b_x = cast_rtne(b_x + b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
     return b_x
 
 
@@ -128,7 +118,7 @@ def _row_norm_kernel(
             tl.store(p_total + o_d, b_x.to(DTYPE), mask=m_d)  # exact: b_x already holds a DTYPE value
         b_ss = tl.sum(b_x * b_x, axis=0)
         b_y = _normalise(b_x, b_ss, p_g + o_d, weight + o_d, m_d, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
-        tl.store(p_out + o_d, _cast(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_d)
+        tl.store(p_out + o_d, cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_d)
     else:
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
         for i_b in range(N_BLOCKS):
@@ -143,7 +133,7 @@ def _row_norm_kernel(
             if HAS_RESIDUAL:
                 tl.store(p_total + o_c, b_x.to(DTYPE), mask=m_c)
             b_y = _normalise(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
-            tl.store(p_out + o_c, _cast(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
+            tl.store(p_out + o_c, cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
 
 
 def norm_config(d: int) -> tuple[int, int, int]:
@@ -152,15 +142,6 @@ def norm_config(d: int) -> tuple[int, int, int]:
     head, 8 for a 4096-wide block)."""
     block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
     return block_d, triton.cdiv(d, block_d), min(8, max(1, block_d // 512))
-
-
-def _check_like(name: str, t: torch.Tensor, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, op: str) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{op}: {name} dtype {t.dtype} != {dtype}")
-    if t.device != x.device:
-        raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}")
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -184,34 +165,28 @@ def _launch(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check every tensor (messages name it), make the inputs contiguous and aligned, launch one
     program per row. With a residual: normalise x + residual and return (the sum, the norm)."""
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-D [M, D] (reshape [rows, heads, d] to [rows * heads, d]), got shape {list(x.shape)}")
-    if x.dtype not in dtypes:
-        raise ValueError(f"{op}: x dtype {x.dtype} is not one of {dtypes}")
-    if not x.is_cuda and not interpreting():
-        raise ValueError(f"{op}: x is on {x.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    check_operand(op, "x", x, "[M, D]", dtypes, hint=" (reshape [rows, heads, d] to [rows * heads, d])")
+    check_launchable(op, "x", x)
     m, d = x.shape
     if d == 0:
         raise ValueError(f"{op}: x has no columns (shape {list(x.shape)})")
     if gate is not None:
-        _check_like("gate", gate, x, (m, d), x.dtype, op)
+        check_tensor(op, "gate", gate, (m, d), x.dtype, ("x", x))
         gate = _aligned(gate)
     if weight is not None:
-        _check_like("weight", weight, x, (d,), x.dtype, op)
+        check_tensor(op, "weight", weight, (d,), x.dtype, ("x", x))
         weight = _aligned(weight)
     out_dtype = torch.float32 if form.value in (L2_RSQRT.value, L2_DIV.value) else x.dtype
     if out is None:
         out = torch.empty((m, d), dtype=out_dtype, device=x.device)
     else:
-        _check_like("out", out, x, (m, d), out_dtype, op)
-        if not out.is_contiguous():
-            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
+        check_tensor(op, "out", out, (m, d), out_dtype, ("x", x), contiguous=True)
         if out.data_ptr() % ALIGN:
             raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see _aligned), got address {out.data_ptr():#x}")
     x = _aligned(x)
     total = None
     if residual is not None:
-        _check_like("residual", residual, x, (m, d), x.dtype, op)
+        check_tensor(op, "residual", residual, (m, d), x.dtype, ("x", x))
         residual = _aligned(residual)
         total = torch.empty_like(x)
     if m == 0:

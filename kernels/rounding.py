@@ -14,3 +14,13 @@ def round_to_bf16(b):
     bits = b.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(b != b, b, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def cast_rtne(b, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """fp32 b -> DTYPE, rounding to nearest even as torch's .to() and a GPU's cast do. Under the
+    interpreter (EMULATE_BF16_RTNE, launchers pass interpreting()), which truncates fp32 -> bf16,
+    the rounding is done on the bits first, after which the cast is exact."""
+    if EMULATE_BF16_RTNE and DTYPE == tl.bfloat16:
+        b = round_to_bf16(b)
+    return b.to(DTYPE)

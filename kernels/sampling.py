@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import interpreting
+from .checks import check_launchable
 
 BLOCK_V = 1024  # ids per step of the walk
 NUM_WARPS = 4
@@ -157,7 +157,7 @@ def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     """logits [R, V] -> int64 [R]: each row's argmax, ties (and NaNs) to the lowest id."""
     _check_logits("argmax_rows", logits)
     _check_out("argmax_rows", logits, out)
-    _check_launchable("argmax_rows", logits)
+    check_launchable("argmax_rows", "logits", logits)
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -177,7 +177,7 @@ def coupled_choice(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch
                    keep_threshold: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's coupled-sampling choice: argmax over kept ids of logits / T + g(seed, position, id)."""
     _check_coupled(logits, temperature, seeds, positions, keep_threshold, out)
-    _check_launchable("coupled_choice", logits)
+    check_launchable("coupled_choice", "logits", logits)
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -202,7 +202,7 @@ def coupled_choice_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: t
 def gumbel_rows(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The noise coupled_choice adds: (u, g), each [R, vocab] fp32 (for tests and inspection)."""
     _check_keys(seeds, positions)
-    _check_launchable("gumbel_rows", seeds)
+    check_launchable("gumbel_rows", "seeds", seeds)
     u = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     g = torch.empty_like(u)
     if seeds.shape[0] and vocab:
@@ -245,11 +245,6 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
         return result
     out.copy_(result)
     return out
-
-
-def _check_launchable(op: str, t: torch.Tensor) -> None:
-    if not t.is_cuda and not interpreting():
-        raise ValueError(f"{op}: tensors are on {t.device}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)")
 
 
 def _check_logits(op: str, logits: torch.Tensor) -> None:

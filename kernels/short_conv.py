@@ -22,7 +22,7 @@ Row invariance: one program per (sequence, channel block) walks its rows in orde
 taps are read from the window or the inputs by position and combined in the same order whatever
 the number of rows. BLOCK_C and num_warps depend only on C. fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
-bf16 rounding is done with integer ops (`_round_bf16`), so the interpreter, which truncates on
+bf16 rounding is done with integer ops (`round_to_bf16`, through `_round_to`), so the interpreter, which truncates on
 fp32 -> bf16 casts, and the GPU give the same bits.
 
 The SiLU is x / (1 + exp(-x)) in fp32, as torch computes it; exp differs by an ulp or so between
@@ -38,9 +38,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .checks import check_launchable, check_operand, check_ragged, check_tensor
 from .rounding import round_to_bf16
-
-from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
 NUM_WARPS = 4
@@ -59,6 +58,18 @@ def _round_to(b_x, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _program_sequence(seq_slots, cu_rows, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What a program of grid (S, cdiv(C, BLOCK_C)) owns: its sequence i_s, that sequence's slot
+    (int64) and first row (int32, as cu_rows holds it), and its channels o_c [BLOCK_C] with mask m_c."""
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
+    return i_s, i_slot, i_bos, o_c, o_c < C
+
+
+@triton.jit
 def _conv_rows_kernel(
     window, inputs, weight, seq_slots, cu_rows, out,
     C: tl.constexpr,
@@ -66,14 +77,9 @@ def _conv_rows_kernel(
     IS_BF16: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    i_s = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
-    i_bos = tl.load(cu_rows + i_s)
+    i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     i_bos = i_bos.to(tl.int64)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
-    m_c = o_c < C
     p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, tap 0
 
     for i_t in range(0, i_rows):
@@ -104,14 +110,10 @@ def _next_window_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    i_s = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
-    i_bos = tl.load(cu_rows + i_s).to(tl.int64)
+    i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
+    i_bos = i_bos.to(tl.int64)
     i_n = tl.load(consumed + i_s).to(tl.int64)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
     o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W] new window columns
-    m_c = o_c < C
     m_w = o_w < W - 1
     # new column w is seq[n + w] of seq = old window ++ inputs
     o_pos = i_n + o_w
@@ -126,33 +128,15 @@ def _next_window_kernel(
     tl.store(p_window + o_w[None, :], b_win, mask=m_c[:, None] & m_w[None, :])
 
 
-def _check_ragged(op: str, seq_slots: torch.Tensor, cu_rows: torch.Tensor, device: torch.device) -> None:
-    if seq_slots.dim() != 1 or seq_slots.dtype != torch.int32:
-        raise ValueError(f"{op}: seq_slots must be int32 [S], got {seq_slots.dtype} {list(seq_slots.shape)}")
-    if cu_rows.shape != (seq_slots.shape[0] + 1,) or cu_rows.dtype != torch.int32:
-        raise ValueError(f"{op}: cu_rows must be int32 [S+1] = [{seq_slots.shape[0] + 1}], got {cu_rows.dtype} {list(cu_rows.shape)}")
-    for name, t in (("seq_slots", seq_slots), ("cu_rows", cu_rows)):
-        if t.device != device:
-            raise ValueError(f"{op}: {name} is on {t.device}, inputs on {device}")
-
-
 def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
-    if inputs.dim() != 2:
-        raise ValueError(f"{op}: inputs must be 2-D [R, C], got shape {list(inputs.shape)}")
-    if inputs.dtype not in DTYPES:
-        raise ValueError(f"{op}: inputs dtype {inputs.dtype} is not one of {DTYPES}")
-    if not inputs.is_cuda and not interpreting():
-        raise ValueError(f"{op}: inputs is on {inputs.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    check_operand(op, "inputs", inputs, "[R, C]", DTYPES)
+    check_launchable(op, "inputs", inputs)
     channels = inputs.shape[1]
     if window.dim() != 3 or window.shape[1] != channels or window.shape[2] < 1:
         raise ValueError(f"{op}: window must be [n_slots, C={channels}, W-1 >= 1], got shape {list(window.shape)}")
-    if window.dtype != inputs.dtype:
-        raise ValueError(f"{op}: window dtype {window.dtype} != inputs dtype {inputs.dtype}")
-    if window.device != inputs.device:
-        raise ValueError(f"{op}: window is on {window.device}, inputs on {inputs.device}")
-    if not window.is_contiguous():
-        raise ValueError(f"{op}: window must be contiguous (read in place), got strides {window.stride()}")
-    _check_ragged(op, seq_slots, cu_rows, inputs.device)
+    # contiguous: the kernels read it (and next_window writes it) in place
+    check_tensor(op, "window", window, window.shape, inputs.dtype, ("inputs", inputs), contiguous=True)
+    check_ragged(op, seq_slots, cu_rows, ("inputs", inputs))
 
 
 def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
@@ -160,19 +144,14 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype); window is only read.
 
     out: an optional contiguous [R, C] buffer to write into; it is returned."""
-    _check("conv_rows", window, inputs, seq_slots, cu_rows)
+    op = "conv_rows"
+    _check(op, window, inputs, seq_slots, cu_rows)
     rows, channels = inputs.shape
-    if weight.dim() != 2 or weight.shape != (channels, window.shape[2] + 1):
-        raise ValueError(f"conv_rows: weight must be [C, W] = [{channels}, {window.shape[2] + 1}], got shape {list(weight.shape)}")
-    if weight.dtype != inputs.dtype:
-        raise ValueError(f"conv_rows: weight dtype {weight.dtype} != inputs dtype {inputs.dtype}")
-    if weight.device != inputs.device:
-        raise ValueError(f"conv_rows: weight is on {weight.device}, inputs on {inputs.device}")
+    check_tensor(op, "weight", weight, (channels, window.shape[2] + 1), inputs.dtype, ("inputs", inputs), layout="[C, W]")
     if out is None:
         out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
-    elif out.shape != inputs.shape or out.dtype != inputs.dtype or out.device != inputs.device or not out.is_contiguous():
-        raise ValueError(f"conv_rows: out must be a contiguous {inputs.dtype} [{rows}, {channels}] on {inputs.device}, "
-                         f"got {out.dtype} {list(out.shape)} strides {out.stride()} on {out.device}")
+    else:
+        check_tensor(op, "out", out, inputs.shape, inputs.dtype, ("inputs", inputs), layout="[R, C]", contiguous=True)
     n_seqs = seq_slots.shape[0]
     if n_seqs == 0 or rows == 0:
         return out
@@ -190,10 +169,9 @@ def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Ten
     """In place: window[slot] = last W-1 of (window[slot] ++ the first consumed[s] input rows of s).
 
     consumed[s] in 1 .. rows of s is not checked (that would sync the device)."""
-    _check("next_window", window, inputs, seq_slots, cu_rows)
-    if consumed.shape != seq_slots.shape or consumed.dtype != torch.int32 or consumed.device != inputs.device:
-        raise ValueError(f"next_window: consumed must be int32 [S] = [{seq_slots.shape[0]}] on {inputs.device}, "
-                         f"got {consumed.dtype} {list(consumed.shape)} on {consumed.device}")
+    op = "next_window"
+    _check(op, window, inputs, seq_slots, cu_rows)
+    check_tensor(op, "consumed", consumed, seq_slots.shape, torch.int32, ("inputs", inputs), layout="[S]")
     n_seqs, channels, keep = seq_slots.shape[0], inputs.shape[1], window.shape[2]
     if n_seqs == 0:
         return
@@ -206,9 +184,9 @@ def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Ten
 
 
 def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """window [W, C] raw inputs ending at this row, weight [C, W] -> [1, C]. Mirrors
-    verifier.model.ops.causal_conv_row: a left-to-right sum of W products, then SiLU, on one row
-    (a [1, C] tensor, so torch's SIMD/tail split never depends on the batch)."""
+    """window [W, C] raw inputs ending at this row, weight [C, W] -> [1, C]: a left-to-right sum of
+    W products, then SiLU, on one row (a [1, C] tensor, so torch's SIMD/tail split never depends on
+    the batch). The CPU reference backend's conv of one row (through conv_rows_ref)."""
     out = window[0:1] * weight[:, 0]
     for j in range(1, weight.shape[1]):
         out = out + window[j : j + 1] * weight[:, j]
@@ -217,7 +195,8 @@ def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
                   cu_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """conv_rows in torch: each sequence's rows one at a time, as the reference backend's conv_sequence."""
+    """conv_rows in torch, each sequence's rows one at a time: what the CPU reference backend runs
+    (verifier.model.layers.linear_attention)."""
     width = weight.shape[1]
     if out is None:
         out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
@@ -231,7 +210,7 @@ def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tens
 
 def next_window_ref(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                     consumed: torch.Tensor) -> None:
-    """next_window in torch, as rollback re-slices the window."""
+    """next_window in torch: the CPU reference backend's rollback and commit (verifier.model.rollback)."""
     keep = window.shape[2]
     bounds = cu_rows.tolist()
     for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .norms import _cast
+from .checks import check_launchable, check_operand, check_tensor
+from .rounding import cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -40,8 +41,8 @@ def _silu_mul_kernel(gate_up, out, s_row, I, BLOCK_I: tl.constexpr, EMULATE_BF16
     p_row = gate_up + i_m * s_row
     b_g = tl.load(p_row + o_c, mask=m_c, other=0.0).to(tl.float32)
     b_u = tl.load(p_row + I + o_c, mask=m_c, other=0.0).to(tl.float32)
-    b_s = _cast(tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)), DTYPE, EMULATE_BF16_RTNE).to(tl.float32)  # silu, rounded as torch
-    tl.store(out + i_m * I + o_c, _cast(b_s * b_u, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
+    b_s = cast_rtne(tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)), DTYPE, EMULATE_BF16_RTNE).to(tl.float32)  # silu, rounded as torch
+    tl.store(out + i_m * I + o_c, cast_rtne(b_s * b_u, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
 
 
 def swiglu_config(intermediate: int) -> tuple[int, int]:
@@ -53,26 +54,14 @@ def swiglu_config(intermediate: int) -> tuple[int, int]:
 
 def _check(gate_up: torch.Tensor, intermediate: int, out: torch.Tensor | None) -> None:
     op = "silu_mul"
-    if gate_up.dim() != 2:
-        raise ValueError(f"{op}: gate_up must be 2-D [n, 2I], got shape {list(gate_up.shape)}")
+    check_operand(op, "gate_up", gate_up, "[n, 2I]", DTYPES)
+    check_launchable(op, "gate_up", gate_up)
     if intermediate < 1 or gate_up.shape[1] != 2 * intermediate:
         raise ValueError(f"{op}: gate_up must have 2 * intermediate = {2 * intermediate} columns, got shape {list(gate_up.shape)}")
-    if gate_up.dtype not in DTYPES:
-        raise ValueError(f"{op}: gate_up dtype {gate_up.dtype} is not one of {DTYPES}")
-    if not gate_up.is_cuda and not interpreting():
-        raise ValueError(f"{op}: gate_up is on {gate_up.device}; the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
     if gate_up.stride(1) != 1:
         raise ValueError(f"{op}: gate_up's features must be contiguous (stride 1), got strides {gate_up.stride()}")
     if out is not None:
-        want = (gate_up.shape[0], intermediate)
-        if tuple(out.shape) != want:
-            raise ValueError(f"{op}: out must have shape {list(want)}, got {list(out.shape)}")
-        if out.dtype != gate_up.dtype:
-            raise ValueError(f"{op}: out dtype {out.dtype} != gate_up dtype {gate_up.dtype}")
-        if out.device != gate_up.device:
-            raise ValueError(f"{op}: out is on {out.device}, gate_up on {gate_up.device}")
-        if not out.is_contiguous():
-            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
+        check_tensor(op, "out", out, (gate_up.shape[0], intermediate), gate_up.dtype, ("gate_up", gate_up), contiguous=True)
 
 
 def silu_mul(gate_up: torch.Tensor, intermediate: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -312,7 +312,7 @@ def test_cuda_choose_uses_the_device_path(monkeypatch):
 def test_engine_samples_on_the_device(hf_checkpoint, monkeypatch, params):
     """On CUDA the engine's coupled sampling never copies rows to the host for choosing, and a
     speculative stream equals the plain one."""
-    from drafter.proposers import OracleProposer, RandomProposer
+    from verifier.proposers import OracleProposer, RandomProposer
     from verifier.engine import Engine
     from verifier.generate import generate
     from verifier.model import load_model

@@ -102,9 +102,7 @@ def _qwen(cfg: dict, model_type: str) -> ModelConfig:
     if layer_types is None:
         interval = int(_get(cfg, "full_attention_interval", default=4))
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-    mixers = tuple(_mixer(t, i, GDN) for i, t in enumerate(layer_types))
-    if len(mixers) != n_layers:
-        raise ConfigError(f"config.json: layer_types has {len(mixers)} entries for {n_layers} layers")
+    mixers = _mixers(layer_types, n_layers, GDN)
 
     head_dim = int(_get(cfg, "head_dim", default=256))
     theta, factor = _rope(cfg)
@@ -142,22 +140,43 @@ def _qwen(cfg: dict, model_type: str) -> ModelConfig:
         step = int(_get(cfg, "decoder_sparse_step", default=1))
         mlps = tuple(MOE if i not in mlp_only and (i + 1) % step == 0 else DENSE for i in range(n_layers))
 
+    return _model_config(
+        cfg, model_type, mixers, mlps,
+        eps_default=1e-6, zero_centred_norm=True, max_positions=(("max_position_embeddings",), 32768),
+        attention=attention if ATTENTION in mixers else None,
+        gdn=gdn if GDN in mixers else None,
+        moe=moe,
+    )
+
+
+def _model_config(cfg: dict, model_type: str, mixers: tuple[str, ...], mlps: tuple[str, ...], *, eps_default: float,
+                  zero_centred_norm: bool, max_positions: tuple[tuple[str, ...], int], **sections) -> ModelConfig:
+    """The ModelConfig of a family: the fields every family reads alike, those it reads its own way
+    (the norm epsilon's default, the norm's form, the context length's names and default), and its
+    layer sections (attention, mla, gdn, kda, moe)."""
+    max_position_names, max_position_default = max_positions
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(_get(cfg, "vocab_size")),
         hidden_size=int(_get(cfg, "hidden_size")),
         mixers=mixers,
         mlps=mlps,
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
-        zero_centred_norm=True,
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=eps_default)),
+        zero_centred_norm=zero_centred_norm,
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
         intermediate_size=int(_get(cfg, "intermediate_size")),
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=32768)),
+        max_position_embeddings=int(_get(cfg, *max_position_names, default=max_position_default)),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        attention=attention if ATTENTION in mixers else None,
-        gdn=gdn if GDN in mixers else None,
-        moe=moe,
+        **sections,
     )
+
+
+def _mixers(layer_types: list, n_layers: int, linear_kind: str) -> tuple[str, ...]:
+    """layer_types ("full_attention" / "linear_attention" per layer) -> our mixer kinds, one per layer."""
+    mixers = tuple(_mixer(t, i, linear_kind) for i, t in enumerate(layer_types))
+    if len(mixers) != n_layers:
+        raise ConfigError(f"config.json: layer_types has {len(mixers)} entries for {n_layers} layers")
+    return mixers
 
 
 def _mixer(layer_type: str, index: int, linear_kind: str) -> str:
@@ -184,9 +203,7 @@ def _kimi(cfg: dict) -> ModelConfig:
                 raise ConfigError(f"config.json: linear_attn_config leaves layers {missing} (0-indexed) unassigned")
         else:  # the transformers default
             layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
-    mixers = tuple(_mixer(t, i, KDA) for i, t in enumerate(layer_types))
-    if len(mixers) != n_layers:
-        raise ConfigError(f"config.json: layer_types has {len(mixers)} entries for {n_layers} layers")
+    mixers = _mixers(layer_types, n_layers, KDA)
 
     if cfg.get("mla_use_nope") is False:
         raise ConfigError("config.json: mla_use_nope false (rotary MLA) is not supported")
@@ -239,18 +256,9 @@ def _kimi(cfg: dict) -> ModelConfig:
                 raise ConfigError(f"config.json: mlp_layer_types[{i}] = {t!r} is neither dense nor sparse")
         mlps = tuple(MOE if t == "sparse" else DENSE for t in mlp_types)
 
-    return ModelConfig(
-        model_type="kimi_linear",
-        vocab_size=int(_get(cfg, "vocab_size")),
-        hidden_size=int(_get(cfg, "hidden_size")),
-        mixers=mixers,
-        mlps=mlps,
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-5)),
-        zero_centred_norm=False,
-        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
-        intermediate_size=int(_get(cfg, "intermediate_size")),
-        max_position_embeddings=int(_get(cfg, "model_max_length", "max_position_embeddings", default=1048576)),
-        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+    return _model_config(
+        cfg, "kimi_linear", mixers, mlps,
+        eps_default=1e-5, zero_centred_norm=False, max_positions=(("model_max_length", "max_position_embeddings"), 1048576),
         mla=mla if MLA in mixers else None,
         kda=kda if KDA in mixers else None,
         moe=moe,

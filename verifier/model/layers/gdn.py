@@ -20,14 +20,11 @@ from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import each_row, linear, silu_gated_rms_norm
-from ..rollback import COMMIT, LayerRecord
-from ..rows import RowBatch
-from ..state import RecurrentState
-from .linear_attention import mix_sequences
+from ..ops import linear, silu_gated_rms_norm
+from .linear_attention import DeltaRuleMixer
 
 
-class GatedDeltaNet:
+class GatedDeltaNet(DeltaRuleMixer):
     def __init__(self, config: ModelConfig, src: TensorSource, prefix: str):
         g = config.gdn
         self.cfg = g
@@ -52,12 +49,6 @@ class GatedDeltaNet:
         self.A_log = src.take(p + "A_log", (g.n_v_heads,))
         self.norm_w = src.take(p + "norm.weight", (g.d_v,))
         self.w_out = src.take(p + "out_proj.weight", (H, g.value_dim))
-
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
-                mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
-        qkv, z, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out, record = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, row_invariant=row_invariant, mode=mode)
-        return each_row(self._output, out, z, row_invariant=row_invariant), record
 
     def _project(self, x: torch.Tensor):
         """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], decay [n, Hv, 1], beta [n, Hv] (fp32)."""

@@ -14,14 +14,11 @@ import torch
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
-from ..ops import each_row, kimi_softplus, l2norm, linear, sigmoid_gated_rms_norm
-from ..rollback import COMMIT, LayerRecord
-from ..rows import RowBatch
-from ..state import RecurrentState
-from .linear_attention import mix_sequences
+from ..ops import kimi_softplus, l2norm, linear, sigmoid_gated_rms_norm
+from .linear_attention import DeltaRuleMixer
 
 
-class KimiDeltaAttention:
+class KimiDeltaAttention(DeltaRuleMixer):
     def __init__(self, config: ModelConfig, src: TensorSource, prefix: str):
         c = config.kda
         self.cfg = c
@@ -43,12 +40,6 @@ class KimiDeltaAttention:
         self.w_g_b = src.take(p + "g_b_proj.weight", (P, D))
         self.o_norm = src.take(p + "o_norm.weight", (D,))
         self.w_o = src.take(p + "o_proj.weight", (H, P))
-
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
-                mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
-        qkv, gate, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out, record = mix_sequences(batch, state, qkv, self.conv_w, self._split_heads, decay, beta, row_invariant=row_invariant, mode=mode)
-        return each_row(self._output, out, gate, row_invariant=row_invariant), record
 
     def _project(self, x: torch.Tensor):
         """x [n, H] -> raw conv inputs [n, 3P], output gate [n, heads, D], decay [n, heads, D], beta [n, heads] (fp32)."""

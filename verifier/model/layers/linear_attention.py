@@ -1,4 +1,5 @@
-"""The body GDN and KDA share: the short conv, then the gated delta rule, over a ragged batch.
+"""The body GDN and KDA share: the short conv, then the gated delta rule, over a ragged batch, and
+the layer's forward around it (`DeltaRuleMixer`).
 
 Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their torch
 references, which walk each sequence row by row, serve the CPU. Verify (SNAPSHOT or WOA mode)
@@ -44,3 +45,19 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     if mode == COMMIT:
         commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
     return out, record
+
+
+class DeltaRuleMixer:
+    """A GDN or KDA layer's forward: project every row, mix each sequence's rows (conv and delta
+    rule), then the output of every row. A subclass sets `conv_w` [conv_dim, W] and defines
+    `_project` (x [n, H] -> raw conv inputs [n, conv_dim], output gate, decay, beta), `_split_heads`
+    (see Heads) and `_output` (fp32 outputs [n, heads, d_v], output gate -> [n, H])."""
+
+    conv_w: torch.Tensor
+
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
+                mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
+        conv_inputs, gate, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
+        out, record = mix_sequences(batch, state, conv_inputs, self.conv_w, self._split_heads, decay, beta,
+                                    row_invariant=row_invariant, mode=mode)
+        return each_row(self._output, out, gate, row_invariant=row_invariant), record
