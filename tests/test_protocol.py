@@ -1,16 +1,42 @@
-"""The wire protocol: the committed descriptor matches proto/, and stubs and servicers built from it talk."""
+"""The wire protocol: the committed generated code matches proto/, `verifier.rpc` exports it, and stubs and
+servicers built from it talk over sync and grpc.aio servers."""
 
 import asyncio
+from concurrent import futures
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool
 
 from verifier import rpc
 from verifier.rpc import build
+from verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 
-def test_descriptor_module_matches_proto():
-    assert build.is_current(), "verifier/rpc/descriptor_set.py is stale: run python -m verifier.rpc.build"
+def test_generated_code_matches_proto():
+    """Regenerates with the pinned grpcio-tools (installed on first use: fails, never skips, without it)."""
+    assert build.stale_files() == [], "generated wire code is stale: run python -m verifier.rpc.build"
+
+
+def test_generated_code_carries_no_version_gate():
+    """Why the generator is pinned: newer protoc gencode checks the protobuf runtime's version, newer grpc
+    gencode checks grpcio's and passes `_registered_method` (a TypeError on grpcio 1.60)."""
+    messages = (build.ROOT / "verifier/v1/verifier_pb2.py").read_text()
+    service = (build.ROOT / "verifier/v1/verifier_pb2_grpc.py").read_text()
+    assert "runtime_version" not in messages
+    assert "GRPC_GENERATED_VERSION" not in service and "_registered_method" not in service
+
+
+def test_exports_are_the_generated_code():
+    assert rpc.VerifyStep is verifier_pb2.VerifyStep and rpc.StepResult is verifier_pb2.StepResult
+    assert rpc.VerifierStub is verifier_pb2_grpc.VerifierStub
+    assert (rpc.FINISH_NONE, rpc.FINISH_EOS, rpc.FINISH_LENGTH) == (0, 1, 2)
+    assert (rpc.PACKAGE, rpc.SERVICE_NAME, rpc.PROTOCOL_VERSION) == ("verifier.v1", "verifier.v1.Verifier", "verifier.v1")
+    # server reflection reads the default pool: the file must be there under its proto path
+    pool = descriptor_pool.Default()
+    assert pool.FindFileByName("verifier/v1/verifier.proto").package == "verifier.v1"
+    assert {method.name for method in pool.FindServiceByName(rpc.SERVICE_NAME).methods} == {
+        "GetModelInfo", "OpenSession", "Verify", "VerifyStream", "CloseSession", "GetStats"}
 
 
 def test_messages_round_trip():
@@ -75,3 +101,35 @@ def test_every_method_kind_over_loopback():
             await server.stop(None)
 
     asyncio.run(run())
+
+
+class _SyncEcho:
+    def GetModelInfo(self, request, context):
+        return rpc.ModelInfo(vocab_size=13)
+
+    def VerifyStream(self, steps, context):
+        for step in steps:
+            yield rpc.StepResult(session_id=step.session_id, accepted=len(step.draft_ids))
+
+    def OpenSession(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    Verify = CloseSession = GetStats = OpenSession
+
+
+def test_sync_server_and_stub():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([rpc.servicer_handler(_SyncEcho())])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rpc.VerifierStub(channel)
+            assert stub.GetModelInfo(rpc.GetModelInfoRequest(), timeout=10).vocab_size == 13
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Verify(rpc.VerifyRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            steps = [rpc.VerifyStep(session_id="s", draft_ids=[1] * k) for k in (0, 2)]
+            assert [r.accepted for r in stub.VerifyStream(iter(steps), timeout=10)] == [0, 2]
+    finally:
+        server.stop(None)

@@ -1,5 +1,5 @@
-"""The wire protocol (proto/verifier/v1/verifier.proto) as Python: message classes, a client stub and
-the servicer glue, built at import from the committed descriptor set (see build.py for why).
+"""The wire protocol (proto/verifier/v1/verifier.proto) as Python: protoc's generated message classes
+and client stub (verifier/v1/, typed by verifier_pb2.pyi), re-exported here with the servicer glue.
 
     from verifier import rpc
     stub = rpc.VerifierStub(grpc.insecure_channel(address))      # or a grpc.aio channel
@@ -12,101 +12,50 @@ Importing this module needs only grpcio and protobuf (no torch): the drafter sid
 from __future__ import annotations
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from .descriptor_set import DESCRIPTOR_SET
+from ..v1 import verifier_pb2, verifier_pb2_grpc
+from ..v1.verifier_pb2 import (CloseSessionRequest, CloseSessionResponse, GetModelInfoRequest, GetStatsRequest,
+                               Histogram, Logits, ModelInfo, OpenSessionRequest, OpenSessionResponse, Sampling,
+                               Stats, Status, StepResult, VerifyRequest, VerifyResponse, VerifyStep)
+from ..v1.verifier_pb2_grpc import VerifierStub
 
-PACKAGE = "verifier.v1"
-SERVICE_NAME = f"{PACKAGE}.Verifier"
+__all__ = [
+    "CloseSessionRequest", "CloseSessionResponse", "GetModelInfoRequest", "GetStatsRequest", "Histogram", "Logits",
+    "ModelInfo", "OpenSessionRequest", "OpenSessionResponse", "Sampling", "Stats", "Status", "StepResult",
+    "VerifyRequest", "VerifyResponse", "VerifyStep", "VerifierStub", "servicer_handler",
+    "FINISH_NONE", "FINISH_EOS", "FINISH_LENGTH", "FILE", "SERVICE", "PACKAGE", "SERVICE_NAME", "PROTOCOL_VERSION",
+    "RETRY_AFTER_KEY",
+]
+
+FILE = verifier_pb2.DESCRIPTOR  # registered in the default pool as "verifier/v1/verifier.proto": reflection finds it
+SERVICE = FILE.services_by_name["Verifier"]
+PACKAGE = FILE.package  # "verifier.v1"
+SERVICE_NAME = SERVICE.full_name  # "verifier.v1.Verifier"
 PROTOCOL_VERSION = PACKAGE
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED from OpenSession
 
-
-def _load_files() -> None:
-    pool = descriptor_pool.Default()  # the default pool: server reflection finds our files there
-    for file in descriptor_pb2.FileDescriptorSet.FromString(DESCRIPTOR_SET).file:
-        try:
-            pool.FindFileByName(file.name)
-        except KeyError:
-            pool.Add(file)
+FINISH_NONE = verifier_pb2.FINISH_REASON_UNSPECIFIED
+FINISH_EOS = verifier_pb2.FINISH_REASON_EOS
+FINISH_LENGTH = verifier_pb2.FINISH_REASON_LENGTH
 
 
-def _message_class(descriptor):
-    if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22
-        return message_factory.GetMessageClass(descriptor)
-    return message_factory.MessageFactory(descriptor_pool.Default()).GetPrototype(descriptor)
+class _HandlerCollector:
+    """Stands in for a server so that the generated add_VerifierServicer_to_server hands us its handler."""
 
+    def __init__(self) -> None:
+        self.handlers: list[grpc.GenericRpcHandler] = []
 
-_load_files()
-FILE = descriptor_pool.Default().FindFileByName("verifier/v1/verifier.proto")
-SERVICE = FILE.services_by_name["Verifier"]
-
-GetModelInfoRequest = _message_class(FILE.message_types_by_name["GetModelInfoRequest"])
-ModelInfo = _message_class(FILE.message_types_by_name["ModelInfo"])
-OpenSessionRequest = _message_class(FILE.message_types_by_name["OpenSessionRequest"])
-OpenSessionResponse = _message_class(FILE.message_types_by_name["OpenSessionResponse"])
-VerifyStep = _message_class(FILE.message_types_by_name["VerifyStep"])
-StepResult = _message_class(FILE.message_types_by_name["StepResult"])
-VerifyRequest = _message_class(FILE.message_types_by_name["VerifyRequest"])
-VerifyResponse = _message_class(FILE.message_types_by_name["VerifyResponse"])
-CloseSessionRequest = _message_class(FILE.message_types_by_name["CloseSessionRequest"])
-CloseSessionResponse = _message_class(FILE.message_types_by_name["CloseSessionResponse"])
-GetStatsRequest = _message_class(FILE.message_types_by_name["GetStatsRequest"])
-Stats = _message_class(FILE.message_types_by_name["Stats"])
-Histogram = _message_class(FILE.message_types_by_name["Histogram"])
-Status = _message_class(FILE.message_types_by_name["Status"])
-Logits = _message_class(FILE.message_types_by_name["Logits"])
-Sampling = _message_class(FILE.message_types_by_name["Sampling"])
-
-FINISH_NONE = FILE.enum_types_by_name["FinishReason"].values_by_name["FINISH_REASON_UNSPECIFIED"].number
-FINISH_EOS = FILE.enum_types_by_name["FinishReason"].values_by_name["FINISH_REASON_EOS"].number
-FINISH_LENGTH = FILE.enum_types_by_name["FinishReason"].values_by_name["FINISH_REASON_LENGTH"].number
-
-
-def _method_kind(method) -> tuple[bool, bool]:
-    """(client streaming, server streaming) of a service method."""
-    proto = descriptor_pb2.MethodDescriptorProto()
-    method.CopyToProto(proto)
-    return proto.client_streaming, proto.server_streaming
-
-
-def _path(method) -> str:
-    return f"/{SERVICE_NAME}/{method.name}"
-
-
-class VerifierStub:
-    """Client stub over a grpc.Channel or grpc.aio.Channel: one attribute per RPC, as protoc's stubs have."""
-
-    def __init__(self, channel):
-        for method in SERVICE.methods:
-            request, response = _message_class(method.input_type), _message_class(method.output_type)
-            client_stream, server_stream = _method_kind(method)
-            factory = {
-                (False, False): channel.unary_unary,
-                (False, True): channel.unary_stream,
-                (True, False): channel.stream_unary,
-                (True, True): channel.stream_stream,
-            }[(client_stream, server_stream)]
-            setattr(self, method.name, factory(_path(method), request_serializer=request.SerializeToString,
-                                               response_deserializer=response.FromString))
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.handlers.extend(handlers)
 
 
 def servicer_handler(servicer) -> grpc.GenericRpcHandler:
     """The generic handler serving `servicer`, an object with one method per RPC (sync or async,
     signature `(request_or_iterator, context)`), for grpc.server or grpc.aio.server."""
-    handlers = {}
-    for method in SERVICE.methods:
-        implementation = getattr(servicer, method.name, None)
-        if implementation is None:
-            raise TypeError(f"{type(servicer).__name__} does not implement {method.name}")
-        request, response = _message_class(method.input_type), _message_class(method.output_type)
-        client_stream, server_stream = _method_kind(method)
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(client_stream, server_stream)]
-        handlers[method.name] = make(implementation, request_deserializer=request.FromString,
-                                     response_serializer=response.SerializeToString)
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    missing = [method.name for method in SERVICE.methods if not callable(getattr(servicer, method.name, None))]
+    if missing:  # the generated code would fail on the first with a bare AttributeError
+        raise TypeError(f"{type(servicer).__name__} does not implement {', '.join(missing)}")
+    collector = _HandlerCollector()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, collector)
+    (handler,) = collector.handlers
+    return handler

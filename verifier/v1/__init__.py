@@ -1,0 +1,9 @@
+"""protoc's output for proto/verifier/v1/verifier.proto, committed; the rest of the code imports it
+through `verifier.rpc`.
+
+verifier_pb2.py, verifier_pb2.pyi and verifier_pb2_grpc.py are written by `python -m verifier.rpc.build`:
+never edit them. They live here because protoc names modules after the proto's path
+(`verifier/v1/verifier.proto` -> `verifier.v1.verifier_pb2`) and the grpc module imports
+`from verifier.v1 import verifier_pb2`: this subpackage of ours is where that import lands, so the
+generated files stay untouched and the registered file name stays "verifier/v1/verifier.proto".
+"""
