@@ -1,6 +1,6 @@
 """GPU verify cost on one device: decode, K-row verify, rollback, bit-exactness, and HF + FLA beside it.
 
-    PYTHONPATH=. python bench/gpu.py --out DIR [--models qwen35_2b,qwen3next_moe,kimi_moe] [--steps 30]
+    PYTHONPATH=. python -m bench.gpu --out DIR [--models qwen35_2b,qwen3next_moe,kimi_moe] [--steps 30]
 
 For each model (random bf16 weights, built with transformers and saved, so both engines read one
 checkpoint): HBM floor (bytes one decode step must read / measured copy bandwidth), decode ms at
@@ -17,19 +17,16 @@ import datetime
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from verifier.engine import Engine, StepRequest  # noqa: E402
-from verifier.model import RowBatch, load_model  # noqa: E402
-from verifier.model.rollback import SNAPSHOT, WOA, rollback  # noqa: E402
-from verifier.sampling import SamplingParams  # noqa: E402
+from verifier.engine import Engine, StepRequest
+from verifier.model import RowBatch, load_model
+from verifier.model.rollback import SNAPSHOT, WOA
+from verifier.params import SamplingParams
 
 PROMPT_LEN = 64
 KS = (1, 2, 4, 8, 16)
@@ -169,16 +166,10 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
         for _ in range(repeats + 2):
             sync()
             t0 = time.perf_counter()
-            if engine.graphs is not None:
-                _, record = engine.graphs.verify(tokens, batch, mode)
-            else:
-                _, record = model.verify(tokens, batch, engine.pool, mode)
+            _, record = engine.runner.verify(tokens, batch, mode)
             sync()
             t1 = time.perf_counter()
-            if engine.graphs is not None:
-                engine.graphs.rollback(record, [k // 2 + 1])
-            else:
-                rollback(engine.pool, record, [k // 2 + 1])
+            engine.runner.rollback(record, [k // 2 + 1])
             sync()
             t2 = time.perf_counter()
             verify_ms.append((t1 - t0) * 1e3)
@@ -285,7 +276,7 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
     result["batch"] = batch
     result["rollback"] = rollback_figures(model, 8, steps)
     print(f"[{name}] rollback: {result['rollback']}", flush=True)
-    result["graphed"] = engine.graphs is not None
+    result["graphed"] = engine.runner.graphed
     try:
         result["kernel_breakdown_k0"] = kernel_breakdown(model, 0)
         result["kernel_breakdown_k8"] = kernel_breakdown(model, 8)

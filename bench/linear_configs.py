@@ -1,6 +1,6 @@
 """Measure candidate launch configs of the row-invariant GEMM on the 2B checkpoint's weight shapes.
 
-    PYTHONPATH=. python bench/linear_configs.py --out DIR
+    python -m bench.linear_configs --out DIR
 
 For every (N, K) projection of the Qwen3.5-style 2B model in bf16 and every candidate
 (BLOCK_N, BLOCK_K, num_warps, num_stages): row invariance is checked first (1 row == row 0 of 9,
@@ -14,14 +14,12 @@ import argparse
 import datetime
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels.linear import LinearConfig, linear, linear_config  # noqa: E402
+from kernels.linear import LinearConfig, linear, linear_config
+from verifier.arguments import DefaultsHelpFormatter
 
 SHAPES = {  # name: (N, K), the 2B model's weights (bench/gpu.py DENSE_2B)
     "gdn_in": (8192 + 4096 + 64, 2048),
@@ -43,8 +41,9 @@ def time_ms(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser = argparse.ArgumentParser(prog="python -m bench.linear_configs", description=__doc__.splitlines()[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="directory for linear_configs_<date>.json")
     args = parser.parse_args()
     import triton
 

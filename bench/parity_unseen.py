@@ -1,17 +1,19 @@
 """The done-when check of issues 2 and 3, as a new user would run it, on checkpoints the tests never see.
 
-For one new checkpoint per family (shapes unlike tests/hf_models.py), saved by transformers:
+For one new checkpoint per family (shapes unlike the tests' SPECS in verifier/model/hf_reference.py),
+saved by transformers:
   - `python -m verifier generate` greedy tokens vs HF `generate`, and the --logits-out rows vs HF's
     logits (max |ours - hf| / max |hf|; the issue's bound is 1e-3);
   - plain vs speculative CLI runs (random, oracle, ngram drafts x woa, snapshot rollback x greedy
     and --temperature 0.9 --seed 42): identical tokens and bitwise identical --logits-out arrays.
-Needs the test extras (transformers). Writes bench/results/parity_unseen_<date>.json.
+Needs the test extras (transformers). Writes parity_unseen_<date>.json under --out.
 
-    python bench/parity_unseen.py
+    python -m bench.parity_unseen [--out bench/results]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import subprocess
@@ -22,12 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.machine import device_name
+from verifier.arguments import DefaultsHelpFormatter
+from verifier.model.hf_reference import build_hf_model, load_hf
 
-from hf_models import build_hf_model, load_hf  # noqa: E402
-from machine import device_name  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SPECS = {
     "qwen3_next": ("qwen3_next", dict(
@@ -91,12 +92,17 @@ def check(name: str, family: str, fields: dict, tmp: Path) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.parity_unseen", description=__doc__.split("\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="directory for parity_unseen_<date>.json (default: the repository's bench/results)")
+    args = parser.parse_args()
     today = datetime.date.today().isoformat()
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: check(name, family, fields, Path(tmp)) for name, (family, fields) in SPECS.items()}
     out = {"benchmark": "parity_unseen", "device": device_name(), "date": today, "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "results": results}
-    path = REPO / "bench" / "results" / f"parity_unseen_{today}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"parity_unseen_{today}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -9,7 +9,7 @@ the state traffic per sequence and layer from the layouts (DESIGN.md section 4):
   WOA:      verify reads S, writes (K+1) rows of stash; rollback reads (a+1) stash rows, reads S, writes S
 Writes bench/results/rollback_<date>.json.
 
-    python bench/rollback.py [--device cpu|cuda] [--repeats 21]
+    python -m bench.rollback [--device cpu|cuda] [--repeats 21]
 """
 
 from __future__ import annotations
@@ -18,23 +18,20 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from machine import device_name  # noqa: E402
-from verifier.engine import Engine, StepRequest  # noqa: E402
-from verifier.model import RowBatch, load_model  # noqa: E402
-from verifier.model.random_checkpoint import write_random_checkpoint  # noqa: E402
-from verifier.model.rollback import ROLLBACK_MODES, rollback  # noqa: E402
-from verifier.model.state import RecurrentState  # noqa: E402
-from verifier.sampling import SamplingParams  # noqa: E402
+from bench.machine import device_name
+from verifier.arguments import DefaultsHelpFormatter, at_least
+from verifier.engine import Engine, StepRequest
+from verifier.model import RowBatch, load_model
+from verifier.model.random_checkpoint import write_random_checkpoint
+from verifier.model.rollback import ROLLBACK_MODES, rollback
+from verifier.model.state import RecurrentState
+from verifier.params import SamplingParams
 
 SIZES = [  # (value heads, d_k = d_v): the last is Qwen3-Next's GDN layer
     (4, 32),
@@ -125,9 +122,10 @@ def _sync(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--repeats", type=int, default=21)
+    parser = argparse.ArgumentParser(prog="python -m bench.rollback", description=__doc__.split("\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the torch reference runs")
+    parser.add_argument("--repeats", type=at_least(1), default=21, help="timed runs per figure; the median is reported")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = [r for heads, dim in SIZES for r in measure(heads, dim, args.device, args.repeats)]

@@ -10,20 +10,18 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from verifier import tokenizer as shared
+
 _INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a UTF-8 sequence cut in the middle
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A tokenizer.json file, or a model directory holding one."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(f"--tokenizer: no tokenizer.json at {path}")
+    """--tokenizer FILE_OR_DIR through the verifier's loader; every failure is a ValueError naming
+    the flag and the path (the command line exits 2 with it)."""
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-        raise ValueError(f"--tokenizer: cannot read {path}: {exc}") from None
+        return shared.load_tokenizer(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"--tokenizer: {exc}") from None
 
 
 class TextStream:

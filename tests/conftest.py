@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_models import SPECS, save_spec  # noqa: E402
+from verifier.model.hf_reference import SPECS, save_spec  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

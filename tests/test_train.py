@@ -1,31 +1,37 @@
-"""bench.train: the corpus split, the tokenizer, and a tiny end-to-end run on the CPU whose
+"""training (the default pair's pipeline): the corpus split, the tokenizer, and a tiny end-to-end run on the CPU whose
 checkpoints the engine loads and generates from."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# bench/ is not an installed package: `python -m pytest` finds it from the repository root, a bare `pytest` would not.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+# training/ is not an installed package: `python -m pytest` finds it from the repository root, a bare `pytest` would not.
+sys.path.insert(0, str(REPO))
 
-from bench.train.card import CARD_FILE, METRICS_FILE, PLOT_FILE  # noqa: E402
-from bench.train.cli import main as train_main  # noqa: E402
-from bench.train.data import DEV, EOT, TRAIN, VALIDATION, list_sources, load_corpus, split_of, stdlib_root  # noqa: E402
-from bench.train.evaluate import windows  # noqa: E402
-from bench.train.tokenizer import EOT_ID, encode_stream, token_byte_lengths, train_tokenizer  # noqa: E402
-from bench.train.train import TrainConfig, learning_rate  # noqa: E402
+from drafter.text import load_tokenizer as drafter_load_tokenizer  # noqa: E402
+from training import PROG  # noqa: E402
+from training.card import CARD_FILE, METRICS_FILE, PLOT_FILE, write_card  # noqa: E402
+from training.cli import main as train_main  # noqa: E402
+from training.data import DEV, EOT, TRAIN, VALIDATION, list_sources, load_corpus, split_of, stdlib_root  # noqa: E402
+from training.evaluate import windows  # noqa: E402
+from training.tokenizer import EOT_ID, encode_stream, load_trained_tokenizer, token_byte_lengths, train_tokenizer  # noqa: E402
+from training.train import TrainConfig, learning_rate  # noqa: E402
 from verifier import defaults  # noqa: E402
 from verifier.engine import Engine  # noqa: E402
 from verifier.generate import generate  # noqa: E402
 from verifier.model import load_model  # noqa: E402
-from verifier.tokenizer import TextTokenizer  # noqa: E402
+from verifier.tokenizer import TextTokenizer, byte_level_tokenizer, load_tokenizer  # noqa: E402
 
 # Small modules present in every supported Python's standard library.
 _STDLIB_FILES = ["abc.py", "bisect.py", "colorsys.py", "copy.py", "fnmatch.py", "getopt.py", "glob.py", "heapq.py",
@@ -187,3 +193,65 @@ def test_shipped_pair_becomes_the_default_only_when_present(trained, tmp_path, m
     shutil.copytree(trained / "target", tmp_path / "models" / "target")
     assert defaults.default_model_dir() == tmp_path / "models" / "target"
     assert defaults.default_draft_model_dir() == tmp_path / "models" / "draft"
+
+
+def test_card_of_a_run_made_before_the_move_keeps_its_command_and_gives_todays(trained, tmp_path):
+    card = (trained / CARD_FILE).read_text()
+    assert f"`{PROG} run --out {trained} " in card and f"` (`training/`); `{PROG} evaluate --models" in card
+    old = tmp_path / "old"
+    shutil.copytree(trained, old)
+    with open(old / METRICS_FILE) as f:
+        metrics = json.load(f)
+    metrics["run"]["command"] = "python -m bench.train run --out /tmp/models --seed 0"
+    (old / METRICS_FILE).write_text(json.dumps(metrics))
+    card = write_card(old).read_text()
+    assert "`python -m bench.train run --out /tmp/models --seed 0` (the pipeline has since moved to `training/`: " \
+           f"`{PROG} run --out /tmp/models --seed 0` today)" in card
+    assert f"`{PROG} evaluate --models old`" in card
+
+
+def test_one_tokenizer_loader_serves_verifier_drafter_and_training(tmp_path):
+    tok = train_tokenizer(["def f(x):\n    return x\n"] * 4, 300)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    for where in (tmp_path, tmp_path / "tokenizer.json"):  # the directory or the file
+        assert load_tokenizer(where).to_str() == tok.to_str()
+        assert load_trained_tokenizer(where).to_str() == tok.to_str()
+    assert TextTokenizer.from_model_dir(tmp_path).encode("def f") == tok.encode("def f", add_special_tokens=False).ids
+    missing, broken = tmp_path / "missing", tmp_path / "broken"
+    missing.mkdir()
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    assert TextTokenizer.from_model_dir(missing) is None
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_tokenizer(missing)
+    with pytest.raises(ValueError, match="cannot read .*broken"):
+        load_tokenizer(broken)
+    with pytest.raises(ValueError, match="cannot read .*broken"):
+        TextTokenizer.from_model_dir(broken)
+    for where, why in ((missing, "no tokenizer.json at .*missing"), (broken, "cannot read .*broken")):
+        with pytest.raises(ValueError, match=f"^--tokenizer: {why}"):  # the drafter's flag, exit 2 in its CLI
+            drafter_load_tokenizer(where)
+    other = tmp_path / "other"
+    other.mkdir()
+    byte_level_tokenizer("<|other|>").save(str(other / "tokenizer.json"))  # <|endoftext|> absent: not one of ours
+    with pytest.raises(ValueError, match=f"{EOT} has id None, expected {EOT_ID}"):
+        load_trained_tokenizer(other)
+
+
+def test_bench_holds_benchmarks_only():
+    """Issue 12: the training pipeline left bench/; bench modules import the project as packages
+    (no sys.path patching, nothing from tests/) and run as modules from the repository root."""
+    bench = REPO / "bench"
+    assert not (bench / "train").exists() and (REPO / "training" / "__main__.py").is_file()
+    for path in sorted(bench.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+                pytest.fail(f"{path.relative_to(REPO)}:{node.lineno} touches sys.path")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                top = {name.split(".")[0] for name in names}
+                assert not top & {"tests", "hf_models", "conftest"}, f"{path.relative_to(REPO)}:{node.lineno} imports from tests/"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "bench.rollback", "--help"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "--repeats" in proc.stdout, proc.stderr

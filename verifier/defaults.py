@@ -1,6 +1,6 @@
 """Where the default models live.
 
-The trained default pair ships under `models/` (issue 7, trained by `python -m bench.train run`):
+The trained default pair ships under `models/` (issue 7, trained by `python -m training run`):
 `models/target` is the verifier's default model and `models/draft` the default draft model. A
 checkout without them (the files are not there until the training run's output is committed)
 falls back to a small random Qwen3.5-style checkpoint with a byte-level tokenizer, built

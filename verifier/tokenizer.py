@@ -1,10 +1,30 @@
-"""Text in and out, where a model directory ships an HF `tokenizer.json`."""
+"""Text in and out, where a model directory ships an HF `tokenizer.json`.
+
+The one loader of tokenizer files: the verifier, the drafter's command line and the training
+pipeline all read them through `load_tokenizer`. No torch here: the drafter imports it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A tokenizer.json file, or a model directory holding one. FileNotFoundError when there is
+    none, ValueError when it does not parse; both name the path."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} at {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"cannot read {path}: {exc}") from None
 
 
 class TextTokenizer:
@@ -13,8 +33,9 @@ class TextTokenizer:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":
-        path = Path(model_dir) / "tokenizer.json"
-        return cls(Tokenizer.from_file(str(path))) if path.is_file() else None
+        """The model's tokenizer, or None when the directory ships none."""
+        path = Path(model_dir) / TOKENIZER_FILE
+        return cls(load_tokenizer(path)) if path.is_file() else None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

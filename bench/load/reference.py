@@ -16,7 +16,7 @@ import torch
 
 from verifier.engine import LENGTH, Engine, StepRequest
 from verifier.model import load_model
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 
 def plain_streams(model_dir: Path, device: str, dtype: str, generations: list[dict], n_slots: int, max_seq_len: int,

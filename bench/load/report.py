@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from verifier.generation import mean_acceptance_length
+
 # RSS may move by allocator noise (arenas, grpc buffers) without a leak: a leak under this load
 # (thousands of steps, hundreds of sessions) grows far past this.
 RSS_TOLERANCE_MIB = 16.0
@@ -52,8 +54,8 @@ def server_figures(before, after) -> dict:
         "server_errors": after.errors - before.errors,
         "rows_per_batch_mean": round((after.rows - before.rows) / batches, 3) if batches else 0.0,
         "rows_per_batch_histogram": {"upper_bounds": list(after.rows_per_batch.upper_bounds), "counts": counts},
-        "mean_acceptance_length": round(1.0 + (after.accepted_tokens - before.accepted_tokens)
-                                        / max(1, after.drafts - before.drafts), 3),
+        "mean_acceptance_length": round(mean_acceptance_length(after.accepted_tokens - before.accepted_tokens,
+                                                               after.drafts - before.drafts), 3),
         "free_slots_before": before.free_slots,
         "free_slots_after": after.free_slots,
         "open_sessions_after": after.open_sessions,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-from drafter.messages import Sampling
-from drafter.proposers import NgramProposer, RandomProposer
+from verifier.params import SamplingParams
+from verifier.proposers import NgramProposer, RandomProposer
 
 DRAFTERS = ("ngram", "random", "mixed")
 PROMPT_MIN, PROMPT_MAX = 8, 24
@@ -56,10 +56,10 @@ def prompt(plan: Plan, session: int, generation: int) -> list[int]:
     return ids[:length]
 
 
-def sampling(plan: Plan, session: int) -> Sampling:
+def sampling(plan: Plan, session: int) -> SamplingParams:
     if session % 4 < 2:
-        return Sampling()
-    return Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=plan.seed * 100_003 + session)
+        return SamplingParams()
+    return SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=plan.seed * 100_003 + session)
 
 
 def drafter_of(plan: Plan, session: int) -> str:

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from . import PROG
+
 METRICS_FILE = "training_metrics.json"
 CARD_FILE = "MODEL_CARD.md"
 PLOT_FILE = "loss_curves.png"
@@ -44,6 +46,15 @@ def _fmt_int(n: int) -> str:
     return f"{n:,}"
 
 
+def _moved_note(recorded: str) -> str:
+    """Where the pipeline lives, after the command a run recorded. A run made before the module
+    moved (`python -m bench.train ...`) keeps its command as it was run; the note gives today's."""
+    if recorded.startswith(PROG + " "):
+        return " (`training/`)"
+    args = recorded.split(" ", 3)[-1]  # `python -m <module then> <arguments>`
+    return f" (the pipeline has since moved to `training/`: `{PROG} {args}` today)"
+
+
 def _model_rows(metrics: dict) -> list[str]:
     rows = ["| | target | draft |", "|---|---|---|"]
     t, d = metrics["models"]["target"], metrics["models"]["draft"]
@@ -79,7 +90,7 @@ def write_card(models_dir: Path) -> Path:
         "",
         "Two `qwen3_5_text` checkpoints (Gated DeltaNet + gated attention, the family the verifier serves) in HF format:",
         "`target/` is the verifier's default model, `draft/` the default draft model. Same tokenizer. Trained from scratch by",
-        f"`{run['command']}` (`bench/train/`); `python -m bench.train evaluate --models {models_dir.name}` recomputes the figures below.",
+        f"`{run['command']}`{_moved_note(run['command'])}; `{PROG} evaluate --models {models_dir.name}` recomputes the figures below.",
         "",
         "## Data",
         "",
@@ -123,7 +134,7 @@ def write_card(models_dir: Path) -> Path:
         "",
     ]
     if ev is None:
-        lines.append("Not evaluated yet: run `python -m bench.train evaluate`.")
+        lines.append(f"Not evaluated yet: run `{PROG} evaluate`.")
     else:
         t_bpb, agree = ev["target"]["bits_per_byte"], ev["greedy_agreement"]
         coverage = ("the whole validation stream" if ev["complete"] else

@@ -1,8 +1,14 @@
-"""Tiny random checkpoints saved by transformers (`save_pretrained`): the parity oracle's own files.
+"""transformers as the parity oracle: its models of the families we serve, built with random
+weights and saved by `save_pretrained`, and its own reading of a checkpoint (`load_hf`).
 
-Each spec varies the shapes the engine must get right: several value heads per key head, odd
-head sizes, conv width 3 and 4, MoE with shared experts, attention first and last in the layer
-schedule, tied and untied embeddings, sharded files and bf16 storage.
+The parity tests, `python -m bench.parity_unseen` and the training pipeline's evaluation share
+it, so it lives here rather than under tests/. transformers is a test extra: it is imported
+inside the functions that need it, never by importing this module.
+
+SPECS are the tiny checkpoints of the test suite. Each varies the shapes the engine must get
+right: several value heads per key head, odd head sizes, conv width 3 and 4, MoE with shared
+experts, attention first and last in the layer schedule, tied and untied embeddings, sharded
+files and bf16 storage.
 """
 
 from __future__ import annotations

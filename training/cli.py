@@ -1,4 +1,4 @@
-"""`python -m bench.train run|evaluate|prompts`: train the default pair, recompute its card's figures, or cut bench prompts."""
+"""`python -m training run|evaluate|prompts`: train the default pair, recompute its card's figures, or cut bench prompts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from verifier.arguments import DefaultsHelpFormatter, at_least
+
+from . import PROG
 from .configs import PRESETS
 from .evaluate import EvalConfig
 from .pipeline import DRAFT_LR, EVAL_RESERVE_S, TARGET_SHARE, RunConfig, evaluate_models, run
@@ -18,54 +21,53 @@ from .prompts import write_prompts
 from .train import TrainConfig
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__)
+    defaults = DefaultsHelpFormatter
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    positive = at_least(1)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=defaults)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="data, tokenizer, target, draft, evaluation and card, within a time budget")
+    run = sub.add_parser("run", help="data, tokenizer, target, draft, evaluation and card, within a time budget",
+                         formatter_class=defaults)
     run.add_argument("--out", type=Path, required=True, help="output directory (target/, draft/, card, metrics, plot)")
     run.add_argument("--time-budget-s", type=float, default=480.0, help="wall-clock budget of the whole run")
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default=device, help="where to train and evaluate")
+    run.add_argument("--seed", type=int, default=0, help="seed of the target's init and batches; the draft's is seed + 1")
     run.add_argument("--preset", default="default", choices=sorted(PRESETS), help="model shapes (tiny: tests)")
-    run.add_argument("--vocab-size", type=_positive_int, default=8192)
+    run.add_argument("--vocab-size", type=positive, default=8192, help="BPE vocabulary asked of the tokenizer trainer")
     run.add_argument("--data-root", type=Path, default=None, help="directory of .py files (default: the standard library)")
-    run.add_argument("--val-fraction", type=float, default=0.05)
-    run.add_argument("--dev-fraction", type=float, default=0.03)
-    run.add_argument("--seq-len", type=_positive_int, default=512)
-    run.add_argument("--batch-size", type=_positive_int, default=64)
-    run.add_argument("--target-lr", type=float, default=TrainConfig.lr)
-    run.add_argument("--draft-lr", type=float, default=DRAFT_LR)
-    run.add_argument("--dropout", type=float, default=TrainConfig.dropout)
-    run.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
-    run.add_argument("--max-steps", type=_positive_int, default=None, help="stop each model after this many steps")
-    run.add_argument("--log-every", type=_positive_int, default=TrainConfig.log_every)
+    run.add_argument("--val-fraction", type=float, default=0.05, help="fraction of files in the validation split")
+    run.add_argument("--dev-fraction", type=float, default=0.03, help="fraction of files in the dev split")
+    run.add_argument("--seq-len", type=positive, default=TrainConfig.seq_len, help="tokens per training window")
+    run.add_argument("--batch-size", type=positive, default=TrainConfig.batch_size, help="windows per step")
+    run.add_argument("--target-lr", type=float, default=TrainConfig.lr, help="the target's peak learning rate")
+    run.add_argument("--draft-lr", type=float, default=DRAFT_LR, help="the draft's peak learning rate")
+    run.add_argument("--dropout", type=float, default=TrainConfig.dropout, help="residual dropout while training")
+    run.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="steps of linear learning-rate warm-up")
+    run.add_argument("--max-steps", type=positive, default=None, help="stop each model after this many steps (default: the time budget alone)")
+    run.add_argument("--log-every", type=positive, default=TrainConfig.log_every, help="steps between loss lines")
     run.add_argument("--eval-every-s", type=float, default=TrainConfig.eval_every_s, help="seconds between dev losses")
-    run.add_argument("--dev-windows", type=_positive_int, default=TrainConfig.dev_windows, help="seq-len windows per dev loss")
+    run.add_argument("--dev-windows", type=positive, default=TrainConfig.dev_windows, help="seq-len windows per dev loss")
     run.add_argument("--eval-reserve-s", type=float, default=EVAL_RESERVE_S, help="budget kept for saving, evaluation and the card")
     run.add_argument("--target-share", type=float, default=TARGET_SHARE, help="fraction of the training time the target gets")
-    run.add_argument("--stored-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    run.add_argument("--stored-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the saved weights")
     run.add_argument("--overwrite", action="store_true", help="replace the checkpoints in a non-empty --out")
-    run.add_argument("--eval-window", type=_positive_int, default=EvalConfig.window, help="tokens per evaluation window")
-    run.add_argument("--eval-max-tokens", type=_positive_int, default=None, help="score at most this many validation tokens")
+    run.add_argument("--eval-window", type=positive, default=EvalConfig.window, help="tokens per evaluation window")
+    run.add_argument("--eval-max-tokens", type=positive, default=None, help="score at most this many validation tokens (default: all of them)")
 
-    ev = sub.add_parser("evaluate", help="recompute validation bits per byte, agreement and parity; rewrite the card")
+    ev = sub.add_parser("evaluate", help="recompute validation bits per byte, agreement and parity; rewrite the card",
+                        formatter_class=defaults)
     ev.add_argument("--models", type=Path, required=True, help="directory a run wrote (target/, draft/, training_metrics.json)")
-    ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ev.add_argument("--device", default=device, help="where the engine and the transformers reference run")
     ev.add_argument("--data-root", type=Path, default=None, help="corpus directory (default: the one the run used)")
     ev.add_argument("--force", action="store_true", help="rewrite the metrics and card even if the validation split differs")
-    ev.add_argument("--eval-window", type=_positive_int, default=None, help="tokens per window (default: the run's)")
-    ev.add_argument("--eval-max-tokens", type=_positive_int, default=None, help="score at most this many validation tokens")
+    ev.add_argument("--eval-window", type=positive, default=None, help="tokens per window (default: the run's)")
+    ev.add_argument("--eval-max-tokens", type=positive, default=None, help="score at most this many validation tokens (default: all of them)")
 
-    pr = sub.add_parser("prompts", help="held-out prompts for the acceptance bench, cut from the validation split")
+    pr = sub.add_parser("prompts", help="held-out prompts for the acceptance bench, cut from the validation split",
+                        formatter_class=defaults)
     pr.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
-    pr.add_argument("--count", type=_positive_int, default=16)
+    pr.add_argument("--count", type=positive, default=16, help="prompts to write, at most")
     pr.add_argument("--data-root", type=Path, default=None, help="directory of .py files (default: the standard library)")
     return parser
 
@@ -91,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
                 vocab_size=args.vocab_size, data_root=args.data_root, val_fraction=args.val_fraction, dev_fraction=args.dev_fraction,
                 target_train=replace(base, lr=args.target_lr), draft_train=replace(base, lr=args.draft_lr), evaluation=eval_cfg,
                 eval_reserve_s=args.eval_reserve_s, target_share=args.target_share, stored_dtype=args.stored_dtype,
-                overwrite=args.overwrite, command="python -m bench.train " + shlex.join(sys.argv[1:] if argv is None else argv),
+                overwrite=args.overwrite, command=f"{PROG} " + shlex.join(sys.argv[1:] if argv is None else argv),
             )
             metrics = run(cfg)
     except (FileNotFoundError, FileExistsError) as err:
-        print(f"python -m bench.train: {err}", file=sys.stderr)
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     failed = [name for name, p in metrics["evaluation"]["parity"].items() if not p["ok"]]
     if failed:
-        print(f"python -m bench.train: engine/transformers parity FAILED for {', '.join(failed)} (see the card)", file=sys.stderr)
+        print(f"{PROG}: engine/transformers parity FAILED for {', '.join(failed)} (see the card)", file=sys.stderr)
         return 1
     return 0

@@ -1,6 +1,6 @@
 """Held-out prompts for the acceptance bench: code from the validation split, cut at a function header.
 
-    python -m bench.train prompts --out bench/prompts/stdlib_validation.jsonl [--count 16]
+    python -m training prompts --out bench/prompts/stdlib_validation.jsonl [--count 16]
 
 For each validation file in path order (the split of data.py, so no prompt was trained on): the
 text up to and including the first function header (`def ...:` at any indent) found after at

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from verifier.tokenizer import load_tokenizer
+
 from .data import EOT
 
 EOT_ID = 0
@@ -42,13 +44,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json")
-    tok = Tokenizer.from_file(str(path))
+def load_trained_tokenizer(path: str | Path) -> Tokenizer:
+    """A tokenizer this pipeline trained (a tokenizer.json or its directory), read by the verifier's
+    loader; ValueError when its end-of-text token lacks the id the models were trained with."""
+    tok = load_tokenizer(path)
     if tok.token_to_id(EOT) != EOT_ID:
         raise ValueError(f"{path}: {EOT} has id {tok.token_to_id(EOT)}, expected {EOT_ID}")
     return tok

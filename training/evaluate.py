@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from verifier.model import load_model
+from verifier.model.hf_reference import load_hf
 
 PARITY_TOLERANCE = 1e-2  # of the reference's largest |logit|: a sanity bound (GPU kernels may use TF32), not the parity tests' 1e-4
 
@@ -110,9 +111,7 @@ def score(target_dir: Path, draft_dir: Path, stream: np.ndarray, byte_lengths: n
 def parity(model_dir: Path, stream: np.ndarray, cfg: EvalConfig, device: str) -> dict:
     """Largest |engine - transformers| logit difference over a few windows, relative to the reference's
     largest |logit|, and the fraction of rows whose argmax agrees. Both fp32 on `device`."""
-    import transformers as tf
-
-    ref_model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+    ref_model = load_hf(model_dir).to(device)
     ours = load_model(model_dir, device, torch.float32)
     pool = ours.new_pool(1, cfg.parity_len)
     worst, argmax_equal, rows = 0.0, 0, 0

@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import PROG
 from .card import METRICS_FILE, write_card
 from .configs import PRESETS, SIZE_LIMIT_BYTES, build_model, count_parameters, shape_parameters
 from .data import DEV, SPLITS, TRAIN, VALIDATION, load_corpus, stdlib_root
 from .evaluate import EvalConfig, evaluate_pair
-from .tokenizer import EOT_ID, encode_stream, load_tokenizer, token_byte_lengths, train_tokenizer
+from .tokenizer import EOT_ID, encode_stream, load_trained_tokenizer, token_byte_lengths, train_tokenizer
 from .train import TrainConfig, train_model
 
 STORED_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -52,7 +53,7 @@ class RunConfig:
     target_share: float = TARGET_SHARE
     stored_dtype: str = "bfloat16"
     overwrite: bool = False
-    command: str = "python -m bench.train run"
+    command: str = f"{PROG} run"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -67,7 +68,7 @@ class RunConfig:
 
 
 def say(msg: str) -> None:
-    print(f"[bench.train] {msg}", file=sys.stderr, flush=True)
+    print(f"[training] {msg}", file=sys.stderr, flush=True)
 
 
 def gdn_kernels() -> str:
@@ -193,7 +194,7 @@ def evaluate_models(models_dir: Path, device: str, window: int | None = None, ma
     models_dir = Path(models_dir)
     path = models_dir / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no training metrics (train with `python -m bench.train run` first)")
+        raise FileNotFoundError(f"{path}: no training metrics (train with `{PROG} run` first)")
     with open(path) as f:
         metrics = json.load(f)
     recorded = metrics["data"]
@@ -207,7 +208,7 @@ def evaluate_models(models_dir: Path, device: str, window: int | None = None, ma
             + ("" if force else f"; {models_dir} is left as it is (--force writes them)"))
     if window is None:
         window = (metrics.get("evaluation") or {}).get("window", EvalConfig.window)
-    tok = load_tokenizer(models_dir / "target")
+    tok = load_trained_tokenizer(models_dir / "target")
     stream = encode_stream(tok, corpus.texts(VALIDATION))
     _evaluate_into(metrics, models_dir, stream, tok, EvalConfig(window=window, max_tokens=max_tokens), device, matches)
     if matches or force:

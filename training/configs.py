@@ -18,47 +18,48 @@ SIZE_LIMIT_BYTES = 64 << 20  # both checkpoints together, weights and tokenizers
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A model's shape. Fields other than `attention_every` and `linear_head_dim` carry the names of
+    transformers' Qwen3_5TextConfig, so `hf_fields` passes them through unchanged."""
+
     hidden_size: int
     intermediate_size: int
-    n_layers: int
+    num_hidden_layers: int
     attention_every: int  # layer i is full attention when (i + 1) % attention_every == 0, else GDN
-    n_heads: int  # gated attention
-    n_kv_heads: int
+    num_attention_heads: int  # gated attention
+    num_key_value_heads: int
     head_dim: int
-    gdn_key_heads: int
-    gdn_value_heads: int
-    gdn_head_dim: int  # key and value head size (FLA's chunked kernels like 64)
-    conv_width: int = 4
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_head_dim: int  # GDN key and value head size (FLA's chunked kernels like 64)
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self):
         for name, value in asdict(self).items():
             if value < 1:
                 raise ValueError(f"ModelShape.{name} must be positive, got {value}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"ModelShape.n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.gdn_value_heads % self.gdn_key_heads:
-            raise ValueError(f"ModelShape.gdn_value_heads {self.gdn_value_heads} is not a multiple of gdn_key_heads {self.gdn_key_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"ModelShape.num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"ModelShape.linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads {self.linear_num_key_heads}")
 
     @property
     def layer_types(self) -> list[str]:
-        return ["full_attention" if (i + 1) % self.attention_every == 0 else "linear_attention" for i in range(self.n_layers)]
+        return ["full_attention" if (i + 1) % self.attention_every == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)]
 
     def hf_fields(self, vocab_size: int, eos_id: int) -> dict:
         """Keyword arguments of transformers' Qwen3_5TextConfig."""
+        shape = asdict(self)
+        del shape["attention_every"]
+        head_dim = shape.pop("linear_head_dim")
         return dict(
             vocab_size=vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.n_layers,
+            **shape,
             layer_types=self.layer_types,
-            num_attention_heads=self.n_heads,
-            num_key_value_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-            linear_num_key_heads=self.gdn_key_heads,
-            linear_num_value_heads=self.gdn_value_heads,
-            linear_key_head_dim=self.gdn_head_dim,
-            linear_value_head_dim=self.gdn_head_dim,
-            linear_conv_kernel_dim=self.conv_width,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
             tie_word_embeddings=True,
             max_position_embeddings=MAX_POSITIONS,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
@@ -69,16 +70,16 @@ class ModelShape:
 
 
 # ~24M parameters at vocabulary 8192 (3.7M of them the tied embedding): 8 layers, GDN GDN GDN attention x 2.
-TARGET = ModelShape(hidden_size=448, intermediate_size=1216, n_layers=8, attention_every=4, n_heads=8, n_kv_heads=2,
-                    head_dim=64, gdn_key_heads=4, gdn_value_heads=8, gdn_head_dim=64)
+TARGET = ModelShape(hidden_size=448, intermediate_size=1216, num_hidden_layers=8, attention_every=4, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_head_dim=64)
 # ~5M parameters at vocabulary 8192 (2.1M of them the tied embedding): GDN GDN GDN attention.
-DRAFT = ModelShape(hidden_size=256, intermediate_size=640, n_layers=4, attention_every=4, n_heads=4, n_kv_heads=1,
-                   head_dim=64, gdn_key_heads=2, gdn_value_heads=4, gdn_head_dim=64)
+DRAFT = ModelShape(hidden_size=256, intermediate_size=640, num_hidden_layers=4, attention_every=4, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=64)
 # Two layers each (GDN, attention): for the CPU end-to-end test.
-TINY_TARGET = ModelShape(hidden_size=32, intermediate_size=64, n_layers=2, attention_every=2, n_heads=2, n_kv_heads=1,
-                         head_dim=16, gdn_key_heads=1, gdn_value_heads=2, gdn_head_dim=16)
-TINY_DRAFT = ModelShape(hidden_size=16, intermediate_size=32, n_layers=2, attention_every=2, n_heads=2, n_kv_heads=1,
-                        head_dim=8, gdn_key_heads=1, gdn_value_heads=1, gdn_head_dim=8)
+TINY_TARGET = ModelShape(hidden_size=32, intermediate_size=64, num_hidden_layers=2, attention_every=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_head_dim=16)
+TINY_DRAFT = ModelShape(hidden_size=16, intermediate_size=32, num_hidden_layers=2, attention_every=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1, linear_head_dim=8)
 
 PRESETS = {"default": (TARGET, DRAFT), "tiny": (TINY_TARGET, TINY_DRAFT)}
 
