@@ -1,31 +1,39 @@
 """The drafter's client of the verifier service over grpc.aio: the blocking client's methods as
-coroutines, with the same retries (same request id on UNAVAILABLE / DEADLINE_EXCEEDED)."""
+coroutines, carrying out the same retry decisions (drafter/retry.py) with awaits and asyncio.sleep."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 import grpc.aio
 
 from verifier import rpc
+from verifier.params import SamplingParams
 
-from .channel import RETRYABLE, Connection, RetryPolicy, call_error, check_result_count, with_request_id
-from .messages import ModelInfo, Sampling, Session, Stats, Step, StepOutcome, VerifierError, open_request
+from . import retry
+from .channel import ClientChannel, call_error, stream_ended_error, stream_silent_error
+from .messages import ModelInfo, Session, Stats, Step, StepOutcome, VerifierError, open_request
+from .retry import Call, Decisions, Plan, StreamStep, Wait
 
 
-class AsyncVerifierClient:
-    """Create it inside a running event loop (grpc.aio channels belong to one loop)."""
+async def carry_out(decisions: Decisions, send):
+    """Carry out an operation of drafter/retry.py on the event loop: asyncio.sleep where it waits,
+    `await send(action)` where it calls or streams; its result."""
+    plan = Plan(decisions)
+    for action in plan:
+        if isinstance(action, Wait):
+            await asyncio.sleep(action.seconds)
+        else:
+            plan.reply(await send(action))
+    return plan.result
 
-    def __init__(self, address: str, *, auth_token: str | None = None, tls_root_cert: str | Path | None = None,
-                 timeout_s: float = 60.0, retry: RetryPolicy = RetryPolicy(), max_message_bytes: int | None = None):
-        extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
-        self.connection = Connection(address, auth_token, tls_root_cert, **extra)
-        self.timeout_s = timeout_s
-        self.retry = retry
-        self._channel = self.connection.open(grpc.aio)
-        self._stub = rpc.VerifierStub(self._channel)
+
+class AsyncVerifierClient(ClientChannel):
+    """Create it inside a running event loop (grpc.aio channels belong to one loop); the constructor's
+    arguments are ClientChannel's (drafter/channel.py)."""
+
+    grpc_module = grpc.aio
 
     async def __aenter__(self) -> "AsyncVerifierClient":
         return self
@@ -36,41 +44,28 @@ class AsyncVerifierClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _send(self, call: Call):
+        """One try of a unary call: its reply, or the VerifierError it failed with."""
+        try:
+            return await self._invoke(call)
+        except grpc.aio.AioRpcError as err:
+            return call_error(err, self.connection.address)
+
     async def _call(self, method: str, request):
-        for attempt in range(self.retry.attempts):
-            try:
-                return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self.connection.metadata)
-            except grpc.aio.AioRpcError as err:
-                if err.code() in RETRYABLE and attempt + 1 < self.retry.attempts:
-                    await asyncio.sleep(self.retry.delay(attempt))
-                    continue
-                raise call_error(err, self.connection.address) from None
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        return await carry_out(retry.unary(self.retry, method, request), self._send)
 
     async def model_info(self) -> ModelInfo:
         return ModelInfo.from_proto(await self._call("GetModelInfo", rpc.GetModelInfoRequest()))
 
     async def open_session(self, prompt_ids: list[int] | None = None, text: str | None = None, *,
-                           sampling: Sampling = Sampling(), max_new_tokens: int, request_id: str | None = None,
-                           return_logits: bool = False) -> Session:
+                           sampling: SamplingParams = SamplingParams(), max_new_tokens: int,
+                           request_id: str | None = None, return_logits: bool = False) -> Session:
         request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits)
         return Session.from_proto(await self._call("OpenSession", request))
 
     async def verify(self, steps: list[Step]) -> list[StepOutcome]:
         """As VerifierClient.verify: one outcome per step, in order, each with its own status."""
-        steps = [with_request_id(s) for s in steps]
-        outcomes: list[StepOutcome | None] = [None] * len(steps)
-        todo = list(range(len(steps)))
-        for attempt in range(self.retry.attempts):
-            response = await self._call("Verify", rpc.VerifyRequest(steps=[steps[i].to_proto() for i in todo]))
-            check_result_count(len(response.results), len(todo))
-            for i, result in zip(todo, response.results):
-                outcomes[i] = StepOutcome.from_proto(result)
-            todo = [i for i in todo if outcomes[i].code in RETRYABLE]
-            if not todo or attempt + 1 == self.retry.attempts:
-                break
-            await asyncio.sleep(self.retry.delay(attempt))
-        return outcomes
+        return await carry_out(retry.verify(self.retry, steps), self._send)
 
     async def step(self, step: Step) -> StepOutcome:
         """One step through Verify; a non-OK status raises VerifierError."""
@@ -100,33 +95,29 @@ class AsyncStepStream:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def _exchange(self, send: StreamStep):
+        """One try of a step on the stream (opened first if need be): its rpc.StepResult, or a
+        VerifierError after which the broken stream is dropped, so that a resend reopens it."""
+        client = self._client
+        if self._call is None:
+            self._call = client._stub.VerifyStream(metadata=client.connection.metadata)
+        try:
+            await self._call.write(send.request)
+            got = await asyncio.wait_for(self._call.read(), client.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            got = call_error(err, client.connection.address)
+        except asyncio.TimeoutError:
+            got = stream_silent_error(client.timeout_s)
+        if got is grpc.aio.EOF:
+            got = stream_ended_error()
+        if isinstance(got, VerifierError):
+            self._call.cancel()
+            self._call = None
+        return got
+
     async def step(self, step: Step) -> StepOutcome:
-        client, step = self._client, with_request_id(step)
-        for attempt in range(client.retry.attempts):
-            if self._call is None:
-                self._call = client._stub.VerifyStream(metadata=client.connection.metadata)
-            try:
-                await self._call.write(step.to_proto())
-                got = await asyncio.wait_for(self._call.read(), client.timeout_s)
-                if got is grpc.aio.EOF:
-                    raise VerifierError(grpc.StatusCode.UNAVAILABLE, "the server ended the VerifyStream")
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, VerifierError) as err:
-                self._call.cancel()
-                self._call = None
-                if isinstance(err, asyncio.TimeoutError):
-                    err = VerifierError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no VerifyStream result within {client.timeout_s} s")
-                elif isinstance(err, grpc.aio.AioRpcError):
-                    err = call_error(err, client.connection.address)
-                if err.code in RETRYABLE and attempt + 1 < client.retry.attempts:
-                    await asyncio.sleep(client.retry.delay(attempt))
-                    continue
-                raise err from None
-            outcome = StepOutcome.from_proto(got)
-            if outcome.code in RETRYABLE and attempt + 1 < client.retry.attempts:
-                await asyncio.sleep(client.retry.delay(attempt))
-                continue
-            return outcome.check()
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        """Send one step and return its outcome; a non-OK status raises VerifierError."""
+        return await carry_out(retry.stream_step(self._client.retry, step), self._exchange)
 
     async def close(self) -> None:
         if self._call is not None:

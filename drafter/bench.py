@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,13 +25,14 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from verifier.params import SamplingParams
+from verifier.proposers import ProbabilityProposer, Proposer
+
 from .adaptive import AdaptiveK
 from .bench_stats import Counts, count, figures
+from .limits import check_budget, check_k
 from .loop import generate
-from .messages import ModelInfo, Sampling
-from .proposers import ProbabilityProposer, Proposer
-
-log = logging.getLogger(__name__)
+from .messages import ModelInfo
 
 ADAPTIVE = "adaptive"  # the k of a row whose loop adapts K per sequence (up to the largest K)
 EXACT, REJECTION = "exact", "rejection"  # how a row's drafts were judged (see above)
@@ -71,15 +71,19 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def check_prompts(prompts: list[Prompt], info: ModelInfo) -> None:
-    """Refuse, naming the prompt, what the served model cannot take (before anything is timed)."""
+def check_prompts(prompts: list[Prompt], info: ModelInfo, max_new_tokens: int) -> None:
+    """Refuse, naming the prompt, what the served model cannot take (before anything is timed). A
+    text prompt's length is known once the server tokenizes it: its budget is checked at its open."""
     for i, prompt in enumerate(prompts):
         if prompt.prompt_ids is not None:
             bad = [t for t in prompt.prompt_ids if not 0 <= t < info.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i}: prompt_ids {bad[:5]} are outside the served model's vocabulary 0..{info.vocab_size - 1}")
+            check_budget(max_new_tokens, info, len(prompt.prompt_ids), where=f"prompt {i}: ")
         elif not info.has_tokenizer:
             raise ValueError(f"prompt {i}: text, but the served model {info.model_id!r} has no tokenizer; use prompt_ids")
+        else:
+            check_budget(max_new_tokens, info, None, where=f"prompt {i}: ")
 
 
 @dataclass
@@ -146,7 +150,7 @@ ProposerFactory = Callable[[str], "Proposer | None"]  # drafter name -> a fresh 
 
 
 def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str], ks: list[int], *,
-              max_new_tokens: int, sampling: Sampling, make_proposer: ProposerFactory, adaptive: bool = False,
+              max_new_tokens: int, sampling: SamplingParams, make_proposer: ProposerFactory, adaptive: bool = False,
               progress: bool = True) -> tuple[Plain, list[Run]]:
     """Plain decoding of every prompt, then every (drafter, k) over every prompt (and, with
     `adaptive`, one adaptive-K row per drafter). Raises VerifierError when the server refuses."""
@@ -154,10 +158,8 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
         raise ValueError(f"--k values must be >= 1, got {ks}")
     if info.max_k < 1:
         raise ValueError(f"the server takes no drafts (its max_k is {info.max_k}): nothing to bench")
-    if max(ks) > info.max_k:  # cut to the server's limit, as the loop would, without repeating a row
-        log.warning("--k %s cut to the server's max_k %d", ks, info.max_k)
-        ks = list(dict.fromkeys(min(k, info.max_k) for k in ks))
-    check_prompts(prompts, info)
+    check_k(max(ks), info)
+    check_prompts(prompts, info, max_new_tokens)
     plans = [(d, 0) if d == "none" else (d, k) for d in drafters for k in (ks[:1] if d == "none" else ks)]
     if adaptive:
         plans += [(d, ADAPTIVE) for d in drafters if d != "none"]
@@ -176,7 +178,7 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
                 if isinstance(proposer, _ProbabilityWatch) and proposer.sent:
                     run.acceptance = REJECTION
                 run.tokens += len(gen.tokens)
-                run.counts += count(gen.accepted_per_step, gen.drafts_per_step, len(gen.tokens) - 1, run.max_k)
+                run.counts += count(gen.accepted_per_step, gen.drafted_per_step, len(gen.tokens) - 1, run.max_k)
                 if gen.tokens != plain.tokens[i] or gen.finish_reason != plain.finish_reasons[i]:
                     run.mismatched.append(i)
                 bar.update()
@@ -199,11 +201,14 @@ def _plain(client, info, prompts, max_new_tokens, sampling, bar) -> Plain:
 
 
 def _generate(client, info, prompt: Prompt, proposer, k, max_new_tokens, sampling, max_k: int = 0):
+    """One generation; a text prompt that the server tokenizes past the context is refused at its open."""
+    adaptive = None
     if k == ADAPTIVE:  # a fresh rule per sequence: it learns from that sequence's steps alone
-        return generate(client, proposer, prompt_ids=prompt.prompt_ids, text=prompt.text, max_new_tokens=max_new_tokens,
-                        sampling=sampling, k=max_k, info=info, adaptive=AdaptiveK(max_k))
+        k, adaptive = max_k, AdaptiveK(max_k)
     return generate(client, proposer, prompt_ids=prompt.prompt_ids, text=prompt.text, max_new_tokens=max_new_tokens,
-                    sampling=sampling, k=k, info=info)
+                    sampling=sampling, k=k, info=info, adaptive=adaptive,
+                    on_open=lambda session: check_budget(max_new_tokens, info, len(session.prompt_ids),
+                                                         where=f"{prompt.text[:20]!r}: " if prompt.text else ""))
 
 
 class _ProbabilityWatch:
@@ -222,12 +227,12 @@ class _ProbabilityWatch:
         return drafts, probs
 
 
-def _watch(proposer, sampling: Sampling):
+def _watch(proposer, sampling: SamplingParams):
     return _ProbabilityWatch(proposer, sampling.temperature > 0) if isinstance(proposer, ProbabilityProposer) else proposer
 
 
 def results(server: str, info: ModelInfo, prompts_file: str, plain: Plain, runs: list[Run], max_new_tokens: int,
-            sampling: Sampling) -> dict:
+            sampling: SamplingParams) -> dict:
     """The results.json object."""
     return {
         "server": server,

@@ -3,7 +3,8 @@
 
 Definitions (DESIGN.md section 7, and the server's GetStats counters: the same figures):
 - a step *drafted* when it carried at least one draft; `drafts` counts those steps;
-- mean acceptance length = 1 + accepted / drafts: tokens per drafted step, the bonus counted;
+- mean acceptance length = 1 + accepted / drafts: tokens per drafted step, the bonus counted
+  (verifier.generation.mean_acceptance_length, the one definition);
 - acceptance rate = accepted draft tokens / draft tokens sent;
 - per position i (1-based): of the steps whose draft reached position i, the fraction whose
   accepted count reached i (so a rejection at position j counts against every position >= j that
@@ -14,6 +15,8 @@ Definitions (DESIGN.md section 7, and the server's GetStats counters: the same f
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from verifier.generation import mean_acceptance_length
 
 
 @dataclass(frozen=True)
@@ -38,14 +41,14 @@ class Counts:
                       _add_padded(self.accepted_at, other.accepted_at, width))
 
 
-def count(accepted_per_step: list[int], drafts_per_step: list[int], step_tokens: int, k: int) -> Counts:
+def count(accepted_per_step: list[int], drafted_per_step: list[int], step_tokens: int, k: int) -> Counts:
     """Counts of one generation. `k` sizes the per-position lists (the most drafts a step may send)."""
-    if len(accepted_per_step) != len(drafts_per_step):
-        raise ValueError(f"accepted_per_step has {len(accepted_per_step)} entries but drafts_per_step "
-                         f"has {len(drafts_per_step)}")
+    if len(accepted_per_step) != len(drafted_per_step):
+        raise ValueError(f"accepted_per_step has {len(accepted_per_step)} entries but drafted_per_step "
+                         f"has {len(drafted_per_step)}")
     drafted_at, accepted_at = [0] * k, [0] * k
     drafts = draft_tokens = accepted_tokens = rejections = 0
-    for step, (accepted, drafted) in enumerate(zip(accepted_per_step, drafts_per_step)):
+    for step, (accepted, drafted) in enumerate(zip(accepted_per_step, drafted_per_step)):
         if not 0 <= accepted <= drafted <= k:
             raise ValueError(f"step {step}: accepted {accepted} of {drafted} drafts; need 0 <= accepted <= drafts <= k={k}")
         if drafted == 0:
@@ -73,7 +76,7 @@ class Figures:
 
 def figures(counts: Counts) -> Figures:
     return Figures(
-        mean_acceptance_length=1.0 + counts.accepted_tokens / counts.drafts if counts.drafts else 1.0,
+        mean_acceptance_length=mean_acceptance_length(counts.accepted_tokens, counts.drafts),
         acceptance_rate=counts.accepted_tokens / counts.draft_tokens if counts.draft_tokens else None,
         token_acceptance_probability=token_acceptance_probability(counts),
         per_position_acceptance=[a / d if d else None for a, d in zip(counts.accepted_at, counts.drafted_at)],

@@ -1,10 +1,9 @@
-"""What the blocking and the asyncio client share: channel options, credentials, auth metadata, the
-retry policy and the mapping of a failed call to VerifierError."""
+"""What the blocking and the asyncio client share below the retry policy (drafter/retry.py): channel
+options, credentials, auth metadata, the setup of connection, channel and stub, and the mapping of a
+failed call or a broken VerifyStream to VerifierError."""
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,33 +11,10 @@ import grpc
 
 from verifier import rpc
 
-from .messages import Step, VerifierError
-
-# A failed call with one of these codes may not have reached the engine, or its answer was lost on
-# the way back; resending the same request id is safe because the server stores each step's result
-# under its request id and never advances a session twice.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+from .messages import VerifierError
+from .retry import Call, RetryPolicy
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # logits rows: K+1 rows of a 150k vocabulary pass gRPC's 4 MiB default
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Bounded retries with exponential backoff for UNAVAILABLE / DEADLINE_EXCEEDED."""
-
-    attempts: int = 5  # tries in all, the first included
-    backoff_s: float = 0.1  # wait before the second try; doubles each time
-    max_backoff_s: float = 2.0
-
-    def __post_init__(self):
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be at least 1, got {self.attempts}")
-        if self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("RetryPolicy.backoff_s and max_backoff_s must be >= 0")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed try number `attempt` (0-based)."""
-        return min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
 
 
 @dataclass(frozen=True)
@@ -73,15 +49,6 @@ class Connection:
         return module.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=root), options=options)
 
 
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def with_request_id(step: Step) -> Step:
-    """The step with a request id of its own, fixed before the first try so that every retry reuses it."""
-    return step if step.request_id else dataclasses.replace(step, request_id=new_request_id())
-
-
 def call_error(err: grpc.RpcError, address: str) -> VerifierError:
     """A failed call (blocking or asyncio) as a VerifierError, with the retry hint of a full pool."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -102,6 +69,32 @@ def call_error(err: grpc.RpcError, address: str) -> VerifierError:
     return VerifierError(code, details, retry_after_s=retry_after)
 
 
-def check_result_count(got: int, sent: int) -> None:
-    if got != sent:
-        raise VerifierError(grpc.StatusCode.INTERNAL, f"VerifyResponse.results has {got} results for {sent} steps")
+def stream_silent_error(timeout_s: float) -> VerifierError:
+    """No result came back on the VerifyStream within the client's timeout: the stream counts as broken."""
+    return VerifierError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no VerifyStream result within {timeout_s} s")
+
+
+def stream_ended_error() -> VerifierError:
+    """The server ended the VerifyStream before answering the step sent on it."""
+    return VerifierError(grpc.StatusCode.UNAVAILABLE, "the server ended the VerifyStream")
+
+
+class ClientChannel:
+    """The setup both clients share: a Connection, its channel and the stub. A subclass names the grpc
+    module its channel comes from (grpc for blocking calls, grpc.aio for asyncio)."""
+
+    grpc_module = grpc
+
+    def __init__(self, address: str, *, auth_token: str | None = None, tls_root_cert: str | Path | None = None,
+                 timeout_s: float = 60.0, retry: RetryPolicy = RetryPolicy(), max_message_bytes: int | None = None):
+        self.connection = Connection(address, auth_token, tls_root_cert,
+                                     DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes)
+        self.timeout_s = timeout_s  # the deadline of every unary call, and how long a stream step waits
+        self.retry = retry
+        self._channel = self.connection.open(self.grpc_module)
+        self._stub = rpc.VerifierStub(self._channel)
+
+    def _invoke(self, call: Call):
+        """`call` on the stub with the deadline and the bearer token: the reply (grpc) or an awaitable
+        of it (grpc.aio)."""
+        return getattr(self._stub, call.method)(call.request, timeout=self.timeout_s, metadata=self.connection.metadata)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from verifier.arguments import at_least
 from verifier.defaults import default_draft_model_dir
+from verifier.params import SamplingParams
+from verifier.proposers import NgramProposer, Proposer, RandomProposer
 
-from .messages import ModelInfo, Sampling
-from .proposers import NgramProposer, Proposer, RandomProposer
+from .messages import ModelInfo
 
 DRAFTERS = ("ngram", "model", "random", "none")
 DEFAULT_K = 4
@@ -50,15 +51,16 @@ def add_drafter_arguments(group, many: bool = False) -> None:
     comma-separated lists (the bench sweeps them); else one value each."""
     if many:
         group.add_argument("--drafter", type=drafter_names, default=["ngram"], metavar="NAMES",
-                           help=f"comma-separated drafters from {', '.join(DRAFTERS)}")
+                           help=f"comma-separated drafters from {', '.join(DRAFTERS)} (default: ngram)")
         group.add_argument("--k", type=k_values, default=None, metavar="KS",
-                           help=f"comma-separated drafts per step (default {DEFAULT_K}; cut to the server's max_k)")
+                           help=f"comma-separated drafts per step, each at most the server's max_k (default: {DEFAULT_K})")
     else:
         group.add_argument("--drafter", default="ngram", choices=DRAFTERS,
                            help="ngram: prompt lookup; model: a small local checkpoint (--draft-model); "
                                 "random: K uniform ids (adversarial); none: plain decoding")
         group.add_argument("--k", type=at_least(0), default=None,
-                           help=f"drafts per step (default {DEFAULT_K} with a drafter; cut to the server's max_k)")
+                           help=f"drafts per step, at most the server's max_k (default: {DEFAULT_K} with a drafter, "
+                                f"or the server's max_k if lower)")
     group.add_argument("--draft-model", type=Path, metavar="DIR",
                        help="checkpoint directory of the model drafter (its vocabulary must equal the served model's; "
                             "default: the shipped draft model, models/draft, made for the shipped target)")
@@ -89,7 +91,7 @@ def check_drafter_arguments(args, names: list[str]) -> None:
         raise ValueError(f"--draft-device must be cpu, cuda or cuda:N, got {args.draft_device!r}")
 
 
-def make_proposer(name: str, args, info: ModelInfo, sampling: Sampling) -> Proposer | None:
+def make_proposer(name: str, args, info: ModelInfo, sampling: SamplingParams) -> Proposer | None:
     """The proposer `name` stands for, built from the flags (None for "none"). `info` is the served
     model's: the model drafter checks its vocabulary against it and sizes its context from it;
     `sampling` is the session's (the model drafter samples its drafts the same way)."""
@@ -102,9 +104,9 @@ def make_proposer(name: str, args, info: ModelInfo, sampling: Sampling) -> Propo
     if name == "model":
         if args.draft_model is None:
             raise ValueError("--drafter model needs --draft-model DIR")
-        from .model_proposer import COUPLED, REJECTION, ModelProposer  # torch only for this drafter
+        from verifier.proposers import COUPLED, REJECTION, ModelProposer  # torch only for this drafter
 
         mode = COUPLED if getattr(args, "coupled_drafts", False) else REJECTION
-        return ModelProposer.from_dir(args.draft_model, info, sampling, device=args.draft_device, seed=args.seed_draft,
-                                      mode=mode)
+        return ModelProposer.from_dir(args.draft_model, info.vocab_size, info.max_context, sampling,
+                                      device=args.draft_device, seed=args.seed_draft, mode=mode)
     raise ValueError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {name!r}")

@@ -4,8 +4,9 @@ Output: with `--json`, one JSON object once the session ends. Otherwise the toke
 as each step returns them: as text when `--tokenizer` names the model's tokenizer.json (the server
 sends ids only, so the drafter needs the tokenizer to print text), else as comma-separated ids;
 a one-line summary goes to stderr. Exit status: 0 done, 2 bad arguments (including ids the served
-model cannot take), 1 the server refused or could not be reached, 130 interrupted (the session is
-closed first).
+model cannot take, a --k above the server's max_k and a prompt plus --max-new-tokens past its
+max_context: no silent cuts), 1 the server refused or could not be reached, 130 interrupted (the
+session is closed first).
 """
 
 from __future__ import annotations
@@ -19,25 +20,27 @@ from pathlib import Path
 
 import numpy as np
 
-from verifier.arguments import at_least, token_ids
+from verifier.arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids
 
 from .adaptive import AdaptiveK
 from .choose import DEFAULT_K, add_drafter_arguments, check_drafter_arguments, make_proposer
 from .client import VerifierClient
+from .limits import OverLimit, check_budget, check_k
 from .loop import STREAM, UNARY, generate
-from .messages import Sampling, VerifierError
+from .messages import ModelInfo, VerifierError
+
+# which streams equal plain decoding: the README's section "The command line" says the same
+STREAMS_NOTE = ("Which streams equal plain decoding token for token: greedy, every drafter; seeded sampling, ngram, "
+                "random and the model drafter with --coupled-drafts. A sampled session whose model drafter sends its "
+                "probabilities (the default mode) is verified by rejection sampling: exact samples of the target, but "
+                "another stream.")
 
 
-def _add_sampling_and_connection(parser: argparse.ArgumentParser):
-    """The sampling and connection flags generate and bench share; returns the connection group."""
-    samp = parser.add_argument_group("sampling (default greedy)")
-    samp.add_argument("--temperature", type=float, default=0.0)
-    samp.add_argument("--top-k", type=at_least(0), default=0)
-    samp.add_argument("--top-p", type=float, default=1.0)
-    samp.add_argument("--seed", type=at_least(0), default=0)
+def _add_connection(parser: argparse.ArgumentParser):
+    """The connection flags generate and bench share; returns their group."""
     conn = parser.add_argument_group("connection")
-    conn.add_argument("--auth-token", help="bearer token the server expects")
-    conn.add_argument("--tls-root-cert", type=Path, help="PEM root certificate: connect with TLS")
+    conn.add_argument("--auth-token", help="bearer token the server expects (default: none sent)")
+    conn.add_argument("--tls-root-cert", type=Path, help="PEM root certificate: connect with TLS (default: plaintext)")
     conn.add_argument("--timeout", type=float, default=60.0, help="seconds per call before it is retried")
     return conn
 
@@ -45,21 +48,24 @@ def _add_sampling_and_connection(parser: argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m drafter", description="Drafter: propose tokens, let a verifier server check them.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate from a prompt through a verifier server")
+    gen = sub.add_parser("generate", help="generate from a prompt through a verifier server", formatter_class=DefaultsHelpFormatter,
+                         description=f"{__doc__.split(chr(10) * 2, 1)[1]} {STREAMS_NOTE}")
     gen.add_argument("--server", required=True, metavar="HOST:PORT", help="the verifier's address")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--text", help="prompt text, tokenized by the server (its model needs a tokenizer)")
-    gen.add_argument("--max-new-tokens", type=at_least(1), required=True)
+    gen.add_argument("--max-new-tokens", type=at_least(1), required=True,
+                     help="tokens to generate, the first one included; prompt + these must fit the server's max_context")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming tokens")
-    gen.add_argument("--tokenizer", type=Path, help="tokenizer.json (or its model directory): stream text instead of ids")
-    gen.add_argument("--logits-out", type=Path, help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from")
-    draft = gen.add_argument_group("drafting (greedy and coupled sampling: the tokens equal plain decoding whatever the "
-                                   "drafter; a sampling model drafter's probabilities make each token an exact sample)")
-    add_drafter_arguments(draft)
-    conn = _add_sampling_and_connection(gen)
+    gen.add_argument("--tokenizer", type=Path,
+                     help="tokenizer.json (or its model directory): stream text instead of ids (default: stream ids)")
+    gen.add_argument("--logits-out", type=Path,
+                     help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from (default: not written)")
+    add_drafter_arguments(gen.add_argument_group("drafting"))
+    add_sampling_arguments(gen)
+    conn = _add_connection(gen)
     conn.add_argument("--transport", default=STREAM, choices=[STREAM, UNARY], help="VerifyStream, or one Verify call per step")
-    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     _add_bench_parser(sub)
     return parser
 
@@ -81,14 +87,11 @@ def _fail(message: str, status: int) -> int:
 
 def _generate(args) -> int:
     try:
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        sampling = sampling_from_args(args)
         check_drafter_arguments(args, [args.drafter])
         if args.drafter == "none" and args.k:
             raise ValueError("--k needs a drafter: pass --drafter ngram|model|random")
-        if args.tls_root_cert is not None and not args.tls_root_cert.is_file():
-            raise ValueError(f"--tls-root-cert: no file at {args.tls_root_cert}")
-        if args.timeout <= 0:
-            raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+        _check_connection_arguments(args)
         text_stream = None
         if args.tokenizer is not None:
             from .text import TextStream, load_tokenizer  # tokenizers only when text is wanted
@@ -109,10 +112,12 @@ def _generate(args) -> int:
         elif not info.has_tokenizer:
             return _fail(f"--text: the served model {info.model_id!r} has no tokenizer; pass --prompt-ids", 2)
         try:
+            k = _drafts_per_step(args, info)
+            # a --text prompt's length is known once the server has tokenized it: checked again at the open
+            check_budget(args.max_new_tokens, info, None if args.prompt_ids is None else len(args.prompt_ids))
             proposer = make_proposer(args.drafter, args, info, sampling)
-        except ValueError as exc:  # a draft model that cannot serve this target (vocabulary, config, weights)
+        except ValueError as exc:  # a server limit, or a draft model that cannot serve this target
             return _fail(str(exc), 2)
-        k = min(info.max_k, args.k if args.k is not None else (0 if args.drafter == "none" else DEFAULT_K))
         adaptive = AdaptiveK(k) if args.adaptive_k and k > 0 else None
 
         printer = _Printer(text_stream, quiet=args.json)
@@ -120,7 +125,10 @@ def _generate(args) -> int:
         try:
             result = generate(client, proposer, prompt_ids=args.prompt_ids, text=args.text, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, k=k, return_logits=args.logits_out is not None, transport=args.transport,
-                              info=info, on_tokens=printer.push, adaptive=adaptive)
+                              info=info, on_tokens=printer.push, adaptive=adaptive,
+                              on_open=lambda session: check_budget(args.max_new_tokens, info, len(session.prompt_ids)))
+        except OverLimit as exc:  # raised at the open, before any token: the session is closed
+            return _fail(str(exc), 2)
         except VerifierError as err:
             printer.end()
             return _fail(str(err), 1)
@@ -144,10 +152,7 @@ def _generate(args) -> int:
             "drafter": args.drafter,
             "k": k,
             "adaptive_k": adaptive is not None,
-            "steps": result.steps,
-            "accepted_per_step": result.accepted_per_step,
-            "drafts_per_step": result.drafts_per_step,
-            "mean_acceptance_length": round(result.mean_acceptance_length, 4),
+            **result.step_figures(),
         }
         if text_stream is not None:
             out["text"] = text_stream.text
@@ -156,6 +161,21 @@ def _generate(args) -> int:
         spec = f", {result.steps} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {rate} tokens/s{spec}]", file=sys.stderr)
     return 0
+
+
+def _drafts_per_step(args, info: ModelInfo) -> int:
+    """--k checked against the server's max_k; without --k, DEFAULT_K or the server's max_k if lower."""
+    if args.k is None:
+        return 0 if args.drafter == "none" else min(DEFAULT_K, info.max_k)
+    check_k(args.k, info)
+    return args.k
+
+
+def _check_connection_arguments(args) -> None:
+    if args.tls_root_cert is not None and not args.tls_root_cert.is_file():
+        raise ValueError(f"--tls-root-cert: no file at {args.tls_root_cert}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
 
 
 class _Printer:
@@ -186,18 +206,22 @@ class _Printer:
 
 def _add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="acceptance and speed of drafters and K through a verifier server",
-                           description="For every prompt: plain decoding, then each drafter at each K; writes "
-                                       "DIR/results.json and PNG plots, prints a table. Exit 1 if any stream differs from plain "
-                                       "decoding (rows verified by rejection sampling excepted: see drafter/bench.py).")
+                           formatter_class=DefaultsHelpFormatter,
+                           description="For every prompt: plain decoding, then each drafter at each K; writes DIR/results.json "
+                                       "and PNG plots, prints a table. Exit 1 if any stream differs from plain decoding (rows "
+                                       "verified by rejection sampling excepted: see drafter/bench.py); exit 2 for bad "
+                                       "arguments, a --k above the server's max_k or a prompt past its max_context.")
     bench.add_argument("--server", required=True, metavar="HOST:PORT", help="the verifier's address")
     bench.add_argument("--prompts", type=Path, required=True, metavar="FILE.jsonl",
                        help='one prompt a line: {"prompt_ids": [1, 2, 3]} or {"text": "..."}')
-    bench.add_argument("--max-new-tokens", type=at_least(1), required=True)
+    bench.add_argument("--max-new-tokens", type=at_least(1), required=True,
+                       help="tokens per generation; every prompt + these must fit the server's max_context")
     bench.add_argument("--out", type=Path, required=True, metavar="DIR", help="where results.json and the plots go")
     add_drafter_arguments(bench.add_argument_group("drafting"), many=True)
-    _add_sampling_and_connection(bench)
+    add_sampling_arguments(bench)
+    _add_connection(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    bench.add_argument("-v", "--verbose", action="store_true")
+    bench.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
 def _bench(args) -> int:
@@ -206,16 +230,13 @@ def _bench(args) -> int:
     from .bench_plots import write_plots
 
     try:
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        sampling = sampling_from_args(args)
         check_drafter_arguments(args, args.drafter)
         ks = args.k or [DEFAULT_K]
         if 0 in ks:
             raise ValueError("--k values must be >= 1 (plain decoding is measured anyway)")
         prompts = load_prompts(args.prompts)
-        if args.tls_root_cert is not None and not args.tls_root_cert.is_file():
-            raise ValueError(f"--tls-root-cert: no file at {args.tls_root_cert}")
-        if args.timeout <= 0:
-            raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+        _check_connection_arguments(args)
         client = VerifierClient(args.server, auth_token=args.auth_token, tls_root_cert=args.tls_root_cert, timeout_s=args.timeout)
     except (ValueError, OSError) as exc:
         return _fail(str(exc), 2)

@@ -10,6 +10,7 @@
 Every call carries the bearer token when there is one and a deadline of `timeout_s`. A call or a
 step that fails with UNAVAILABLE or DEADLINE_EXCEEDED is resent with the SAME request id (bounded,
 with backoff): the server's idempotency makes that safe. Other failures raise VerifierError.
+What to resend and when is decided in drafter/retry.py; this module only carries it out.
 """
 
 from __future__ import annotations
@@ -17,29 +18,36 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from pathlib import Path
 
 import grpc
 
 from verifier import rpc
+from verifier.params import SamplingParams
 
+from . import retry
 from .aio_client import AsyncStepStream, AsyncVerifierClient
-from .channel import RETRYABLE, Connection, RetryPolicy, call_error, check_result_count, with_request_id
-from .messages import ModelInfo, Sampling, Session, Stats, Step, StepOutcome, VerifierError, open_request
+from .channel import ClientChannel, call_error, stream_ended_error, stream_silent_error
+from .messages import ModelInfo, Session, Stats, Step, StepOutcome, VerifierError, open_request
+from .retry import Call, Decisions, Plan, RetryPolicy, StreamStep, Wait
 
 __all__ = ["VerifierClient", "StepStream", "AsyncVerifierClient", "AsyncStepStream", "RetryPolicy", "VerifierError",
-           "Sampling", "Session", "Step", "StepOutcome", "ModelInfo", "Stats"]
+           "SamplingParams", "Session", "Step", "StepOutcome", "ModelInfo", "Stats"]
 
 
-class VerifierClient:
-    def __init__(self, address: str, *, auth_token: str | None = None, tls_root_cert: str | Path | None = None,
-                 timeout_s: float = 60.0, retry: RetryPolicy = RetryPolicy(), max_message_bytes: int | None = None):
-        extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
-        self.connection = Connection(address, auth_token, tls_root_cert, **extra)
-        self.timeout_s = timeout_s
-        self.retry = retry
-        self._channel = self.connection.open(grpc)
-        self._stub = rpc.VerifierStub(self._channel)
+def carry_out(decisions: Decisions, send):
+    """Carry out an operation of drafter/retry.py blocking: sleep where it waits, `send(action)` where
+    it calls or streams; its result."""
+    plan = Plan(decisions)
+    for action in plan:
+        if isinstance(action, Wait):
+            time.sleep(action.seconds)
+        else:
+            plan.reply(send(action))
+    return plan.result
+
+
+class VerifierClient(ClientChannel):
+    """Blocking calls; the constructor's arguments are ClientChannel's (drafter/channel.py)."""
 
     def __enter__(self) -> "VerifierClient":
         return self
@@ -50,22 +58,21 @@ class VerifierClient:
     def close(self) -> None:
         self._channel.close()
 
+    def _send(self, call: Call):
+        """One try of a unary call: its reply, or the VerifierError it failed with."""
+        try:
+            return self._invoke(call)
+        except grpc.RpcError as err:
+            return call_error(err, self.connection.address)
+
     def _call(self, method: str, request):
-        for attempt in range(self.retry.attempts):
-            try:
-                return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self.connection.metadata)
-            except grpc.RpcError as err:
-                if err.code() in RETRYABLE and attempt + 1 < self.retry.attempts:
-                    time.sleep(self.retry.delay(attempt))
-                    continue
-                raise call_error(err, self.connection.address) from None
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        return carry_out(retry.unary(self.retry, method, request), self._send)
 
     def model_info(self) -> ModelInfo:
         return ModelInfo.from_proto(self._call("GetModelInfo", rpc.GetModelInfoRequest()))
 
     def open_session(self, prompt_ids: list[int] | None = None, text: str | None = None, *,
-                     sampling: Sampling = Sampling(), max_new_tokens: int, request_id: str | None = None,
+                     sampling: SamplingParams = SamplingParams(), max_new_tokens: int, request_id: str | None = None,
                      return_logits: bool = False) -> Session:
         """Admit a slot, prefill, choose the first token. A full pool raises VerifierError
         RESOURCE_EXHAUSTED with `retry_after_s`."""
@@ -76,19 +83,7 @@ class VerifierClient:
         """Steps of distinct sessions, run as one engine batch: one outcome per step, in order, each with
         its own status (check `.ok`, or `.check()` to raise). Steps whose status is UNAVAILABLE or
         DEADLINE_EXCEEDED are resent, alone, with the same request ids."""
-        steps = [with_request_id(s) for s in steps]
-        outcomes: list[StepOutcome | None] = [None] * len(steps)
-        todo = list(range(len(steps)))
-        for attempt in range(self.retry.attempts):
-            response = self._call("Verify", rpc.VerifyRequest(steps=[steps[i].to_proto() for i in todo]))
-            check_result_count(len(response.results), len(todo))
-            for i, result in zip(todo, response.results):
-                outcomes[i] = StepOutcome.from_proto(result)
-            todo = [i for i in todo if outcomes[i].code in RETRYABLE]
-            if not todo or attempt + 1 == self.retry.attempts:
-                break
-            time.sleep(self.retry.delay(attempt))
-        return outcomes
+        return carry_out(retry.verify(self.retry, steps), self._send)
 
     def step(self, step: Step) -> StepOutcome:
         """One step through Verify; a non-OK status raises VerifierError."""
@@ -146,33 +141,27 @@ class StepStream:
             self._call.cancel()
             self._call = None
 
+    def _exchange(self, send: StreamStep):
+        """One try of a step on the stream (opened first if need be): its rpc.StepResult, or a
+        VerifierError after which the broken stream is dropped, so that a resend reopens it."""
+        if self._call is None:
+            self._open()
+        self._requests.put(send.request)
+        try:
+            got = self._results.get(timeout=self._client.timeout_s)
+        except queue.Empty:
+            got = stream_silent_error(self._client.timeout_s)
+        if got is None:
+            got = stream_ended_error()
+        elif isinstance(got, grpc.RpcError):
+            got = call_error(got, self._client.connection.address)
+        if isinstance(got, VerifierError):
+            self._reset()
+        return got
+
     def step(self, step: Step) -> StepOutcome:
         """Send one step and return its outcome; a non-OK status raises VerifierError."""
-        client, step = self._client, with_request_id(step)
-        for attempt in range(client.retry.attempts):
-            if self._call is None:
-                self._open()
-            self._requests.put(step.to_proto())
-            try:
-                got = self._results.get(timeout=client.timeout_s)
-            except queue.Empty:
-                got = VerifierError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no VerifyStream result within {client.timeout_s} s")
-            if got is None:
-                got = VerifierError(grpc.StatusCode.UNAVAILABLE, "the server ended the VerifyStream")
-            elif isinstance(got, grpc.RpcError):
-                got = call_error(got, client.connection.address)
-            if isinstance(got, VerifierError):
-                self._reset()
-                if got.code in RETRYABLE and attempt + 1 < client.retry.attempts:
-                    time.sleep(client.retry.delay(attempt))
-                    continue
-                raise got
-            outcome = StepOutcome.from_proto(got)
-            if outcome.code in RETRYABLE and attempt + 1 < client.retry.attempts:
-                time.sleep(client.retry.delay(attempt))
-                continue
-            return outcome.check()
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        return carry_out(retry.stream_step(self._client.retry, step), self._exchange)
 
     def close(self) -> None:
         """Half-close the stream: the server ends it once it has answered every step."""

@@ -4,9 +4,10 @@
 and decides each step's drafts; it does no I/O, so the blocking driver (`stream`, `generate`) and
 the asyncio driver (`agenerate`) are the same loop over different transports.
 
-Drafts are cut to the verifier's limits before they are sent: at most min(k, max_k), no row past
-the context (position + drafts + 1 <= max_context) and none past the token budget (a step emits at
-most drafts + 1 tokens, so drafts beyond `max_new_tokens - emitted - 1` could never be kept).
+Drafts are cut to the verifier's limits before they are sent, by the rule the in-process loop uses
+too (verifier.generation.draft_room): at most min(k, max_k), no row past the context and none past
+the token budget. Both loops return verifier.generation.Generation, so the same stream reports the
+same steps and mean acceptance length through either.
 
 Draft probabilities: a proposer with `propose_with_probs` (the model drafter) may return q
 [drafts, vocab]; the step carries them only when the session samples (temperature > 0), where the
@@ -18,40 +19,21 @@ above) and tells it how many of the drafts were accepted; without it every step 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import grpc
 import numpy as np
 
+from verifier.generation import Generation, draft_room
+from verifier.params import SamplingParams
+from verifier.proposers import ProbabilityProposer, Proposer
+
 from .adaptive import AdaptiveK
-from .messages import ModelInfo, Sampling, Session, Step, StepOutcome, VerifierError
-from .proposers import ProbabilityProposer, Proposer
+from .messages import ModelInfo, Session, Step, StepOutcome, VerifierError
 
 log = logging.getLogger(__name__)
 
 STREAM, UNARY = "stream", "unary"  # transports: VerifyStream, or one Verify call per step
-
-
-@dataclass
-class Generation:
-    session_id: str
-    prompt_ids: list[int]  # the prompt as the model saw it
-    tokens: list[int]  # generated ids, the first token and an eos that ended it included
-    finish_reason: str  # "eos" or "length"
-    accepted_per_step: list[int]  # drafts accepted per verify step
-    drafts_per_step: list[int]  # drafts sent per verify step (0: a plain decode step)
-    logits: np.ndarray | None = field(default=None, repr=False)  # [len(tokens), vocab] float32 when asked
-
-    @property
-    def steps(self) -> int:
-        return len(self.accepted_per_step)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """1 + accepted / steps-with-drafts: tokens per drafted step, the bonus counted."""
-        drafted = [a for a, d in zip(self.accepted_per_step, self.drafts_per_step) if d]
-        return 1.0 + sum(drafted) / len(drafted) if drafted else 1.0
 
 
 class DraftLoop:
@@ -59,12 +41,13 @@ class DraftLoop:
     its (OK) outcome in and returns the tokens it emitted."""
 
     def __init__(self, session: Session, info: ModelInfo, proposer: Proposer | None, k: int, max_new_tokens: int,
-                 return_logits: bool = False, sampling: Sampling = Sampling(), adaptive: AdaptiveK | None = None):
+                 return_logits: bool = False, sampling: SamplingParams = SamplingParams(),
+                 adaptive: AdaptiveK | None = None):
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         self.session, self.info, self.proposer = session, info, proposer
         self.k, self.max_new_tokens, self.return_logits = k, max_new_tokens, return_logits
-        self.send_probs = sampling.temperature > 0  # rejection sampling needs q; greedy never sends it
+        self.send_probs = not sampling.greedy  # rejection sampling needs q; greedy never sends it
         self.adaptive = adaptive
         self.position = session.position
         self.tokens = [session.pending]
@@ -79,9 +62,8 @@ class DraftLoop:
 
     def draft_room(self, k: int | None = None) -> int:
         """How many drafts the next step may carry when it asks for k (default: the loop's k)."""
-        budget = self.max_new_tokens - len(self.tokens) - 1
-        context = self.info.max_context - self.position - 1
-        return max(0, min(self.k if k is None else k, self.info.max_k, context, budget))
+        return draft_room(self.k if k is None else k, self.info.max_k, self.info.max_context, self.position,
+                          self.max_new_tokens, len(self.tokens))
 
     def next_step(self) -> Step:
         drafts, probs = [], None
@@ -132,8 +114,8 @@ class DraftLoop:
 
     def result(self) -> Generation:
         logits = np.concatenate(self._logits) if self.return_logits and self._logits else None
-        return Generation(self.session.id, list(self.session.prompt_ids), list(self.tokens), self.finish_reason,
-                          list(self.accepted), list(self.drafted), logits)
+        return Generation(list(self.tokens), self.finish_reason, list(self.accepted), list(self.drafted), logits,
+                          session_id=self.session.id, prompt_ids=list(self.session.prompt_ids))
 
 
 def _internal(message: str) -> VerifierError:
@@ -141,18 +123,23 @@ def _internal(message: str) -> VerifierError:
 
 
 def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
-           max_new_tokens: int, sampling: Sampling = Sampling(), k: int = 4, return_logits: bool = False,
-           transport: str = STREAM, info: ModelInfo | None = None,
-           adaptive: AdaptiveK | None = None) -> Iterator[list[int]]:
+           max_new_tokens: int, sampling: SamplingParams = SamplingParams(), k: int = 4, return_logits: bool = False,
+           transport: str = STREAM, info: ModelInfo | None = None, adaptive: AdaptiveK | None = None,
+           on_open: Callable[[Session], None] | None = None) -> Iterator[list[int]]:
     """Generate through a blocking VerifierClient: yields each step's new tokens as they arrive (the
     first token first) and returns the Generation (StopIteration.value; `generate` unwraps it). The
-    session is closed at the end, on error, on KeyboardInterrupt and when the caller stops early."""
+    session is closed at the end, on error, on KeyboardInterrupt and when the caller stops early.
+    `on_open(session)` runs once the session is open, before anything is yielded: the place for
+    checks that need the server's view of the prompt (a --text prompt's length); what it raises
+    closes the session and propagates."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
     info = info or client.model_info()
     session = client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
                                   return_logits=return_logits)
     try:
+        if on_open is not None:
+            on_open(session)
         loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive)
         yield list(loop.tokens)
         steps = client.verify_stream() if transport == STREAM else client
@@ -182,7 +169,7 @@ def generate(client, proposer: Proposer | None, *, on_tokens: Callable[[list[int
 
 
 async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
-                    max_new_tokens: int, sampling: Sampling = Sampling(), k: int = 4, return_logits: bool = False,
+                    max_new_tokens: int, sampling: SamplingParams = SamplingParams(), k: int = 4, return_logits: bool = False,
                     transport: str = STREAM, info: ModelInfo | None = None,
                     on_tokens: Callable[[list[int]], None] | None = None, adaptive: AdaptiveK | None = None) -> Generation:
     """The same loop through an AsyncVerifierClient."""

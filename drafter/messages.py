@@ -1,4 +1,6 @@
-"""What the client returns: plain dataclasses, and their conversion from the wire messages.
+"""The drafter's wire layer: what the client returns (plain dataclasses) and the conversions to and
+from the wire messages. Sampling parameters are verifier.params.SamplingParams, the one home of
+the concept; `sampling_to_proto` puts them on the wire.
 
 Wire conventions (proto/verifier/v1/verifier.proto): logits travel as little-endian float32 bytes
 with their shape beside them; here they become numpy float32 [rows, vocab]. Finish reasons become
@@ -8,7 +10,6 @@ No torch here: a drafter that proposes n-grams or random ids should not need it.
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ import grpc
 import numpy as np
 
 from verifier import rpc
+from verifier.params import SamplingParams
 
 _FINISH = {rpc.FINISH_NONE: None, rpc.FINISH_EOS: "eos", rpc.FINISH_LENGTH: "length"}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -41,29 +43,6 @@ class VerifierError(Exception):
         self.current_position = current_position
         self.retry_after_s = retry_after_s
         self.session_id = session_id
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of a session: greedy by default (DESIGN.md section 7)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int = 0  # coupled sampling: the token at position j is keyed by (seed, j)
-
-    def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < 1 << 64:
-            raise ValueError(f"seed must be in 0 .. 2^64-1, got {self.seed}")
-
-    def to_proto(self):
-        return rpc.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -200,7 +179,12 @@ def logits_array(m) -> np.ndarray:
     return np.frombuffer(m.float32, dtype="<f4").astype(np.float32).reshape(m.rows, m.vocab_size)
 
 
-def open_request(prompt_ids: list[int] | None, text: str | None, sampling: Sampling, max_new_tokens: int,
+def sampling_to_proto(sampling: SamplingParams):
+    """SamplingParams -> rpc.Sampling (validated already: SamplingParams checks itself on construction)."""
+    return rpc.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
+
+
+def open_request(prompt_ids: list[int] | None, text: str | None, sampling: SamplingParams, max_new_tokens: int,
                  request_id: str | None, return_logits: bool):
     """An OpenSessionRequest; its request id is fixed here, before the first try, so that a retried
     OpenSession returns the same session."""
@@ -208,6 +192,6 @@ def open_request(prompt_ids: list[int] | None, text: str | None, sampling: Sampl
         raise ValueError("pass exactly one of prompt_ids and text")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    return rpc.OpenSessionRequest(prompt_ids=list(prompt_ids or ()), text=text or "", sampling=sampling.to_proto(),
+    return rpc.OpenSessionRequest(prompt_ids=list(prompt_ids or ()), text=text or "", sampling=sampling_to_proto(sampling),
                                   max_new_tokens=max_new_tokens, request_id=request_id or uuid.uuid4().hex,
                                   return_logits=return_logits)

@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
+from verifier import cli
+from verifier.arguments import flags_without_stated_default
 from verifier.engine import Engine
 from verifier.generate import generate
 from verifier.model import load_model
@@ -99,3 +102,52 @@ def test_speculative_runs_print_the_plain_tokens_and_logits(hf_checkpoint, tmp_p
             assert out["steps"] == len(out["accepted_per_step"]) and out["mean_acceptance_length"] >= 1.0
             if draft == "oracle":
                 assert out["mean_acceptance_length"] > 3.0
+
+
+def test_k_above_max_k_exits_2_naming_the_limit(hf_checkpoint):
+    """--k 100000 once ran for over 10 minutes and grew past 5.5 GB: now refused before any work."""
+    path = hf_checkpoint("qwen3_5_text")
+    proc = _run("generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--draft", "random", "--k", 100000)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --k 100000 exceeds --max-k 16"), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    proc = _run("generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--draft", "ngram",
+                "--k", 5, "--max-k", 4)
+    assert proc.returncode == 2 and "--k 5 exceeds --max-k 4" in proc.stderr, proc.stderr
+    raised = _run("generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--draft", "ngram",
+                  "--k", 20, "--max-k", 20, "--json")
+    assert raised.returncode == 0, raised.stderr
+    assert json.loads(raised.stdout)["k"] == 20
+
+
+def test_sampling_errors_name_the_flag(hf_checkpoint):
+    path = hf_checkpoint("qwen3_5_text")
+    for flag, value in (("--temperature", "-1"), ("--top-p", "1.5"), ("--temperature", "nan")):
+        proc = _run("generate", "--model", path, "--prompt-ids", "1,2", "--max-new-tokens", 2, flag, value)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {flag}: "), (flag, proc.stderr)
+
+
+def _subparser(parser, name):
+    (choices,) = [a.choices for a in parser._actions if isinstance(a.choices, dict)]
+    return choices[name]
+
+
+def test_every_generate_flag_shows_its_default():
+    assert flags_without_stated_default(_subparser(cli.build_parser(), "generate")) == []
+    proc = _run("generate", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    for shown in ("--max-k MAX_K the largest --k accepted: the engine and the slot are sized for it (default: 16)",
+                  "(default: 4 with a drafter, 0 without)", "greedy (argmax)", "(default: 0.0)", "(default: cpu)",
+                  "--json print one JSON object instead of text (default: off)"):
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize("draft", ["random", "ngram"])
+def test_the_json_reports_drafted_per_step(hf_checkpoint, draft):
+    path = hf_checkpoint("qwen3_5_text")
+    proc = _run("generate", "--model", path, "--prompt-ids", "5,6,7,5,6,7", "--max-new-tokens", 10, "--draft", draft,
+                "--k", 3, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["drafted_per_step"]) == len(out["accepted_per_step"]) == out["steps"]
+    assert all(0 <= a <= d <= 3 for a, d in zip(out["accepted_per_step"], out["drafted_per_step"]))

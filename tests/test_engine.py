@@ -1,12 +1,13 @@
-"""Engine step validation and finishing: a bad request gets a clear error and changes nothing else."""
+"""Engine checks and finishing: a request its sequence's state refuses gets a clear error and changes
+nothing else; what callers must check is asserted; the emitted tokens are cut at eos and the budget."""
 
 import pytest
 import torch
 
 from bitexact.serial import serial_run, slot_state, states_equal
-from verifier.engine import Engine, StepError, StepRequest
+from verifier.engine import Engine, StepRequest
 from verifier.model import PoolFullError
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -18,30 +19,44 @@ def _engine(model, **kw):
     return Engine(model, kw.pop("n_slots", 2), kw.pop("max_seq_len", 32), max_k=kw.pop("max_k", 4), **kw)
 
 
-@pytest.mark.parametrize(
-    "make_request, code, message",
-    [
-        (lambda s, v: StepRequest(s, [1] * 5), "invalid_argument", "5 drafts exceed max_k 4"),
-        (lambda s, v: StepRequest(s, [1, v]), "invalid_argument", rf"draft ids \[{96}\] are outside the vocabulary"),
-        (lambda s, v: StepRequest(s, [-1]), "invalid_argument", r"draft ids \[-1\]"),
-        (lambda s, v: StepRequest(s, [1, 2], torch.ones(3, v) / v), "invalid_argument", r"draft_probs has shape \[3, 96\], expected \[2, 96\]"),
-        (lambda s, v: StepRequest(s, [1], torch.ones(1, v)), "invalid_argument", "must sum to 1"),
-        (lambda s, v: StepRequest(s, [1], torch.nn.functional.one_hot(torch.tensor([2]), v).float()), "invalid_argument", "gives its own draft 1 probability 0"),
-    ],
-)
-def test_bad_request_fails_alone(model, make_request, code, message):
-    engine = _engine(model)
+def test_state_errors_fail_alone(model):
+    """A request its sequence's state refuses (finished; rows past the context) gets its StepError,
+    changes nothing, and the other sequence of the step runs as serial decode does."""
+    engine = _engine(model, n_slots=3, max_seq_len=16)
     good = engine.open([5, 6, 7], SamplingParams(), 10, eos_ids=())
-    bad = engine.open([8, 9], SamplingParams(), 10, eos_ids=())
-    before = slot_state(engine, bad.slot, bad.position)
-    results = engine.step([make_request(bad, model.config.vocab_size), StepRequest(good, [4])])
-    assert results[0].error is not None and results[0].error.code == code
-    assert pytest.raises(StepError, engine.check, make_request(bad, model.config.vocab_size)).match(message)
-    assert results[1].error is None and len(results[1].tokens) >= 1
-    assert states_equal(slot_state(engine, bad.slot, bad.position), before)
-    # the good sequence went on exactly as serial decode does
+    finished = engine.open([8, 9], SamplingParams(), 1, eos_ids=())  # the first token is the whole budget
+    crowded = engine.open(list(range(1, 14)), SamplingParams(), 10, eos_ids=())  # 13 of 16 positions
+    before = [slot_state(engine, s.slot, s.position) for s in (finished, crowded)]
+    results = engine.step([StepRequest(finished, [1]), StepRequest(crowded, [1, 2, 3]), StepRequest(good, [4])])
+    assert results[0].error.code == "failed_precondition" and "has finished (length)" in str(results[0].error)
+    assert results[1].error.code == "out_of_range" and "4 rows from position 13 pass max_seq_len 16" in str(results[1].error)
+    assert [r.position for r in results[:2]] == [finished.position, crowded.position]  # where each still is
+    assert results[2].error is None and len(results[2].tokens) >= 1
+    after = [slot_state(engine, s.slot, s.position) for s in (finished, crowded)]
+    assert all(states_equal(a, b) for a, b in zip(after, before))
     serial = serial_run(_engine(model, n_slots=1), [5, 6, 7], 10)
-    assert results[1].tokens == serial.tokens[1 : 1 + len(results[1].tokens)]
+    assert results[2].tokens == serial.tokens[1 : 1 + len(results[2].tokens)]
+
+
+@pytest.mark.parametrize(
+    "make_request, message",
+    [
+        (lambda s, v: StepRequest(s, [1] * 5), "5 drafts exceed max_k 4"),
+        (lambda s, v: StepRequest(s, [1, v]), "token id out of range"),
+        (lambda s, v: StepRequest(s, [-1]), "token id out of range"),
+        (lambda s, v: StepRequest(s, [1, 2], torch.ones(3, v) / v), r"draft_probs has shape \[3, 96\], expected \[2, 96\]"),
+    ],
+    ids=["k-over-max", "id-past-vocab", "negative-id", "probs-shape"],
+)
+def test_caller_bugs_are_assertions(model, make_request, message):
+    """What the server's validation (or the in-process caller) guarantees is asserted, before any
+    state changes: the engine does not check wire fields a second time."""
+    engine = _engine(model)
+    seq = engine.open([8, 9], SamplingParams(), 10, eos_ids=())
+    before = slot_state(engine, seq.slot, seq.position)
+    with pytest.raises(AssertionError, match=message):
+        engine.step([make_request(seq, model.config.vocab_size)])
+    assert seq.position == 2 and states_equal(slot_state(engine, seq.slot, seq.position), before)
 
 
 def test_context_full_is_out_of_range(model):
@@ -76,26 +91,26 @@ def test_eos_and_length_cut_the_emitted_tokens(model):
     first_eos = serial.tokens.index(eos)
     (res,) = engine.step([StepRequest(seq, serial.tokens[1:9])])
     assert res.finish_reason == "eos" and res.tokens == serial.tokens[1 : first_eos + 1]
+    # accepted counts the drafts the target agreed with before the cut: all 8 here
+    assert res.accepted == 8 and len(res.tokens) < res.accepted + 1
     assert res.logits.shape[0] == len(res.tokens)
     (after,) = engine.step([StepRequest(seq, [])])
     assert after.error.code == "failed_precondition"
 
     seq = engine.open([1, 2, 3], SamplingParams(), 4, eos_ids=())
     (res,) = engine.step([StepRequest(seq, serial.tokens[1:9])])
-    assert res.finish_reason == "length" and res.tokens == serial.tokens[1:4]
+    assert res.finish_reason == "length" and res.tokens == serial.tokens[1:4] and res.accepted == 8
 
 
-def test_open_errors(model):
+def test_open_asserts_its_arguments_and_holds_no_slot_after(model):
+    """The caller checks a prompt (non-empty, in the vocabulary, room for a step) and the budget;
+    the engine asserts them, and a failed open holds no slot."""
     engine = _engine(model, n_slots=1, max_seq_len=8)
-    with pytest.raises(StepError, match="prompt is empty"):
-        engine.open([], SamplingParams(), 4)
-    with pytest.raises(StepError, match=r"prompt token ids \[200\]"):
-        engine.open([1, 200], SamplingParams(), 4)
-    with pytest.raises(StepError, match="max_new_tokens must be at least 1"):
-        engine.open([1], SamplingParams(), 0)
-    with pytest.raises(StepError, match="leaves no room"):
-        engine.open(list(range(8)), SamplingParams(), 4)
-    assert engine.pool.n_free == 1  # failed opens hold no slot
+    for prompt, budget, message in [([], 4, "needs a prompt"), ([1, 200], 4, r"token id out of range"),
+                                    ([1], 0, "max_new_tokens >= 1"), (list(range(8)), 4, "fills max_seq_len 8")]:
+        with pytest.raises(AssertionError, match=message):
+            engine.open(prompt, SamplingParams(), budget)
+        assert engine.pool.n_free == 1
     engine.open([1], SamplingParams(), 4)
     with pytest.raises(PoolFullError):
         engine.open([1], SamplingParams(), 4)

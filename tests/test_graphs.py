@@ -5,7 +5,7 @@ import torch
 
 from verifier.engine import Engine, StepRequest
 from verifier.generate import generate
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -23,7 +23,7 @@ def test_bucket_cache_is_bounded_and_evicted_buckets_recapture(model):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = generate(Engine(model, 1, 64, max_k=0, cuda_graphs=False), prompt, 24)
     engine = Engine(model, 1, 64, max_k=4)
-    engine.graphs.max_buckets = 2
+    engine.runner.graphs.max_buckets = 2
     seq = engine.open(prompt, SamplingParams(), 24, eos_ids=())
     tokens, rows, k = [seq.pending], [seq.first_logits[None]], 0
     while not seq.finished:
@@ -32,6 +32,6 @@ def test_bucket_cache_is_bounded_and_evicted_buckets_recapture(model):
         tokens += result.tokens
         rows.append(result.logits)
         k += 1
-        assert len(engine.graphs._buckets) <= 2
+        assert len(engine.runner.graphs._buckets) <= 2
     assert tokens == plain.tokens
     assert torch.equal(torch.cat(rows).cpu(), plain.logits.cpu())

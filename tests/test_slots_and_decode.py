@@ -76,18 +76,19 @@ def test_pool_full_and_release_errors(load_target):
         pool.release(5)
 
 
-def test_bad_rows_are_rejected_before_any_state_changes(load_target):
+def test_bad_rows_are_asserted_before_any_state_changes(load_target):
+    """Below the engine a bad batch is a caller bug: an assertion, raised before any state changes."""
     model = load_target("kimi_linear")
     pool = model.new_pool(2, 16)
     s0, s1 = pool.admit(), pool.admit()
     model.prefill(pool, s0, [4, 5, 6])
     model.prefill(pool, s1, [7, 8])
     before = _snapshot(pool, s0) + _snapshot(pool, s1)
-    with pytest.raises(ValueError, match="token id out of range"):
+    with pytest.raises(AssertionError, match="token id out of range"):
         model.decode(pool, [s0, s1], [3, 2], [5, model.config.vocab_size])
-    with pytest.raises(ValueError, match="past the pool's max_seq_len 16"):
+    with pytest.raises(AssertionError, match="past the pool's max_seq_len 16"):
         model.decode(pool, [s0, s1], [3, 16], [5, 6])
-    with pytest.raises(ValueError, match="a slot appears twice"):
+    with pytest.raises(AssertionError, match="a slot appears twice"):
         RowBatch(slots=(s0, s0), starts=(3, 4), counts=(1, 1))
     after = _snapshot(pool, s0) + _snapshot(pool, s1)
     assert all(torch.equal(x, y) for x, y in zip(before, after))

@@ -7,24 +7,58 @@ greedy / coupled: d(r+1) is accepted while it equals the token a plain run would
     (sampling.choose); the bonus is the plain run's own token at row a. The stream is therefore
     the plain stream, token for token. On the GPU the choices of all rows come from one device
     launch (argmax_rows for greedy, sampling.choose_rows for coupled sampling) and only the ids
-    reach the host; on the CPU coupled rows are chosen one at a time, stopping at the first miss.
+    reach the host; on the CPU coupled rows are chosen one at a time on the host, stopping at the
+    first miss.
 rejection (Leviathan et al.), for drafters that send their probabilities q: accept d with
     probability min(1, p(d) / q(d)); on the first rejection emit a sample of norm(max(0, p - q));
     if all K are accepted the bonus is a sample of p at row K. A deterministic drafter has q
     one-hot at d. Each emitted token is an exact sample of the target distribution p.
+
+`accept` is the one entry point: the engine calls it once per step, for every sequence of the
+batch, and it picks the rule and the device path per sequence.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from kernels.runtime import pick
 from kernels.sampling import argmax_rows, argmax_rows_ref
 
-from .sampling import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingParams, choose, choose_rows, sample_from, target_probs, uniform
+from .model.rows import RowBatch
+from .params import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingParams
+from .sampling import choose, choose_rows, sample_from, target_probs, uniform
 
 
-def accept_choices(choices: list[int], drafts: list[int]) -> tuple[int, int]:
+def accept(logits: torch.Tensor, batch: RowBatch, drafts: Sequence[list[int]], sampling: Sequence[SamplingParams],
+           draft_probs: Sequence[torch.Tensor | None]) -> list[tuple[int, int]]:
+    """logits [rows, vocab] of one verify over `batch` (sequence s: its pending token then drafts[s]),
+    each sequence's sampling and draft probabilities ([K, vocab], or None) -> per sequence
+    (accepted count a, bonus token).
+
+    greedy: each row's argmax; coupled (sampled, no draft_probs): each row's coupled choice, on the
+    device for CUDA logits, row by row on the host otherwise; rejection (sampled, draft_probs given):
+    on the host."""
+    on_device = logits.is_cuda
+    by_choice = [params.greedy or (on_device and probs is None) for params, probs in zip(sampling, draft_probs)]
+    spans = [(span, start) for _, start, span in batch.sequences()]
+    coupled_on_device = [(span, params, start) for (span, start), params, choice in zip(spans, sampling, by_choice)
+                         if choice and not params.greedy]
+    choices = _row_choices(logits, coupled_on_device)
+    verdicts = []
+    for (span, start), ids, params, probs, choice in zip(spans, drafts, sampling, draft_probs, by_choice):
+        if choice:
+            verdicts.append(_accept_choices(choices[span], ids))
+        elif probs is None:
+            verdicts.append(_accept_coupled_on_host(logits[span], ids, params, start))
+        else:
+            verdicts.append(accept_rejection(logits[span].cpu(), ids, probs, params, start))
+    return verdicts
+
+
+def _accept_choices(choices: list[int], drafts: list[int]) -> tuple[int, int]:
     """choices: the token each of the K+1 rows chooses (greedy or coupled) -> (accepted count a, bonus token)."""
     for r, draft in enumerate(drafts):
         if choices[r] != draft:
@@ -32,15 +66,13 @@ def accept_choices(choices: list[int], drafts: list[int]) -> tuple[int, int]:
     return len(drafts), choices[len(drafts)]
 
 
-def step_choices(logits: torch.Tensor, sampled: list[tuple[slice, SamplingParams, int]]) -> list[int]:
+def _row_choices(logits: torch.Tensor, sampled: list[tuple[slice, SamplingParams, int]]) -> list[int]:
     """logits [R, vocab] of a step -> the token each row chooses, as host ints: each row's argmax,
-    except the rows of each (row slice, params, first position) in `sampled`, which get coupled
-    sampling's choice. Computed where the logits are: a step copies R ids to the host, not R x
-    vocab floats. `sampled` is for CUDA logits only (the CPU backend chooses row by row)."""
+    except the rows of each (row slice, params, first position) in `sampled` (CUDA logits only),
+    which get coupled sampling's choice. Computed where the logits are: a step copies R ids to the
+    host, not R x vocab floats."""
     choices = pick(argmax_rows, argmax_rows_ref, logits)(logits)
     if sampled:
-        if not logits.is_cuda:
-            raise ValueError(f"step_choices: coupled rows on the device path need CUDA logits, got {logits.device}")
         rows = [i for span, _, _ in sampled for i in range(span.start, span.stop)]
         params = [p for span, p, _ in sampled for _ in range(span.start, span.stop)]
         positions = [first + r + 1 for span, _, first in sampled for r in range(span.stop - span.start)]
@@ -49,11 +81,9 @@ def step_choices(logits: torch.Tensor, sampled: list[tuple[slice, SamplingParams
     return choices.tolist()
 
 
-def accept_matching(rows: torch.Tensor, drafts: list[int], params: SamplingParams, first_position: int) -> tuple[int, int]:
-    """rows [K+1, vocab] -> (accepted count a, bonus token): greedy or coupled sampling."""
-    if rows.is_cuda and not params.greedy:
-        positions = [first_position + r + 1 for r in range(len(drafts) + 1)]
-        return accept_choices(choose_rows(rows, [params] * len(positions), positions).tolist(), drafts)
+def _accept_coupled_on_host(rows: torch.Tensor, drafts: list[int], params: SamplingParams, first_position: int) -> tuple[int, int]:
+    """rows [K+1, vocab] on the host -> (accepted count a, bonus token): coupled sampling, one row at a
+    time, stopping at the first miss."""
     for r in range(len(drafts) + 1):
         token = choose(rows[r], params, first_position + r + 1)
         if r == len(drafts) or token != drafts[r]:

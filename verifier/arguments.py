@@ -1,4 +1,5 @@
-"""Argument types shared by the command lines of both sides (`python -m verifier`, `python -m drafter`).
+"""Arguments both command lines share (`python -m verifier`, `python -m drafter`): argument types,
+the sampling flags and the help formatter that shows every flag's default.
 
 No torch here: the drafter imports it.
 """
@@ -6,6 +7,27 @@ No torch here: the drafter imports it.
 from __future__ import annotations
 
 import argparse
+
+from .params import SamplingParams
+
+# flag -> SamplingParams field; each field is validated by SamplingParams itself
+SAMPLING_FLAGS = {"--temperature": "temperature", "--top-k": "top_k", "--top-p": "top_p", "--seed": "seed"}
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: ...)" to a flag's help unless the help already states its default: a
+    switch says "(default: off)"; a required flag, or one whose default is None, must say in words
+    what happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0:  # store_true and friends
+            return f"{text} (default: off)"
+        if action.default is None:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def token_ids(text: str) -> list[int]:
@@ -32,3 +54,43 @@ def at_least(low: int):
         return value
 
     return parse
+
+
+def add_sampling_arguments(parser) -> None:
+    """The sampling flags (a parser or an argument group); defaults are SamplingParams' (greedy)."""
+    defaults = SamplingParams()
+    group = parser.add_argument_group("sampling (greedy unless --temperature > 0)")
+    group.add_argument("--temperature", type=float, default=defaults.temperature,
+                       help="0: greedy (argmax); > 0: coupled sampling, the token at each position drawn with noise "
+                            "keyed by (--seed, position), so a speculative run samples exactly the plain run's tokens")
+    group.add_argument("--top-k", type=at_least(0), default=defaults.top_k,
+                       help="sample among the k most likely ids only (0: off)")
+    group.add_argument("--top-p", type=float, default=defaults.top_p,
+                       help="sample among the most likely ids whose mass reaches p (1: off)")
+    group.add_argument("--seed", type=at_least(0), default=defaults.seed, help="seed of the sampling noise (0 .. 2^64-1)")
+
+
+def sampling_from_args(args) -> SamplingParams:
+    """The SamplingParams the sampling flags describe; ValueError naming the flag when one is out of
+    range (the command exits 2 with it)."""
+    for flag, name in SAMPLING_FLAGS.items():
+        try:
+            SamplingParams(**{name: getattr(args, name)})  # each field's check alone: the error names its flag
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS.values()})
+
+
+def flags_without_stated_default(parser: argparse.ArgumentParser) -> list[str]:
+    """The flags of `parser` whose help, as printed, states no default (required flags, those of a
+    required one-of group, and --help excepted): the tests of both command lines hold this list empty."""
+    formatter = parser.formatter_class(parser.prog)
+    # argparse offers no public walk over a parser's flags
+    required = {id(a) for group in parser._mutually_exclusive_groups if group.required for a in group._group_actions}
+    missing = []
+    for action in parser._actions:
+        if not action.option_strings or action.required or id(action) in required or isinstance(action, argparse._HelpAction):
+            continue
+        if not action.help or "default" not in formatter._expand_help(action):
+            missing.append("/".join(action.option_strings))
+    return missing

@@ -1,4 +1,4 @@
-"""`python -m verifier ...`: command-line entry points."""
+"""`python -m verifier ...`: command-line entry points (`generate` here; `serve` in verifier/server/cli.py)."""
 
 from __future__ import annotations
 
@@ -12,84 +12,78 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter.proposers import NgramProposer, OracleProposer, RandomProposer
-
-from .arguments import at_least, token_ids
+from .arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids
 from .defaults import default_draft_model_dir, default_model_dir
 from .engine import Engine
 from .generate import generate
 from .model import load_model
 from .model.rollback import ROLLBACK_MODES, WOA
-from .sampling import SamplingParams
+from .proposers import NgramProposer, OracleProposer, Proposer, RandomProposer
 from .tokenizer import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFTS = ("none", "ngram", "model", "random", "oracle")
+DEFAULT_K = 4  # drafts per step with a drafter, when --k is not given
+# In process the engine is sized for K: a K-row verify holds K+1 rows of activations and the slot
+# K positions of headroom, so an unbounded --k grows memory without bound (--k 100000 passed 5.5 GB).
+DEFAULT_MAX_K = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verifier", description="Bit-exact speculative-decoding verifier for hybrid LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate from a prompt with the target model")
-    gen.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model)")
-    prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
-    prompt.add_argument("--text", help="prompt text (needs tokenizer.json in the model directory)")
-    gen.add_argument("--max-new-tokens", type=at_least(1), required=True)
-    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    gen.add_argument("--logits-out", type=Path, help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from")
-    spec = gen.add_argument_group("speculative decoding (every token and logit row equals the plain run's)")
-    spec.add_argument("--draft", default="none", choices=["none", "ngram", "model", "random", "oracle"],
-                      help="ngram: prompt lookup; model: a small checkpoint (--draft-model); random: K uniform ids "
-                           "(adversarial); oracle: the true continuation")
-    spec.add_argument("--draft-model", type=Path, default=None,
-                      help="the model drafter's checkpoint (default: the shipped draft model, models/draft)")
-    spec.add_argument("--k", type=at_least(0), default=None, help="drafts per step (default 4 with a drafter)")
-    spec.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter")
-    spec.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES, help="recurrent-state rollback: write-on-accept or snapshots")
-    samp = gen.add_argument_group("sampling (default greedy)")
-    samp.add_argument("--temperature", type=float, default=0.0)
-    samp.add_argument("--top-k", type=at_least(0), default=0)
-    samp.add_argument("--top-p", type=float, default=1.0)
-    samp.add_argument("--seed", type=at_least(0), default=0)
-    gen.add_argument("-v", "--verbose", action="store_true")
+    _add_generate(sub)
     _add_serve(sub)
     return parser
 
 
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="generate from a prompt with the target model", formatter_class=DefaultsHelpFormatter,
+                         description="Generate in this process, plainly or speculatively with a local drafter: every token "
+                                     "and logit row equals the plain run's. Exit status: 0 done, 2 bad arguments.")
+    gen.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model, models/target)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--text", help="prompt text (needs tokenizer.json in the model directory)")
+    gen.add_argument("--max-new-tokens", type=at_least(1), required=True, help="tokens to generate, the first one included")
+    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                     help="where the model runs: cpu (the torch reference ops) or cuda (the Triton kernels)")
+    gen.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations (recurrent state is fp32 always)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.add_argument("--logits-out", type=Path,
+                     help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from (default: not written)")
+    spec = gen.add_argument_group("speculative decoding (every token and logit row equals the plain run's)")
+    spec.add_argument("--draft", default="none", choices=DRAFTS,
+                      help="ngram: prompt lookup; model: a small checkpoint (--draft-model); random: K uniform ids "
+                           "(adversarial); oracle: the true continuation")
+    spec.add_argument("--draft-model", type=Path, default=None,
+                      help="the model drafter's checkpoint (default: the shipped draft model, models/draft)")
+    spec.add_argument("--k", type=at_least(0), default=None,
+                      help=f"drafts per step, at most --max-k (default: {DEFAULT_K} with a drafter, 0 without)")
+    spec.add_argument("--max-k", type=at_least(0), default=DEFAULT_MAX_K,
+                      help="the largest --k accepted: the engine and the slot are sized for it")
+    spec.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter and of the model drafter")
+    spec.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES, help="recurrent-state rollback: write-on-accept or snapshots")
+    add_sampling_arguments(gen)
+    gen.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
 def _add_serve(sub) -> None:
-    srv = sub.add_parser("serve", help="serve the verifier over gRPC until SIGTERM / SIGINT")
-    srv.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    srv.add_argument("--port", type=at_least(0), required=True, help="port to bind; 0 picks a free one (the log line says which)")
-    srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    srv.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    srv.add_argument("--n-slots", type=at_least(1), default=8, help="sessions held at once")
-    srv.add_argument("--max-seq-len", type=at_least(2), default=2048, help="positions per session (prompt + generated)")
-    srv.add_argument("--max-k", type=at_least(0), default=8, help="most drafts per step")
-    srv.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES)
-    srv.add_argument("--max-batch-rows", type=at_least(1), default=256, help="most verify rows in one engine batch")
-    srv.add_argument("--max-wait-ms", type=float, default=0.0, help="let a batch gather this long (0: run at once)")
-    srv.add_argument("--idle-timeout-s", type=float, default=None, help="reap sessions idle this long (default: never)")
-    srv.add_argument("--retry-after-ms", type=at_least(0), default=200, help="the retry hint sent when every slot is in use")
-    srv.add_argument("--max-message-mb", type=float, default=64.0, help="largest request or response message")
-    srv.add_argument("--metrics-port", type=at_least(0), default=None, help="serve Prometheus metrics on this port")
-    srv.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' (health checks exempt)")
-    srv.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (with --tls-key)")
-    srv.add_argument("--tls-key", type=Path, default=None, help="PEM private key (with --tls-cert)")
-    srv.add_argument("--grace-s", type=float, default=5.0, help="shutdown: time in-flight calls get to finish")
-    srv.add_argument("--drain-s", type=float, default=0.0, help="shutdown: time health says NOT_SERVING before the port closes")
-    srv.add_argument("-v", "--verbose", action="store_true")
+    from .server.cli import add_serve_parser  # the server's flags derive from its ServerConfig
+
+    add_serve_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
-        return _serve(args)
+        from .server.cli import serve_command
+
+        return serve_command(args)
     return 2
 
 
@@ -98,7 +92,24 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _drafts_per_step(args) -> int:
+    """--k checked against --max-k and --draft; ValueError naming the limit."""
+    if args.k is None:
+        return 0 if args.draft == "none" else min(DEFAULT_K, args.max_k)
+    if args.draft == "none" and args.k:
+        raise ValueError("--k needs a drafter: pass --draft ngram|model|random|oracle")
+    if args.k > args.max_k:
+        raise ValueError(f"--k {args.k} exceeds --max-k {args.max_k}, the most drafts a step may carry "
+                         f"(raise --max-k to allow more)")
+    return args.k
+
+
 def _generate(args) -> int:
+    try:
+        k = _drafts_per_step(args)
+        sampling = sampling_from_args(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda, but torch sees no CUDA device")
     model_dir = args.model or default_model_dir()
@@ -123,34 +134,11 @@ def _generate(args) -> int:
     if len(prompt) + args.max_new_tokens > limit:
         return _fail(f"{len(prompt)} prompt tokens + {args.max_new_tokens} new tokens exceed the context length {limit}")
 
-    try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as exc:
-        return _fail(str(exc))
-    k = args.k if args.k is not None else (0 if args.draft == "none" else 4)
-    if args.draft == "none" and k:
-        return _fail("--k needs a drafter: pass --draft ngram|model|random|oracle")
     engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + args.max_new_tokens + k, max_k=k, rollback_mode=args.rollback)
-    proposer = None
-    if args.draft == "random":
-        proposer = RandomProposer(vocab, args.seed_draft)
-    elif args.draft == "ngram":
-        proposer = NgramProposer()
-    elif args.draft == "model":
-        draft_dir = args.draft_model or default_draft_model_dir()
-        if draft_dir is None:
-            return _fail("--draft model needs --draft-model DIR (no default draft model ships in this checkout)")
-        from drafter.messages import Sampling
-        from drafter.model_proposer import COUPLED, ModelProposer, load_draft_model
-
-        try:
-            # coupled mode: the drafter drafts with the session's own noise, so a sampled stream is the plain one
-            proposer = ModelProposer(load_draft_model(draft_dir, args.device), vocab, engine.pool.max_seq_len,
-                                     Sampling(args.temperature, args.top_k, args.top_p, args.seed), args.seed_draft, COUPLED)
-        except (ValueError, OSError) as exc:
-            return _fail(f"--draft-model {draft_dir}: {exc}")
-    elif args.draft == "oracle":
-        proposer = OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
+    try:
+        proposer = _proposer(args, engine, prompt, sampling)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
 
     start = time.perf_counter()
     result = generate(engine, prompt, args.max_new_tokens, sampling, proposer, k)
@@ -169,34 +157,37 @@ def _generate(args) -> int:
             "draft": args.draft,
             "k": k,
             "rollback": args.rollback,
-            "steps": len(result.accepted_per_step),
-            "accepted_per_step": result.accepted_per_step,
-            "mean_acceptance_length": round(result.mean_acceptance_length, 4),
+            **result.step_figures(),
         }
         if text is not None:
             out["text"] = text
         print(json.dumps(out))
     else:
         print(text if text is not None else ",".join(map(str, result.tokens)))
-        spec = f", {len(result.accepted_per_step)} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
+        spec = f", {result.steps} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s{spec}]", file=sys.stderr)
     return 0
 
 
-def _serve(args) -> int:
-    from .server import ServerConfig, serve
+def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | None:
+    """The drafter --draft names; ValueError / OSError naming the flag when it cannot be built."""
+    vocab = engine.vocab_size
+    if args.draft == "random":
+        return RandomProposer(vocab, args.seed_draft)
+    if args.draft == "ngram":
+        return NgramProposer()
+    if args.draft == "oracle":
+        return OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
+    if args.draft == "model":
+        draft_dir = args.draft_model or default_draft_model_dir()
+        if draft_dir is None:
+            raise ValueError("--draft model needs --draft-model DIR (no default draft model ships in this checkout)")
+        from .proposers import COUPLED, ModelProposer, load_draft_model
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda, but torch sees no CUDA device")
-    try:
-        config = ServerConfig(
-            args.model or default_model_dir(), host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-            n_slots=args.n_slots, max_seq_len=args.max_seq_len, max_k=args.max_k, rollback=args.rollback,
-            max_batch_rows=args.max_batch_rows, max_wait_ms=args.max_wait_ms, idle_timeout_s=args.idle_timeout_s,
-            retry_after_ms=args.retry_after_ms,
-            max_message_mb=args.max_message_mb, metrics_port=args.metrics_port, auth_token=args.auth_token,
-            tls_cert=args.tls_cert, tls_key=args.tls_key, grace_s=args.grace_s, drain_s=args.drain_s,
-        )
-        return serve(config)
-    except (ValueError, OSError) as exc:  # bad options, an unreadable checkpoint, a port in use
-        return _fail(str(exc))
+        try:
+            # coupled mode: the drafter drafts with the session's own noise, so a sampled stream is the plain one
+            return ModelProposer(load_draft_model(draft_dir, args.device), vocab, engine.pool.max_seq_len, sampling,
+                                 args.seed_draft, COUPLED)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--draft-model {draft_dir}: {exc}") from None
+    return None

@@ -4,20 +4,26 @@ A step takes a ragged batch of sequences, each with its pending token and 0..max
 the K+1 rows of every sequence through one row-invariant forward (decode_k), accepts per
 sequence, rolls each slot back to its accepted prefix and returns per-sequence results. Decode
 is a step with no drafts. The engine knows nothing of gRPC or sessions.
+
+Checks: the engine checks state (a finished sequence, room in the context, the same sequence
+twice in one step) and answers a StepError for that request alone. What a caller sends (ids in
+the vocabulary, at most max_k drafts, draft probabilities of the right shape, a non-empty prompt
+that fits) is the caller's to check: the server validates the wire fields, the in-process path its
+own arguments; here a violation is an assertion, a caller bug.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import accept_choices, accept_matching, accept_rejection, step_choices
+from .acceptance import accept
 from .model import HybridModel, RowBatch
-from .model.graphs import GraphedSteps, graphs_supported
-from .model.rollback import ROLLBACK_MODES, WOA, rollback
-from .sampling import SamplingParams, choose
+from .model.rollback import ROLLBACK_MODES, WOA
+from .model.runner import StepRunner
+from .params import SamplingParams
+from .sampling import choose
 
 EOS, LENGTH = "eos", "length"
 
@@ -27,7 +33,7 @@ class StepError(ValueError):
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
-        self.code = code  # "invalid_argument" | "out_of_range" | "failed_precondition"
+        self.code = code  # "failed_precondition" (finished) | "out_of_range" (context) | "invalid_argument" (twice in a step)
 
 
 @dataclass
@@ -56,7 +62,9 @@ class StepRequest:
 
 @dataclass
 class StepResult:
-    accepted: int  # drafts accepted (before any cut at eos or the token budget)
+    # drafts the target agreed with, counted before the cut at eos or the token budget: at such a
+    # cut `tokens` may hold fewer than accepted + 1
+    accepted: int
     tokens: list[int]  # emitted: accepted drafts then the bonus, cut at eos / the budget
     position: int  # the new committed position
     finish_reason: str | None
@@ -75,24 +83,19 @@ class Engine:
         self.pool = model.new_pool(n_slots, max_seq_len)
         self.max_k = max_k
         self.rollback_mode = rollback_mode
-        # CUDA graphs replay the same kernels as the eager path (same bits), minus the launch cost
-        self.graphs = GraphedSteps(model, self.pool) if cuda_graphs and graphs_supported(model) else None
+        # verify and rollback, eager or CUDA-graphed (same bits, minus the launch cost)
+        self.runner = StepRunner(model, self.pool, cuda_graphs)
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
     def open(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None) -> Sequence:
-        """Admit a slot, prefill the prompt, choose the first token (it becomes the pending token)."""
-        if not prompt:
-            raise StepError("invalid_argument", "prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise StepError("invalid_argument", f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
-        if max_new_tokens < 1:
-            raise StepError("invalid_argument", f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if len(prompt) + 1 > self.pool.max_seq_len:
-            raise StepError("out_of_range", f"prompt of {len(prompt)} tokens leaves no room in max_seq_len {self.pool.max_seq_len}")
+        """Admit a slot, prefill the prompt, choose the first token (it becomes the pending token).
+        The caller has checked its arguments: a non-empty prompt of vocabulary ids that leaves room
+        for a step, and max_new_tokens >= 1."""
+        assert prompt and max_new_tokens >= 1, "open needs a prompt and max_new_tokens >= 1"
+        assert len(prompt) + 1 <= self.pool.max_seq_len, f"a prompt of {len(prompt)} tokens fills max_seq_len {self.pool.max_seq_len}"
         slot = self.pool.admit()
         try:
             logits = self.model.prefill(self.pool, slot, prompt)
@@ -112,22 +115,19 @@ class Engine:
         self.pool.release(seq.slot)
 
     def check(self, request: StepRequest) -> None:
-        """Raise StepError if the request cannot run; never touches state."""
+        """StepError if the sequence's state cannot take this step; never touches state."""
         seq, drafts = request.sequence, request.drafts
+        assert len(drafts) <= self.max_k, f"{len(drafts)} drafts exceed max_k {self.max_k}"
+        assert request.draft_probs is None or tuple(request.draft_probs.shape) == (len(drafts), self.vocab_size), \
+            f"draft_probs has shape {list(request.draft_probs.shape)}, expected [{len(drafts)}, {self.vocab_size}]"
         if seq.finished:
             raise StepError("failed_precondition", f"the sequence has finished ({seq.finish_reason})")
-        if len(drafts) > self.max_k:
-            raise StepError("invalid_argument", f"{len(drafts)} drafts exceed max_k {self.max_k}")
-        bad = [t for t in drafts if not 0 <= t < self.vocab_size]
-        if bad:
-            raise StepError("invalid_argument", f"draft ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
         if seq.position + len(drafts) + 1 > self.pool.max_seq_len:
             raise StepError("out_of_range", f"{len(drafts) + 1} rows from position {seq.position} pass max_seq_len {self.pool.max_seq_len}")
-        if request.draft_probs is not None:
-            _check_draft_probs(request.draft_probs, drafts, self.vocab_size)
 
     def step(self, requests: list[StepRequest]) -> list[StepResult]:
-        """One engine step over many sequences; a bad request gets its error, the others run."""
+        """One engine step over many sequences; a request its sequence's state refuses gets its
+        StepError, the others run."""
         results: list[StepResult | None] = [None] * len(requests)
         live: list[int] = []
         slots: set[int] = set()
@@ -152,28 +152,12 @@ class Engine:
             counts=tuple(len(r.drafts) + 1 for r in requests),
         )
         tokens = torch.tensor([t for r in requests for t in [r.sequence.pending, *r.drafts]], dtype=torch.int64)
-        if self.graphs is not None:
-            logits, record = self.graphs.verify(tokens, batch, self.rollback_mode)
-        else:
-            logits, record = self.model.verify(tokens, batch, self.pool, self.rollback_mode)
-        # Greedy and coupled acceptance need each row's choice only. On the GPU all of them come
-        # from device launches (argmax; coupled sampling for the sampled rows of every sequence)
-        # and a step copies R ids to the host, not R x vocab floats; on the CPU coupled rows are
-        # chosen from the host rows. Rejection sampling reads its rows on the host either way.
-        on_device = logits.is_cuda
-        sampled = [(span, r.sequence.sampling, start) for r, (_, start, span) in zip(requests, batch.sequences())
-                   if on_device and not r.sequence.sampling.greedy and r.draft_probs is None]
-        choices = step_choices(logits, sampled)
+        logits, record = self.runner.verify(tokens, batch, self.rollback_mode)
+        verdicts = accept(logits, batch, [r.drafts for r in requests], [r.sequence.sampling for r in requests],
+                          [r.draft_probs for r in requests])
         results, consumed = [], []
-        for req, (_, start, span) in zip(requests, batch.sequences()):
-            rows = logits[span]
+        for req, (_, start, span), (accepted, bonus) in zip(requests, batch.sequences(), verdicts):
             seq = req.sequence
-            if seq.sampling.greedy or (on_device and req.draft_probs is None):
-                accepted, bonus = accept_choices(choices[span], req.drafts)
-            elif req.draft_probs is None:
-                accepted, bonus = accept_matching(rows, req.drafts, seq.sampling, start)
-            else:
-                accepted, bonus = accept_rejection(rows.cpu(), req.drafts, req.draft_probs, seq.sampling, start)
             emitted = [*req.drafts[:accepted], bonus]
             emitted, finish = self._cut(seq, emitted)
             # Each emitted token's row is consumed: the pending token plus the accepted drafts kept.
@@ -183,11 +167,8 @@ class Engine:
             seq.emitted += len(emitted)
             seq.finish_reason = finish
             # a copy: a graph's next replay overwrites its output
-            results.append(StepResult(accepted, emitted, seq.position, finish, rows[: len(emitted)].clone()))
-        if self.graphs is not None:
-            self.graphs.rollback(record, consumed)
-        else:
-            rollback(self.pool, record, consumed)
+            results.append(StepResult(accepted, emitted, seq.position, finish, logits[span][: len(emitted)].clone()))
+        self.runner.rollback(record, consumed)
         return results
 
     @staticmethod
@@ -205,16 +186,3 @@ class Engine:
             return emitted, LENGTH
         return emitted, None
 
-
-def _check_draft_probs(probs: torch.Tensor, drafts: list[int], vocab: int) -> None:
-    if probs.shape != (len(drafts), vocab):
-        raise StepError("invalid_argument", f"draft_probs has shape {list(probs.shape)}, expected [{len(drafts)}, {vocab}]")
-    probs = probs.float()
-    if not torch.isfinite(probs).all() or (probs < 0).any():
-        raise StepError("invalid_argument", "draft_probs must be finite and non-negative")
-    sums = probs.sum(dim=-1)
-    if ((sums - 1).abs() > 1e-3).any():
-        raise StepError("invalid_argument", f"each draft_probs row must sum to 1 (got sums {[round(float(s), 4) for s in sums][:4]})")
-    for r, d in enumerate(drafts):
-        if not math.isfinite(float(probs[r, d])) or float(probs[r, d]) <= 0:
-            raise StepError("invalid_argument", f"draft_probs[{r}] gives its own draft {d} probability 0")

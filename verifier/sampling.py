@@ -22,38 +22,14 @@ Rejection sampling (uniform, sample_from) always draws on the host.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from kernels.runtime import pick
 from kernels.sampling import coupled_choice, coupled_choice_ref
 
+from .params import STREAM_CHOOSE, SamplingParams
+
 _MASK64 = (1 << 64) - 1
-STREAM_CHOOSE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int = 0
-
-    def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed <= _MASK64:
-            raise ValueError(f"seed must be in 0 .. 2^64-1, got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def _splitmix64(x: int) -> int:

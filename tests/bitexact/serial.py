@@ -9,7 +9,7 @@ import torch
 
 from verifier.engine import Engine, StepRequest
 from verifier.model.state import AttentionState
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 
 def slot_state(engine: Engine, slot: int, position: int) -> list[torch.Tensor]:

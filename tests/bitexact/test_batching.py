@@ -8,7 +8,7 @@ from bitexact.conftest import FAMILIES, prompt_for
 from bitexact.serial import serial_run, slot_state, states_equal
 from verifier.engine import Engine, StepRequest
 from verifier.model.rollback import ROLLBACK_MODES
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 PLAN = [  # per step, per sequence: (K, how many of the K drafts are right)
     [(3, 3), (0, 0), (5, 2), (1, 0)],

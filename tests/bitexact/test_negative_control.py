@@ -12,7 +12,7 @@ from bitexact.conftest import prompt_for
 from bitexact.serial import serial_run
 from verifier.engine import Engine
 from verifier.model import RowBatch
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 
 @pytest.mark.parametrize("name", ["qwen3_next_moe", "kimi_linear"])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from bitexact.conftest import prompt_for
 from bitexact.serial import serial_run, slot_state, states_equal
 from verifier.engine import Engine, StepRequest
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 N_TOKENS = 12
 N_PROMPTS = 3

@@ -12,7 +12,7 @@ from bitexact.conftest import FAMILIES, prompt_for
 from bitexact.serial import serial_run, slot_state, states_equal
 from verifier.engine import Engine, StepRequest
 from verifier.model.rollback import ROLLBACK_MODES
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 N_TOKENS = 14
 

@@ -30,3 +30,27 @@ def server(served_checkpoint):
 
     with LoopbackServer(served_checkpoint, n_slots=6, max_seq_len=MAX_SEQ_LEN, max_k=MAX_K) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """A blocking client of the loopback server."""
+    from drafter.client import VerifierClient
+
+    with VerifierClient(server.address, timeout_s=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def target(load_target):
+    """The served checkpoint's model, loaded in this process: plain decoding to compare against."""
+    return load_target(NAME)
+
+
+def plain_in_process(model, prompt: list[int], max_new_tokens: int, sampling=None, max_k: int = 0, proposer=None, k: int = 0):
+    """In-process generation on an engine shaped like the loopback server's slot (max_seq_len
+    MAX_SEQ_LEN): plain decoding by default, or speculative with `proposer` and `k`."""
+    from verifier.engine import Engine
+    from verifier.generate import generate
+
+    return generate(Engine(model, 1, MAX_SEQ_LEN, max_k=max_k), prompt, max_new_tokens, sampling, proposer, k)

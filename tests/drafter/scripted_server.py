@@ -99,6 +99,15 @@ class ScriptedVerifier:
     def requests_of(self, method):
         return [request for name, _, request in self.calls if name == method]
 
+    def attempts(self):
+        """(method, the request ids it carried) for every call and every stream message, in order:
+        what two clients' tries are compared by."""
+        def ids(method, request):
+            if method == "Verify":
+                return tuple(step.request_id for step in request.steps)
+            return (request.request_id,) if method in ("OpenSession", "VerifyStream") else ()
+        return [(method, ids(method, request)) for method, _, request in self.calls]
+
 
 class ScriptedServer:
     """Context manager: serves a ScriptedVerifier on a free loopback port (`.address`)."""

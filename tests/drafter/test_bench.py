@@ -17,12 +17,9 @@ from drafter.bench import ADAPTIVE, load_prompts, results, run_bench, summary_ta
 from drafter.bench_plots import LENGTH_PNG, POSITION_PNG, SPEEDUP_PNG, pooled_alpha, write_plots
 from drafter.bench_stats import Counts, count, figures, iid_acceptance_length, token_acceptance_probability
 from drafter.choose import make_proposer
-from drafter.client import Sampling, VerifierClient
-from verifier.engine import Engine
-from verifier.generate import generate as generate_in_process
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
-from drafter_setup import MAX_SEQ_LEN, NAME, served_checkpoint, server  # noqa: F401 (fixtures)
+from drafter_setup import client, plain_in_process, served_checkpoint, server, target  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -73,7 +70,7 @@ def test_counts_pool_across_runs_of_different_widths():
 
 
 def test_count_refuses_impossible_steps():
-    with pytest.raises(ValueError, match="accepted_per_step has 2 entries but drafts_per_step has 1"):
+    with pytest.raises(ValueError, match="accepted_per_step has 2 entries but drafted_per_step has 1"):
         count([0, 0], [1], 2, k=2)
     with pytest.raises(ValueError, match="step 1: accepted 3 of 2 drafts"):
         count([0, 3], [1, 2], 2, k=4)
@@ -144,12 +141,6 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with VerifierClient(server.address, timeout_s=60) as c:
-        yield c
-
-
 def _bench(client, prompts_file, sampling, draft_model):
     """ngram, random and the model drafter (the served checkpoint drafting for itself) at K 1 and 3,
     and adaptive K up to 3."""
@@ -161,19 +152,17 @@ def _bench(client, prompts_file, sampling, draft_model):
     return info, plain, runs
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=20, seed=11)], ids=["greedy", "sampled"])
-def test_bench_end_to_end(server, client, prompts_file, served_checkpoint, load_target, sampling, tmp_path):
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=11)], ids=["greedy", "sampled"])
+def test_bench_end_to_end(server, client, prompts_file, served_checkpoint, target, sampling, tmp_path):
     before = client.stats()
     info, plain, runs = _bench(client, prompts_file, sampling, served_checkpoint)
     after = client.stats()
 
     # the reference stream is plain decoding's: the in-process engine with no drafts gives the same tokens
-    engine = Engine(load_target(NAME), 1, MAX_SEQ_LEN, max_k=0)
-    params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
     prompt_ids = [p.get("prompt_ids") or [ord(c) for c in p["text"]] for p in PROMPTS]  # byte-level tokenizer
     assert plain.prompt_tokens == [len(ids) for ids in prompt_ids]
     for ids, tokens in zip(prompt_ids, plain.tokens):
-        assert generate_in_process(engine, ids, NEW, params).tokens == tokens
+        assert plain_in_process(target, ids, NEW, sampling).tokens == tokens
 
     data = results(server.address, info, prompts_file, plain, runs, NEW, sampling)
     write_results(tmp_path, data)
@@ -269,15 +258,23 @@ def test_cli_writes_results_plots_and_a_table(server, served_checkpoint, prompts
 def test_cli_errors_name_the_problem(server, prompts_file, tmp_path):
     bad_prompts = tmp_path / "bad.jsonl"
     bad_prompts.write_text('{"prompt_ids": [1, 500]}\n')
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text(json.dumps(PROMPTS[1]) + "\n")
     cases = [
         (["--prompts", bad_prompts], 2, "prompt 0: prompt_ids [500] are outside the served model's vocabulary 0..89"),
         (["--prompts", tmp_path / "missing.jsonl"], 2, "missing.jsonl"),
         (["--prompts", prompts_file, "--drafter", "model"], 2, "a drafter must share the target's vocabulary"),  # the shipped draft is the default
         (["--prompts", prompts_file, "--drafter", "ngram,bogus"], 2, "--drafter takes"),
         (["--prompts", prompts_file, "--k", "0,2"], 2, "--k values must be >= 1"),
-        (["--prompts", prompts_file, "--temperature", "-1"], 2, "temperature"),
+        (["--prompts", prompts_file, "--temperature", "-1"], 2, "--temperature: temperature"),
+        (["--prompts", prompts_file, "--k", "2,9"], 2, "--k 9 exceeds the server's max_k 8"),
+        (["--prompts", prompts_file, "--max-new-tokens", "90"], 2,
+         "prompt 0: --max-new-tokens 90: 9 prompt tokens + 90 new tokens exceed the server's max_context 96"),
+        (["--prompts", text_only, "--max-new-tokens", "90"], 2,  # known once the server tokenizes it: 8 tokens
+         "'ABCABCAB': --max-new-tokens 90: 8 prompt tokens + 90 new tokens exceed the server's max_context 96"),
     ]
     for args, status, message in cases:
-        proc = _run("--server", server.address, "--max-new-tokens", 4, "--out", tmp_path / "o", "--no-progress", *args)
+        budget = [] if "--max-new-tokens" in args else ["--max-new-tokens", 4]
+        proc = _run("--server", server.address, *budget, "--out", tmp_path / "o", "--no-progress", *args)
         assert proc.returncode == status and message in proc.stderr, (args, proc.returncode, proc.stderr)
     assert not (tmp_path / "o" / "results.json").exists()

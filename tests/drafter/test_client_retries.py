@@ -1,12 +1,17 @@
 """The client against a scripted server: retries resend the same request id, step statuses become
-errors with their code, the retry hint of a full pool and the bearer token reach the caller / server."""
+errors with their code, the retry hint of a full pool and the bearer token reach the caller / server.
+The retry decisions (drafter/retry.py) on their own, without I/O; and both clients through one
+failure script, making the same tries with the same request ids."""
 
 import asyncio
 
 import grpc
 import pytest
 
+from drafter import retry
 from drafter.client import AsyncVerifierClient, RetryPolicy, Step, VerifierClient, VerifierError
+from drafter.retry import Call, Plan, StreamStep, Wait
+from verifier import rpc
 
 from scripted_server import ScriptedServer
 
@@ -132,3 +137,136 @@ def test_the_async_client_retries_the_same_way(server):
     verify_ids = [r.steps[0].request_id for r in server.verifier.requests_of("Verify")]
     stream_ids = [s.request_id for s in server.verifier.requests_of("VerifyStream")]
     assert verify_ids[0] == verify_ids[1] and stream_ids[0] == stream_ids[1]
+
+
+def _drive(decisions, replies):
+    """Carry out retry decisions against scripted replies: the actions taken, and the result or the
+    VerifierError raised."""
+    plan, replies, actions = Plan(decisions), iter(replies), []
+    try:
+        for action in plan:
+            actions.append(action)
+            if not isinstance(action, Wait):
+                plan.reply(next(replies))
+    except VerifierError as err:
+        return actions, err
+    return actions, plan.result
+
+
+def _unavailable(n: int) -> VerifierError:
+    return VerifierError(grpc.StatusCode.UNAVAILABLE, f"try {n} lost")
+
+
+def test_the_backoff_doubles_up_to_its_cap_and_the_last_error_is_raised():
+    policy = RetryPolicy(attempts=5, backoff_s=0.1, max_backoff_s=0.3)
+    request = rpc.GetModelInfoRequest()
+    actions, raised = _drive(retry.unary(policy, "GetModelInfo", request), [_unavailable(n) for n in range(5)])
+    call = Call("GetModelInfo", request)
+    assert actions == [call, Wait(0.1), call, Wait(0.2), call, Wait(0.3), call, Wait(0.3), call]
+    assert isinstance(raised, VerifierError) and raised.message == "try 4 lost"
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c != grpc.StatusCode.OK], ids=lambda c: c.name)
+def test_only_unavailable_and_deadline_exceeded_are_retried(code):
+    failure = VerifierError(code, "scripted")
+    actions, got = _drive(retry.unary(FAST, "CloseSession", rpc.CloseSessionRequest()), [failure, "the reply"])
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        assert got == "the reply" and [type(a) for a in actions] == [Call, Wait, Call]
+    else:
+        assert got is failure and len(actions) == 1
+
+
+def _result(code: grpc.StatusCode, request_id: str):
+    return rpc.StepResult(status=rpc.Status(code=code.value[0], message="scripted"), session_id="s0", request_id=request_id,
+                          tokens=[1], position=3)
+
+
+def test_a_stream_step_is_resent_with_one_request_id_after_a_broken_stream_or_a_retryable_status():
+    replies = [_unavailable(0), _result(grpc.StatusCode.DEADLINE_EXCEEDED, ""), _result(grpc.StatusCode.OK, "")]
+    actions, outcome = _drive(retry.stream_step(FAST, Step("s0", 2, (5,))), replies)
+    assert [type(a) for a in actions] == [StreamStep, Wait, StreamStep, Wait, StreamStep]
+    sent = [a.request for a in actions if isinstance(a, StreamStep)]
+    assert sent[0].request_id and sent[0] == sent[1] == sent[2]  # one request id, assigned before the first try
+    assert outcome.ok and outcome.position == 3
+
+
+def test_verify_gives_up_on_a_step_whose_status_stays_retryable_and_returns_it():
+    policy = RetryPolicy(attempts=2, backoff_s=0.0)
+    steps = [Step("s0", 1, request_id="ra"), Step("s1", 1, request_id="rb")]
+    first = rpc.VerifyResponse(results=[_result(grpc.StatusCode.OK, "ra"), _result(grpc.StatusCode.UNAVAILABLE, "rb")])
+    second = rpc.VerifyResponse(results=[_result(grpc.StatusCode.UNAVAILABLE, "rb")])
+    actions, outcomes = _drive(retry.verify(policy, steps), [first, second])
+    assert [[s.request_id for s in a.request.steps] for a in actions if isinstance(a, Call)] == [["ra", "rb"], ["rb"]]
+    assert [o.code for o in outcomes] == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE]
+
+
+class _Awaitable:
+    """The blocking client (or its stream) with coroutine methods, so that one script drives both clients."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def verify_stream(self):
+        return _Awaitable(self._target.verify_stream())
+
+    def __getattr__(self, name):
+        method = getattr(self._target, name)
+
+        async def call(*args, **kwargs):
+            return method(*args, **kwargs)
+        return call
+
+
+async def _failure_script(client, verifier, address: str) -> list:
+    """Every failure the client retries or raises, in one run; what each call returned or raised."""
+    verifier.fail_next.update(OpenSession=1, Verify=1, VerifyStream=1, GetModelInfo=FAST.attempts)
+    verifier.step_status["v3"] = grpc.StatusCode.UNAVAILABLE
+    seen = []
+
+    async def record(call):
+        try:
+            got = await call
+        except VerifierError as err:
+            got = (err.code, str(err).replace(address, "ADDRESS"), err.current_position)
+        seen.append(got)
+        return got
+
+    a = await record(client.open_session([3, 4], max_new_tokens=16, request_id="open-a"))
+    b = await record(client.open_session([3], max_new_tokens=16, request_id="open-b"))
+    one = await record(client.step(Step(a.id, a.position, (5,), request_id="v1")))
+    await record(client.verify([Step(a.id, one.position, (6, 7), request_id="v2"), Step(b.id, 1, (), request_id="v3")]))
+    stream = client.verify_stream()
+    streamed = await record(stream.step(Step(a.id, one.position + 3, (8,), request_id="s1")))
+    await record(stream.step(Step(a.id, streamed.position, (), request_id="s2")))
+    await stream.close()
+    await record(client.model_info())
+    await record(client.step(Step(a.id, 0, (), request_id="stale")))
+    await record(client.close_session(a.id))
+    return seen
+
+
+def test_both_clients_make_the_same_tries_with_the_same_request_ids():
+    with ScriptedServer() as server:
+        with _client(server) as client:
+            blocking = asyncio.run(_failure_script(_Awaitable(client), server.verifier, server.address))
+        blocking_attempts = server.verifier.attempts()
+
+    async def run_async(server):
+        async with AsyncVerifierClient(server.address, retry=FAST, timeout_s=5) as client:
+            return await _failure_script(client, server.verifier, server.address)
+
+    with ScriptedServer() as server:
+        asynchronous = asyncio.run(run_async(server))
+        async_attempts = server.verifier.attempts()
+
+    assert async_attempts == blocking_attempts
+    assert blocking_attempts == [
+        ("OpenSession", ("open-a",)), ("OpenSession", ("open-a",)), ("OpenSession", ("open-b",)),
+        ("Verify", ("v1",)), ("Verify", ("v1",)), ("Verify", ("v2", "v3")), ("Verify", ("v3",)),
+        ("VerifyStream", ("s1",)), ("VerifyStream", ("s1",)), ("VerifyStream", ("s2",)),
+        *[("GetModelInfo", ())] * FAST.attempts, ("Verify", ("stale",)), ("CloseSession", ())]
+    assert asynchronous == blocking  # same outcomes, and the same errors with the same messages
+    unavailable, stale = blocking[-3], blocking[-2]
+    dropped = "UNAVAILABLE: cannot reach the verifier at ADDRESS: scripted: GetModelInfo reply dropped"
+    assert unavailable == (grpc.StatusCode.UNAVAILABLE, dropped, None)
+    assert stale == (grpc.StatusCode.ABORTED, "ABORTED (session s0): stale expected_position", 10) and blocking[-1] is True

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
+from drafter import cli
+from verifier.arguments import flags_without_stated_default
 from verifier.tokenizer import byte_level_tokenizer
 
-from drafter_setup import served_checkpoint, server  # noqa: F401 (fixtures)
+from drafter_setup import MAX_K, MAX_SEQ_LEN, client, served_checkpoint, server  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "5,9,14,3,5,9,14,3,7"
@@ -37,9 +39,9 @@ def test_drafter_cli_prints_the_tokens_of_plain_decoding(server, served_checkpoi
             where = f"{drafting} {sampling}"
             assert got["tokens"] == plain["tokens"], where
             assert got["finish_reason"] == plain["finish_reason"], where
-            assert got["steps"] == len(got["accepted_per_step"]) == len(got["drafts_per_step"]) > 0
-            assert all(0 <= a <= d <= drafting[3] for a, d in zip(got["accepted_per_step"], got["drafts_per_step"]))
-            drafted = [a for a, d in zip(got["accepted_per_step"], got["drafts_per_step"]) if d]
+            assert got["steps"] == len(got["accepted_per_step"]) == len(got["drafted_per_step"]) > 0
+            assert all(0 <= a <= d <= drafting[3] for a, d in zip(got["accepted_per_step"], got["drafted_per_step"]))
+            drafted = [a for a, d in zip(got["accepted_per_step"], got["drafted_per_step"]) if d]
             assert got["mean_acceptance_length"] == round(1 + sum(drafted) / len(drafted), 4)
             assert got["prompt_tokens"] == 9 and got["tokens_per_s"] > 0
 
@@ -77,8 +79,46 @@ def test_errors_name_the_problem_and_set_the_exit_status(server):
     for args, message in bad_args.items():
         proc = _run("drafter", "generate", "--server", server.address, "--max-new-tokens", 4, *args)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
-    too_long = ",".join(["5"] * 120)  # the server refuses a prompt longer than its context
-    proc = _run("drafter", "generate", "--server", server.address, "--prompt-ids", too_long, "--max-new-tokens", 4)
+    # a text prompt longer than the context: the server refuses it at the open (its status, exit 1)
+    proc = _run("drafter", "generate", "--server", server.address, "--text", "A" * 120, "--max-new-tokens", 4)
     assert proc.returncode == 1 and proc.stderr.startswith("error: OUT_OF_RANGE") and proc.stderr.count("\n") == 1, proc.stderr
     proc = _run("drafter", "generate", "--server", "127.0.0.1:1", "--prompt-ids", "1", "--max-new-tokens", 4, "--timeout", 2)
     assert proc.returncode == 1 and "cannot reach the verifier at 127.0.0.1:1" in proc.stderr
+
+
+def test_limits_of_the_server_exit_2_naming_them(server, client):
+    """No silent cuts: a --k over the server's max_k, or a budget past its context, is refused."""
+    prompt = PROMPT.split(",")  # 9 ids
+    cases = {
+        ("--prompt-ids", PROMPT, "--k", 100, "--max-new-tokens", 4): f"--k 100 exceeds the server's max_k {MAX_K}",
+        ("--prompt-ids", PROMPT, "--max-new-tokens", 3000):
+            f"--max-new-tokens 3000: {len(prompt)} prompt tokens + 3000 new tokens exceed the server's max_context {MAX_SEQ_LEN}",
+        ("--prompt-ids", PROMPT, "--max-new-tokens", MAX_SEQ_LEN - len(prompt) + 1): f"max_context {MAX_SEQ_LEN}",
+        # --text: a budget no prompt fits is refused before the open ...
+        ("--text", "ABAB", "--max-new-tokens", MAX_SEQ_LEN): f"at least 1 prompt token + {MAX_SEQ_LEN} new tokens",
+        # ... and one this prompt does not fit right after it (the server tokenizes: 4 tokens)
+        ("--text", "ABAB", "--max-new-tokens", MAX_SEQ_LEN - 3): f"4 prompt tokens + {MAX_SEQ_LEN - 3} new tokens exceed",
+    }
+    before = client.stats().open_sessions
+    for args, message in cases.items():
+        proc = _run("drafter", "generate", "--server", server.address, "--drafter", "ngram", *args)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stdout == "", proc.stdout
+    assert client.stats().open_sessions == before, "the session opened for the --text check was closed"
+    # at the limits themselves, the runs go through
+    fits = _json(_run("drafter", "generate", "--server", server.address, "--prompt-ids", PROMPT, "--json",
+                      "--k", MAX_K, "--max-new-tokens", MAX_SEQ_LEN - len(prompt)))
+    assert fits["k"] == MAX_K and len(fits["tokens"]) <= MAX_SEQ_LEN - len(prompt)
+
+
+def test_every_flag_shows_its_default():
+    (commands,) = [a.choices for a in cli.build_parser()._actions if isinstance(a.choices, dict)]
+    for name in ("generate", "bench"):
+        assert flags_without_stated_default(commands[name]) == [], name
+    proc = _run("drafter", "bench", "--help")
+    assert proc.returncode == 0 and "(default: 60.0)" in proc.stdout, proc.stderr
+    text = " ".join(_run("drafter", "generate", "--help").stdout.split())
+    for shown in ("(default: 4 with a drafter, or the server's max_k if lower)", "(default: ngram)", "(default: 0.0)",
+                  "--adaptive-k adapt K", "greedy, every drafter"):
+        assert shown in text, shown

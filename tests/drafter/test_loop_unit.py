@@ -5,9 +5,10 @@ import grpc
 import numpy as np
 import pytest
 
-from drafter.loop import DraftLoop, Generation
+from drafter.loop import DraftLoop
 from drafter.messages import ModelInfo, Session, StepOutcome, VerifierError
 from drafter.text import TextStream
+from verifier.generation import Generation, draft_room, mean_acceptance_length
 from verifier.tokenizer import byte_level_tokenizer
 
 OK = grpc.StatusCode.OK
@@ -74,7 +75,7 @@ def test_advance_records_steps_and_finishes():
     result = loop.result()
     assert loop.finished and result.finish_reason == "eos"
     assert result.tokens == [9, 5, 6, 7, 8, 2]
-    assert result.accepted_per_step == [3, 0] and result.drafts_per_step == [3, 3]
+    assert result.accepted_per_step == [3, 0] and result.drafted_per_step == [3, 3]
     assert result.mean_acceptance_length == 1 + 3 / 2
 
 
@@ -99,9 +100,20 @@ def test_advance_refuses_a_reply_that_does_not_fit_the_step(bad):
 
 
 def test_mean_acceptance_length_counts_only_drafted_steps():
-    gen = Generation("s", [1], [1, 2, 3], "length", accepted_per_step=[2, 0, 1], drafts_per_step=[4, 0, 2])
-    assert gen.steps == 3 and gen.mean_acceptance_length == 1 + 3 / 2
-    assert Generation("s", [1], [1], "length", [0], [0]).mean_acceptance_length == 1.0
+    gen = Generation([1, 2, 3], "length", accepted_per_step=[2, 0, 1], drafted_per_step=[4, 0, 2])
+    assert gen.steps == 3 and gen.mean_acceptance_length == 1 + 3 / 2 == mean_acceptance_length(3, 2)
+    assert Generation([1], "length", [0], [0]).mean_acceptance_length == 1.0 == mean_acceptance_length(0, 0)
+    assert gen.step_figures() == {"steps": 3, "accepted_per_step": [2, 0, 1], "drafted_per_step": [4, 0, 2],
+                                  "mean_acceptance_length": 2.5}
+
+
+def test_draft_room_is_the_tightest_of_k_max_k_context_and_budget():
+    # k, max_k, max_context, position, max_new_tokens, emitted
+    assert draft_room(4, 8, 100, 10, 50, 1) == 4
+    assert draft_room(9, 8, 100, 10, 50, 1) == 8
+    assert draft_room(8, 8, 14, 10, 50, 1) == 3  # rows at 10..13: the pending token and 3 drafts
+    assert draft_room(8, 8, 100, 10, 5, 3) == 1  # 2 tokens left: one draft and the bonus
+    assert draft_room(8, 8, 11, 10, 50, 1) == 0 and draft_room(8, 8, 100, 10, 5, 5) == 0
 
 
 def test_text_stream_holds_back_a_split_character():

@@ -12,24 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.client import Sampling, VerifierClient
 from drafter.loop import UNARY, generate
-from drafter.model_proposer import COUPLED, REJECTION, ModelProposer
-from drafter.proposers import ProbabilityProposer
-from hf_models import _QWEN35_TEXT, build_hf_model
-from verifier.engine import Engine
-from verifier.generate import generate as generate_in_process
 from verifier.model import load_model
+from verifier.model.hf_reference import _QWEN35_TEXT, build_hf_model
 from verifier.model.state import RecurrentState
-from verifier.sampling import SamplingParams, masked_logits
+from verifier.params import SamplingParams
+from verifier.proposers import COUPLED, REJECTION, ModelProposer, ProbabilityProposer
+from verifier.sampling import masked_logits
 
-from drafter_setup import MAX_SEQ_LEN, NAME, served_checkpoint, server  # noqa: F401 (fixtures)
+from drafter_setup import MAX_SEQ_LEN, client, plain_in_process, served_checkpoint, server, target  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = _QWEN35_TEXT["vocab_size"]
 NEW = 24
 PROMPT = [5, 9, 14, 3, 5, 9, 14, 3, 7, 22, 40]
-SAMPLED = Sampling(temperature=0.9, top_k=30, top_p=0.95, seed=42)
+SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, seed=42)
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +44,6 @@ def small(small_dir):
     return load_model(small_dir)
 
 
-@pytest.fixture(scope="module")
-def target(load_target):
-    return load_target(NAME)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with VerifierClient(server.address, timeout_s=60) as c:
-        yield c
-
-
 class _Recording:
     """A client that keeps every step it sends (use with transport=UNARY)."""
 
@@ -72,12 +58,8 @@ class _Recording:
         return self.client.step(step)
 
 
-def _params(sampling: Sampling) -> SamplingParams:
-    return SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
-
-
 def _plain(model, prompt, sampling):
-    return generate_in_process(Engine(model, 1, MAX_SEQ_LEN, max_k=0), prompt, NEW, _params(sampling))
+    return plain_in_process(model, prompt, NEW, sampling)
 
 
 class _SerialDecode:
@@ -135,7 +117,7 @@ def test_rollback_keeps_the_drafter_in_step_with_serial_decoding(small):
 
 
 def test_sampled_drafts_come_with_their_distribution(small):
-    sampling = Sampling(temperature=0.8, top_k=5, seed=1)
+    sampling = SamplingParams(temperature=0.8, top_k=5, seed=1)
     proposer = ModelProposer(small, VOCAB, MAX_SEQ_LEN, sampling, seed=9)
     assert isinstance(proposer, ProbabilityProposer)
     drafts, probs = proposer.propose_with_probs(PROMPT, 4)
@@ -143,7 +125,7 @@ def test_sampled_drafts_come_with_their_distribution(small):
     reference = _SerialDecode(small, PROMPT)
     context = list(PROMPT)
     for r, draft in enumerate(drafts):
-        q = torch.softmax(masked_logits(reference.advance(context), _params(sampling)), dim=-1).numpy()
+        q = torch.softmax(masked_logits(reference.advance(context), sampling), dim=-1).numpy()
         assert np.array_equal(probs[r], q), f"q row {r} is the draft model's masked softmax"
         assert probs[r, draft] > 0 and np.count_nonzero(probs[r]) <= 5  # drawn inside the top-k set
         context.append(draft)
@@ -163,13 +145,13 @@ def test_a_foreign_vocabulary_is_refused(small):
         ModelProposer(small, VOCAB, MAX_SEQ_LEN, mode="both")
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_the_target_as_its_own_drafter_has_every_draft_accepted(client, served_checkpoint, target, sampling):
     proposer = ModelProposer(load_model(served_checkpoint), VOCAB, MAX_SEQ_LEN, sampling, seed=5)
     spy = _Recording(client)
     got = generate(spy, proposer, prompt_ids=PROMPT, max_new_tokens=NEW, sampling=sampling, k=4, transport=UNARY)
     # the drafter computes the target's bits (q == p when sampling), so nothing is ever rejected
-    assert got.accepted_per_step == got.drafts_per_step
+    assert got.accepted_per_step == got.drafted_per_step
     assert got.steps == -(-(NEW - 1) // 5), "5 tokens a step after the first token: 4 drafts and the bonus"
     if sampling.temperature == 0:
         assert got.tokens == _plain(target, PROMPT, sampling).tokens
@@ -179,13 +161,13 @@ def test_the_target_as_its_own_drafter_has_every_draft_accepted(client, served_c
 
 
 def test_a_smaller_drafter_streams_the_plain_tokens(client, small, target):
-    for sampling, mode in ((Sampling(), REJECTION), (SAMPLED, COUPLED)):
+    for sampling, mode in ((SamplingParams(), REJECTION), (SAMPLED, COUPLED)):
         proposer = ModelProposer(small, VOCAB, MAX_SEQ_LEN, sampling, mode=mode)
         spy = _Recording(client)
         got = generate(spy, proposer, prompt_ids=PROMPT, max_new_tokens=NEW, sampling=sampling, k=3, transport=UNARY)
         assert got.tokens == _plain(target, PROMPT, sampling).tokens, f"{mode} {sampling}"
         assert all(s.draft_probs is None for s in spy.steps)
-        assert 0 < sum(got.accepted_per_step) < sum(got.drafts_per_step), "both acceptances and rejections"
+        assert 0 < sum(got.accepted_per_step) < sum(got.drafted_per_step), "both acceptances and rejections"
         assert proposer.prefills == 1
 
 
@@ -195,7 +177,7 @@ def test_rejection_sampling_streams_rows_of_the_target(client, small, target):
     got = generate(spy, proposer, prompt_ids=PROMPT, max_new_tokens=NEW, sampling=SAMPLED, k=3, transport=UNARY,
                    return_logits=True)
     assert any(s.draft_probs is not None for s in spy.steps)
-    assert 0 < sum(got.drafts_per_step) and proposer.prefills == 1
+    assert 0 < sum(got.drafted_per_step) and proposer.prefills == 1
     # each token was chosen from the target's own row for the stream so far, bit for bit
     reference = _SerialDecode(target, PROMPT + got.tokens[:1])
     rows = [target.prefill(target.new_pool(1, MAX_SEQ_LEN), 0, PROMPT)]
@@ -218,9 +200,9 @@ def test_cli_drafts_with_a_model(server, small_dir, target, tmp_path):
                 "--drafter", "model", "--draft-model", small_dir, "--k", 3, "--adaptive-k")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    assert got["tokens"] == _plain(target, PROMPT, Sampling()).tokens
+    assert got["tokens"] == _plain(target, PROMPT, SamplingParams()).tokens
     assert got["drafter"] == "model" and got["k"] == 3 and got["adaptive_k"] is True
-    assert all(1 <= d <= 3 for d in got["drafts_per_step"][:-1]) and 0 < sum(got["accepted_per_step"])
+    assert all(1 <= d <= 3 for d in got["drafted_per_step"][:-1]) and 0 < sum(got["accepted_per_step"])
     # a draft model over another vocabulary is refused before any weight is read
     foreign = tmp_path / "foreign"
     foreign.mkdir()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from drafter.proposers import NgramProposer, OracleProposer, RandomProposer
+from verifier.proposers import NgramProposer, OracleProposer, RandomProposer
 
 
 def test_random_proposer_is_seeded_and_in_vocabulary():

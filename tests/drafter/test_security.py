@@ -10,7 +10,7 @@ import pytest
 
 from drafter.client import RetryPolicy, VerifierClient, VerifierError
 from drafter.loop import generate
-from drafter.proposers import RandomProposer
+from verifier.proposers import RandomProposer
 
 from drafter_setup import MAX_SEQ_LEN, served_checkpoint  # noqa: F401 (fixtures)
 

@@ -60,11 +60,9 @@ def plain_decode(reliability_checkpoint):
 def slow_server(reliability_checkpoint):
     """(LoopbackServer, SlowEngine): a server whose engine can be slowed per session, with a small
     message limit (0.05 MiB) so an oversized message is cheap to build."""
-    from verifier.model import load_model
     from verifier.server.testing import LoopbackServer
 
-    engine = SlowEngine(load_model(reliability_checkpoint), n_slots=8, max_seq_len=MAX_SEQ_LEN, max_k=MAX_K)
-    with LoopbackServer(reliability_checkpoint, n_slots=8, max_seq_len=MAX_SEQ_LEN, max_k=MAX_K, engine=engine,
-                        max_message_mb=0.05) as server:
-        yield server, engine
-    engine.slow.clear()
+    with LoopbackServer(reliability_checkpoint, n_slots=8, max_seq_len=MAX_SEQ_LEN, max_k=MAX_K, max_message_mb=0.05,
+                        engine_class=SlowEngine) as server:
+        yield server, server.engine
+        server.engine.slow.clear()

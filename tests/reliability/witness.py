@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from verifier import rpc
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 from .conftest import MAX_SEQ_LEN, VOCAB
 

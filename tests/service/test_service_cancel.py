@@ -11,7 +11,6 @@ import pytest
 
 from verifier import rpc
 from verifier.engine import Engine
-from verifier.model import load_model
 from verifier.server.testing import LoopbackServer
 
 from .helpers import code_of, open_session, rpc_error, step, verify_one
@@ -41,11 +40,10 @@ class GatedEngine(Engine):
 
 @pytest.fixture(scope="module")
 def gated(text_checkpoint):
-    engine = GatedEngine(load_model(text_checkpoint), n_slots=6, max_seq_len=96, max_k=8)
-    with LoopbackServer(text_checkpoint, n_slots=6, max_seq_len=96, max_k=8, engine=engine) as server:
+    with LoopbackServer(text_checkpoint, n_slots=6, max_seq_len=96, engine_class=GatedEngine) as server:
         with grpc.insecure_channel(server.address) as channel:
-            yield server, engine, rpc.VerifierStub(channel)
-    engine.gate.set()
+            yield server, server.engine, rpc.VerifierStub(channel)
+        server.engine.gate.set()
 
 
 @pytest.fixture
@@ -176,3 +174,65 @@ def test_cancelled_open_session(gated, closed_gate):
     assert stub.GetStats(rpc.GetStatsRequest()).open_sessions == 1
     stub.CloseSession(rpc.CloseSessionRequest(session_id=retried.session_id))
     assert stub.GetStats(rpc.GetStatsRequest()).free_slots == free
+
+
+def test_close_with_steps_in_flight(gated, closed_gate, plain):
+    """Closing a session whose step the engine runs: that step completes and is answered. Closing
+    one whose step still queues: that step gets NOT_FOUND (position 0: the server holds no such
+    session). Both slots come back."""
+    server, engine, stub = gated
+    engine.gate.set()
+    free = stub.GetStats(rpc.GetStatsRequest()).free_slots
+    running, queued = open_session(stub, [5, 6, 7], 20), open_session(stub, [8, 9], 20)
+    engine.gate.clear()
+    engine.entered.clear()
+    run_thread, run_out = _in_thread(verify_one, stub, running.session_id, running.position, [1, 2])
+    assert engine.entered.wait(10)
+    queue_thread, queue_out = _in_thread(verify_one, stub, queued.session_id, queued.position)
+    _wait_until(lambda: _queued(server) == 1)
+    for s in (running, queued):
+        assert stub.CloseSession(rpc.CloseSessionRequest(session_id=s.session_id)).closed
+    engine.gate.set()
+    run_thread.join()
+    queue_thread.join()
+    ran, refused = run_out["value"], queue_out["value"]
+    assert ran.status.code == 0 and [running.first_token, *ran.tokens] == plain([5, 6, 7], 20).tokens[: 1 + len(ran.tokens)]
+    assert code_of(refused) == grpc.StatusCode.NOT_FOUND and "closed" in refused.status.message and refused.position == 0
+    _wait_until(lambda: stub.GetStats(rpc.GetStatsRequest()).free_slots == free)
+
+
+def test_request_id_reused_while_its_step_runs(gated, closed_gate, plain):
+    """While step "x1" runs, "x1" with other drafts is INVALID_ARGUMENT at once; "x1" with the same
+    content joins the running step and gets its result."""
+    server, engine, stub = gated
+    engine.gate.set()
+    opened = open_session(stub, [4, 4, 2], 20)
+    expected = plain([4, 4, 2], 20)
+    engine.gate.clear()
+    engine.entered.clear()
+    first, first_out = _in_thread(verify_one, stub, opened.session_id, opened.position, expected.tokens[1:3], request_id="x1")
+    assert engine.entered.wait(10)
+    other = verify_one(stub, opened.session_id, opened.position, expected.tokens[1:2], request_id="x1")
+    assert code_of(other) == grpc.StatusCode.INVALID_ARGUMENT and "'x1'" in other.status.message
+    joined, joined_out = _in_thread(verify_one, stub, opened.session_id, opened.position, expected.tokens[1:3], request_id="x1")
+    engine.gate.set()
+    first.join()
+    joined.join()
+    assert first_out["value"].status.code == 0 and list(first_out["value"].tokens) == expected.tokens[1:4]
+    assert joined_out["value"].SerializeToString() == first_out["value"].SerializeToString()
+    stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
+
+
+def test_open_abandoned_by_its_deadline_is_reaped(text_checkpoint):
+    """An OpenSession with a request id whose caller's deadline passed keeps its session for a retry,
+    but not forever: the idle timeout gives its slot back."""
+    with LoopbackServer(text_checkpoint, n_slots=2, max_seq_len=64, idle_timeout_s=0.5, engine_class=GatedEngine) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            server.engine.gate.clear()
+            request = rpc.OpenSessionRequest(prompt_ids=[1, 2, 3], max_new_tokens=5, request_id="abandoned")
+            assert rpc_error(stub.OpenSession, request, timeout=0.3).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert stub.GetStats(rpc.GetStatsRequest()).free_slots == 1  # held while it is admitted
+            server.engine.gate.set()
+            _wait_until(lambda: stub.GetStats(rpc.GetStatsRequest()).free_slots == 2, timeout=10)
+            assert stub.GetStats(rpc.GetStatsRequest()).open_sessions == 0

@@ -1,8 +1,11 @@
 """`python -m verifier serve`, run as a user runs it: it logs its port, answers, and exits cleanly
-on SIGTERM."""
+on SIGTERM; its flags are ServerConfig's fields; a port it cannot bind is one line and exit 2."""
 
+import argparse
+import dataclasses
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +15,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifier import cli, rpc
+from verifier.server import ServerConfig
+from verifier.server.cli import add_serve_parser, config_from_args, flag_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,3 +63,44 @@ def test_serve_rejects_bad_options(capsys, text_checkpoint):
     assert "tls_cert and tls_key" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(text_checkpoint), "--port", "0", "--max-wait-ms", "-1"]) == 2
     assert "max_wait_ms" in capsys.readouterr().err
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verifier")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_every_config_field_is_a_flag_with_the_fields_default():
+    (serve,) = [a for a in _serve_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = {a.dest: a for a in serve.choices["serve"]._actions}
+    for spec in dataclasses.fields(ServerConfig):
+        action = actions[spec.name]
+        assert flag_name(spec) in action.option_strings
+        assert "(default: " in action.help or action.required, action.help
+        if spec.default is dataclasses.MISSING:
+            assert action.default is None
+        else:
+            assert action.default == spec.default and f"(default: {spec.default})" in action.help, spec.name
+    assert actions["model_dir"].option_strings == ["--model"] and actions["port"].required
+    assert ServerConfig.__dataclass_fields__["idle_timeout_s"].default == 600.0  # finite: nothing holds a slot forever
+    assert ServerConfig.__dataclass_fields__["results_per_session"].default == 8
+
+
+def test_flags_build_the_config(text_checkpoint):
+    args = _serve_parser().parse_args(["serve", "--model", str(text_checkpoint), "--port", "0", "--results-per-session", "3",
+                                       "--idle-timeout-s", "30", "--metrics-port", "9100", "--rollback", "snapshot"])
+    assert config_from_args(args) == ServerConfig(text_checkpoint, port=0, results_per_session=3, idle_timeout_s=30.0,
+                                                  metrics_port=9100, rollback="snapshot")
+
+
+def test_busy_metrics_port_is_one_line_and_exit_2(text_checkpoint):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "verifier", "serve", "--model", str(text_checkpoint), "--port", "0",
+                               "--metrics-port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"127.0.0.1:{port}" in line and "--metrics-port" in line, proc.stderr

@@ -7,7 +7,7 @@ import torch
 from verifier import rpc
 from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 from verifier.tokenizer import TextTokenizer
 
 from .helpers import code_of, logits_array, open_session, rpc_error, step, verify_one

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from verifier import rpc
-from verifier.sampling import SamplingParams
+from verifier.params import SamplingParams
 
 from .helpers import logits_array, step
 

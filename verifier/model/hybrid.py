@@ -86,14 +86,14 @@ class HybridModel:
         return self._run(tokens, batch, pool, True, False, mode, record), record
 
     def check_rows(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool) -> None:
-        """Reject a batch before it touches any state."""
-        if tokens.shape != (batch.n_rows,):
-            raise ValueError(f"tokens has shape {list(tokens.shape)}, expected [{batch.n_rows}]")
+        """Assert what callers guarantee (the server and the in-process path check their inputs, the
+        engine the context room), before the batch touches any state: a failure is a caller bug."""
+        assert tokens.shape == (batch.n_rows,), f"tokens has shape {list(tokens.shape)}, expected [{batch.n_rows}]"
         end = max(p + c for p, c in zip(batch.starts, batch.counts))
-        if end > pool.max_seq_len:
-            raise ValueError(f"rows reach position {end - 1}, past the pool's max_seq_len {pool.max_seq_len}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
-            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        assert end <= pool.max_seq_len, f"rows reach position {end - 1}, past the pool's max_seq_len {pool.max_seq_len}"
+        # on the host tokens, before they move: no device sync
+        assert 0 <= int(tokens.min()) and int(tokens.max()) < self.config.vocab_size, \
+            f"token id out of range 0..{self.config.vocab_size - 1}"
 
     def _run(self, tokens, batch, pool, row_invariant, last_only, mode, record):
         self.check_rows(tokens, batch, pool)

@@ -23,12 +23,11 @@ class RowBatch:
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        if not (len(self.slots) == len(self.starts) == len(self.counts)):
-            raise ValueError("RowBatch: slots, starts and counts differ in length")
-        if len(set(self.slots)) != len(self.slots):
-            raise ValueError(f"RowBatch: a slot appears twice in one batch: {self.slots}")
-        if any(c < 1 for c in self.counts) or any(p < 0 for p in self.starts):
-            raise ValueError("RowBatch: every sequence needs at least one row and a non-negative start")
+        # what the engine's step guarantees (one entry per sequence, each sequence once): a caller bug otherwise
+        assert len(self.slots) == len(self.starts) == len(self.counts), "RowBatch: slots, starts and counts differ in length"
+        assert len(set(self.slots)) == len(self.slots), f"RowBatch: a slot appears twice in one batch: {self.slots}"
+        assert all(c >= 1 for c in self.counts) and all(p >= 0 for p in self.starts), \
+            "RowBatch: every sequence needs at least one row and a non-negative start"
 
     @property
     def n_rows(self) -> int:

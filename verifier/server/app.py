@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 HEALTH_SERVICES = ("", rpc.SERVICE_NAME)  # "" is the whole server
 
 
-def build_engine(config: ServerConfig) -> Engine:
+def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine) -> Engine:
     import torch
 
     model = load_model(config.model_dir, config.device, getattr(torch, config.dtype))
-    return Engine(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback)
+    return engine_class(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback)
 
 
 class VerifierServer:
@@ -54,41 +54,72 @@ class VerifierServer:
         self._metrics_http = None
 
     async def start(self) -> str:
-        """Bind and serve; returns "host:port" (the real port when config.port is 0)."""
+        """Bind and serve; returns "host:port" (the real port when config.port is 0). A port that
+        cannot be bound (gRPC's or the metrics one) is an OSError naming it, and nothing is left
+        running."""
+        self._start_metrics()  # first: a busy metrics port must fail before anything else runs
+        try:
+            return await self._start_grpc()
+        except BaseException:
+            self._stop_metrics()
+            raise
+
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        from prometheus_client import start_http_server
+
+        try:
+            self._metrics_http, _ = start_http_server(self.config.metrics_port, addr=self.config.host,
+                                                      registry=self.metrics.registry)
+        except OSError as exc:
+            raise OSError(f"cannot serve metrics on {self.config.host}:{self.config.metrics_port} "
+                          f"(--metrics-port): {exc.strerror or exc}") from None
+        self.metrics_port = self._metrics_http.server_port
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+
+    async def _start_grpc(self) -> str:
         config = self.config
-        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics)
         interceptors = [BearerTokenAuth(config.auth_token)] if config.auth_token else []
         interceptors.append(MalformedRequestGuard())  # after auth: a stranger's bytes are not even parsed
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # a second server on the same port must fail, not share it
         server = grpc.aio.server(interceptors=interceptors, options=options)
+        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+        target = f"{host}:{config.port}"
+        try:
+            port = self._bind(server, target)
+        except BaseException:
+            await server.stop(None)  # an unstarted server left to the garbage collector outlives the loop
+            raise
+        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics)
         server.add_generic_rpc_handlers([rpc.servicer_handler(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((rpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
-        target = f"{host}:{config.port}"
-        try:
-            if config.tls_cert is not None:
-                credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-                port = server.add_secure_port(target, credentials)
-            else:
-                port = server.add_insecure_port(target)
-        except RuntimeError as exc:  # grpc's way of saying the address cannot be bound
-            raise OSError(f"cannot listen on {target}: {exc}") from None
         await self.service.start()
         await server.start()
         self._server = server
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if config.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self._metrics_http, _ = start_http_server(config.metrics_port, addr=config.host, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
         self.address = f"{host}:{port}"
         return self.address
+
+    def _bind(self, server: grpc.aio.Server, target: str) -> int:
+        config = self.config
+        try:
+            if config.tls_cert is not None:
+                credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                return server.add_secure_port(target, credentials)
+            return server.add_insecure_port(target)
+        except RuntimeError as exc:  # grpc's way of saying the address cannot be bound
+            raise OSError(f"cannot listen on {target} (--host, --port): {exc}") from None
 
     async def drain(self) -> None:
         """NOT_SERVING and no new sessions; open sessions keep stepping until stop."""
@@ -106,9 +137,7 @@ class VerifierServer:
             await self._server.stop(config.grace_s if grace_s is None else grace_s)
         if self.service is not None:
             await self.service.stop()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+        self._stop_metrics()
 
 
 async def _serve_until_signalled(server: VerifierServer) -> None:

@@ -1,54 +1,76 @@
-"""The server's settings: one frozen dataclass, validated on construction (the CLI and
-LoopbackServer both build it; nothing is read from the environment)."""
+"""The server's settings: one frozen dataclass, validated on construction, and the one place their
+defaults and help live. `python -m verifier serve` derives its flags from these fields
+(verifier/server/cli.py) and LoopbackServer its test configs (verifier/server/testing.py);
+nothing is read from the environment.
+
+Each field's metadata holds its `help`, and for the command line only what a field's type cannot
+say: `flag` (a name other than --field-name), `choices`, `fallback` (what a field without a
+default takes when its flag is left out).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..model.rollback import ROLLBACK_MODES, WOA
 
 DTYPE_NAMES = ("float32", "bfloat16")
+DEVICE_CHOICES = ("cpu", "cuda")
+
+
+def option(default, help: str, **cli):
+    """A ServerConfig field with a default and its help text (and command-line hints, see above)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+def required(help: str, **cli):
+    """A ServerConfig field without a default."""
+    return field(metadata={"help": help, **cli})
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model_dir: Path
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: the OS picks a free port (the log line says which)
-    device: str = "cpu"
-    dtype: str = "float32"
-    n_slots: int = 8
-    max_seq_len: int = 2048
-    max_k: int = 8
-    rollback: str = WOA
-    # Scheduler: an engine batch holds at most max_batch_rows verify rows (a single step larger than
-    # that still runs alone); max_wait_ms > 0 lets a batch gather before it runs (0: go at once).
-    max_batch_rows: int = 256
-    max_wait_ms: float = 0.0
-    idle_timeout_s: float | None = None  # None: sessions are never reaped
-    results_per_session: int = 8  # stored step results per session, for idempotent retries
-    retry_after_ms: int = 200  # the hint sent with RESOURCE_EXHAUSTED when the pool is full
-    auth_token: str | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    max_message_mb: float = 64.0
-    metrics_port: int | None = None  # None: no Prometheus endpoint (GetStats still answers)
-    grace_s: float = 5.0  # shutdown: how long in-flight calls may take to finish
-    drain_s: float = 0.0  # shutdown: how long health says NOT_SERVING before the port closes
+    model_dir: Path = required("HF checkpoint directory", flag="--model", fallback="the project's default model")
+    port: int = required("port to bind; 0 picks a free one (the log line says which)")
+    host: str = option("127.0.0.1", "address to bind (127.0.0.1: loopback only)")
+    device: str = option("cpu", "device the model runs on", choices=DEVICE_CHOICES)
+    dtype: str = option("float32", "weight and activation dtype", choices=DTYPE_NAMES)
+    n_slots: int = option(8, "sessions held at once")
+    max_seq_len: int = option(2048, "positions per session (prompt + generated)")
+    max_k: int = option(8, "most drafts per step")
+    rollback: str = option(WOA, "recurrent-state rollback: write-on-accept or snapshots", choices=ROLLBACK_MODES)
+    # An engine batch holds at most max_batch_rows verify rows (a single step larger than that
+    # still runs alone); max_wait_ms > 0 lets a batch gather before it runs.
+    max_batch_rows: int = option(256, "most verify rows in one engine batch")
+    max_wait_ms: float = option(0.0, "let a batch gather this long (0: run as soon as the engine is free)")
+    # Finite by default: an abandoned session, or an OpenSession whose caller left, never holds a
+    # slot for longer than this.
+    idle_timeout_s: float = option(600.0, "reap sessions unused this long (their slots come back)")
+    results_per_session: int = option(8, "step results a session keeps for retries with the same request id")
+    retry_after_ms: int = option(200, "the retry hint sent with RESOURCE_EXHAUSTED when every slot is in use")
+    auth_token: str | None = option(None, "require 'authorization: Bearer TOKEN' (health checks exempt); None: no auth")
+    tls_cert: Path | None = option(None, "PEM server certificate (with --tls-key); None: plaintext")
+    tls_key: Path | None = option(None, "PEM private key (with --tls-cert)")
+    max_message_mb: float = option(64.0, "largest request or response message, MiB")
+    metrics_port: int | None = option(None, "serve Prometheus metrics on this port; None: no endpoint (GetStats still answers)")
+    grace_s: float = option(5.0, "shutdown: time in-flight calls get to finish")
+    drain_s: float = option(0.0, "shutdown: time health says NOT_SERVING before the port closes")
 
     def __post_init__(self):
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+        if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        for name in ("n_slots", "max_seq_len", "max_batch_rows", "results_per_session"):
+        for name in ("n_slots", "max_batch_rows", "results_per_session"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:  # a prompt token and one generated
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
         if self.max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
         if self.rollback not in ROLLBACK_MODES:
@@ -57,8 +79,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if self.idle_timeout_s is not None and not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0):
-            raise ValueError(f"idle_timeout_s must be > 0 (or None: never reap), got {self.idle_timeout_s}")
+        if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0):
+            raise ValueError(f"idle_timeout_s must be a finite number > 0, got {self.idle_timeout_s}")
         if self.retry_after_ms < 0:
             raise ValueError(f"retry_after_ms must be >= 0, got {self.retry_after_ms}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -9,7 +9,7 @@ import torch
 
 from .. import rpc
 from ..engine import EOS, LENGTH
-from ..sampling import SamplingParams
+from ..params import SamplingParams
 
 # engine StepError.code -> the status a result carries
 STEP_ERROR_CODES = {
@@ -31,13 +31,13 @@ def code_name(number: int) -> str:
     return _NAMES.get(number, str(number))
 
 
-def sampling_params(sampling) -> SamplingParams:
+def sampling_params(sampling: rpc.Sampling) -> SamplingParams:
     """rpc.Sampling -> SamplingParams; top_p 0 means off (proto3's default). ValueError names the field."""
     top_p = sampling.top_p if sampling.top_p != 0 else 1.0
     return SamplingParams(sampling.temperature, sampling.top_k, top_p, sampling.seed)
 
 
-def logits_message(rows: torch.Tensor) -> "rpc.Logits":
+def logits_message(rows: torch.Tensor) -> rpc.Logits:
     """[rows, vocab] -> rpc.Logits of little-endian float32 bytes, row-major."""
     array = np.ascontiguousarray(rows.detach().float().cpu().numpy(), dtype="<f4")
     return rpc.Logits(rows=array.shape[0], vocab_size=array.shape[1], float32=array.tobytes())
@@ -51,14 +51,16 @@ def draft_probs_tensor(data: bytes, k: int, vocab: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32).reshape(k, vocab))
 
 
-def error_result(step, code: grpc.StatusCode, message: str, position: int = 0) -> "rpc.StepResult":
+def error_result(step: rpc.VerifyStep, code: grpc.StatusCode, message: str, position: int) -> rpc.StepResult:
+    """A failed step's result. `position`: the session's current position, 0 when the server holds
+    no such session (unknown, closed, reaped, or no session_id); ABORTED repeats it in the status."""
     status = rpc.Status(code=code_number(code), message=message)
     if code == grpc.StatusCode.ABORTED:
         status.current_position = position
     return rpc.StepResult(status=status, session_id=step.session_id, request_id=step.request_id, position=position)
 
 
-def ok_result(step, result, logits=None) -> "rpc.StepResult":
+def ok_result(step: rpc.VerifyStep, result, logits: rpc.Logits | None = None) -> rpc.StepResult:
     """engine.StepResult of an accepted step (and its rpc.Logits, when asked) -> rpc.StepResult."""
     out = rpc.StepResult(status=rpc.Status(code=0), session_id=step.session_id, request_id=step.request_id,
                          accepted=result.accepted, tokens=result.tokens, position=result.position,

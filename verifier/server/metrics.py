@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .. import rpc
+from ..generation import mean_acceptance_length
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -63,7 +64,7 @@ class Metrics:
     def record_open_error(self, code_name: str) -> None:
         self.open_errors.labels(code_name).inc()
 
-    def stats(self) -> "rpc.Stats":
+    def stats(self) -> rpc.Stats:
         drafts, accepted = _value(self.drafts), _value(self.accepted_tokens)
         return rpc.Stats(
             engine_steps=_value(self.engine_steps),
@@ -74,7 +75,7 @@ class Metrics:
             accepted_tokens=accepted,
             drafted_per_position=[_value(self.drafted_at.labels(str(p))) for p in range(1, self.max_k + 1)],
             accepted_per_position=[_value(self.accepted_at.labels(str(p))) for p in range(1, self.max_k + 1)],
-            mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+            mean_acceptance_length=mean_acceptance_length(accepted, drafts),
             rows_per_batch=_histogram(self.rows_per_batch, 1.0),
             step_latency_ms=_histogram(self.step_latency, 1000.0),
             open_sessions=_gauge(self.open_sessions),
@@ -93,7 +94,7 @@ def _gauge(gauge) -> int:
     return int(metric.samples[0].value)
 
 
-def _histogram(histogram, scale: float) -> "rpc.Histogram":
+def _histogram(histogram, scale: float) -> rpc.Histogram:
     """Prometheus' cumulative buckets -> rpc.Histogram's per-bucket counts (last bucket: +inf)."""
     (metric,) = histogram.collect()
     bounds, cumulative, total, count = [], [], 0.0, 0

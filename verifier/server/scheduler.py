@@ -2,9 +2,11 @@
 takes everything waiting (up to max_batch_rows verify rows, each session at most once) and runs
 ONE engine step for it on the worker thread, then the next.
 
-Steps are checked against their session (still open, not finished, expected position) when they
-are taken into a batch, not when they arrive: by then any earlier step of the same session has
-finished, so the check sees the position the engine will run from. The batcher runs one batch at
+Steps are checked against their session (still open, expected position) when they are taken into
+a batch, not when they arrive: by then any earlier step of the same session has finished, so the
+check sees the position the engine will run from. The sequence's own state (finished, room in the
+context) is the engine's check, run once, inside the step. A step whose session was closed while
+it queued gets NOT_FOUND; one the engine already runs completes and is answered. The batcher runs one batch at
 a time and the worker writes sequences only inside a step, so no session is read on the event
 loop while the worker is writing it.
 
@@ -23,9 +25,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from ..engine import LENGTH, Engine, StepError, StepRequest
+from .. import rpc
+from ..engine import LENGTH, Engine, StepRequest
 from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, ok_result
 from .metrics import Metrics
+from .retries import Fingerprint
 from .sessions import Session, SessionTable
 from .worker import Worker
 
@@ -34,11 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class PendingStep:
-    step: object  # rpc.VerifyStep
+    step: rpc.VerifyStep
     session: Session | None
     drafts: list[int]
-    draft_probs: torch.Tensor | None
-    future: asyncio.Future
+    draft_probs: torch.Tensor | None  # [K, vocab] float32
+    future: asyncio.Future  # -> rpc.StepResult
+    fingerprint: Fingerprint | None = None  # with a request id: what a retry must repeat
     arrived: float = field(default_factory=time.perf_counter)
     waiters: int = 1  # callers awaiting this step (an in-flight retry joins the original)
     taken: bool = False  # handed to a batch: it will complete whatever its callers do
@@ -72,14 +77,15 @@ class Scheduler:
         if self._task is not None:
             await self._task
 
-    def answered(self, step, result) -> PendingStep:
+    def answered(self, step: rpc.VerifyStep, result: rpc.StepResult) -> PendingStep:
         """A step answered without the engine (a request error, a stored result)."""
         future = asyncio.get_running_loop().create_future()
         future.set_result(result)
         return PendingStep(step, None, [], None, future, taken=True)
 
-    def submit(self, step, session: Session, drafts: list[int], draft_probs: torch.Tensor | None) -> PendingStep:
-        pending = PendingStep(step, session, drafts, draft_probs, asyncio.get_running_loop().create_future())
+    def submit(self, step: rpc.VerifyStep, session: Session, drafts: list[int], draft_probs: torch.Tensor | None,
+               fingerprint: Fingerprint | None) -> PendingStep:
+        pending = PendingStep(step, session, drafts, draft_probs, asyncio.get_running_loop().create_future(), fingerprint)
         session.busy += 1
         session.last_used = self.sessions.clock()
         if step.request_id:
@@ -130,7 +136,8 @@ class Scheduler:
                 log.exception("engine step failed")
                 for pending in batch:
                     if not pending.future.done():
-                        self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; see the server log"))
+                        self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; "
+                                                            "see the server log", pending.session.sequence.position))
 
     async def _gather(self) -> None:
         """Let a batch gather for up to max_wait_ms, or until it holds max_batch_rows rows."""
@@ -148,7 +155,8 @@ class Scheduler:
 
     def _take(self) -> list[PendingStep]:
         """Waiting steps in arrival order: each session once, at most max_batch_rows rows (the
-        first step always, however many rows it has). The rest wait for the next batch."""
+        first step always, however many rows it has). The rest wait for the next batch (a stream's
+        next step of a session runs from the position its previous step reaches)."""
         batch, rest, seen, rows, full = [], [], set(), 0, False
         for pending in self._queue:
             if batch and rows + pending.rows > self.max_batch_rows:
@@ -163,21 +171,15 @@ class Scheduler:
         self._queue = rest
         return batch
 
-    def _check(self, pending: PendingStep) -> tuple[grpc.StatusCode, str] | None:
-        """The step against its session's current state; never changes state."""
+    def _check(self, pending: PendingStep) -> rpc.StepResult | None:
+        """The step against its session: the error result, or None when it may run. Never changes state."""
         session, step = pending.session, pending.step
         if not self.sessions.is_live(session):
-            return grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session.id)
-        seq = session.sequence
-        if seq.finished:
-            return grpc.StatusCode.FAILED_PRECONDITION, f"session_id {session.id!r} has finished ({seq.finish_reason}): open a new session"
-        if step.expected_position != seq.position:
-            return grpc.StatusCode.ABORTED, (f"expected_position {step.expected_position} is stale: the session is at "
-                                             f"position {seq.position} (Status.current_position)")
-        try:
-            self.engine.check(StepRequest(seq, pending.drafts, pending.draft_probs))
-        except StepError as exc:
-            return STEP_ERROR_CODES[exc.code], str(exc)
+            return error_result(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session.id), 0)
+        position = session.sequence.position
+        if step.expected_position != position:
+            return error_result(step, grpc.StatusCode.ABORTED, f"expected_position {step.expected_position} is stale: "
+                                f"the session is at position {position} (Status.current_position)", position)
         return None
 
     async def _run(self, batch: list[PendingStep]) -> None:
@@ -187,13 +189,15 @@ class Scheduler:
             if problem is None:
                 live.append(pending)
             else:
-                self._deliver(pending, error_result(pending.step, *problem, position=pending.session.sequence.position))
+                self._deliver(pending, problem)
         if not live:
             return
         requests = [StepRequest(p.session.sequence, p.drafts, p.draft_probs) for p in live]
         want_logits = [bool(p.step.return_logits) for p in live]
         results, logits = await self.worker.run(_step, self.engine, requests, want_logits)
-        self.metrics.record_batch(sum(p.rows for p in live))
+        ran = [p.rows for p, r in zip(live, results) if r.error is None]  # the engine refuses steps its state cannot take
+        if ran:
+            self.metrics.record_batch(sum(ran))
         max_seq_len = self.engine.pool.max_seq_len
         for pending, result, rows in zip(live, results, logits):
             if result.error is not None:
@@ -205,11 +209,11 @@ class Scheduler:
                 seq.finish_reason = result.finish_reason = LENGTH
             answer = ok_result(pending.step, result, rows)
             if pending.step.request_id:
-                self.sessions.store_result(pending.session, pending.step.request_id, answer)
+                self.sessions.store_result(pending.session, pending.step.request_id, pending.fingerprint, answer)
             self.metrics.record_step(len(pending.drafts), result.accepted, time.perf_counter() - pending.arrived)
             self._deliver(pending, answer)
 
-    def _deliver(self, pending: PendingStep, result) -> None:
+    def _deliver(self, pending: PendingStep, result: rpc.StepResult) -> None:
         if result.status.code != 0:
             self.metrics.record_error(code_name(result.status.code))
         self._release(pending)

@@ -2,7 +2,8 @@
 
 Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Verify and
 VerifyStream errors are per step (StepResult.status) and the call itself succeeds, so one bad
-step never fails the others.
+step never fails the others. An error result's position is the session's current position, 0 when
+the server holds no such session.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import logging
 import grpc
 
 from .. import rpc
-from ..engine import Engine, StepError
+from ..engine import Engine
 from .config import ServerConfig
-from .convert import FINISH_REASONS, STEP_ERROR_CODES, error_result, logits_message
+from .convert import FINISH_REASONS, error_result, logits_message
 from .metrics import Metrics
+from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fingerprint
 from .scheduler import PendingStep, Scheduler
-from .sessions import SessionTable
-from .validate import Invalid, open_limits, open_prompt, step_drafts
+from .sessions import Session, SessionTable
+from .validate import Invalid, open_limits, open_prompt, repeated_sessions, step_drafts
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,7 @@ class VerifierService:
         self.scheduler = Scheduler(self.engine, self.worker, self.sessions, self.metrics,
                                    self.config.max_batch_rows, self.config.max_wait_ms)
         self.scheduler.start()
-        if self.config.idle_timeout_s is not None:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
+        self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
 
     async def stop(self) -> None:
         """After the gRPC server has stopped: run what is queued, free every slot, stop the worker."""
@@ -59,7 +60,7 @@ class VerifierService:
 
     # ---- RPCs -------------------------------------------------------------------------------
 
-    async def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request: rpc.GetModelInfoRequest, context) -> rpc.ModelInfo:
         config = self.engine.model.config
         return rpc.ModelInfo(
             protocol_version=rpc.PROTOCOL_VERSION, model_id=self.config.model_dir.name, model_type=config.model_type,
@@ -69,12 +70,17 @@ class VerifierService:
             device=str(self.engine.model.device), dtype=self.config.dtype,
         )
 
-    async def OpenSession(self, request, context):
+    async def OpenSession(self, request: rpc.OpenSessionRequest, context) -> rpc.OpenSessionResponse:
         if self.draining:
             await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, "the server is draining: open the session on another replica")
         rid = request.request_id
+        fingerprint = open_fingerprint(request) if rid else None
         if rid and rid in self.sessions.opens:  # a retry: the same session, admitted once
-            return await self._await_open(self.sessions.opens[rid], context)
+            earlier, task = self.sessions.opens[rid]
+            if earlier != fingerprint:
+                error = reused_open_id(rid)
+                await self._abort_open(context, error.code, error.message)
+            return await asyncio.shield(task)  # the admission runs on if this caller leaves
         try:
             prompt = open_prompt(request, self.tokenizer, self.vocab, self.engine.pool.max_seq_len)
             sampling, max_new_tokens = open_limits(request)
@@ -87,25 +93,18 @@ class VerifierService:
                                    ((rpc.RETRY_AFTER_KEY, str(ms)),))
         task = asyncio.ensure_future(self._admit(prompt, sampling, max_new_tokens, request))
         if rid:
-            self.sessions.opens[rid] = task  # a retry after a cancel or deadline finds the session
+            self.sessions.opens[rid] = (fingerprint, task)  # a retry after a cancel or deadline finds the session
         try:
-            return await self._await_open(task, context)
+            return await asyncio.shield(task)  # the admission runs on if this caller leaves
         except asyncio.CancelledError:
             if not rid:  # no one can ever name this session: close it once it is admitted
                 task.add_done_callback(self._close_orphan)
             raise
 
-    async def Verify(self, request, context):
-        first_at: dict[str, int] = {}
-        tickets = []
-        for i, step in enumerate(request.steps):
-            if step.session_id and step.session_id in first_at:
-                tickets.append(self._answer(step, grpc.StatusCode.INVALID_ARGUMENT,
-                                            f"steps[{i}].session_id duplicates steps[{first_at[step.session_id]}]: "
-                                            f"a session may appear once per Verify request"))
-                continue
-            first_at[step.session_id] = i
-            tickets.append(self._submit(step))
+    async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
+        repeated = repeated_sessions(request.steps)
+        tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated else self._submit(step)
+                   for i, step in enumerate(request.steps)]
         try:
             results = [await asyncio.shield(t.future) for t in tickets]
         except asyncio.CancelledError:
@@ -141,13 +140,15 @@ class VerifierService:
             for ticket in outstanding:
                 self.scheduler.withdraw(ticket)
 
-    async def CloseSession(self, request, context):
+    async def CloseSession(self, request: rpc.CloseSessionRequest, context) -> rpc.CloseSessionResponse:
+        # A step the engine runs now completes and is answered; the slot's release queues behind it.
+        # A step still queued finds its session gone when its batch is taken: NOT_FOUND.
         session = self.sessions.remove(request.session_id, "closed")
         if session is not None:
-            self.worker.submit(self.engine.close, session.sequence)  # after any step still running on it
+            self.worker.submit(self.engine.close, session.sequence)
         return rpc.CloseSessionResponse(closed=session is not None)
 
-    async def GetStats(self, request, context):
+    async def GetStats(self, request: rpc.GetStatsRequest, context) -> rpc.Stats:
         return self.metrics.stats()
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -156,16 +157,14 @@ class VerifierService:
         self.metrics.record_open_error(code.name)
         await context.abort(code, message, trailing_metadata=trailing)
 
-    async def _admit(self, prompt, sampling, max_new_tokens, request):
+    async def _admit(self, prompt: list[int], sampling, max_new_tokens: int, request: rpc.OpenSessionRequest) -> rpc.OpenSessionResponse:
         """Prefill on the worker and register the session; runs to the end even if the caller leaves."""
         try:
             seq, logits = await self.worker.run(_open, self.engine, prompt, sampling, max_new_tokens, request.return_logits)
-        except BaseException as exc:
+        except BaseException:
             self.sessions.unreserve()
             if request.request_id:
                 self.sessions.opens.pop(request.request_id, None)
-            if isinstance(exc, StepError):
-                raise Invalid(STEP_ERROR_CODES[exc.code], str(exc)) from None
             raise
         session = self.sessions.add(seq, request.request_id)
         response = rpc.OpenSessionResponse(session_id=session.id, position=seq.position, first_token=seq.pending,
@@ -174,12 +173,6 @@ class VerifierService:
             response.logits.CopyFrom(logits)
         return response
 
-    async def _await_open(self, task, context):
-        try:
-            return await asyncio.shield(task)
-        except Invalid as exc:
-            await self._abort_open(context, exc.code, exc.message)
-
     def _close_orphan(self, task) -> None:
         if task.cancelled() or task.exception() is not None:
             return
@@ -187,29 +180,37 @@ class VerifierService:
         if session is not None:
             self.worker.submit(self.engine.close, session.sequence)
 
-    def _answer(self, step, code: grpc.StatusCode, message: str) -> PendingStep:
+    def _refuse(self, step: rpc.VerifyStep, code: grpc.StatusCode, message: str, session: Session | None = None) -> PendingStep:
+        """Answer a step without the engine, at its session's position (0 without a live session)."""
+        if session is None:
+            session = self.sessions.find(step.session_id)
+        position = session.sequence.position if session is not None else 0
         self.metrics.record_error(code.name)
-        return self.scheduler.answered(step, error_result(step, code, message))
+        return self.scheduler.answered(step, error_result(step, code, message, position))
 
-    def _submit(self, step) -> PendingStep:
-        """Check the step's own fields, find its session, answer a retry from the stored result or
+    def _submit(self, step: rpc.VerifyStep) -> PendingStep:
+        """Check the step's wire fields, find its session, answer a retry from the stored result or
         join it to the same step in flight, else queue it."""
         try:
             drafts, draft_probs = step_drafts(step, self.engine.max_k, self.vocab)
         except Invalid as exc:
-            return self._answer(step, exc.code, exc.message)
-        try:
-            session = self.sessions.get(step.session_id)
-        except LookupError as exc:
-            return self._answer(step, grpc.StatusCode.NOT_FOUND, str(exc))
+            return self._refuse(step, exc.code, exc.message)
+        session = self.sessions.find(step.session_id)
+        if session is None:
+            return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(step.session_id))
         rid = step.request_id
+        fingerprint = step_fingerprint(step) if rid else None
         if rid:
-            stored = session.results.get(rid)
+            stored, in_flight = session.results.get(rid), session.inflight.get(rid)
+            earlier = stored.fingerprint if stored is not None else in_flight.fingerprint if in_flight is not None else None
+            if earlier is not None and earlier != fingerprint:
+                error = reused_step_id(rid)
+                return self._refuse(step, error.code, error.message, session)
             if stored is not None:
-                return self.scheduler.answered(step, stored)
-            if rid in session.inflight:
-                return self.scheduler.join(session.inflight[rid])
-        return self.scheduler.submit(step, session, drafts, draft_probs)
+                return self.scheduler.answered(step, stored.result)
+            if in_flight is not None:
+                return self.scheduler.join(in_flight)
+        return self.scheduler.submit(step, session, drafts, draft_probs, fingerprint)
 
     async def _reap(self, timeout_s: float) -> None:
         interval = min(1.0, timeout_s / 4)

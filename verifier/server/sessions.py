@@ -5,22 +5,36 @@ engine: `reserve` counts a slot as taken the moment an OpenSession is admitted (
 still queued for the worker thread), and `remove` gives it back the moment a session is closed
 or reaped (its release is queued for the worker behind any step still running on that slot).
 The worker runs jobs in order, so the engine's pool never sees more admits than free slots.
+
+Retries (verifier/server/retries.py): a session keeps the results of its last
+`results_per_session` answered steps with a request id, each beside its request's fingerprint;
+OpenSession calls with a request id are kept (fingerprint, admitting task) until their session
+is closed or reaped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .. import rpc
 from ..engine import Sequence
+from .retries import Fingerprint
 
 if TYPE_CHECKING:
     from .scheduler import PendingStep
 
 GONE_REMEMBERED = 4096  # ids of closed / reaped sessions kept to say why a later call fails
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    fingerprint: Fingerprint  # of the request that produced it: a retry must match
+    result: rpc.StepResult
 
 
 @dataclass(eq=False)
@@ -29,7 +43,7 @@ class Session:
     sequence: Sequence
     open_request_id: str  # the OpenSession request id ("" if none): a retry finds this session
     last_used: float
-    results: OrderedDict[str, object] = field(default_factory=OrderedDict)  # request id -> rpc.StepResult
+    results: OrderedDict[str, StoredResult] = field(default_factory=OrderedDict)  # request id -> its answer
     inflight: dict[str, "PendingStep"] = field(default_factory=dict)  # request id -> queued or running step
     busy: int = 0  # steps queued or running: a busy session is never reaped
 
@@ -42,7 +56,8 @@ class SessionTable:
         self.reserved = 0  # slots held by open sessions and by opens in flight
         self._sessions: dict[str, Session] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it is gone
-        self.opens: dict[str, object] = {}  # OpenSession request id -> the asyncio task admitting it
+        # OpenSession request id -> (its request's fingerprint, the task admitting it)
+        self.opens: dict[str, tuple[Fingerprint, asyncio.Task]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -66,6 +81,10 @@ class SessionTable:
         session = Session(secrets.token_hex(16), sequence, open_request_id, self.clock())
         self._sessions[session.id] = session
         return session
+
+    def find(self, session_id: str) -> Session | None:
+        """The live session, or None."""
+        return self._sessions.get(session_id)
 
     def get(self, session_id: str) -> Session:
         """The live session; LookupError saying whether it was never known, closed or reaped."""
@@ -102,9 +121,9 @@ class SessionTable:
         cutoff = self.clock() - timeout_s
         return [s for s in self._sessions.values() if s.busy == 0 and s.last_used <= cutoff]
 
-    def store_result(self, session: Session, request_id: str, result) -> None:
+    def store_result(self, session: Session, request_id: str, fingerprint: Fingerprint, result: rpc.StepResult) -> None:
         """Keep the last `results_per_session` answered steps for idempotent retries."""
-        session.results[request_id] = result
+        session.results[request_id] = StoredResult(fingerprint, result)
         while len(session.results) > self.results_per_session:
             session.results.popitem(last=False)
 

@@ -3,8 +3,8 @@
     with LoopbackServer(model_dir, n_slots=4) as server:
         stub = rpc.VerifierStub(grpc.insecure_channel(server.address))
 
-Keyword options beyond the named ones are ServerConfig fields (max_batch_rows, retry_after_ms,
-tls_cert, tls_key, metrics_port, max_message_mb, results_per_session, grace_s, dtype, ...).
+Keyword options are ServerConfig fields: a test names what it needs, ServerConfig supplies every
+other default, and LOOPBACK_OVERRIDES is the one place tests differ from a real server's defaults.
 """
 
 from __future__ import annotations
@@ -12,21 +12,25 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from .app import VerifierServer
+from ..engine import Engine
+from .app import VerifierServer, build_engine
 from .config import ServerConfig
+
+# A test server listens on loopback on a free port and holds a small pool of short contexts.
+LOOPBACK_OVERRIDES = {"host": "127.0.0.1", "port": 0, "n_slots": 4, "max_seq_len": 256}
+
+
+def loopback_config(model_dir, **overrides) -> ServerConfig:
+    """ServerConfig for a test: ServerConfig's defaults, LOOPBACK_OVERRIDES, then `overrides`."""
+    return ServerConfig(model_dir, **{**LOOPBACK_OVERRIDES, **overrides})
 
 
 class LoopbackServer:
-    def __init__(self, model_dir, *, device: str = "cpu", n_slots: int = 4, max_seq_len: int = 256, max_k: int = 8,
-                 rollback: str = "woa", auth_token: str | None = None, idle_timeout_s: float | None = None,
-                 max_wait_ms: float = 0.0, engine=None, **more):
-        """`engine`: serve an Engine built by the caller (it must match the other options) instead
-        of loading model_dir again."""
-        config = ServerConfig(model_dir, host="127.0.0.1", port=0, device=device, n_slots=n_slots,
-                              max_seq_len=max_seq_len, max_k=max_k, rollback=rollback, auth_token=auth_token,
-                              idle_timeout_s=idle_timeout_s, max_wait_ms=max_wait_ms, **more)
+    def __init__(self, model_dir, *, engine_class: type[Engine] = Engine, **overrides):
+        """`engine_class`: an Engine subclass to build from the config (tests that slow or gate steps)."""
+        config = loopback_config(model_dir, **overrides)
         self.config = config
-        self.server = VerifierServer(config, engine)
+        self.server = VerifierServer(config, build_engine(config, engine_class))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loopback-verifier", daemon=True)
         self._thread.start()
@@ -36,6 +40,10 @@ class LoopbackServer:
         except BaseException:
             self._close_loop()
             raise
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
 
     @property
     def metrics_port(self) -> int | None:

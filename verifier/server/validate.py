@@ -1,13 +1,18 @@
-"""Checks of a request's own fields, before anything touches a session or the engine. Each
-failure is an `Invalid` carrying the status code and a message that names the field."""
+"""Checks of a request's wire fields, before anything touches a session or the engine: the one
+home of these checks (the engine checks state, and asserts what is checked here). Each failure is
+an `Invalid` carrying the status code and a message that names the field."""
 
 from __future__ import annotations
 
 import grpc
 import torch
 
-from ..sampling import SamplingParams
+from .. import rpc
+from ..params import SamplingParams
 from .convert import draft_probs_tensor, sampling_params
+
+# draft_probs rows must sum to 1 within this (float32 sums of a large vocabulary drift)
+PROBS_SUM_TOLERANCE = 1e-3
 
 
 class Invalid(Exception):
@@ -21,7 +26,7 @@ def _bad_ids(ids, vocab: int) -> list[int]:
     return [t for t in ids if not 0 <= t < vocab]
 
 
-def open_prompt(request, tokenizer, vocab: int, max_seq_len: int) -> list[int]:
+def open_prompt(request: rpc.OpenSessionRequest, tokenizer, vocab: int, max_seq_len: int) -> list[int]:
     """The prompt of an OpenSessionRequest: exactly one of prompt_ids and text, in the vocabulary,
     with room for at least one step in the context."""
     has_ids, has_text = len(request.prompt_ids) > 0, request.text != ""
@@ -47,7 +52,7 @@ def open_prompt(request, tokenizer, vocab: int, max_seq_len: int) -> list[int]:
     return prompt
 
 
-def open_limits(request) -> tuple[SamplingParams, int]:
+def open_limits(request: rpc.OpenSessionRequest) -> tuple[SamplingParams, int]:
     """(sampling, max_new_tokens) of an OpenSessionRequest."""
     if request.max_new_tokens < 1:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1 (the first token counts)")
@@ -58,9 +63,8 @@ def open_limits(request) -> tuple[SamplingParams, int]:
     return sampling, request.max_new_tokens
 
 
-def step_drafts(step, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor | None]:
-    """(draft ids, draft probabilities or None) of a VerifyStep. The probabilities' values (finite,
-    rows summing to 1) are the engine's check, run before the step touches state."""
+def step_drafts(step: rpc.VerifyStep, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor | None]:
+    """(draft ids, draft probabilities [K, vocab] or None) of a VerifyStep."""
     if not step.session_id:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
     drafts = list(step.draft_ids)
@@ -74,6 +78,36 @@ def step_drafts(step, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor |
     if not drafts:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "draft_probs is set but draft_ids is empty")
     try:
-        return drafts, draft_probs_tensor(step.draft_probs, len(drafts), vocab)
+        probs = draft_probs_tensor(step.draft_probs, len(drafts), vocab)
     except ValueError as exc:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    _check_probs(probs, drafts)
+    return drafts, probs
+
+
+def _check_probs(probs: torch.Tensor, drafts: list[int]) -> None:
+    """probs [K, vocab] float32: a distribution per row that gives its own draft a chance."""
+    if not torch.isfinite(probs).all() or (probs < 0).any():
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "draft_probs must be finite and non-negative")
+    sums = probs.sum(dim=-1)
+    if ((sums - 1).abs() > PROBS_SUM_TOLERANCE).any():
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"each draft_probs row must sum to 1 (got sums {[round(float(s), 4) for s in sums][:4]})")
+    own = probs[torch.arange(len(drafts)), torch.tensor(drafts)]
+    if (own <= 0).any():
+        r = int((own <= 0).nonzero()[0])
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_probs[{r}] gives its own draft {drafts[r]} probability 0")
+
+
+def repeated_sessions(steps) -> dict[int, str]:
+    """Steps of one Verify request that name a session an earlier step named: index -> message.
+    A session appears once per Verify request (its steps depend on each other's positions)."""
+    first_at: dict[str, int] = {}
+    repeated = {}
+    for i, step in enumerate(steps):
+        if step.session_id in first_at:
+            repeated[i] = (f"steps[{i}].session_id duplicates steps[{first_at[step.session_id]}]: "
+                           f"a session may appear once per Verify request")
+        elif step.session_id:
+            first_at[step.session_id] = i
+    return repeated

@@ -7,8 +7,8 @@ that prefix plus some of the drafter's own drafts) and holds the logits that pre
   1. sync: find how much of `tokens` the new context still agrees with (the drafts the verifier
      kept). If the slot consumed drafts the verifier rejected, restore the snapshot taken before
      the first rejected one; then consume the context's new tokens (the bonus, and the last draft
-     when all were accepted) in one decode-path forward (model.verify, then rollback keeping every
-     row: the engine's own step machinery).
+     when all were accepted) in one decode-path forward (the engine's step runner: verify, then
+     rollback keeping every row).
   2. draft: choose d1 from the logits, consume it with a one-row forward, choose d2, ... up to dk.
      Before consuming each draft but the last, the slot's conv windows and recurrent states (and
      the logits) are snapshotted: a rejection at any draft rolls back to that point with a copy,
@@ -46,27 +46,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verifier.engine import Engine
-from verifier.model import HybridModel, RowBatch, load_config, load_model
-from verifier.model.rollback import WOA, rollback
-from verifier.model.state import RecurrentState
-from verifier.sampling import SamplingParams, choose, masked_logits, sample_from
-
-from .messages import ModelInfo, Sampling
+from ..engine import Engine
+from ..model import HybridModel, RowBatch, load_config, load_model
+from ..model.rollback import WOA
+from ..model.state import RecurrentState
+from ..params import STREAM_DRAFT, SamplingParams
+from ..sampling import choose, masked_logits, sample_from
 
 log = logging.getLogger(__name__)
 
 REJECTION, COUPLED = "rejection", "coupled"
-# The verifier keys its noise streams 0 (choose), 1 (accept) and 2 (residual) by (seed, position):
-# the drafter's own sampling takes stream 3, so its noise is independent of the verifier's even
-# when both use the same seed.
-STREAM_DRAFT = 3
 
 _DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
 class ModelProposer:
-    def __init__(self, model: HybridModel, vocab_size: int, max_context: int, sampling: Sampling = Sampling(),
+    def __init__(self, model: HybridModel, vocab_size: int, max_context: int, sampling: SamplingParams = SamplingParams(),
                  seed: int = 0, mode: str = REJECTION):
         _check_vocab(model.config.vocab_size, vocab_size)
         if mode not in (REJECTION, COUPLED):
@@ -74,7 +69,7 @@ class ModelProposer:
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         self.model = model
-        self.params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        self.params = sampling
         self.seed, self.mode = seed, mode
         # one slot; the context the verifier allows, so any context it can send fits
         self.engine = Engine(model, n_slots=1, max_seq_len=max_context, max_k=0, rollback_mode=WOA)
@@ -86,11 +81,12 @@ class ModelProposer:
         self.rows = 0  # rows consumed by decode-path forwards after the prefills
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, info: ModelInfo, sampling: Sampling = Sampling(), device: str = "cpu",
-                 seed: int = 0, mode: str = REJECTION) -> "ModelProposer":
-        """Load the checkpoint at `model_dir` (fp32 on the CPU, bf16 on a GPU) for the served model `info`."""
-        _check_vocab(load_config(model_dir).vocab_size, info.vocab_size)  # before reading any weights
-        return cls(load_draft_model(model_dir, device), info.vocab_size, info.max_context, sampling, seed, mode)
+    def from_dir(cls, model_dir: str | Path, vocab_size: int, max_context: int, sampling: SamplingParams = SamplingParams(),
+                 device: str = "cpu", seed: int = 0, mode: str = REJECTION) -> "ModelProposer":
+        """Load the checkpoint at `model_dir` (fp32 on the CPU, bf16 on a GPU) for a target of
+        `vocab_size` ids whose sessions hold at most `max_context` tokens."""
+        _check_vocab(load_config(model_dir).vocab_size, vocab_size)  # before reading any weights
+        return cls(load_draft_model(model_dir, device), vocab_size, max_context, sampling, seed, mode)
 
     @property
     def max_seq_len(self) -> int:
@@ -163,15 +159,10 @@ class ModelProposer:
         keeping every row); return the last row's logits."""
         batch = RowBatch(slots=(self.slot,), starts=(len(self.tokens),), counts=(len(new),))
         ids = torch.tensor(new, dtype=torch.int64)
-        graphs = self.engine.graphs
-        if graphs is not None:
-            logits, record = graphs.verify(ids, batch, WOA)
-            last = logits[-1].clone()  # the next replay overwrites the graph's output
-            graphs.rollback(record, [len(new)])
-        else:
-            logits, record = self.model.verify(ids, batch, self.engine.pool, WOA)
-            last = logits[-1]
-            rollback(self.engine.pool, record, [len(new)])
+        # the runner hides graphed vs eager; a graph replay overwrites its output, hence the copy
+        logits, record = self.engine.runner.verify(ids, batch, WOA)
+        last = logits[-1].clone()
+        self.engine.runner.rollback(record, [len(new)])
         self.tokens += new
         self.rows += len(new)
         self.logits = last
