@@ -1,0 +1,106 @@
+"""The goodput policy as a pure function (verifier/server/goodput.py): optimal against brute force,
+and the three regimes the service relies on (useless drafts trimmed away, good drafts kept, rows
+that fill a graph bucket taken because they are free)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from verifier.server.goodput import DecayedRates, GoodputPolicy, StepCost, expected_tokens, trim_drafts
+
+
+def goodput(ks, rates, cost):
+    return sum(expected_tokens(r, k) for k, r in zip(ks, rates)) / cost(sum(k + 1 for k in ks))
+
+
+def linear_cost(per_row: float, fixed: float = 1.0):
+    return lambda rows: fixed + per_row * rows
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_trim_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    sessions = rng.randint(1, 4)
+    requested = [rng.randint(0, 4) for _ in range(sessions)]
+    rates = [[rng.choice([0.0, 0.1, 0.5, 0.8, 0.95, 1.0, rng.random()]) for _ in range(4)] for _ in range(sessions)]
+    table = {r: 1.0 + 0.05 * r + rng.random() * 0.02 for r in (1, 2, 4, 8, 12, 16, 20)}
+    cost = StepCost(dict(sorted(table.items())))
+    chosen = trim_drafts(requested, rates, cost)
+    assert all(0 <= k <= q for k, q in zip(chosen, requested))
+    best = max(goodput(ks, rates, cost) for ks in itertools.product(*[range(q + 1) for q in requested]))
+    assert goodput(chosen, rates, cost) == pytest.approx(best, rel=1e-12)
+
+
+def test_useless_drafts_are_trimmed_when_rows_cost_time():
+    assert trim_drafts([8] * 64, [[0.0] * 8] * 64, linear_cost(0.1)) == [0] * 64
+
+
+def test_good_drafts_are_kept():
+    assert trim_drafts([8] * 64, [[1.0] * 8] * 64, linear_cost(0.01)) == [8] * 64
+
+
+def test_free_rows_in_a_bucket_are_taken():
+    # a bucket of 16 rows costs the same as 4: useless drafts ride along up to the bucket's edge
+    cost = StepCost({4: 1.0, 16: 1.0, 32: 3.0})
+    chosen = trim_drafts([8, 8, 8, 8], [[0.0] * 8] * 4, cost)
+    assert sum(chosen) + 4 == 16
+
+
+def test_the_best_drafts_win_the_rows():
+    # one row to spare: it goes to the session whose first draft is most likely accepted
+    cost = StepCost({3: 1.0, 4: 1.0, 5: 10.0})
+    assert trim_drafts([2, 2, 2], [[0.2, 0.2], [0.9, 0.9], [0.5, 0.5]], cost) == [0, 1, 0]
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="2 requests but 1 rate"):
+        trim_drafts([1, 1], [[0.5]], linear_cost(0.1))
+    with pytest.raises(ValueError, match="session 0 asks for 3 drafts with 2 rates"):
+        trim_drafts([3], [[0.5, 0.5]], linear_cost(0.1))
+    with pytest.raises(ValueError, match="times > 0"):
+        StepCost({4: 0.0})
+
+
+def test_step_cost_pads_up_and_extrapolates():
+    cost = StepCost({1: 1.0, 8: 2.0, 16: 4.0})
+    assert cost(1) == 1.0 and cost(2) == 2.0 and cost(8) == 2.0 and cost(9) == 4.0
+    assert cost(32) == 8.0
+
+
+def test_decayed_rates_count_reached_positions():
+    rates = DecayedRates(max_k=4, decay=1.0)
+    rates.observe(verified=4, accepted=1)  # position 1 accepted, position 2 rejected, 3-4 never reached
+    assert rates.drafted == [1.0, 1.0, 0.0, 0.0] and rates.accepted == [1.0, 0.0, 0.0, 0.0]
+    rates.observe(verified=2, accepted=2)  # all verified drafts accepted: nothing rejected
+    assert rates.drafted == [2.0, 2.0, 0.0, 0.0] and rates.accepted == [2.0, 1.0, 0.0, 0.0]
+    assert rates.rates(None, prior=0.5, weight=1.0) == [2.5 / 3, 1.5 / 3, 0.5, 0.5]
+
+
+def test_policy_learns_to_stop_verifying_random_drafts():
+    policy = GoodputPolicy(max_k=4, cost=linear_cost(0.1), decay=0.9, prior=0.7)
+    ids = [f"s{i}" for i in range(8)]
+    first = policy.trim(ids, [4] * 8)
+    assert sum(first) > 0  # the prior says drafts are worth trying
+    for _ in range(30):
+        for sid, k in zip(ids, policy.trim(ids, [4] * 8)):
+            policy.observe(sid, k, 0)
+    assert policy.trim(ids, [4] * 8) == [0] * 8
+    # new sessions start from the server-wide rates, which have learnt the same
+    assert policy.trim([f"new{i}" for i in range(8)], [4] * 8) == [0] * 8
+
+
+def test_policy_keeps_verifying_good_drafts():
+    policy = GoodputPolicy(max_k=4, cost=linear_cost(0.1))
+    for _ in range(30):
+        for sid, k in zip(["a", "b"], policy.trim(["a", "b"], [4, 4])):
+            policy.observe(sid, k, k)
+    assert policy.trim(["a", "b"], [4, 4]) == [4, 4]

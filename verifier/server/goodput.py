@@ -1,0 +1,159 @@
+"""Goodput-aware K: how many of each session's drafts a batch verifies (DESIGN.md section 9).
+
+A step of R verify rows costs cost(R) seconds (measured at startup, per graph bucket of rows) and
+emits, per session, 1 + (the drafts it accepts) tokens. Verifying a session's j-th draft adds a row
+and is worth P(the first j drafts are all accepted) = a_1 * ... * a_j expected tokens, where a_i is
+the session's acceptance rate at draft position i. So per batch we choose k_s <= requested_s for
+every session s to maximise
+
+    expected tokens per second = sum_s (1 + sum_{j <= k_s} P_s(j)) / cost(sum_s (k_s + 1)).
+
+P_s(j) never grows with j (a product of rates <= 1), so for a fixed number T of draft rows the best
+choice takes the T largest marginal values P_s(j) over all sessions, each session's in order
+(a greedy merge); the policy then picks the T whose total over its cost is largest. With a step-cost
+table flat inside a graph bucket, rows that fill a bucket are free and are always verified; with
+drafts that are never accepted no draft row is bought once the rows cost time; with drafts that
+are always accepted every draft is verified as long as a row costs less than the token it brings.
+
+Trimming changes no token of the stream: a step verifies a prefix of the drafts, and the tokens a
+step emits (accepted drafts, then the target's own token) are those of plain decoding whatever the
+drafts (the bit-exactness contract). Only the number of tokens per step changes.
+
+Acceptance rates are decayed counts per session and draft position; a session with no history
+borrows the server-wide rates (also decayed), and positions nobody has reached yet start at
+`prior`. Pure Python, no torch: the policy is a function of numbers and is tested as one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Expected tokens a step with k drafts emits: 1 + sum_{j<=k} prod_{i<=j} rates[i-1]."""
+    total, alive = 1.0, 1.0
+    for j in range(k):
+        alive *= rates[j]
+        total += alive
+    return total
+
+
+def trim_drafts(requested: Sequence[int], rates: Sequence[Sequence[float]],
+                cost: Callable[[int], float]) -> list[int]:
+    """Drafts to verify per session: k_s <= requested[s], chosen to maximise expected tokens per
+    second. rates[s][j] is session s's acceptance rate at draft position j + 1 (at least
+    requested[s] of them); cost(rows) > 0 is the step time of a batch of `rows` verify rows.
+    Ties go to more drafts (the same goodput, more information about the drafter)."""
+    if len(requested) != len(rates):
+        raise ValueError(f"trim_drafts: {len(requested)} requests but {len(rates)} rate lists")
+    for s, (k, r) in enumerate(zip(requested, rates)):
+        if k < 0 or len(r) < k:
+            raise ValueError(f"trim_drafts: session {s} asks for {k} drafts with {len(r)} rates")
+    base_rows = len(requested)
+    # marginal value of each session's next draft, largest first; a session's values never grow,
+    # so popping the largest and pushing that session's next keeps the prefix order per session
+    heap = [(-float(rates[s][0]), s, 0) for s in range(base_rows) if requested[s] > 0]
+    heapq.heapify(heap)
+    alive = [1.0] * base_rows
+    taken = [0] * base_rows
+    order: list[int] = []  # the session each successive draft row goes to
+    tokens = float(base_rows)
+    best_rate, best_rows = tokens / cost(base_rows), 0
+    while heap:
+        _, s, j = heapq.heappop(heap)
+        alive[s] *= rates[s][j]
+        tokens += alive[s]
+        taken[s] += 1
+        order.append(s)
+        if taken[s] < requested[s]:
+            heapq.heappush(heap, (-alive[s] * rates[s][taken[s]], s, taken[s]))
+        rate = tokens / cost(base_rows + len(order))
+        if rate >= best_rate:
+            best_rate, best_rows = rate, len(order)
+    chosen = [0] * base_rows
+    for s in order[:best_rows]:
+        chosen[s] += 1
+    return chosen
+
+
+class StepCost:
+    """Step time by verify rows, from a table measured at startup: {rows: seconds}. A batch of R
+    rows costs the time of the smallest measured row count >= R (graphs pad R up to a bucket);
+    past the table, the cost grows linearly from the last entry."""
+
+    def __init__(self, table: dict[int, float]):
+        if not table or any(r < 1 or not t > 0 for r, t in table.items()):
+            raise ValueError(f"StepCost needs row counts >= 1 with times > 0, got {table}")
+        self.rows = sorted(table)
+        self.times = [table[r] for r in self.rows]
+
+    def __call__(self, rows: int) -> float:
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows):
+            return self.times[i]
+        return self.times[-1] * rows / self.rows[-1]
+
+
+@dataclass
+class DecayedRates:
+    """Acceptance rate by draft position from decayed counts: each observation multiplies the old
+    counts by `decay` first, so recent steps weigh most."""
+
+    max_k: int
+    decay: float = 0.9
+    drafted: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        self.drafted = [0.0] * self.max_k
+        self.accepted = [0.0] * self.max_k
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """A step verified `verified` drafts and accepted the first `accepted` of them: positions
+        1..accepted+1 (the first rejected one included, when there is one) were reached."""
+        reached = min(verified, accepted + 1)
+        for j in range(reached):
+            self.drafted[j] = self.drafted[j] * self.decay + 1.0
+            self.accepted[j] = self.accepted[j] * self.decay + (1.0 if j < accepted else 0.0)
+
+    def rates(self, fallback: Sequence[float] | None, prior: float, weight: float = 1.0) -> list[float]:
+        """Rate per position: (accepted + weight * base) / (drafted + weight), base = fallback's rate
+        at that position (the server-wide rates), else `prior`."""
+        out = []
+        for j in range(self.max_k):
+            base = fallback[j] if fallback is not None else prior
+            out.append((self.accepted[j] + weight * base) / (self.drafted[j] + weight))
+        return out
+
+
+class GoodputPolicy:
+    """Per-session acceptance rates and the batch trim, as the scheduler uses them."""
+
+    def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7):
+        if not 0 <= prior <= 1:
+            raise ValueError(f"prior must be in [0, 1], got {prior}")
+        self.max_k, self.cost, self.decay, self.prior = max_k, cost, decay, prior
+        self.server = DecayedRates(max_k, decay)
+        self.sessions: dict[str, DecayedRates] = {}
+
+    def trim(self, session_ids: Sequence[str], requested: Sequence[int]) -> list[int]:
+        server = self.server.rates(None, self.prior)
+        rates = [self.sessions[s].rates(server, self.prior) if s in self.sessions else server for s in session_ids]
+        return trim_drafts(requested, rates, self.cost)
+
+    def observe(self, session_id: str, verified: int, accepted: int) -> None:
+        if verified == 0:
+            return
+        rates = self.sessions.get(session_id)
+        if rates is None:
+            rates = self.sessions[session_id] = DecayedRates(self.max_k, self.decay)
+        rates.observe(verified, accepted)
+        self.server.observe(verified, accepted)
+
+    def forget(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
