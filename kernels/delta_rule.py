@@ -6,9 +6,10 @@
     value      [R, H, D_V]             fp32
     decay      [R, H, DECAY_K]         fp32: exp(g); DECAY_K = 1 (GDN, one per head) or D_K (KDA)
     beta       [R, H]                  fp32
-    seq_slots  [S]                     int32: each sequence's slot in the pool (distinct slots)
+    seq_slots  [S]                     int32: each sequence's slot in the pool (distinct slots, but
+                                       padding sequences with no rows / nothing consumed may share one)
     cu_rows    [S+1]                   int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1; cu_rows[0] = 0
-    consumed   [S]                     int32: fold only, 1 <= consumed[s] <= rows of s
+    consumed   [S]                     int32: fold only, 0 <= consumed[s] <= rows of s
     snapshots  [R, H, D_K, D_V]        fp32: verify's optional state after each row (snapshot mode)
     out        [R, H, D_V]             fp32
 
@@ -21,7 +22,9 @@ Per row, per head, with S the state [D_K, D_V] (`_update_state`, `_read_state`):
 delta_rule_verify walks each sequence's rows from its slot's committed state and writes out (and
 snapshots); it never writes `state` (write-on-accept). delta_rule_fold applies each sequence's
 first consumed[s] rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA
-rollback, and prefill's commit with consumed = all rows.
+rollback, and prefill's commit with consumed = all rows. A sequence with no rows (verify) or
+nothing consumed (fold) returns before it reads or writes its slot: graph buckets pad a step with
+such sequences (verifier/model/padding.py), and hundreds of them then cost nothing.
 
 Bits: one kernel, `_delta_rule_kernel`, serves both launchers (constexpr flags pick what is
 stored), and every row goes through the one `@triton.jit` `_update_state` (DESIGN.md section 6
@@ -113,6 +116,9 @@ def _delta_rule_kernel(
         i_rows = tl.load(consumed + i_s)
     else:
         i_rows = tl.load(cu_rows + i_s + 1) - i_bos
+    if i_rows == 0:
+        # a padding sequence (graph buckets): no state tile is read, nothing is stored
+        return
     i_bos = i_bos.to(tl.int64)
 
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K] key channels
@@ -214,7 +220,8 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
 def delta_rule_fold(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                     seq_slots: torch.Tensor, cu_rows: torch.Tensor, consumed: torch.Tensor) -> None:
     """In place: state[seq_slots[s]] advanced by the first consumed[s] rows of sequence s, with the
-    update verify applies. consumed[s] in 1 .. rows of s is not checked (that would sync)."""
+    update verify applies (consumed[s] = 0: state[seq_slots[s]] untouched). consumed[s] in
+    0 .. rows of s is not checked (that would sync)."""
     op = "delta_rule_fold"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     check_tensor(op, "consumed", consumed, seq_slots.shape, torch.int32, ("state", state), layout="[S]")
@@ -259,6 +266,8 @@ def delta_rule_fold_ref(state: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """delta_rule_fold in torch: WOA rollback's loop over the stash rows 0 .. consumed[s]-1."""
     bounds = cu_rows.tolist()
     for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):
+        if n == 0:  # a padding sequence: its slot is not touched
+            continue
         s_state = state[slot]
         for i in range(bounds[s], bounds[s] + n):
             s_state = update_state(s_state, key[i], value[i], decay[i][..., None], beta[i])

@@ -3,9 +3,10 @@
     window     [n_slots, C, W-1]  inputs' dtype: per slot, the raw inputs before the slot's next row
     inputs     [R, C]             fp32 or bf16: raw conv inputs, the rows of all sequences stacked
     weight     [C, W]             inputs' dtype: depthwise taps, weight[:, W-1] multiplies the current row
-    seq_slots  [S]                int32: each sequence's slot in the pool (distinct slots)
+    seq_slots  [S]                int32: each sequence's slot in the pool (distinct slots, but
+                                  padding sequences with no rows / nothing consumed may share one)
     cu_rows    [S+1]              int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1; cu_rows[0] = 0
-    consumed   [S]                int32: next_window only, 1 <= consumed[s] <= rows of s
+    consumed   [S]                int32: next_window only, 0 <= consumed[s] <= rows of s
     out        [R, C]             inputs' dtype
 
 conv_rows: row t of sequence s (seq = window[slot] as rows, then the sequence's inputs):
@@ -17,6 +18,9 @@ window: verify only reads it. Rows outside [0, cu_rows[S]) are not written.
 
 next_window: window[slot] = the last W-1 of (window[slot] ++ the first consumed[s] input rows of s),
 in place: rollback to the accepted prefix, and prefill's commit with consumed = all rows.
+consumed[s] = 0 leaves the window alone (it is not even rewritten): graph buckets pad a step with
+sequences that keep nothing (verifier/model/padding.py). conv_rows walks no row of a sequence with
+none, so padding sequences cost a program that loads two ints.
 
 Row invariance: one program per (sequence, channel block) walks its rows in order; a row's W
 taps are read from the window or the inputs by position and combined in the same order whatever
@@ -113,6 +117,9 @@ def _next_window_kernel(
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_bos = i_bos.to(tl.int64)
     i_n = tl.load(consumed + i_s).to(tl.int64)
+    if i_n == 0:
+        # a padding sequence (graph buckets): its window is neither read nor written
+        return
     o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W] new window columns
     m_w = o_w < W - 1
     # new column w is seq[n + w] of seq = old window ++ inputs
@@ -168,7 +175,8 @@ def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Ten
                 consumed: torch.Tensor) -> None:
     """In place: window[slot] = last W-1 of (window[slot] ++ the first consumed[s] input rows of s).
 
-    consumed[s] in 1 .. rows of s is not checked (that would sync the device)."""
+    consumed[s] = 0 leaves window[slot] untouched; consumed[s] in 0 .. rows of s is not checked
+    (that would sync the device)."""
     op = "next_window"
     _check(op, window, inputs, seq_slots, cu_rows)
     check_tensor(op, "consumed", consumed, seq_slots.shape, torch.int32, ("inputs", inputs), layout="[S]")
@@ -214,5 +222,7 @@ def next_window_ref(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch
     keep = window.shape[2]
     bounds = cu_rows.tolist()
     for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):
+        if n == 0:  # a padding sequence: its slot is not touched
+            continue
         seq = torch.cat((window[slot], inputs[bounds[s] : bounds[s] + n].t().to(window.dtype)), dim=1)  # [C, W-1+n]
         window[slot] = seq[:, seq.shape[1] - keep :]

@@ -1,13 +1,24 @@
-"""CUDA graphs of verify and rollback (GPU only: graphs need CUDA; skipped without a GPU)."""
+"""CUDA graph buckets of verify and rollback (GPU only: graphs need CUDA; skipped without a GPU).
+
+After warm_up, serving captures nothing whatever the mix of K: every step replays its bucket,
+padded; every logits row, token and real slot's state equals the eager engine's bitwise; graph
+memory stays flat. The padding itself is tested on the CPU (tests/test_padded_steps.py,
+tests/kernel_tests/test_padded_batches.py)."""
+
+import random
 
 import pytest
 import torch
 
 from verifier.engine import Engine, StepRequest
-from verifier.generate import generate
+from verifier.model.graphs import DEFAULT_GRAPH_ROWS
+from verifier.model.rollback import ROLLBACK_MODES
 from verifier.params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")]
+
+N_SLOTS, MAX_SEQ_LEN, MAX_K = 6, 512, 6
+GRAPH_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # 6 sessions at K = 6 is 42 rows: past the largest, eager
 
 
 @pytest.fixture(scope="module")
@@ -17,21 +28,73 @@ def model(hf_checkpoint):
     return load_model(hf_checkpoint("qwen3_5_text"), "cuda")
 
 
-def test_bucket_cache_is_bounded_and_evicted_buckets_recapture(model):
-    """Steps with K = 0..4 need five buckets; with room for two, graphs are evicted and recaptured,
-    and the stream still equals the plain eager stream bit for bit."""
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    plain = generate(Engine(model, 1, 64, max_k=0, cuda_graphs=False), prompt, 24)
-    engine = Engine(model, 1, 64, max_k=4)
-    engine.runner.graphs.max_buckets = 2
-    seq = engine.open(prompt, SamplingParams(), 24, eos_ids=())
-    tokens, rows, k = [seq.pending], [seq.first_logits[None]], 0
-    while not seq.finished:
-        drafts = plain.tokens[len(tokens) : len(tokens) + k % 5]  # right drafts, K cycling 0..4
-        (result,) = engine.step([StepRequest(seq, drafts[: 64 - seq.position - 1])])
-        tokens += result.tokens
-        rows.append(result.logits)
-        k += 1
-        assert len(engine.runner.graphs._buckets) <= 2
-    assert tokens == plain.tokens
-    assert torch.equal(torch.cat(rows).cpu(), plain.logits.cpu())
+def _open_all(engine, rng):
+    return [engine.open([rng.randrange(3, 90) for _ in range(rng.randrange(2, 9))], SamplingParams(), 10_000, eos_ids=())
+            for _ in range(N_SLOTS)]
+
+
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+def test_warm_engine_captures_nothing_and_matches_eager(model, mode):
+    """200 steps of random K mixes (random subsets of the sessions, drafts right and wrong): no
+    capture after warm_up, logits, tokens and every real slot's state bitwise the eager engine's."""
+    graphed = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, graph_rows=GRAPH_ROWS)
+    eager = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, cuda_graphs=False)
+    graphed.warm_up()
+    captures = graphed.graph_captures
+    assert captures == len(GRAPH_ROWS) and graphed.max_graph_rows == GRAPH_ROWS[-1]
+    rng_g, rng_e = random.Random(0), random.Random(0)
+    pairs = list(zip(_open_all(graphed, rng_g), _open_all(eager, rng_e)))
+    rng = random.Random(1)
+    for step in range(200):
+        live = [p for p in pairs if p[0].position + MAX_K + 1 < MAX_SEQ_LEN and rng.random() < 0.8] or pairs[:1]
+        drafts = []
+        for g, _ in live:
+            k = rng.randrange(0, MAX_K + 1)
+            # the pending token repeated is right now and then for these tiny models; random ones are wrong
+            drafts.append([g.pending if rng.random() < 0.5 else rng.randrange(90) for _ in range(k)])
+        got = graphed.step([StepRequest(g, d) for (g, _), d in zip(live, drafts)])
+        want = eager.step([StepRequest(e, d) for (_, e), d in zip(live, drafts)])
+        for a, b in zip(got, want):
+            assert a.error is None and b.error is None
+            assert (a.tokens, a.accepted, a.position) == (b.tokens, b.accepted, b.position), f"step {step}"
+            assert torch.equal(a.logits, b.logits), f"step {step}: logits differ"
+    assert graphed.graph_captures == captures, "a step captured a graph while serving"
+    real = slice(0, N_SLOTS)
+    for index, (a, b) in enumerate(zip(graphed.pool.layers, eager.pool.layers)):
+        for name in vars(a):
+            assert torch.equal(getattr(a, name)[real], getattr(b, name)[real]), f"layer {index} {name}"
+
+
+def test_graph_memory_is_flat_while_serving(model):
+    engine = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, graph_rows=GRAPH_ROWS)
+    engine.warm_up()
+    rng = random.Random(2)
+    seqs = _open_all(engine, rng)
+
+    def steps(n):
+        for _ in range(n):
+            live = [s for s in seqs if s.position + MAX_K + 1 < MAX_SEQ_LEN] or seqs[:1]
+            k = [rng.randrange(0, MAX_K // 2) for _ in live]  # at most 18 rows: every step graphed
+            engine.step([StepRequest(s, [rng.randrange(90) for _ in range(n_k)], want_logits=False) for s, n_k in zip(live, k)])
+
+    steps(5)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    steps(100)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated and torch.cuda.memory_reserved() == reserved
+    assert engine.graph_captures == len(GRAPH_ROWS)
+
+
+def test_step_costs_cover_every_bucket(model):
+    engine = Engine(model, N_SLOTS, MAX_SEQ_LEN, graph_rows=GRAPH_ROWS)
+    engine.warm_up()
+    costs = engine.step_costs()
+    assert list(costs) == list(GRAPH_ROWS) and all(t > 0 for t in costs.values())
+    assert engine.graph_captures == len(GRAPH_ROWS)
+
+
+def test_default_buckets_capture_at_startup(model):
+    engine = Engine(model, 64, 1024)
+    engine.warm_up()
+    assert engine.graph_captures == len(DEFAULT_GRAPH_ROWS) and engine.max_graph_rows == DEFAULT_GRAPH_ROWS[-1]

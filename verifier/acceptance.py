@@ -46,16 +46,34 @@ def accept(logits: torch.Tensor, batch: RowBatch, drafts: Sequence[list[int]], s
     spans = [(span, start) for _, start, span in batch.sequences()]
     coupled_on_device = [(span, params, start) for (span, start), params, choice in zip(spans, sampling, by_choice)
                          if choice and not params.greedy]
-    choices = _row_choices(logits, coupled_on_device)
+    choices = _row_choices(logits, coupled_on_device) if any(by_choice) else []
+    host_rows = _host_rows(logits, [span for (span, _), choice in zip(spans, by_choice) if not choice])
     verdicts = []
     for (span, start), ids, params, probs, choice in zip(spans, drafts, sampling, draft_probs, by_choice):
         if choice:
             verdicts.append(_accept_choices(choices[span], ids))
         elif probs is None:
-            verdicts.append(_accept_coupled_on_host(logits[span], ids, params, start))
+            verdicts.append(_accept_coupled_on_host(host_rows[span.start], ids, params, start))
         else:
-            verdicts.append(accept_rejection(logits[span].cpu(), ids, probs, params, start))
+            verdicts.append(accept_rejection(host_rows[span.start], ids, probs, params, start))
     return verdicts
+
+
+def _host_rows(logits: torch.Tensor, spans: list[slice]) -> dict[int, torch.Tensor]:
+    """The rows of each span on the host, keyed by the span's first row: one gather and one
+    device-to-host copy for all of them (the logits themselves when already on the host)."""
+    if not spans:
+        return {}
+    if not logits.is_cuda:
+        return {span.start: logits[span] for span in spans}
+    index = torch.cat([torch.arange(span.start, span.stop) for span in spans]).to(logits.device)
+    rows = logits.index_select(0, index).cpu()
+    out, at = {}, 0
+    for span in spans:
+        n = span.stop - span.start
+        out[span.start] = rows[at : at + n]
+        at += n
+    return out
 
 
 def _accept_choices(choices: list[int], drafts: list[int]) -> tuple[int, int]:

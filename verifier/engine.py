@@ -20,6 +20,8 @@ import torch
 
 from .acceptance import accept
 from .model import HybridModel, RowBatch
+from .model.graphs import DEFAULT_GRAPH_ROWS
+from .model.padding import check_graph_rows
 from .model.rollback import ROLLBACK_MODES, WOA
 from .model.runner import StepRunner
 from .params import SamplingParams
@@ -58,6 +60,7 @@ class StepRequest:
     sequence: Sequence
     drafts: list[int]
     draft_probs: torch.Tensor | None = None  # [K, vocab]: rejection sampling; None: greedy / coupled
+    want_logits: bool = True  # False: the result's logits is None and no logits row is copied
 
 
 @dataclass
@@ -68,27 +71,55 @@ class StepResult:
     tokens: list[int]  # emitted: accepted drafts then the bonus, cut at eos / the budget
     position: int  # the new committed position
     finish_reason: str | None
-    logits: torch.Tensor  # [len(tokens), vocab] fp32 on the model's device: row i is what tokens[i] was chosen from
+    # [len(tokens), vocab] fp32 on the model's device: row i is what tokens[i] was chosen from
+    # (None when the request did not want logits)
+    logits: torch.Tensor | None
     error: StepError | None = None
 
 
 class Engine:
     def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = 8, rollback_mode: str = WOA,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, graph_rows: tuple[int, ...] | None = None):
+        """graph_rows: the CUDA graph buckets' total verify rows (model/graphs.py); None: those of
+        DEFAULT_GRAPH_ROWS that fit max_seq_len. A given list must fit max_seq_len."""
         if rollback_mode not in ROLLBACK_MODES:
             raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {rollback_mode!r}")
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
+        if graph_rows is None:
+            graph_rows = tuple(r for r in DEFAULT_GRAPH_ROWS if r <= max_seq_len)
+        graph_rows = check_graph_rows(tuple(graph_rows), max_seq_len)
         self.model = model
         self.pool = model.new_pool(n_slots, max_seq_len)
         self.max_k = max_k
         self.rollback_mode = rollback_mode
         # verify and rollback, eager or CUDA-graphed (same bits, minus the launch cost)
-        self.runner = StepRunner(model, self.pool, cuda_graphs)
+        self.runner = StepRunner(model, self.pool, cuda_graphs, graph_rows)
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def warm_up(self) -> None:
+        """Capture every graph bucket for the engine's rollback mode now, before the first step, so
+        that serving never captures (nothing to do when eager)."""
+        self.runner.capture(self.rollback_mode)
+
+    @property
+    def graph_captures(self) -> int:
+        """Graph buckets (a verify and a rollback graph each) captured since construction."""
+        return self.runner.captures
+
+    @property
+    def max_graph_rows(self) -> int | None:
+        """The largest bucket's rows (a step with more runs eagerly); None when not graphed."""
+        return self.runner.max_graph_rows
+
+    def step_costs(self) -> dict[int, float]:
+        """Seconds per step (verify + rollback) by bucket rows, timed now on the scratch slot: every
+        bucket through its graphs, or eagerly (the CPU) the smallest buckets within ~0.5 s
+        (StepRunner.step_costs). Real slots are not touched."""
+        return self.runner.step_costs(self.rollback_mode)
 
     def open(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None) -> Sequence:
         """Admit a slot, prefill the prompt, choose the first token (it becomes the pending token).
@@ -139,36 +170,39 @@ class Engine:
                 slots.add(req.sequence.slot)
                 live.append(i)
             except StepError as err:
-                results[i] = StepResult(0, [], req.sequence.position, req.sequence.finish_reason, torch.empty(0, self.vocab_size), err)
+                logits = torch.empty(0, self.vocab_size) if req.want_logits else None
+                results[i] = StepResult(0, [], req.sequence.position, req.sequence.finish_reason, logits, err)
         if live:
             for i, result in zip(live, self._run([requests[i] for i in live])):
                 results[i] = result
         return results
 
     def _run(self, requests: list[StepRequest]) -> list[StepResult]:
+        sequences = [r.sequence for r in requests]
         batch = RowBatch(
-            slots=tuple(r.sequence.slot for r in requests),
-            starts=tuple(r.sequence.position for r in requests),
+            slots=tuple(seq.slot for seq in sequences),
+            starts=tuple(seq.position for seq in sequences),
             counts=tuple(len(r.drafts) + 1 for r in requests),
         )
-        tokens = torch.tensor([t for r in requests for t in [r.sequence.pending, *r.drafts]], dtype=torch.int64)
-        logits, record = self.runner.verify(tokens, batch, self.rollback_mode)
-        verdicts = accept(logits, batch, [r.drafts for r in requests], [r.sequence.sampling for r in requests],
+        tokens = torch.tensor([t for r in requests for t in (r.sequence.pending, *r.drafts)], dtype=torch.int64)
+        logits, verified = self.runner.verify(tokens, batch, self.rollback_mode)
+        # one copy for every result that wants its rows (a graph's next replay overwrites `logits`);
+        # each result then holds a view of it
+        kept_logits = logits.clone() if any(r.want_logits for r in requests) else None
+        verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
                           [r.draft_probs for r in requests])
         results, consumed = [], []
-        for req, (_, start, span), (accepted, bonus) in zip(requests, batch.sequences(), verdicts):
-            seq = req.sequence
-            emitted = [*req.drafts[:accepted], bonus]
-            emitted, finish = self._cut(seq, emitted)
+        for req, seq, (_, start, span), (accepted, bonus) in zip(requests, sequences, batch.sequences(), verdicts):
+            emitted, finish = self._cut(seq, [*req.drafts[:accepted], bonus])
             # Each emitted token's row is consumed: the pending token plus the accepted drafts kept.
             consumed.append(len(emitted))
             seq.position = start + len(emitted)
             seq.pending = emitted[-1]
             seq.emitted += len(emitted)
             seq.finish_reason = finish
-            # a copy: a graph's next replay overwrites its output
-            results.append(StepResult(accepted, emitted, seq.position, finish, logits[span][: len(emitted)].clone()))
-        self.runner.rollback(record, consumed)
+            rows = kept_logits[span.start : span.start + len(emitted)] if req.want_logits else None
+            results.append(StepResult(accepted, emitted, seq.position, finish, rows))
+        self.runner.rollback(verified, consumed)
         return results
 
     @staticmethod

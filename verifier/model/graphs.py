@@ -1,30 +1,46 @@
-"""CUDA graphs of verify and rollback, one pair per bucket (rows per sequence, rollback mode).
+"""CUDA graphs of verify and rollback, one pair per (bucket, rollback mode), captured at startup.
 
 Eager, a step is bound by launches: ~40 Triton launches per layer at tens of microseconds of
 Python each. A graph replays the same kernels with the same arguments, so its bits are the eager
-path's bits; only the launch cost goes. A bucket owns static inputs (token ids, and the batch's
-slot, offset and position tensors, which the forward reads from RowBatch's device cache) and
-static outputs (logits, the rollback record). Before a replay the step's values are copied into
-the inputs; the engine copies the logits out and replays the bucket's rollback graph before the
-next verify overwrites them.
+path's bits; only the launch cost goes.
 
-Buckets are kept in least-recently-used order, at most `max_buckets` of them: a server sees many
-mixes of K across its sessions, and every graph holds its own static buffers.
+Buckets. The kernels read a batch from device tensors (seq_slots, cu_rows, row_slots, positions);
+no launch bakes in a per-sequence count (grids carry only R and S, loop bounds are read on the
+device), so a graph depends on the shape (R rows, S sequences) alone. A step of R rows replays the
+smallest bucket of at least R rows, padded to its shape (padding.py); a step past the largest
+bucket runs eagerly. `capture` makes every bucket's pair before serving; a bucket first met
+later (an engine that skipped warm-up, another rollback mode) is captured then, and counted.
 
-First use of a bucket runs the step eagerly (it warms the Triton caches; verify writes only its
-rows' KV, which the replay rewrites with the same bytes, and the eager rollback is the real one),
-then captures.
+Inputs and outputs. A bucket owns a device StepInputs (tokens and batch in one buffer) whose views
+are the graph's inputs, a pinned host twin the step is packed into, and a kept-count buffer for
+the rollback graph: per step one host-to-device copy of the inputs, one of the kept counts. All
+buckets write their logits into one shared buffer [largest R_b, vocab] fp32, and every graph is
+captured into one shared memory pool: a step's logits are consumed (copied out) before the next
+verify replays, and its record is consumed by its rollback before any other replay, so the
+buckets' temporaries may share memory. Graph memory is then the largest bucket's, not the sum,
+and serving allocates nothing.
+
+Capture runs the step once eagerly on the bucket's padding-only inputs (it compiles the Triton
+kernels; it writes only the scratch slot's KV, and its rollback keeps nothing), then captures.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from .rollback import VerifyRecord, apply_rollback, check_consumed
+from .padding import BucketShape, pad_batch
+from .rollback import VerifyRecord, apply_rollback
 from .rows import RowBatch
+from .step_inputs import StepInputs
+
+# Total verify rows per bucket. Decode at batch b is b rows and a session at K drafts K + 1, so the
+# small counts are dense (1..6: one session at K <= 5 replays an exact fit); past 8 the steps grow
+# by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then 1.33x to 512,
+# which holds 64 sessions at K = 7. With one shared graph memory pool the graph memory is that of
+# the largest bucket, so the list costs capture time (two graphs each at startup), not memory.
+DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 
 
 def graphs_supported(model) -> bool:
@@ -35,69 +51,104 @@ def graphs_supported(model) -> bool:
 
 @dataclass
 class _Bucket:
-    batch: RowBatch  # static: its cached device tensors are the graph's inputs
-    tokens: torch.Tensor  # [rows] int64, static input
-    kept: torch.Tensor  # [sequences] int32, static input of the rollback graph
-    record: VerifyRecord
-    logits: torch.Tensor | None = None
-    verify_graph: torch.cuda.CUDAGraph | None = None
-    rollback_graph: torch.cuda.CUDAGraph | None = None
+    shape: BucketShape
+    mode: str
+    inputs: StepInputs  # on the device: the verify graph's static inputs
+    host: StepInputs  # pinned twin the step is packed into
+    kept: torch.Tensor  # [S_b] int32 on the device: the rollback graph's static input
+    host_kept: torch.Tensor  # [S_b] int32, pinned
+    copied: torch.cuda.Event  # the last copy out of the pinned buffers: wait on it before rewriting them
+    verify_graph: torch.cuda.CUDAGraph
+    rollback_graph: torch.cuda.CUDAGraph
 
 
 class GraphedSteps:
-    def __init__(self, model, pool, max_buckets: int = 64):
-        if max_buckets < 1:
-            raise ValueError(f"max_buckets must be at least 1, got {max_buckets}")
+    def __init__(self, model, pool, shapes: list[BucketShape]):
+        if not shapes:
+            raise ValueError("GraphedSteps needs at least one bucket")
         self.model, self.pool = model, pool
         self.device = model.device
-        self.max_buckets = max_buckets
-        self._buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
+        self.shapes = shapes
+        self.captures = 0  # bucket pairs captured since construction
+        self._buckets: dict[tuple[int, str], _Bucket] = {}
+        self._memory = torch.cuda.graph_pool_handle()
+        self._logits = torch.empty(shapes[-1].rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
         self._last: _Bucket | None = None
 
-    def _load(self, bucket: _Bucket, tokens: torch.Tensor, batch: RowBatch) -> None:
-        for static, value in zip(bucket.batch._tensors(self.device), batch._tensors("cpu")):
-            static.copy_(value, non_blocking=False)
-        bucket.tokens.copy_(tokens)
+    def capture(self, mode: str) -> None:
+        """Capture every bucket's verify and rollback graphs for `mode` (those not captured yet)."""
+        for shape in self.shapes:
+            self._bucket(shape, mode)
 
     @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, batch: RowBatch, mode: str) -> tuple[torch.Tensor, VerifyRecord]:
-        self.model.check_rows(tokens, batch, self.pool)
-        key = (batch.counts, mode)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            static = RowBatch(batch.slots, batch.starts, batch.counts)
-            static._tensors(self.device)
-            bucket = _Bucket(static, torch.zeros(batch.n_rows, dtype=torch.int64, device=self.device),
-                             torch.zeros(len(batch.counts), dtype=torch.int32, device=self.device), VerifyRecord(mode, static))
-            self._load(bucket, tokens, batch)
-            self.model.compute(bucket.tokens, static, self.pool, True, False, mode, VerifyRecord(mode, static))  # warm-up
-            torch.cuda.synchronize()
-            bucket.verify_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.verify_graph):
-                bucket.logits = self.model.compute(bucket.tokens, static, self.pool, True, False, mode, bucket.record)
-            if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
-                raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
-            self._buckets[key] = bucket
-            if len(self._buckets) > self.max_buckets:
-                self._buckets.popitem(last=False)  # the least recently used graph pair goes
-        self._buckets.move_to_end(key)
-        self._load(bucket, tokens, batch)
+    def _bucket(self, shape: BucketShape, mode: str) -> _Bucket:
+        bucket = self._buckets.get((shape.rows, mode))
+        if bucket is not None:
+            return bucket
+        scratch = self.pool.scratch_slot
+        static = pad_batch(RowBatch((), (), ()), shape, scratch)  # padding only: what the graph is captured on
+        host = StepInputs(shape.rows, shape.sequences, "cpu", pin=True).fill(None, static)
+        inputs = host.to(self.device)
+        static.attach(self.device, inputs.batch_tensors())
+        kept = torch.zeros(shape.sequences, dtype=torch.int32, device=self.device)
+        logits_out = self._logits[: shape.rows]
+        # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
+        warm = VerifyRecord(mode, static)
+        self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out)
+        apply_rollback(self.pool, warm, kept)
+        torch.cuda.synchronize()
+        record = VerifyRecord(mode, static)
+        verify_graph = self._capture(lambda: self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out))
+        rollback_graph = self._capture(lambda: apply_rollback(self.pool, record, kept))
+        if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
+            raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
+        self._release(record)
+        bucket = _Bucket(shape, mode, inputs, host, kept, torch.zeros(shape.sequences, dtype=torch.int32).pin_memory(),
+                         torch.cuda.Event(), verify_graph, rollback_graph)
+        self._buckets[(shape.rows, mode)] = bucket
+        self.captures += 1
+        return bucket
+
+    def _capture(self, step) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            step()
+        return graph
+
+    @staticmethod
+    def _release(record: VerifyRecord) -> None:
+        """Drop the captured record's tensors: a record lives from a verify replay to its rollback
+        replay and nothing replays between them, so its memory goes back to the shared pool for the
+        next bucket's capture (the graphs keep their addresses)."""
+        record.layers.clear()
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, batch: RowBatch, shape: BucketShape, mode: str) -> tuple[torch.Tensor, _Bucket]:
+        """Replay `shape`'s verify graph on the step (tokens [R] int64 on the host, batch checked)
+        -> (logits [R, vocab] fp32, a view of the shared logits buffer valid until the next verify;
+        the bucket, for `rollback`)."""
+        bucket = self._bucket(shape, mode)
+        bucket.copied.synchronize()
+        bucket.host.fill(tokens, pad_batch(batch, shape, self.pool.scratch_slot))
+        bucket.inputs.copy_(bucket.host, non_blocking=True)
         bucket.verify_graph.replay()
+        bucket.copied.record()
         self._last = bucket
-        return bucket.logits, bucket.record
+        return self._logits[: batch.n_rows], bucket
 
     @torch.inference_mode()
-    def rollback(self, record: VerifyRecord, consumed: list[int]) -> None:
-        bucket = self._last
-        if bucket is None or record is not bucket.record:
+    def rollback(self, bucket: _Bucket, kept: list[int]) -> None:
+        """Replay the bucket's rollback graph with per-sequence kept counts (padding sequences' 0 included)."""
+        if bucket is not self._last:
             raise RuntimeError("graphed rollback must follow its own verify")
-        check_consumed(record.batch, consumed)
-        bucket.kept.copy_(torch.tensor(consumed, dtype=torch.int32))
-        if bucket.rollback_graph is None:
-            apply_rollback(self.pool, record, bucket.kept)  # the real rollback, and the warm-up
-            torch.cuda.synchronize()
-            bucket.rollback_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.rollback_graph):
-                apply_rollback(self.pool, record, bucket.kept)
-            return
+        bucket.copied.synchronize()
+        bucket.host_kept.numpy()[:] = kept
+        bucket.kept.copy_(bucket.host_kept, non_blocking=True)
         bucket.rollback_graph.replay()
+        bucket.copied.record()
+        self._last = None
+
+    def replay_padding(self, shape: BucketShape, mode: str) -> None:
+        """A step of padding rows only through `shape`'s graphs: what a step of that bucket costs."""
+        self.verify(torch.zeros(0, dtype=torch.int64), RowBatch((), (), ()), shape, mode)
+        self.rollback(self._last, [0] * shape.sequences)

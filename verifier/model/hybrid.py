@@ -100,8 +100,10 @@ class HybridModel:
         return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, mode, record)
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, row_invariant: bool, last_only: bool,
-                mode: str, record: VerifyRecord | None) -> torch.Tensor:
-        """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it."""
+                mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it.
+        logits_out: an optional fp32 [rows, vocab] buffer the logits are written into (the graphs'
+        shared output; the same values: the LM head's output converted to fp32 once)."""
         positions = batch.positions(self.device)
         h = self.embed[tokens]
         # The residual stream's adds run fused into the norm that follows them: h + mixed with the
@@ -117,14 +119,20 @@ class HybridModel:
             h, x = each_row(lambda a, b: self._add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
         if last_only:
             x = x[[o - 1 for o in batch.offsets[1:]]]
+        if logits_out is not None:
+            return logits_out.copy_(each_row(self._head, x, row_invariant=row_invariant))
         return each_row(self._logits, x, row_invariant=row_invariant)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)
 
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden rows [rows, H] -> logits [rows, vocab] in the model's dtype."""
+        return linear(normed, self.lm_head)
+
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden rows [rows, H] -> logits [rows, vocab] fp32."""
-        return linear(normed, self.lm_head).float()
+        return self._head(normed).float()
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
         """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.

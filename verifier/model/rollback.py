@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import delta_rule, short_conv
+from kernels import delta_rule, short_conv, snapshots
 from kernels.runtime import pick
 
 from .rows import RowBatch
@@ -63,13 +63,14 @@ class VerifyRecord:
 
 
 def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: torch.Tensor) -> None:
-    """Advance each sequence's conv window and recurrent state past its first kept[s] rows (int32 [sequences])."""
+    """Advance each sequence's conv window and recurrent state past its first kept[s] rows (int32
+    [sequences]); a sequence with kept[s] = 0 (padding) leaves its slot untouched."""
     device = state.recurrent.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     pick(short_conv.next_window, short_conv.next_window_ref, state.conv)(state.conv, record.conv_inputs, seq_slots, cu_rows, kept)
     if record.snapshots is not None:
-        last = cu_rows[:-1].long() + kept.long() - 1
-        state.recurrent[seq_slots.long()] = record.snapshots[last]
+        keep = pick(snapshots.keep_snapshots, snapshots.keep_snapshots_ref, state.recurrent)
+        keep(state.recurrent, record.snapshots, seq_slots, cu_rows, kept)
     else:
         fold = pick(delta_rule.delta_rule_fold, delta_rule.delta_rule_fold_ref, state.recurrent)
         fold(state.recurrent, record.keys, record.values, record.decays, record.betas, seq_slots, cu_rows, kept)
@@ -92,7 +93,7 @@ def check_consumed(batch: RowBatch, consumed: list[int]) -> None:
 
 
 def apply_rollback(pool: SlotPool, record: VerifyRecord, kept: torch.Tensor) -> None:
-    """rollback with checked counts kept (int32 [sequences], on the state's device); no host syncs,
-    so a CUDA graph can capture it."""
+    """rollback with checked counts kept (int32 [sequences], on the state's device; 0 for the
+    padding sequences of a graph bucket); no host syncs, so a CUDA graph can capture it."""
     for index, layer_record in record.layers.items():
         commit(pool.layers[index], layer_record, record.batch, kept)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .step_inputs import StepInputs
+
 
 @dataclass(frozen=True)
 class RowBatch:
@@ -13,11 +15,16 @@ class RowBatch:
 
     Row r of sequence s sits at position starts[s] + r of slot slots[s]: decode has one row per
     sequence, verify K+1, prefill the prompt (or a chunk of it).
+
+    scratch_slot: set only on a batch padded to a graph bucket (verifier/model/padding.py): its
+    padding sequences sit in that slot, may repeat and may have no rows. Every other sequence has
+    its own slot and at least one row.
     """
 
     slots: tuple[int, ...]
     starts: tuple[int, ...]  # committed position p of each sequence before these rows
     counts: tuple[int, ...]  # rows per sequence
+    scratch_slot: int | None = None
     # device -> (seq_slots, cu_rows, row_slots, positions): built once per batch and device, so a
     # forward makes no host-to-device copies after its first use (and a CUDA graph can own them)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
@@ -25,8 +32,10 @@ class RowBatch:
     def __post_init__(self):
         # what the engine's step guarantees (one entry per sequence, each sequence once): a caller bug otherwise
         assert len(self.slots) == len(self.starts) == len(self.counts), "RowBatch: slots, starts and counts differ in length"
-        assert len(set(self.slots)) == len(self.slots), f"RowBatch: a slot appears twice in one batch: {self.slots}"
-        assert all(c >= 1 for c in self.counts) and all(p >= 0 for p in self.starts), \
+        real = [s for s, slot in enumerate(self.slots) if slot != self.scratch_slot]
+        real_slots = [self.slots[s] for s in real]
+        assert len(set(real_slots)) == len(real_slots), f"RowBatch: a slot appears twice in one batch: {self.slots}"
+        assert all(self.counts[s] >= 1 for s in real) and all(c >= 0 for c in self.counts) and all(p >= 0 for p in self.starts), \
             "RowBatch: every sequence needs at least one row and a non-negative start"
 
     @property
@@ -46,20 +55,23 @@ class RowBatch:
         for s, (slot, start) in enumerate(zip(self.slots, self.starts)):
             yield slot, start, slice(offsets[s], offsets[s + 1])
 
-    def _tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _device_key(device) -> str:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one cache entry
             device = torch.device("cuda", torch.cuda.current_device())
-        key = str(device)
+        return str(device)
+
+    def attach(self, device, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Use these (seq_slots, cu_rows, row_slots, positions) on `device`: views of a step's packed
+        inputs (verifier/model/step_inputs.py), or a graph's static inputs."""
+        self._on_device[self._device_key(device)] = tensors
+
+    def _tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = self._device_key(device)
         if key not in self._on_device:
-            rows = [(s, p + r) for s, p, c in zip(self.slots, self.starts, self.counts) for r in range(c)]
-            host = (
-                torch.tensor(self.slots, dtype=torch.int32),
-                torch.tensor(self.offsets, dtype=torch.int32),
-                torch.tensor([s for s, _ in rows], dtype=torch.int64),
-                torch.tensor([p for _, p in rows], dtype=torch.int64),
-            )
-            self._on_device[key] = tuple(t.to(device) for t in host)
+            packed = StepInputs(self.n_rows, len(self.slots), "cpu").fill(None, self).to(key)
+            self._on_device[key] = packed.batch_tensors()
         return self._on_device[key]
 
     def seq_slots(self, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -2,40 +2,130 @@
 
 Callers (the engine's step, the model drafter) never ask which: a graph replays the eager path's
 kernels with the same arguments, so both give the same bits (DESIGN.md section 6, rule 9).
+
+Both paths pack a step's tokens and batch into one buffer (step_inputs.py) and move it to the
+device in one copy. Graphed, a step of R rows runs padded to the smallest bucket of at least R
+rows (padding.py); eager, it runs as it is, or padded the same way with pad_eagerly (tests: the
+graphs' padding on the CPU reference backend).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from dataclasses import dataclass
+
 import torch
 
 from .graphs import GraphedSteps, graphs_supported
-from .rollback import VerifyRecord, rollback
+from .padding import BucketShape, bucket_shapes, pad_batch, padded_kept, smallest_bucket
+from .rollback import VerifyRecord, apply_rollback, check_consumed
 from .rows import RowBatch
 from .state import SlotPool
+from .step_inputs import StepInputs
+
+
+@dataclass
+class Verified:
+    """What `StepRunner.verify` hands back for its `rollback`."""
+
+    batch: RowBatch  # the step as the caller sent it: kept counts are checked against it
+    shape: BucketShape | None  # the bucket it was padded to; None: unpadded
+    record: VerifyRecord | None  # eager: the forward's record (graphed: the bucket owns it)
+    bucket: object | None = None  # graphed: the bucket whose rollback graph replays
 
 
 class StepRunner:
-    def __init__(self, model, pool: SlotPool, cuda_graphs: bool = True):
-        """cuda_graphs: use graphs where the backend supports them (Triton on a GPU); eager otherwise."""
+    def __init__(self, model, pool: SlotPool, cuda_graphs: bool = True, graph_rows: tuple[int, ...] = (),
+                 pad_eagerly: bool = False):
+        """cuda_graphs: use graphs where the backend supports them (Triton on a GPU); eager otherwise.
+        graph_rows: the buckets' row counts (checked by the caller: padding.check_graph_rows)."""
         self.model, self.pool = model, pool
-        # None when eager; tests reach the bucket cache through it
-        self.graphs = GraphedSteps(model, pool) if cuda_graphs and graphs_supported(model) else None
+        self.shapes = bucket_shapes(graph_rows, pool.n_slots)
+        self.pad_eagerly = pad_eagerly
+        # None when eager
+        self.graphs = GraphedSteps(model, pool, self.shapes) if cuda_graphs and self.shapes and graphs_supported(model) else None
 
     @property
     def graphed(self) -> bool:
         return self.graphs is not None
 
-    def verify(self, tokens: torch.Tensor, batch: RowBatch, mode: str) -> tuple[torch.Tensor, VerifyRecord]:
-        """tokens [rows] int64 (per sequence its pending token, then its drafts) -> (logits [rows, vocab]
-        fp32, the record `rollback` needs). Graphed, the logits live in the graph's static output:
-        valid until the next verify, so copy what must outlive it."""
-        if self.graphs is not None:
-            return self.graphs.verify(tokens, batch, mode)
-        return self.model.verify(tokens, batch, self.pool, mode)
+    @property
+    def captures(self) -> int:
+        return 0 if self.graphs is None else self.graphs.captures
 
-    def rollback(self, record: VerifyRecord, consumed: list[int]) -> None:
-        """Keep rows 0 .. consumed[s]-1 of each sequence of the last verify (consumed = accepted + 1)."""
+    @property
+    def max_graph_rows(self) -> int | None:
+        return self.shapes[-1].rows if self.graphs is not None else None
+
+    def capture(self, mode: str) -> None:
+        """Capture every bucket's graphs for `mode` now (nothing when eager)."""
         if self.graphs is not None:
-            self.graphs.rollback(record, consumed)
-        else:
-            rollback(self.pool, record, consumed)
+            self.graphs.capture(mode)
+
+    def verify(self, tokens: torch.Tensor, batch: RowBatch, mode: str) -> tuple[torch.Tensor, Verified]:
+        """tokens [rows] int64 on the host (per sequence its pending token, then its drafts) ->
+        (logits [rows, vocab] fp32, what `rollback` needs). The logits may live in a graph's output:
+        valid until the next verify, so copy what must outlive it."""
+        self.model.check_rows(tokens, batch, self.pool)
+        shape = smallest_bucket(self.shapes, batch.n_rows)
+        if self.graphs is not None and shape is not None:
+            logits, bucket = self.graphs.verify(tokens, batch, shape, mode)
+            return logits, Verified(batch, shape, None, bucket)
+        return self._eager(tokens, batch, shape if self.pad_eagerly else None, mode)
+
+    @torch.inference_mode()
+    def _eager(self, tokens: torch.Tensor | None, batch: RowBatch, shape: BucketShape | None, mode: str) -> tuple[torch.Tensor, Verified]:
+        padded = batch if shape is None else pad_batch(batch, shape, self.pool.scratch_slot)
+        device = self.model.device
+        inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(device)
+        padded.attach(device, inputs.batch_tensors())
+        record = VerifyRecord(mode, padded)
+        logits = self.model.compute(inputs.tokens, padded, self.pool, True, False, mode, record)
+        return logits[: batch.n_rows], Verified(batch, shape, record)
+
+    def rollback(self, verified: Verified, consumed: list[int]) -> None:
+        """Keep rows 0 .. consumed[s]-1 of each sequence of the last verify (consumed = accepted + 1),
+        in one copy of the counts to the device."""
+        check_consumed(verified.batch, consumed)
+        kept = list(consumed) if verified.shape is None else padded_kept(list(consumed), verified.shape)
+        if verified.bucket is not None:
+            self.graphs.rollback(verified.bucket, kept)
+        elif verified.record.layers:
+            apply_rollback(self.pool, verified.record, torch.tensor(kept, dtype=torch.int32).to(self.model.device))
+
+    def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
+        """Seconds per step (verify + rollback) of each bucket: the median of `repeats` steps of
+        padding rows only (the scratch slot: no real state changes), after one untimed step.
+        Graphed, every bucket's graphs replay (missing ones are captured first). Eager (the CPU
+        reference, whose step time grows linearly with the rows), buckets are timed smallest first,
+        3 steps each, until `budget_s` has passed, so a test server starts in well under a second;
+        the table then ends early (verifier.server.goodput.StepCost extrapolates past its end)."""
+        if self.graphs is None:
+            repeats = min(repeats, 3)
+        costs: dict[int, float] = {}
+        began = time.perf_counter()
+        for shape in self.shapes:
+            if self.graphs is None and costs and time.perf_counter() - began > budget_s:
+                break
+            times = []
+            for _ in range(repeats + 1):
+                self._sync()
+                start = time.perf_counter()
+                self._padding_step(shape, mode)
+                self._sync()
+                times.append(time.perf_counter() - start)
+            costs[shape.rows] = statistics.median(times[1:])
+        return costs
+
+    def _padding_step(self, shape: BucketShape, mode: str) -> None:
+        if self.graphs is not None:
+            self.graphs.replay_padding(shape, mode)
+            return
+        empty = RowBatch((), (), ())
+        _, verified = self._eager(None, empty, shape, mode)
+        self.rollback(verified, [])
+
+    def _sync(self) -> None:
+        if torch.device(self.model.device).type == "cuda":
+            torch.cuda.synchronize()

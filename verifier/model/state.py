@@ -1,10 +1,14 @@
-"""Slot state (DESIGN.md section 4): a pool of `n_slots` sequences of up to `max_seq_len` positions.
+"""Slot state (DESIGN.md section 4): a pool of `n_slots` sequences of up to `max_seq_len` positions,
+plus one scratch slot.
 
-Per layer:
-  attention / MLA: keys [n_slots, max_seq_len, kv_heads, d_k], values [n_slots, max_seq_len, kv_heads, d_v]
+Per layer (n_slots + 1 slots: the last one, `scratch_slot`, is never admitted):
+  attention / MLA: keys [n_slots + 1, max_seq_len, kv_heads, d_k], values [.., kv_heads, d_v]
       (MLA keeps its keys and values expanded per head, so both attention kinds read the same layout)
-  GDN / KDA: conv window [n_slots, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
-      recurrent state [n_slots, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness).
+  GDN / KDA: conv window [n_slots + 1, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
+      recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness).
+
+The scratch slot holds the padding rows of a graph bucket (verifier/model/padding.py): they write
+its KV and are never kept, so its conv window and recurrent state stay zero.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ class SlotPool:
             raise ValueError(f"SlotPool: n_slots {n_slots} and max_seq_len {max_seq_len} must be positive")
         self.n_slots = n_slots
         self.max_seq_len = max_seq_len
+        self.scratch_slot = n_slots  # padding rows only; never admitted
         self.layers: list[AttentionState | RecurrentState] = [
-            self._layer_state(config, kind, n_slots, max_seq_len, device, dtype) for kind in config.mixers
+            self._layer_state(config, kind, n_slots + 1, max_seq_len, device, dtype) for kind in config.mixers
         ]
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
 

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 REJECTION, COUPLED = "rejection", "coupled"
 
 _DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+DRAFT_GRAPH_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # a context that grows by more runs eagerly
 
 
 class ModelProposer:
@@ -71,8 +72,13 @@ class ModelProposer:
         self.model = model
         self.params = sampling
         self.seed, self.mode = seed, mode
-        # one slot; the context the verifier allows, so any context it can send fits
-        self.engine = Engine(model, n_slots=1, max_seq_len=max_context, max_k=0, rollback_mode=WOA)
+        # one slot; the context the verifier allows, so any context it can send fits. A step consumes
+        # the bonus (and the last draft when all were accepted) or one draft: few rows, so few graph
+        # buckets, captured now rather than on the first proposals (a 152k vocabulary's 512-row
+        # bucket alone would hold 300 MiB of logits)
+        rows = tuple(r for r in DRAFT_GRAPH_ROWS if r <= max_context)
+        self.engine = Engine(model, n_slots=1, max_seq_len=max_context, max_k=0, rollback_mode=WOA, graph_rows=rows)
+        self.engine.warm_up()
         self.slot: int | None = None
         self.tokens: list[int] = []  # consumed into the slot: positions 0 .. len - 1
         self.logits: torch.Tensor | None = None  # [vocab] predicting the token at position len(tokens)

@@ -1,0 +1,95 @@
+"""A step's inputs packed in one int64 buffer, so one copy moves all of them to the device.
+
+    words [0, R)            tokens     [R] int64: per sequence its pending token, then its drafts
+    words [a1, a1 + R)      row_slots  [R] int64: the slot of every row
+    words [a2, a2 + R)      positions  [R] int64: the absolute position of every row
+    words [a3, ...) as int32:
+        [0, S)              seq_slots  [S] int32: each sequence's slot
+        [b, b + S + 1)      cu_rows    [S+1] int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
+
+Every section starts on a 16-byte boundary: Triton specialises a pointer argument on 16-byte
+alignment, so the views launch the same compiled kernels as separately allocated tensors. The
+kernels read the batch from these tensors only (no host value of the batch reaches a launch), so
+a CUDA graph captured on one buffer's views serves any batch of the same R and S.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .rows import RowBatch
+
+_WORDS_PER_ALIGN = 2  # int64 words per 16 bytes
+
+
+def _aligned(words: int) -> int:
+    return -(-words // _WORDS_PER_ALIGN) * _WORDS_PER_ALIGN
+
+
+def _cu_rows_at(sequences: int) -> int:
+    """Where cu_rows starts in the int32 section: after seq_slots, on a 16-byte (4 int32) boundary."""
+    return -(-sequences // 4) * 4
+
+
+class StepInputs:
+    def __init__(self, rows: int, sequences: int, device: torch.device | str, pin: bool = False):
+        """A zeroed buffer for R = `rows` rows in S = `sequences` sequences on `device` (pinned host
+        memory with pin=True, so a copy to the GPU can run asynchronously)."""
+        self.rows, self.sequences = rows, sequences
+        int32_words = _aligned((_cu_rows_at(sequences) + sequences + 1 + 1) // 2)
+        self.buffer = torch.zeros(3 * _aligned(rows) + int32_words, dtype=torch.int64, device=device, pin_memory=pin)
+        self._bind_views()
+
+    def batch_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seq_slots, cu_rows, row_slots, positions): what RowBatch.attach takes."""
+        return self.seq_slots, self.cu_rows, self.row_slots, self.positions
+
+    def fill(self, tokens: torch.Tensor | None, batch: RowBatch) -> StepInputs:
+        """Write `batch` (exactly this buffer's R rows and S sequences: pad it first, see padding.py)
+        and its first len(tokens) row tokens (the rest 0, a valid id for padding rows) on the host,
+        with a handful of numpy ops per step, none per token. Returns self."""
+        assert self.buffer.device.type == "cpu", "StepInputs.fill writes a host buffer"
+        assert len(batch.slots) == self.sequences and batch.n_rows == self.rows, \
+            f"StepInputs of {self.rows} rows in {self.sequences} sequences, batch of {batch.n_rows} in {len(batch.slots)}"
+        counts = np.asarray(batch.counts, dtype=np.int64)
+        ends = np.cumsum(counts)
+        firsts = ends - counts
+        slots = np.asarray(batch.slots, dtype=np.int64)
+        token_view = self.tokens.numpy()
+        n_tokens = 0 if tokens is None else tokens.shape[0]
+        if n_tokens:
+            token_view[:n_tokens] = tokens.cpu().numpy()
+        token_view[n_tokens:] = 0
+        self.row_slots.numpy()[:] = np.repeat(slots, counts)
+        self.positions.numpy()[:] = np.repeat(np.asarray(batch.starts, dtype=np.int64) - firsts, counts) + np.arange(self.rows)
+        self.seq_slots.numpy()[:] = slots
+        cu_rows = self.cu_rows.numpy()
+        cu_rows[0] = 0
+        cu_rows[1:] = ends
+        return self
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StepInputs:
+        """A copy on `device` with the same layout: one copy of the whole buffer."""
+        out = StepInputs.__new__(StepInputs)
+        out.__dict__.update(self.__dict__)
+        out.buffer = self.buffer.to(device, non_blocking=non_blocking)
+        out._bind_views()
+        return out
+
+    def copy_(self, source: StepInputs, non_blocking: bool = False) -> None:
+        """Overwrite this buffer with `source` (same layout): one copy; the views stay valid."""
+        self.buffer.copy_(source.buffer, non_blocking=non_blocking)
+
+    def _bind_views(self) -> None:
+        r = _aligned(self.rows)
+        self.tokens = self.buffer[: self.rows]
+        self.row_slots = self.buffer[r : r + self.rows]
+        self.positions = self.buffer[2 * r : 2 * r + self.rows]
+        int32 = self.buffer[3 * r :].view(torch.int32)
+        cu_at = _cu_rows_at(self.sequences)
+        self.seq_slots = int32[: self.sequences]
+        self.cu_rows = int32[cu_at : cu_at + self.sequences + 1]
