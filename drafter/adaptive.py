@@ -20,7 +20,8 @@ The rule (off by default; `--adaptive-k`, or `adaptive=AdaptiveK(k_max)` in draf
 
 Known answers with c = 0.1 and k_max = 8: a = 0 -> 1, a = 0.5 -> 2, a = 0.8 -> 6, a = 1 -> 8.
 The loop may still send fewer drafts than K (the context, the token budget or the server's max_k
-cut them, or the proposer has fewer to offer); the counts use the drafts actually sent.
+cut them, or the proposer has fewer to offer), and the server may verify fewer than were sent
+(goodput-aware K): the counts use the drafts the server verified.
 """
 
 from __future__ import annotations

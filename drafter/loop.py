@@ -13,7 +13,12 @@ Draft probabilities: a proposer with `propose_with_probs` (the model drafter) ma
 [drafts, vocab]; the step carries them only when the session samples (temperature > 0), where the
 verifier then uses rejection sampling. A greedy step never carries them.
 Adaptive K: with `adaptive` (a drafter.adaptive.AdaptiveK), each step asks it for K (still cut as
-above) and tells it how many of the drafts were accepted; without it every step asks for `k`.
+above) and tells it how many of the drafts were verified and accepted; without it every step asks
+for `k`.
+
+The server may verify only the first few drafts of a step (goodput-aware K; the result's
+verified_drafts). A step's drafted count is the drafts verified, so the mean acceptance length
+counts what the target saw, and adaptive K learns from what was judged.
 """
 
 from __future__ import annotations
@@ -95,16 +100,20 @@ class DraftLoop:
         if outcome.position != step.expected_position + len(outcome.tokens):
             raise _internal(f"step at position {step.expected_position} emitted {len(outcome.tokens)} tokens "
                             f"but moved the session to position {outcome.position}")
+        verified = outcome.verified(len(step.draft_ids))
+        if not outcome.accepted <= verified <= len(step.draft_ids):
+            raise _internal(f"accepted {outcome.accepted} and verified {verified} of {len(step.draft_ids)} drafts "
+                            f"(accepted <= verified_drafts <= drafts sent)")
         kept = min(outcome.accepted, len(outcome.tokens))
-        if outcome.accepted > len(step.draft_ids) or list(step.draft_ids[:kept]) != outcome.tokens[:kept]:
+        if list(step.draft_ids[:kept]) != outcome.tokens[:kept]:
             raise _internal(f"accepted {outcome.accepted} of drafts {list(step.draft_ids)}, but the tokens are {outcome.tokens}")
         self.position = outcome.position
         self.tokens += outcome.tokens
         self.finish_reason = outcome.finish_reason
         self.accepted.append(outcome.accepted)
-        self.drafted.append(len(step.draft_ids))
+        self.drafted.append(verified)
         if self.adaptive is not None:
-            self.adaptive.observe(len(step.draft_ids), outcome.accepted)
+            self.adaptive.observe(verified, outcome.accepted)
         if self.return_logits:
             if outcome.logits is None or outcome.logits.shape[0] != len(outcome.tokens):
                 raise _internal(f"asked for logits, got {None if outcome.logits is None else outcome.logits.shape} "

@@ -114,6 +114,13 @@ class StepOutcome:
     finish_reason: str | None
     logits: np.ndarray | None = field(default=None, repr=False)  # [len(tokens), vocab] float32 when asked
     current_position: int | None = None  # ABORTED: where the session really is
+    # drafts the verifier verified (the first ones; goodput-aware K may verify fewer than were sent);
+    # None: the reply does not say (a server from before the field), every draft was verified
+    verified_drafts: int | None = None
+
+    def verified(self, sent: int) -> int:
+        """Drafts verified of the `sent` the step carried."""
+        return sent if self.verified_drafts is None else self.verified_drafts
 
     @property
     def ok(self) -> bool:
@@ -130,7 +137,8 @@ class StepOutcome:
         code = status_code(m.status.code)
         current = m.status.current_position if code == grpc.StatusCode.ABORTED else None
         return cls(code, m.status.message, m.session_id, m.request_id, m.accepted, list(m.tokens), m.position,
-                   _FINISH.get(m.finish_reason), logits_array(m.logits) if m.HasField("logits") else None, current)
+                   _FINISH.get(m.finish_reason), logits_array(m.logits) if m.HasField("logits") else None, current,
+                   m.verified_drafts if m.HasField("verified_drafts") else None)
 
 
 @dataclass(frozen=True)
@@ -161,13 +169,15 @@ class Stats:
     open_sessions: int
     free_slots: int
     errors: int
+    graph_captures: int  # CUDA graphs the server's engine captured, startup included
+    trimmed_drafts: int  # drafts sent but not verified (goodput-aware K)
 
     @classmethod
     def from_proto(cls, m) -> "Stats":
         return cls(m.engine_steps, m.steps, m.rows, m.drafts, m.draft_tokens, m.accepted_tokens,
                    tuple(m.drafted_per_position), tuple(m.accepted_per_position), m.mean_acceptance_length,
                    Histogram.from_proto(m.rows_per_batch), Histogram.from_proto(m.step_latency_ms),
-                   m.open_sessions, m.free_slots, m.errors)
+                   m.open_sessions, m.free_slots, m.errors, m.graph_captures, m.trimmed_drafts)
 
 
 def logits_array(m) -> np.ndarray:

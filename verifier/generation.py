@@ -30,7 +30,7 @@ class Generation:
     tokens: list[int]  # emitted ids, the first token and an eos that ended it included
     finish_reason: str  # "eos" or "length"
     accepted_per_step: list[int]  # drafts accepted per verify step (a step with no drafts counts 0)
-    drafted_per_step: list[int]  # drafts sent per verify step (0: a plain decode step)
+    drafted_per_step: list[int]  # drafts verified per step (over gRPC: the server's verified_drafts; 0: a plain decode step)
     # [len(tokens), vocab] float32 (a torch tensor in process, a numpy array over gRPC) when asked:
     # row i holds the logits tokens[i] was chosen from
     logits: Any = field(default=None, repr=False)

@@ -35,8 +35,9 @@ def _loop(proposer, k=4, max_new_tokens=20, position=3, **info):
     return DraftLoop(session, _info(**info), proposer, k, max_new_tokens)
 
 
-def _outcome(step, accepted, tokens, finish=None):
-    return StepOutcome(OK, "", step.session_id, step.request_id, accepted, tokens, step.expected_position + len(tokens), finish)
+def _outcome(step, accepted, tokens, finish=None, verified=None):
+    return StepOutcome(OK, "", step.session_id, step.request_id, accepted, tokens, step.expected_position + len(tokens), finish,
+                       verified_drafts=verified)
 
 
 def test_drafts_are_cut_to_k_max_k_context_and_budget():
@@ -79,7 +80,25 @@ def test_advance_records_steps_and_finishes():
     assert result.mean_acceptance_length == 1 + 3 / 2
 
 
-@pytest.mark.parametrize("bad", ["position", "accepted-not-drafts", "accepted-over-k", "empty", "not-ok"])
+def test_a_step_counts_the_drafts_the_server_verified():
+    """Goodput-aware K verified 1 of 3 drafts: the step drafted 1 (the mean acceptance length counts
+    what the target saw) and adaptive K learns from the one judged draft."""
+    from drafter.adaptive import AdaptiveK
+
+    rule = AdaptiveK(3)
+    loop = DraftLoop(Session("s", 3, 9, None, [1, 2, 3]), _info(), _Fixed([5, 6, 7]), 3, 20, adaptive=rule)
+    step = loop.next_step()
+    loop.advance(step, _outcome(step, 1, [5, 4], verified=1))
+    step = loop.next_step()
+    loop.advance(step, _outcome(step, 0, [2], verified=0))  # all trimmed: a plain step
+    result = loop.result()
+    assert result.drafted_per_step == [1, 0] and result.accepted_per_step == [1, 0]
+    assert result.mean_acceptance_length == 2.0
+    assert rule.successes == 1 and rule.trials == 1  # 1 of 1 judged, nothing learnt from the trimmed step
+
+
+@pytest.mark.parametrize("bad", ["position", "accepted-not-drafts", "accepted-over-k", "empty", "not-ok",
+                                 "accepted-over-verified", "verified-over-sent"])
 def test_advance_refuses_a_reply_that_does_not_fit_the_step(bad):
     loop = _loop(_Fixed([5, 6]), k=2)
     step = loop.next_step()
@@ -89,6 +108,8 @@ def test_advance_refuses_a_reply_that_does_not_fit_the_step(bad):
         "accepted-over-k": _outcome(step, 3, [5, 6, 1]),
         "empty": _outcome(step, 0, []),
         "not-ok": StepOutcome(grpc.StatusCode.ABORTED, "stale expected_position", "s", "", 0, [], 0, None, current_position=8),
+        "accepted-over-verified": _outcome(step, 2, [5, 6, 1], verified=1),
+        "verified-over-sent": _outcome(step, 1, [5, 1], verified=3),
     }[bad]
     with pytest.raises(VerifierError) as info:
         loop.advance(step, outcome)

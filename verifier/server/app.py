@@ -37,7 +37,8 @@ def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine) -> E
     import torch
 
     model = load_model(config.model_dir, config.device, getattr(torch, config.dtype))
-    return engine_class(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback)
+    return engine_class(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback,
+                        graph_rows=config.graph_rows)
 
 
 class VerifierServer:

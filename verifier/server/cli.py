@@ -15,7 +15,17 @@ from pathlib import Path
 
 from .config import ServerConfig
 
-_PARSERS = {int: int, float: float, str: str, Path: Path}
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """"1,2,4" -> (1, 2, 4)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+_PARSERS = {int: int, float: float, str: str, Path: Path, tuple[int, ...]: _int_list}
 
 
 def flag_name(spec: dataclasses.Field) -> str:
@@ -24,14 +34,21 @@ def flag_name(spec: dataclasses.Field) -> str:
 
 def _value_type(spec: dataclasses.Field, hints: dict) -> type:
     """The field's type without its `| None`."""
+    if hints[spec.name] in _PARSERS:
+        return _PARSERS[hints[spec.name]]
     kinds = [t for t in typing.get_args(hints[spec.name]) if t is not type(None)] or [hints[spec.name]]
     (kind,) = kinds
     return _PARSERS[kind]
 
 
+def shown_default(value) -> str:
+    """A default as its flag would spell it (a tuple as comma-separated values)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def _help(spec: dataclasses.Field) -> str:
     if spec.default is not dataclasses.MISSING:
-        return f"{spec.metadata['help']} (default: {spec.default})"
+        return f"{spec.metadata['help']} (default: {shown_default(spec.default)})"
     if "fallback" in spec.metadata:
         return f"{spec.metadata['help']} (default: {spec.metadata['fallback']})"
     return f"{spec.metadata['help']} (required)"
@@ -44,6 +61,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     hints = typing.get_type_hints(ServerConfig)
     for spec in dataclasses.fields(ServerConfig):
         has_default = spec.default is not dataclasses.MISSING
+        if hints[spec.name] is bool:  # --name / --no-name
+            action = parser.add_argument(flag_name(spec), dest=spec.name, action=argparse.BooleanOptionalAction,
+                                         default=spec.default)
+            action.help = _help(spec)  # argparse may append its own "(default: ...)"; keep one
+            continue
         parser.add_argument(flag_name(spec), dest=spec.name, type=_value_type(spec, hints),
                             choices=spec.metadata.get("choices"), help=_help(spec),
                             default=spec.default if has_default else None,

@@ -41,10 +41,22 @@ class ServerConfig:
     max_seq_len: int = option(2048, "positions per session (prompt + generated)")
     max_k: int = option(8, "most drafts per step")
     rollback: str = option(WOA, "recurrent-state rollback: write-on-accept or snapshots", choices=ROLLBACK_MODES)
-    # An engine batch holds at most max_batch_rows verify rows (a single step larger than that
-    # still runs alone); max_wait_ms > 0 lets a batch gather before it runs.
+    # An engine batch holds at most max_batch_rows verify rows, and never more than the largest
+    # graph bucket (a single step larger than that still runs alone).
     max_batch_rows: int = option(256, "most verify rows in one engine batch")
-    max_wait_ms: float = option(0.0, "let a batch gather this long (0: run as soon as the engine is free)")
+    # When the engine is free, the next batch waits up to max_wait_ms for the next step of every
+    # session of the batch that just ran (the drafters answering its results), so that sessions
+    # stepping in lockstep share one batch instead of splitting into a tiny batch of whoever answered
+    # first. 2 ms: a loopback or LAN round trip plus a drafter's Python is well under it, and it is a
+    # fraction of a batch of 64 on the GPU (~9 ms); a lone drafter never waits (its step is all that
+    # is awaited), and a session that misses a batch is no longer awaited.
+    max_wait_ms: float = option(2.0, "wait this long for the sessions of the last batch (0: run as soon as the engine is free)")
+    # Per batch, verify only the drafts worth their rows (verifier/server/goodput.py), from the step
+    # costs the engine measures at startup; off: every draft is verified.
+    goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")
+    # None: the engine's own list (verifier.model.graphs.DEFAULT_GRAPH_ROWS) cut to max_seq_len
+    graph_rows: tuple[int, ...] | None = option(None, "verify-row buckets the engine captures as CUDA graphs at "
+                                                "startup, comma-separated; None: the engine's list up to max_seq_len")
     # Finite by default: an abandoned session, or an OpenSession whose caller left, never holds a
     # slot for longer than this.
     idle_timeout_s: float = option(600.0, "reap sessions unused this long (their slots come back)")
@@ -69,6 +81,8 @@ class ServerConfig:
         for name in ("n_slots", "max_batch_rows", "results_per_session"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.graph_rows is not None:  # the engine checks the buckets themselves
+            object.__setattr__(self, "graph_rows", tuple(self.graph_rows))
         if self.max_seq_len < 2:  # a prompt token and one generated
             raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
         if self.max_k < 0:

@@ -21,6 +21,7 @@ FINISH_REASONS = {None: rpc.FINISH_NONE, EOS: rpc.FINISH_EOS, LENGTH: rpc.FINISH
 
 
 _NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_OK = rpc.Status(code=0)
 
 
 def code_number(code: grpc.StatusCode) -> int:
@@ -60,11 +61,12 @@ def error_result(step: rpc.VerifyStep, code: grpc.StatusCode, message: str, posi
     return rpc.StepResult(status=status, session_id=step.session_id, request_id=step.request_id, position=position)
 
 
-def ok_result(step: rpc.VerifyStep, result, logits: rpc.Logits | None = None) -> rpc.StepResult:
-    """engine.StepResult of an accepted step (and its rpc.Logits, when asked) -> rpc.StepResult."""
-    out = rpc.StepResult(status=rpc.Status(code=0), session_id=step.session_id, request_id=step.request_id,
+def ok_result(step: rpc.VerifyStep, result, verified_drafts: int, logits: rpc.Logits | None = None) -> rpc.StepResult:
+    """engine.StepResult of a step that ran, with its first `verified_drafts` drafts verified (and
+    its rpc.Logits, when asked) -> rpc.StepResult."""
+    out = rpc.StepResult(status=_OK, session_id=step.session_id, request_id=step.request_id,
                          accepted=result.accepted, tokens=result.tokens, position=result.position,
-                         finish_reason=FINISH_REASONS[result.finish_reason])
+                         finish_reason=FINISH_REASONS[result.finish_reason], verified_drafts=verified_drafts)
     if logits is not None:
         out.logits.CopyFrom(logits)
     return out

@@ -21,7 +21,13 @@ drafts (the bit-exactness contract). Only the number of tokens per step changes.
 
 Acceptance rates are decayed counts per session and draft position; a session with no history
 borrows the server-wide rates (also decayed), and positions nobody has reached yet start at
-`prior`. Pure Python, no torch: the policy is a function of numbers and is tested as one.
+`prior`. A step whose drafts were all trimmed judged nothing, so evidence would freeze where it
+stopped buying rows (a drafter that improves, or a good drafter arriving after a run of bad ones,
+would never be verified again): such a step relaxes the session's counts (decay without an
+observation) toward the server-wide rates, and a batch holding such a step relaxes the server-wide
+counts toward `prior`. Drafts are then tried again once old evidence has faded, at a cost that
+falls as rows get dearer. Pure Python, no torch: the policy is a function of numbers and is tested
+as one.
 """
 
 from __future__ import annotations
@@ -121,6 +127,11 @@ class DecayedRates:
             self.drafted[j] = self.drafted[j] * self.decay + 1.0
             self.accepted[j] = self.accepted[j] * self.decay + (1.0 if j < accepted else 0.0)
 
+    def relax(self) -> None:
+        """A step that judged nothing: older evidence weighs less, the base (see rates) more."""
+        self.drafted = [d * self.decay for d in self.drafted]
+        self.accepted = [a * self.decay for a in self.accepted]
+
     def rates(self, fallback: Sequence[float] | None, prior: float, weight: float = 1.0) -> list[float]:
         """Rate per position: (accepted + weight * base) / (drafted + weight), base = fallback's rate
         at that position (the server-wide rates), else `prior`."""
@@ -140,16 +151,29 @@ class GoodputPolicy:
         self.max_k, self.cost, self.decay, self.prior = max_k, cost, decay, prior
         self.server = DecayedRates(max_k, decay)
         self.sessions: dict[str, DecayedRates] = {}
+        self._relax_server = False  # a step of the last batch had every draft trimmed
 
     def trim(self, session_ids: Sequence[str], requested: Sequence[int]) -> list[int]:
+        """Drafts to verify per session of one batch (requested[i] drafts sent by session_ids[i])."""
+        if self._relax_server:
+            self.server.relax()
+            self._relax_server = False
+        if not any(requested):  # plain decoding: nothing to trim
+            return list(requested)
         server = self.server.rates(None, self.prior)
         rates = [self.sessions[s].rates(server, self.prior) if s in self.sessions else server for s in session_ids]
         return trim_drafts(requested, rates, self.cost)
 
-    def observe(self, session_id: str, verified: int, accepted: int) -> None:
-        if verified == 0:
+    def observe(self, session_id: str, requested: int, verified: int, accepted: int) -> None:
+        """One step's outcome: it sent `requested` drafts, `verified` were verified, `accepted` accepted."""
+        if requested == 0:
             return
         rates = self.sessions.get(session_id)
+        if verified == 0:
+            if rates is not None:
+                rates.relax()
+            self._relax_server = True
+            return
         if rates is None:
             rates = self.sessions[session_id] = DecayedRates(self.max_k, self.decay)
         rates.observe(verified, accepted)

@@ -21,6 +21,11 @@ class Metrics:
         self.rows = Counter("verifier_rows", "verify rows run", registry=r)
         self.drafts = Counter("verifier_drafts", "steps that carried at least one draft", registry=r)
         self.draft_tokens = Counter("verifier_draft_tokens", "draft tokens verified", registry=r)
+        self.trimmed_drafts = Counter("verifier_trimmed_drafts", "draft tokens sent but not verified (goodput-aware K)",
+                                      registry=r)
+        self.graph_captures = Counter("verifier_graph_captures", "CUDA graphs the engine captured (startup included)",
+                                      registry=r)
+        self._captures_seen = 0
         self.accepted_tokens = Counter("verifier_accepted_tokens", "draft tokens accepted", registry=r)
         self.drafted_at = Counter("verifier_drafted_per_position", "drafts that reached 1-based draft position",
                                   ["position"], registry=r)
@@ -46,17 +51,46 @@ class Metrics:
         self.rows.inc(rows)
         self.rows_per_batch.observe(rows)
 
-    def record_step(self, drafted: int, accepted: int, latency_s: float) -> None:
-        self.steps.inc()
-        self.step_latency.observe(latency_s)
-        if drafted:
-            self.drafts.inc()
-            self.draft_tokens.inc(drafted)
-            self.accepted_tokens.inc(accepted)
-            for position in range(1, drafted + 1):
-                self.drafted_at.labels(str(position)).inc()
-            for position in range(1, accepted + 1):
-                self.accepted_at.labels(str(position)).inc()
+    def record_graph_captures(self, total: int) -> None:
+        """The engine's capture count since it was built (the counter follows it)."""
+        if total != self._captures_seen:
+            self.graph_captures.inc(total - self._captures_seen)
+            self._captures_seen = total
+
+    def record_steps(self, steps: list[tuple[int, int, int, float]]) -> None:
+        """A batch's OK steps, each (drafts verified, drafts trimmed, accepted, latency in seconds).
+        Counters move once per batch, not per step: per-step calls into prometheus_client are a
+        visible share of the server's time per step."""
+        if not steps:
+            return
+        drafted_at = [0] * (self.max_k + 1)  # [max_k + 1]: index p counts drafts at 1-based position p
+        accepted_at = [0] * (self.max_k + 1)
+        drafts = draft_tokens = accepted_tokens = trimmed = 0
+        for drafted, cut, accepted, latency_s in steps:
+            self.step_latency.observe(latency_s)
+            trimmed += cut
+            if drafted:
+                drafts += 1
+                draft_tokens += drafted
+                accepted_tokens += accepted
+                drafted_at[drafted] += 1
+                accepted_at[accepted] += 1
+        self.steps.inc(len(steps))
+        if trimmed:
+            self.trimmed_drafts.inc(trimmed)
+        if drafts:
+            self.drafts.inc(drafts)
+            self.draft_tokens.inc(draft_tokens)
+            self.accepted_tokens.inc(accepted_tokens)
+            # a step with d drafts reached positions 1..d: suffix sums turn "ended at d" into "reached p"
+            reached = ended = 0
+            for position in range(self.max_k, 0, -1):
+                reached += drafted_at[position]
+                ended += accepted_at[position]
+                if reached:
+                    self.drafted_at.labels(str(position)).inc(reached)
+                if ended:
+                    self.accepted_at.labels(str(position)).inc(ended)
 
     def record_error(self, code_name: str) -> None:
         self.errors.labels(code_name).inc()
@@ -80,6 +114,8 @@ class Metrics:
             step_latency_ms=_histogram(self.step_latency, 1000.0),
             open_sessions=_gauge(self.open_sessions),
             free_slots=_gauge(self.free_slots),
+            graph_captures=_value(self.graph_captures),
+            trimmed_drafts=_value(self.trimmed_drafts),
             errors=sum(int(s.value) for m in self.errors.collect() for s in m.samples if s.name.endswith("_total")),
         )
 

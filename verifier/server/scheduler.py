@@ -2,6 +2,19 @@
 takes everything waiting (up to max_batch_rows verify rows, each session at most once) and runs
 ONE engine step for it on the worker thread, then the next.
 
+Gathering: while a batch runs, the next one gathers (the engine runs on the worker thread, steps
+keep arriving on the event loop). When the engine is free, the batch waits for the sessions of the
+batch that just ran and go on (still open, unfinished): once each has queued its next step, or the
+queue holds max_batch_rows rows, it runs; else it runs what is there after max_wait_ms (counted
+from the first step queued). Without this, after a full batch returns, whichever drafter answers
+first starts a batch of one and the others wait behind it: batches fragment. A session that misses
+a batch is not awaited by the next (a client that went away costs one window at most), and a lone
+drafter never waits (its own step is all that is awaited).
+
+Goodput-aware K: with a GoodputPolicy, each batch verifies only the first k_s drafts of session s
+(verifier/server/goodput.py); later drafts are neither verified nor accepted, the result says how
+many were verified, and the stream is unchanged.
+
 Steps are checked against their session (still open, expected position) when they are taken into
 a batch, not when they arrive: by then any earlier step of the same session has finished, so the
 check sees the position the engine will run from. The sequence's own state (finished, room in the
@@ -19,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +42,7 @@ import torch
 from .. import rpc
 from ..engine import LENGTH, Engine, StepRequest
 from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, ok_result
+from .goodput import GoodputPolicy
 from .metrics import Metrics
 from .retries import Fingerprint
 from .sessions import Session, SessionTable
@@ -55,14 +70,18 @@ class PendingStep:
 
 class Scheduler:
     def __init__(self, engine: Engine, worker: Worker, sessions: SessionTable, metrics: Metrics,
-                 max_batch_rows: int, max_wait_ms: float):
+                 max_batch_rows: int, max_wait_ms: float, policy: GoodputPolicy | None = None):
         self.engine = engine
         self.worker = worker
         self.sessions = sessions
         self.metrics = metrics
-        self.max_batch_rows = max_batch_rows
+        # a batch past the largest graph bucket would run eagerly (None: the engine is not graphed)
+        self.max_batch_rows = min(max_batch_rows, engine.max_graph_rows or math.inf)
         self.max_wait_s = max_wait_ms / 1000.0
+        self.policy = policy
         self._queue: list[PendingStep] = []
+        self._queued_rows = 0
+        self._awaited: set[str] = set()  # sessions of the last batch whose next step is not queued yet
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -91,8 +110,19 @@ class Scheduler:
         if step.request_id:
             session.inflight[step.request_id] = pending
         self._queue.append(pending)
-        self._wakeup.set()
+        self._queued_rows += pending.rows
+        self._awaited.discard(session.id)
+        if len(self._queue) == 1 or self._ready():  # the batcher waits for a first step, or for the batch to be whole
+            self._wakeup.set()
         return pending
+
+    def forget(self, session_id: str) -> None:
+        """A session closed or reaped: no batch waits for it, the policy drops its rates."""
+        self._awaited.discard(session_id)
+        if self.policy is not None:
+            self.policy.forget(session_id)
+        if not self._awaited:
+            self._wakeup.set()
 
     @staticmethod
     def join(pending: PendingStep) -> PendingStep:
@@ -109,6 +139,7 @@ class Scheduler:
         if pending.waiters > 0:
             return
         self._queue.remove(pending)
+        self._queued_rows -= pending.rows
         self._release(pending)
         pending.future.cancel()
 
@@ -127,23 +158,29 @@ class Scheduler:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if self.max_wait_s > 0 and not self._stopping:
+            if self.max_wait_s > 0 and not self._ready():
                 await self._gather()
             batch = self._take()
+            self._awaited = set()
             try:
                 await self._run(batch)
             except Exception:  # an engine failure must not kill the batcher or strand callers
                 log.exception("engine step failed")
+                self._awaited = set()
                 for pending in batch:
                     if not pending.future.done():
                         self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; "
                                                             "see the server log", pending.session.sequence.position))
 
+    def _ready(self) -> bool:
+        """The next batch may run: every awaited session has queued its step, or the batch is full."""
+        return not self._awaited or self._queued_rows >= self.max_batch_rows or self._stopping
+
     async def _gather(self) -> None:
-        """Let a batch gather for up to max_wait_ms, or until it holds max_batch_rows rows."""
+        """Wait up to max_wait_ms for the awaited sessions (see the module docstring)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
-        while sum(p.rows for p in self._queue) < self.max_batch_rows:
+        while not self._ready():
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
@@ -169,6 +206,7 @@ class Scheduler:
             pending.taken = True
             batch.append(pending)
         self._queue = rest
+        self._queued_rows = sum(p.rows for p in rest)
         return batch
 
     def _check(self, pending: PendingStep) -> rpc.StepResult | None:
@@ -192,14 +230,18 @@ class Scheduler:
                 self._deliver(pending, problem)
         if not live:
             return
-        requests = [StepRequest(p.session.sequence, p.drafts, p.draft_probs) for p in live]
-        want_logits = [bool(p.step.return_logits) for p in live]
-        results, logits = await self.worker.run(_step, self.engine, requests, want_logits)
-        ran = [p.rows for p, r in zip(live, results) if r.error is None]  # the engine refuses steps its state cannot take
+        requested = [len(p.drafts) for p in live]
+        verified = self.policy.trim([p.session.id for p in live], requested) if self.policy is not None else requested
+        requests = [_request(p, k) for p, k in zip(live, verified)]
+        results, logits = await self.worker.run(_step, self.engine, requests)
+        ran = [k + 1 for k, r in zip(verified, results) if r.error is None]  # the engine refuses steps its state cannot take
         if ran:
             self.metrics.record_batch(sum(ran))
+        self.metrics.record_graph_captures(self.engine.graph_captures)
         max_seq_len = self.engine.pool.max_seq_len
-        for pending, result, rows in zip(live, results, logits):
+        now = time.perf_counter()
+        going_on, answered = set(), []
+        for pending, asked, k, result, rows in zip(live, requested, verified, results, logits):
             if result.error is not None:
                 self._deliver(pending, error_result(pending.step, STEP_ERROR_CODES[result.error.code], str(result.error), result.position))
                 continue
@@ -207,11 +249,18 @@ class Scheduler:
             if seq.finish_reason is None and seq.position >= max_seq_len:
                 # no room for even a one-row step: the context is full, which ends the session
                 seq.finish_reason = result.finish_reason = LENGTH
-            answer = ok_result(pending.step, result, rows)
+            if self.policy is not None:
+                self.policy.observe(pending.session.id, asked, k, result.accepted)
+            answer = ok_result(pending.step, result, k, rows)
             if pending.step.request_id:
                 self.sessions.store_result(pending.session, pending.step.request_id, pending.fingerprint, answer)
-            self.metrics.record_step(len(pending.drafts), result.accepted, time.perf_counter() - pending.arrived)
+            answered.append((k, asked - k, result.accepted, now - pending.arrived))
             self._deliver(pending, answer)
+            if seq.finish_reason is None and self.sessions.is_live(pending.session):
+                going_on.add(pending.session.id)
+        self.metrics.record_steps(answered)
+        # the next batch waits for these, minus those whose next step is queued already
+        self._awaited = going_on.difference(p.session.id for p in self._queue)
 
     def _deliver(self, pending: PendingStep, result: rpc.StepResult) -> None:
         if result.status.code != 0:
@@ -221,9 +270,17 @@ class Scheduler:
             pending.future.set_result(result)
 
 
-def _step(engine: Engine, requests: list[StepRequest], want_logits: list[bool]):
+def _request(pending: PendingStep, verified: int) -> StepRequest:
+    """The engine request of a step that verifies its first `verified` drafts."""
+    drafts, probs = pending.drafts, pending.draft_probs
+    if verified < len(drafts):
+        drafts, probs = drafts[:verified], (probs[:verified] if probs is not None and verified else None)
+    return StepRequest(pending.session.sequence, drafts, probs, want_logits=pending.step.return_logits)
+
+
+def _step(engine: Engine, requests: list[StepRequest]):
     """On the worker: one engine step, and the asked-for logits as wire bytes (the device-to-host
     copy stays off the event loop)."""
     results = engine.step(requests)
-    logits = [logits_message(r.logits) if want and r.error is None else None for r, want in zip(results, want_logits)]
+    logits = [logits_message(r.logits) if q.want_logits and r.error is None else None for q, r in zip(requests, results)]
     return results, logits

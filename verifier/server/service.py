@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -17,6 +18,8 @@ from .. import rpc
 from ..engine import Engine
 from .config import ServerConfig
 from .convert import FINISH_REASONS, error_result, logits_message
+from .goodput import GoodputPolicy, StepCost
+from .malformed import Malformed, refuse
 from .metrics import Metrics
 from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fingerprint
 from .scheduler import PendingStep, Scheduler
@@ -25,6 +28,8 @@ from .validate import Invalid, open_limits, open_prompt, repeated_sessions, step
 from .worker import Worker
 
 log = logging.getLogger(__name__)
+
+_VERIFY_STREAM = f"/{rpc.SERVICE_NAME}/VerifyStream"
 
 
 class VerifierService:
@@ -42,8 +47,16 @@ class VerifierService:
         metrics.watch_sessions(self.sessions)
 
     async def start(self) -> None:
+        """Warm the engine up (graph buckets, step costs) before anything is served, then schedule."""
+        started = time.perf_counter()
+        captures, costs = await self.worker.run(_warm_up, self.engine, self.config.goodput)
+        self.metrics.record_graph_captures(captures)
+        log.info("engine warm-up: %d graph buckets captured, step costs %s, in %.2f s", captures,
+                 f"measured for {len(costs)} row counts" if costs else "not measured (--no-goodput)",
+                 time.perf_counter() - started)
+        policy = GoodputPolicy(self.engine.max_k, StepCost(costs)) if costs else None
         self.scheduler = Scheduler(self.engine, self.worker, self.sessions, self.metrics,
-                                   self.config.max_batch_rows, self.config.max_wait_ms)
+                                   self.config.max_batch_rows, self.config.max_wait_ms, policy)
         self.scheduler.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
 
@@ -54,8 +67,7 @@ class VerifierService:
         if self.scheduler is not None:
             await self.scheduler.stop()
         for session in self.sessions.all():
-            self.sessions.remove(session.id, "closed: the server stopped")
-            self.worker.submit(self.engine.close, session.sequence)
+            self._end(session.id, "closed: the server stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
 
     # ---- RPCs -------------------------------------------------------------------------------
@@ -122,6 +134,8 @@ class VerifierService:
         async def read():
             try:
                 async for step in request_iterator:
+                    if isinstance(step, Malformed):  # the guard leaves this stream's requests unwrapped
+                        await refuse(context, _VERIFY_STREAM, step)
                     ticket = self._submit(step)
                     outstanding.append(ticket)
                     tickets.put_nowait(ticket)
@@ -143,9 +157,7 @@ class VerifierService:
     async def CloseSession(self, request: rpc.CloseSessionRequest, context) -> rpc.CloseSessionResponse:
         # A step the engine runs now completes and is answered; the slot's release queues behind it.
         # A step still queued finds its session gone when its batch is taken: NOT_FOUND.
-        session = self.sessions.remove(request.session_id, "closed")
-        if session is not None:
-            self.worker.submit(self.engine.close, session.sequence)
+        session = self._end(request.session_id, "closed")
         return rpc.CloseSessionResponse(closed=session is not None)
 
     async def GetStats(self, request: rpc.GetStatsRequest, context) -> rpc.Stats:
@@ -173,12 +185,20 @@ class VerifierService:
             response.logits.CopyFrom(logits)
         return response
 
+    def _end(self, session_id: str, why: str) -> Session | None:
+        """Forget a session (closed, reaped, the server stopping) and release its slot on the worker,
+        behind any step of it still running."""
+        session = self.sessions.remove(session_id, why)
+        if session is not None:
+            self.worker.submit(self.engine.close, session.sequence)
+            if self.scheduler is not None:
+                self.scheduler.forget(session_id)
+        return session
+
     def _close_orphan(self, task) -> None:
         if task.cancelled() or task.exception() is not None:
             return
-        session = self.sessions.remove(task.result().session_id, "closed: its OpenSession call was cancelled")
-        if session is not None:
-            self.worker.submit(self.engine.close, session.sequence)
+        self._end(task.result().session_id, "closed: its OpenSession call was cancelled")
 
     def _refuse(self, step: rpc.VerifyStep, code: grpc.StatusCode, message: str, session: Session | None = None) -> PendingStep:
         """Answer a step without the engine, at its session's position (0 without a live session)."""
@@ -217,9 +237,15 @@ class VerifierService:
         while True:
             await asyncio.sleep(interval)
             for session in self.sessions.idle(timeout_s):
-                self.sessions.remove(session.id, f"reaped after {timeout_s:g} s idle (idle_timeout_s)")
-                self.worker.submit(self.engine.close, session.sequence)
+                self._end(session.id, f"reaped after {timeout_s:g} s idle (idle_timeout_s)")
                 log.info("reaped session %s after %g s idle", session.id, timeout_s)
+
+
+def _warm_up(engine: Engine, measure_costs: bool) -> tuple[int, dict[int, float] | None]:
+    """On the worker, before serving: capture every graph bucket, and measure the step cost by rows
+    when the goodput policy needs it. -> (captures so far, {rows: seconds} or None)."""
+    engine.warm_up()
+    return engine.graph_captures, engine.step_costs() if measure_costs else None
 
 
 def _open(engine: Engine, prompt, sampling, max_new_tokens: int, want_logits: bool):

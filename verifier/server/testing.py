@@ -16,8 +16,10 @@ from ..engine import Engine
 from .app import VerifierServer, build_engine
 from .config import ServerConfig
 
-# A test server listens on loopback on a free port and holds a small pool of short contexts.
-LOOPBACK_OVERRIDES = {"host": "127.0.0.1", "port": 0, "n_slots": 4, "max_seq_len": 256}
+# A test server listens on loopback on a free port and holds a small pool of short contexts. It
+# verifies every draft: trimming changes how many tokens each step emits (never the stream), so
+# tests that count a step's tokens stay exact; the goodput tests turn it on.
+LOOPBACK_OVERRIDES = {"host": "127.0.0.1", "port": 0, "n_slots": 4, "max_seq_len": 256, "goodput": False}
 
 
 def loopback_config(model_dir, **overrides) -> ServerConfig:

@@ -130,7 +130,7 @@ class VerifyStep(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., request_id: _Optional[str] = ..., return_logits: bool = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ["status", "session_id", "request_id", "accepted", "tokens", "position", "finish_reason", "logits"]
+    __slots__ = ["status", "session_id", "request_id", "accepted", "tokens", "position", "finish_reason", "logits", "verified_drafts"]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StepResult(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     session_id: str
     request_id: str
@@ -147,7 +148,8 @@ class StepResult(_message.Message):
     position: int
     finish_reason: FinishReason
     logits: Logits
-    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ...) -> None: ...
+    verified_drafts: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., verified_drafts: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ["steps"]
@@ -190,7 +192,7 @@ class Histogram(_message.Message):
     def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ["engine_steps", "steps", "rows", "drafts", "draft_tokens", "accepted_tokens", "drafted_per_position", "accepted_per_position", "mean_acceptance_length", "rows_per_batch", "step_latency_ms", "open_sessions", "free_slots", "errors"]
+    __slots__ = ["engine_steps", "steps", "rows", "drafts", "draft_tokens", "accepted_tokens", "drafted_per_position", "accepted_per_position", "mean_acceptance_length", "rows_per_batch", "step_latency_ms", "open_sessions", "free_slots", "errors", "graph_captures", "trimmed_drafts"]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,8 @@ class Stats(_message.Message):
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_CAPTURES_FIELD_NUMBER: _ClassVar[int]
+    TRIMMED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     engine_steps: int
     steps: int
     rows: int
@@ -219,4 +223,6 @@ class Stats(_message.Message):
     open_sessions: int
     free_slots: int
     errors: int
-    def __init__(self, engine_steps: _Optional[int] = ..., steps: _Optional[int] = ..., rows: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., rows_per_batch: _Optional[_Union[Histogram, _Mapping]] = ..., step_latency_ms: _Optional[_Union[Histogram, _Mapping]] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
+    graph_captures: int
+    trimmed_drafts: int
+    def __init__(self, engine_steps: _Optional[int] = ..., steps: _Optional[int] = ..., rows: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., rows_per_batch: _Optional[_Union[Histogram, _Mapping]] = ..., step_latency_ms: _Optional[_Union[Histogram, _Mapping]] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., errors: _Optional[int] = ..., graph_captures: _Optional[int] = ..., trimmed_drafts: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,141 @@
+"""The server's own cost per step: a loopback server whose engine does no work, driven hard.
+
+The engine's step returns at once (each session emits one token, no model runs), so what is left
+is the server: request checks, sessions, futures, the scheduler, conversions, metrics, gRPC. A
+client process (so that its Python is not counted) sends plain steps in two shapes:
+  stream: 64 sessions, one VerifyStream each, every session stepping as fast as its results come;
+  unary:  one Verify call carrying one step of each of 64 sessions, call after call.
+Figures: server process CPU microseconds per step (every server thread: event loop, engine worker,
+gRPC core) and wall microseconds per step, medians of --repeats timed runs after a warm-up run.
+Correctness first: every step must come back OK at the position it should reach.
+
+    python -m bench.server_overhead [--label after] [--sessions 64] [--steps 200] [--repeats 3]
+
+Results are merged under `label` into bench/results/server_overhead_<date>.json (run it on the
+tree before a change with --label before, and after it with --label after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from bench.machine import device_name
+from verifier import rpc
+from verifier.engine import Engine, StepResult
+from verifier.model.hf_reference import save_spec
+from verifier.server.testing import LoopbackServer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "qwen3_5_text"  # only its config and prefill are used: steps never run the model
+
+
+class NoOpEngine(Engine):
+    """Steps that return at once: every sequence emits token 0 and moves one position."""
+
+    def step(self, requests):
+        results = []
+        for req in requests:
+            seq = req.sequence
+            seq.position += 1
+            seq.pending = 0
+            seq.emitted += 1
+            results.append(StepResult(0, [0], seq.position, None, None))
+        return results
+
+
+async def _drive(address: str, shape: str, sessions: int, steps: int) -> float:
+    """Open `sessions`, run `steps` steps each in `shape`, close; the wall seconds of the steps."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rpc.VerifierStub(channel)
+        opened = await asyncio.gather(*(stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[1, 2, 3], max_new_tokens=10**6))
+                                        for _ in range(sessions)))
+        positions = {o.session_id: o.position for o in opened}
+        started = time.perf_counter()
+        if shape == "stream":
+            await asyncio.gather(*(_stream(stub, o.session_id, o.position, steps) for o in opened))
+        else:
+            for _ in range(steps):
+                response = await stub.Verify(rpc.VerifyRequest(steps=[
+                    rpc.VerifyStep(session_id=sid, expected_position=p) for sid, p in positions.items()]))
+                for result in response.results:
+                    assert result.status.code == 0 and result.position == positions[result.session_id] + 1, result
+                    positions[result.session_id] = result.position
+        elapsed = time.perf_counter() - started
+        await asyncio.gather(*(stub.CloseSession(rpc.CloseSessionRequest(session_id=o.session_id)) for o in opened))
+        return elapsed
+
+
+async def _stream(stub, session_id: str, position: int, steps: int) -> None:
+    call = stub.VerifyStream()
+    for _ in range(steps):
+        await call.write(rpc.VerifyStep(session_id=session_id, expected_position=position))
+        result = await call.read()
+        assert result.status.code == 0 and result.position == position + 1, result
+        position = result.position
+    await call.done_writing()
+
+
+def _client(address: str, shape: str, sessions: int, steps: int, out) -> None:
+    out.put(asyncio.run(_drive(address, shape, sessions, steps)))
+
+
+def measure(server: LoopbackServer, shape: str, sessions: int, steps: int) -> dict:
+    """One run: server CPU and wall microseconds per step."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    client = ctx.Process(target=_client, args=(server.address, shape, sessions, steps, out))
+    cpu_before = time.process_time()  # this process is the server's (the client runs in its own)
+    client.start()
+    wall = out.get(timeout=600)
+    client.join()
+    cpu = time.process_time() - cpu_before
+    n = sessions * steps
+    # the CPU figure includes the opens and closes around the timed steps: a small, fixed share
+    return {"server_cpu_us_per_step": cpu / n * 1e6, "wall_us_per_step": wall / n * 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--label", default="after", help="key of these figures in the results file")
+    parser.add_argument("--sessions", type=int, default=64, help="sessions stepping at once")
+    parser.add_argument("--steps", type=int, default=200, help="steps per session per run")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median is kept)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_spec(MODEL, Path(tmp) / MODEL)
+        with LoopbackServer(model_dir, engine_class=NoOpEngine, n_slots=args.sessions, max_seq_len=args.steps * 2 + 64,
+                            max_k=0) as server:
+            figures = {}
+            for shape in ("stream", "unary"):
+                measure(server, shape, args.sessions, max(10, args.steps // 10))  # warm-up
+                runs = [measure(server, shape, args.sessions, args.steps) for _ in range(args.repeats)]
+                figures[shape] = {key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}
+    date = datetime.date.today().isoformat()
+    path = RESULTS / f"server_overhead_{date}.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report.update(device=device_name("cpu"), date=date, python=platform.python_version(), torch=torch.__version__,
+                  grpcio=grpc.__version__, sessions=args.sessions, steps_per_session=args.steps)
+    report.setdefault("microseconds_per_step", {})[args.label] = figures
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.label}: " + "; ".join(f"{shape} {f['server_cpu_us_per_step']} us CPU, {f['wall_us_per_step']} us wall per step"
+                                        for shape, f in figures.items()) + f" -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Gathering: when the engine is free, the next batch waits (up to max_wait_ms) for the sessions of
+the batch that just ran, so sessions stepping in lockstep share one batch per round; a lone
+session never waits, a session that stops stepping costs one window at most, and a closed session
+is not waited for at all. The window here is long (seconds) so that the counts are exact and a
+wait shows plainly in the wall time."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from verifier import rpc
+from verifier.server.testing import LoopbackServer
+
+from .helpers import open_session, step
+
+WINDOW_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def patient(text_checkpoint):
+    with LoopbackServer(text_checkpoint, n_slots=6, max_seq_len=96, max_wait_ms=WINDOW_S * 1000) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            yield rpc.VerifierStub(channel)
+
+
+def _stats(stub):
+    return stub.GetStats(rpc.GetStatsRequest())
+
+
+def _lockstep(stub, sessions, rounds, stop_after=None):
+    """Each session on its own thread: `rounds` steps one after the other (plain decoding), all
+    started by one Verify call holding every session's first step. stop_after[i]: session i goes
+    silent after that many steps. Returns the seconds the threads took after the first call."""
+    positions = {s.session_id: s.position for s in sessions}
+    first = stub.Verify(rpc.VerifyRequest(steps=[step(s.session_id, s.position) for s in sessions]))
+    for result in first.results:
+        assert result.status.code == 0
+        positions[result.session_id] = result.position
+    stop_after = stop_after or {}
+
+    def run(i, session):
+        position = positions[session.session_id]
+        for _ in range(stop_after.get(i, rounds) - 1):
+            (result,) = stub.Verify(rpc.VerifyRequest(steps=[step(session.session_id, position)])).results
+            assert result.status.code == 0, result.status.message
+            position = result.position
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(sessions)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - started
+
+
+def _close(stub, sessions):
+    for s in sessions:
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=s.session_id))
+
+
+def test_sessions_in_lockstep_share_one_batch_per_round(patient):
+    sessions = [open_session(patient, [5 + i, 6, 7], 40) for i in range(4)]
+    before = _stats(patient)
+    elapsed = _lockstep(patient, sessions, rounds=8)
+    after = _stats(patient)
+    assert after.steps - before.steps == 4 * 8
+    assert after.engine_steps - before.engine_steps == 8  # one batch per round, never a fragment
+    assert elapsed < WINDOW_S  # and every batch ran as soon as its last session answered
+    _close(patient, sessions)
+
+
+def test_a_lone_session_is_not_delayed(patient):
+    (session,) = sessions = [open_session(patient, [3, 1, 4], 40)]
+    before = _stats(patient)
+    elapsed = _lockstep(patient, sessions, rounds=6)
+    assert _stats(patient).engine_steps - before.engine_steps == 6
+    assert elapsed < WINDOW_S  # a wait for anything but its own step would cost a window per step
+    _close(patient, sessions)
+
+
+def test_a_silent_session_costs_one_window_at_most(patient):
+    sessions = [open_session(patient, [9 + i, 2], 40) for i in range(3)]
+    elapsed = _lockstep(patient, sessions, rounds=6, stop_after={2: 2})  # session 2 stops after 2 steps, open
+    assert WINDOW_S * 0.9 <= elapsed < 2 * WINDOW_S  # the batch after its last step waited for it, once
+    _close(patient, sessions)
+
+
+def test_a_closed_session_is_not_waited_for(patient):
+    sessions = [open_session(patient, [20 + i, 2], 40) for i in range(2)]
+    (result,) = patient.Verify(rpc.VerifyRequest(steps=[step(sessions[0].session_id, sessions[0].position)])).results
+    patient.CloseSession(rpc.CloseSessionRequest(session_id=sessions[0].session_id))  # awaited, then closed
+    started = time.monotonic()
+    (other,) = patient.Verify(rpc.VerifyRequest(steps=[step(sessions[1].session_id, sessions[1].position)])).results
+    assert other.status.code == 0 and time.monotonic() - started < WINDOW_S
+    _close(patient, sessions[1:])
