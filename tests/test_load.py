@@ -7,16 +7,21 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.load import reference  # noqa: E402
 from bench.load.cli import LoadConfig, main, run_load  # noqa: E402
+from drafter.loop import STREAM  # noqa: E402
 
 
 def test_short_load_run_has_no_errors_no_mismatches_and_gives_slots_back(tmp_path):
+    # goodput off: every draft is verified, so accepted prefixes of every length roll back under load
     result = run_load(LoadConfig(out=tmp_path, sessions=8, processes=2, steps=20, k=4, drafter="mixed",
-                                 max_new_tokens=32, time_limit_s=120))
+                                 max_new_tokens=32, time_limit_s=120, goodput=False))
+    assert result["transport"] == "fleet" and result["mean_acceptance_length"] > 1.0
     assert result["errors"] == 0, result["errors_by_code"]
     assert result["mismatches"] == 0, result["mismatch_examples"]
     assert result["steps"] == 8 * 20  # every session ran its whole budget
@@ -29,6 +34,9 @@ def test_short_load_run_has_no_errors_no_mismatches_and_gives_slots_back(tmp_pat
     assert result["generations"] > 8
     assert result["compared_tokens"] >= result["tokens"]
     assert result["engine_batches"] < result["steps"]  # the server batched steps of several sessions
+    # one Verify call per round per process, each carrying a step of every session of that process
+    # (a finished generation reopens between rounds, so every session steps every round)
+    assert result["rounds"] == 2 * 20
     written = json.loads(Path(result["path"]).read_text())
     for field in ("sessions", "steps", "errors", "mismatches", "p50_ms", "p99_ms", "steps_per_s", "tokens_per_s",
                   "rows_per_batch_mean", "processes", "model", "device", "date", "torch", "machine",
@@ -37,9 +45,18 @@ def test_short_load_run_has_no_errors_no_mismatches_and_gives_slots_back(tmp_pat
     assert 0 < written["p50_ms"] <= written["p99_ms"]
 
 
-def test_the_time_limit_stops_sessions_cleanly_and_reports_partial(tmp_path):
+def test_per_session_streams_still_run(tmp_path):
+    result = run_load(LoadConfig(out=tmp_path, sessions=4, processes=2, steps=10, k=3, drafter="mixed",
+                                 max_new_tokens=8, time_limit_s=120, transport=STREAM))
+    assert result["transport"] == STREAM and result["rounds"] == 0
+    assert result["errors"] == 0 and result["mismatches"] == 0 and result["steps"] == 4 * 10
+    assert result["generations"] > 4 and result["ok"]
+
+
+@pytest.mark.parametrize("transport", ["fleet", STREAM])
+def test_the_time_limit_stops_sessions_cleanly_and_reports_partial(tmp_path, transport):
     result = run_load(LoadConfig(out=tmp_path, sessions=4, processes=2, steps=100_000, k=2, drafter="ngram",
-                                 max_new_tokens=16, time_limit_s=1.0))
+                                 max_new_tokens=16, time_limit_s=1.0, transport=transport))
     assert result["partial"] and result["sessions_cut_by_deadline"] == 4
     assert 0 < result["steps"] < 4 * 100_000
     assert result["errors"] == 0 and result["mismatches"] == 0
@@ -60,3 +77,6 @@ def test_the_comparison_catches_a_changed_token_and_a_wrong_finish():
 def test_bad_options_exit_2(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--sessions", "2", "--processes", "3"]) == 2
     assert "processes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # the oracle needs plain streams first: bench.serve's
+        main(["--out", str(tmp_path), "--drafter", "oracle"])
+    assert exited.value.code == 2

@@ -3,10 +3,13 @@
     python -m bench.load --out bench/results [--model DIR] [--sessions 64] [--processes 4] [--steps 300]
 
 One `python -m verifier serve` subprocess (or --server HOST:PORT); several drafter processes
-(drafters.py), each running many concurrent sessions over one grpc.aio channel with the one
-generation loop (drafter.loop.DraftLoop); every session's token stream is then compared with
-plain decoding of the same prompt on a separate engine (reference.py). Writes load_<date>.json.
+(drafters.py), each running many concurrent sessions with the one generation loop
+(drafter.loop.DraftLoop): by default through drafter/fleet.py, one Verify call per round for all of
+a process's sessions (--transport stream|unary: per session, as issue 8 measured); every session's
+token stream is then compared with plain decoding of the same prompt on a separate engine
+(reference.py). Writes load_<date>.json. bench.serve reuses these parts.
 
 Modules: workload (what each session does), server (the verifier subprocess), drafters (a drafter
-process), reference (plain decoding and the comparison), report (figures and the JSON), cli.
+process), processes (starting and collecting them), reference (plain decoding, timed or not, and
+the comparison), report (figures and the JSON), progress (lines on stderr), cli.
 """

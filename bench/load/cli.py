@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,9 +15,13 @@ from drafter.loop import STREAM, UNARY
 
 from bench.machine import device_name
 
-from . import reference, report, workload
+from . import processes, reference, report, workload
+from .drafters import FLEET
 from .progress import StepProgress, say
-from .server import REPO, ServerProcess
+from .server import ServerProcess
+
+TRANSPORTS = (FLEET, STREAM, UNARY)
+LOAD_DRAFTERS = ("ngram", "random", "mixed", "none")  # the oracle needs plain streams first: bench.serve has them
 
 # A tiny hybrid model (3 Gated DeltaNet layers, 1 attention layer, byte-sized vocabulary) so the
 # CPU run measures the service, not the matmuls. Written deterministically by the engine's own
@@ -52,7 +54,8 @@ class LoadConfig:
     drafter: str = "mixed"
     device: str = "cpu"
     dtype: str = "float32"
-    transport: str = STREAM
+    transport: str = FLEET
+    goodput: bool = True  # False: the server started here verifies every draft (--no-goodput)
     time_limit_s: float = 900.0
     max_new_tokens: int = 128
     seed: int = 0
@@ -62,38 +65,16 @@ class LoadConfig:
             raise ValueError(f"need 1 <= processes <= sessions, got processes {self.processes}, sessions {self.sessions}")
         if self.server is not None and self.model is None:
             raise ValueError("--server needs --model: the checkpoint it serves, for plain decoding here")
+        if self.transport not in TRANSPORTS or self.drafter not in LOAD_DRAFTERS:
+            raise ValueError(f"transport must be one of {TRANSPORTS} and drafter one of {LOAD_DRAFTERS}, got "
+                             f"{self.transport!r}, {self.drafter!r}")
         if self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
 
 
 def run_drafters(address: str, plan: workload.Plan, config: LoadConfig, deadline: float, scratch: Path) -> list[dict]:
-    """Drafter processes over the sessions (contiguous shares, so each process holds every drafter and
-    sampling kind of workload.py), until done or the deadline."""
-    n, parts = config.sessions, config.processes
-    shares = [list(range(p * n // parts, (p + 1) * n // parts)) for p in range(parts)]
-    procs = []
-    for p, share in enumerate(shares):
-        cfg, out = scratch / f"drafter{p}.json", scratch / f"drafter{p}.out.json"
-        cfg.write_text(json.dumps({"address": address, "plan": plan.to_json(), "sessions": share, "deadline": deadline,
-                                   "transport": config.transport}))
-        procs.append((subprocess.Popen([sys.executable, "-m", "bench.load.drafters", str(cfg), str(out)], cwd=REPO,
-                                       stderr=subprocess.PIPE, text=True), out, share))
-    workers = []
-    for proc, out, share in procs:
-        try:  # a session stops at the deadline after its step in flight; past that plus a margin, it hangs
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.time()) + 180.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode == 0 and out.is_file():
-            workers.append(json.loads(out.read_text()))
-        else:  # the process died: its sessions count as errors, and its stderr says why
-            print(f"drafter process {proc.pid} exited {proc.returncode}:\n{err[-2000:]}", file=sys.stderr)
-            now = time.time()
-            workers.append({"sessions": share, "started": now, "ended": now, "steps": 0, "tokens": 0, "opens": 0,
-                            "latencies_ms": [], "errors": {"drafter_process_died": len(share)}, "cut_by_deadline": 0,
-                            "generations": []})
-    return workers
+    return processes.run_drafters(address, plan, processes.shares(config.sessions, config.processes), config.transport,
+                                  deadline, scratch)
 
 
 def run_load(config: LoadConfig) -> dict:
@@ -108,7 +89,8 @@ def run_load(config: LoadConfig) -> dict:
         server = None
         if config.server is None:
             server = ServerProcess(model_dir, device=config.device, dtype=config.dtype, n_slots=config.sessions,
-                                   max_seq_len=max_seq_len, max_k=config.k)
+                                   max_seq_len=max_seq_len, max_k=config.k,
+                                   extra_args=() if config.goodput else ("--no-goodput",))
         address = config.server or server.address
         try:
             with VerifierClient(address, timeout_s=60.0) as client:
@@ -140,7 +122,8 @@ def run_load(config: LoadConfig) -> dict:
         "device": info.device, "dtype": config.dtype, "machine": device_name("cuda" if config.device == "cuda" else "cpu"),
         "versions": versions, "torch": versions["torch"],
         "sessions": config.sessions, "processes": config.processes, "steps_per_session": config.steps, "k": config.k,
-        "drafter": config.drafter, "transport": config.transport, "max_new_tokens": config.max_new_tokens,
+        "drafter": config.drafter, "transport": config.transport, "goodput": config.goodput,
+        "max_new_tokens": config.max_new_tokens,
         "time_limit_s": config.time_limit_s, "seed": config.seed,
         **figures, "warmup_errors": warm_errors, **served,
         "compared_generations": len(generations), "compared_tokens": sum(len(g["tokens"]) for g in generations),
@@ -156,21 +139,28 @@ def run_load(config: LoadConfig) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="directory for load_<date>.json")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint to serve (default: a tiny random one)")
-    p.add_argument("--server", default=None, help="HOST:PORT of a running verifier instead of starting one")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint to serve; None: a tiny random one")
+    p.add_argument("--server", default=None, help="HOST:PORT of a running verifier; None: start one")
     p.add_argument("--sessions", type=int, default=64, help="concurrent sessions in all")
     p.add_argument("--processes", type=int, default=4, help="drafter processes sharing the sessions")
     p.add_argument("--steps", type=int, default=300, help="verify steps per session")
     p.add_argument("--k", type=int, default=4, help="drafts per step")
-    p.add_argument("--drafter", default="mixed", choices=workload.DRAFTERS)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--transport", default=STREAM, choices=[STREAM, UNARY])
+    p.add_argument("--drafter", default="mixed", choices=LOAD_DRAFTERS,
+                   help="mixed: n-gram for even sessions, random for odd ones; none: plain decoding")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the server and plain decoding run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the served weights' dtype")
+    p.add_argument("--transport", default=FLEET, choices=TRANSPORTS,
+                   help="fleet: one Verify call per round for all of a process's sessions (drafter/fleet.py); "
+                        "stream / unary: per session, a VerifyStream or one Verify call per step")
+    p.add_argument("--no-goodput", dest="goodput", action="store_false",
+                   help="start the server with --no-goodput: every draft verified, so accepted prefixes of every length "
+                        "roll back under load")
     p.add_argument("--time-limit-s", type=float, default=900.0, help="stop the sessions then and report what was done")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per generation; a session reopens until its steps are done")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, samplings and random drafts")
     return p
 
 

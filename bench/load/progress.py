@@ -12,8 +12,8 @@ from drafter.client import VerifierClient
 INTERVAL_S = 15.0
 
 
-def say(message: str) -> None:
-    print(f"[load] {message}", file=sys.stderr, flush=True)
+def say(message: str, tag: str = "load") -> None:
+    print(f"[{tag}] {message}", file=sys.stderr, flush=True)
 
 
 class StepProgress:
@@ -24,8 +24,8 @@ class StepProgress:
             ...  # the drafter processes run
     """
 
-    def __init__(self, address: str, total: int, label: str, interval_s: float = INTERVAL_S):
-        self.address, self.total, self.label, self.interval_s = address, total, label, interval_s
+    def __init__(self, address: str, total: int, label: str, interval_s: float = INTERVAL_S, tag: str = "load"):
+        self.address, self.total, self.label, self.interval_s, self.tag = address, total, label, interval_s, tag
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -38,9 +38,9 @@ class StepProgress:
                     now = client.stats()
                     steps = now.steps - first.steps
                     say(f"{self.label}: {steps}/{self.total} steps, {now.errors - first.errors} errors, "
-                        f"{now.open_sessions} sessions open, {time.monotonic() - started:.0f} s")
+                        f"{now.open_sessions} sessions open, {time.monotonic() - started:.0f} s", self.tag)
         except Exception as exc:  # progress is a courtesy: a failed poll must not end the run
-            say(f"{self.label}: progress stopped ({exc!r})")
+            say(f"{self.label}: progress stopped ({exc!r})", self.tag)
 
     def __enter__(self) -> "StepProgress":
         self._thread.start()

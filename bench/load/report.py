@@ -29,6 +29,8 @@ def step_figures(workers: list[dict]) -> dict:
         "steps": steps,
         "tokens": tokens,
         "generations": sum(len(w["generations"]) for w in workers),
+        # fleet: Verify calls, one per round of a process carrying all its sessions' steps; else 0
+        "rounds": sum(w.get("rounds", 0) for w in workers),
         "opens": sum(w["opens"] for w in workers),
         "wall_s": round(wall_s, 3),
         "steps_per_s": round(steps / wall_s, 2) if wall_s > 0 else 0.0,

@@ -15,11 +15,17 @@ LISTENING = re.compile(r"listening on (\S+)")
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, *, device: str, dtype: str, n_slots: int, max_seq_len: int, max_k: int,
-                 start_timeout_s: float = 300.0):
+    def __init__(self, model_dir: Path, *, device: str, dtype: str, n_slots: int | None = None,
+                 max_seq_len: int | None = None, max_k: int | None = None, max_batch_rows: int | None = None,
+                 extra_args: tuple[str, ...] = (), start_timeout_s: float = 300.0):
+        """A size left None takes the server's own default; `extra_args` go on its command line as they are
+        (a flag a bench needs, such as --no-goodput)."""
+        sizes = {"--n-slots": n_slots, "--max-seq-len": max_seq_len, "--max-k": max_k, "--max-batch-rows": max_batch_rows}
         command = [sys.executable, "-m", "verifier", "serve", "--model", str(model_dir), "--port", "0",
-                   "--device", device, "--dtype", dtype, "--n-slots", str(n_slots), "--max-seq-len", str(max_seq_len),
-                   "--max-k", str(max_k), "--grace-s", "5"]
+                   "--device", device, "--dtype", dtype, "--grace-s", "5", *extra_args]
+        for flag, value in sizes.items():
+            if value is not None:
+                command += [flag, str(value)]
         self.proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.address: str | None = None

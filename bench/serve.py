@@ -1,0 +1,375 @@
+"""The serving bench (issue 13): the engine alone and the same engine through the service, side by
+side in one run, and a remote drafter against the in-process pair.
+
+    python -m bench.serve --out bench/results                                  # both models, this device
+    PYTHONPATH=. python -m bench.serve --out bench/results --device cuda       # the H200 run (~5 min)
+
+Per model (--model shipped = models/target; 2b = the Qwen3.5-style 2B checkpoint of bench/gpu.py,
+written once to a temporary directory by its writer; tiny = bench.load's tiny checkpoint; or a path):
+  engine   verifier.engine.Engine in this process, built as the server builds it (ServerConfig: dtype,
+           n_slots, max_k, graph buckets), greedy plain decoding of --sessions prompts in ONE batch
+           per step: --warmup-steps untimed, then --steps timed. Decoding runs on, untimed, to give
+           each prompt's plain stream: the reference of every comparison below, and the oracle's drafts.
+  service  a `python -m verifier serve` subprocess and the same prompts as --sessions sessions from
+           --processes drafter processes (bench/load/drafters.py), each driving its sessions through
+           drafter/fleet.py (one Verify call per round). Every process runs --warmup-steps rounds,
+           then all start their --steps timed rounds at once. Runs: plain (K = 0); plain from twice
+           the processes (when the two agree, the load generator is not the bottleneck); random
+           drafts K; oracle drafts K (the plain continuation); then a second server started with
+           --no-goodput for oracle drafts untrimmed. Every stream is compared with the engine's.
+remote drafter (--remote-target/--remote-draft, the shipped pair): held-out prompts one session at a
+time, as `python -m drafter generate` runs them (drafter.loop.generate over a VerifyStream): plain,
+then the model drafter at K in this process on --draft-device; and the same pair in process
+(verifier.generate), plain and speculative. Each mode runs the first prompt once untimed.
+
+Writes OUT/serve_<date>.json and prints a short table last; progress goes to stderr. Exit 1 when a
+stream differs from plain decoding or a step failed, 2 on bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import tempfile
+import time
+from contextlib import contextmanager, redirect_stderr
+from io import StringIO
+from pathlib import Path
+
+import torch
+
+from bench.load import processes, reference, report, workload
+from bench.load.drafters import FLEET
+from bench.load.progress import StepProgress, say
+from bench.load.server import REPO, ServerProcess
+from bench.machine import device_name
+from drafter.client import VerifierClient
+from verifier.defaults import SHIPPED_DRAFT, SHIPPED_TARGET
+from verifier.engine import LENGTH
+from verifier.server.app import build_engine
+from verifier.server.config import ServerConfig
+
+TAG = "serve"
+MODEL_NAMES = ("shipped", "2b", "tiny")
+REMOTE_PROMPTS = REPO / "bench" / "prompts" / "stdlib_validation.jsonl"
+NO_GOODPUT = "--no-goodput"
+QUICK = {"steps": 60, "remote_prompt_count": 4, "remote_new_tokens": 64}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    out: Path
+    models: tuple[str, ...] = ("shipped", "2b")
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: str | None = None  # None: bfloat16 on a GPU, float32 on the CPU
+    sessions: int = 64
+    processes: int = 4
+    warmup_steps: int = 5
+    steps: int = 200
+    k: int = 4
+    remote: bool = True
+    remote_target: Path = SHIPPED_TARGET
+    remote_draft: Path = SHIPPED_DRAFT
+    remote_prompts: Path = REMOTE_PROMPTS
+    remote_prompt_count: int = 12
+    remote_new_tokens: int = 128
+    draft_device: str | None = None  # None: --device
+    time_limit_s: float = 300.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.processes <= self.sessions:
+            raise ValueError(f"need 1 <= processes <= sessions, got processes {self.processes}, sessions {self.sessions}")
+        if self.warmup_steps < 1 or self.steps < 1 or self.k < 1:
+            raise ValueError(f"--warmup-steps, --steps and --k must be >= 1, got {self.warmup_steps}, {self.steps}, {self.k}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device")
+        if "2b" in self.models and self.device != "cuda":
+            raise ValueError("--model 2b needs --device cuda (a 2B checkpoint on this CPU would take hours)")
+        if self.remote_prompt_count < 1 or self.remote_new_tokens < 2 or self.time_limit_s <= 0:
+            raise ValueError("--remote-prompt-count >= 1, --remote-new-tokens >= 2 and --time-limit-s > 0 are needed")
+
+    @property
+    def served_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
+    def reference_tokens(self) -> int:
+        """Plain tokens per prompt: enough for every service run's rounds even when each accepts all K."""
+        return 1 + (self.warmup_steps + self.steps) * (self.k + 1)
+
+    def server_config(self, model_dir: Path) -> ServerConfig:
+        """The load runs' server, in this process (the engine alone) and as its flags (the service)."""
+        return ServerConfig(model_dir, port=0, device=self.device, dtype=self.served_dtype, n_slots=self.sessions,
+                            max_seq_len=workload.PROMPT_MAX + self.reference_tokens + self.k + 1, max_k=self.k,
+                            max_batch_rows=self.sessions * (self.k + 1))  # a round of every session is one batch
+
+
+def checkpoint(name: str, scratch: Path) -> Path:
+    if name == "shipped":
+        return SHIPPED_TARGET
+    if name == "2b":
+        from bench.gpu import DENSE_2B, build_checkpoint
+
+        say("writing the random 2B checkpoint (bench/gpu.py's writer)", TAG)
+        build_checkpoint("qwen3_5_text", DENSE_2B, scratch / "qwen35_2b")
+        return scratch / "qwen35_2b"
+    if name == "tiny":
+        from bench.load.cli import TINY_CONFIG, TINY_EMBED_STD, TINY_NAME
+        from verifier.model.random_checkpoint import write_random_checkpoint
+
+        return write_random_checkpoint(TINY_CONFIG, scratch / TINY_NAME, seed=0, std=TINY_EMBED_STD)
+    return Path(name)
+
+
+def server_has_flag(flag: str) -> bool:
+    """Whether `python -m verifier serve` takes `flag` (flags other engineers add may not be there yet)."""
+    from verifier.cli import build_parser
+
+    with redirect_stderr(StringIO()):
+        _, unknown = build_parser().parse_known_args(["serve", "--port", "0", flag])
+    return not unknown
+
+
+# -- one model ---------------------------------------------------------------------------------
+
+
+def engine_alone(config: ServeConfig, model_dir: Path, plan: workload.Plan) -> tuple[dict, dict[int, tuple[list[int], str]]]:
+    engine = build_engine(config.server_config(model_dir))
+    prompts = [workload.prompt(plan, i, 0) for i in range(config.sessions)]
+    say(f"engine alone: {config.sessions} sequences, {config.warmup_steps} + {config.steps} timed steps, then on to "
+        f"{config.reference_tokens} tokens each for the reference", TAG)
+    figures, streams = reference.timed_plain_decoding(engine, prompts, config.reference_tokens, config.warmup_steps,
+                                                      config.steps)
+    figures["graph_captures"] = getattr(engine, "graph_captures", None)
+    del engine
+    _free_device_memory()
+    return figures, dict(enumerate(streams))
+
+
+def service_run(config: ServeConfig, address: str, client: VerifierClient, plan: workload.Plan, n_processes: int,
+                streams: dict[int, tuple[list[int], str]], scratch: Path, label: str, at_start=None) -> dict:
+    """One fleet run of every session; figures of its timed rounds and its comparison with `streams`."""
+    snapshots = {}
+
+    def start() -> None:  # every process has warmed up and waits for the go
+        snapshots["before"] = client.stats()
+        if at_start is not None:
+            at_start()
+
+    references = {i: tokens for i, (tokens, _) in streams.items()} if plan.drafter == "oracle" else None
+    say(f"{label}: {config.sessions} sessions from {n_processes} processes", TAG)
+    with StepProgress(address, config.sessions * plan.steps, label, tag=TAG):
+        workers = processes.run_drafters(address, plan, processes.shares(config.sessions, n_processes), FLEET,
+                                         time.time() + config.time_limit_s, scratch, references=references,
+                                         warmup_rounds=config.warmup_steps, at_start=start)
+    after = client.stats()
+    before = snapshots.get("before", after)
+    figures, served = report.step_figures(workers), report.server_figures(before, after)
+    generations = [g for w in workers for g in w["generations"]]
+    wrong = reference.mismatches(generations, [_expected(g, streams[g["session"]]) for g in generations])
+    captures = [getattr(s, "graph_captures", None) for s in (before, after)]
+    trimmed = [getattr(s, "trimmed_drafts", None) for s in (before, after)]
+    return {
+        "processes": n_processes, "drafter": plan.drafter, "k": 0 if plan.drafter == "none" else plan.k,
+        **{key: figures[key] for key in ("steps", "rounds", "tokens", "wall_s", "tokens_per_s", "tokens_per_step",
+                                         "p50_ms", "p99_ms", "max_ms", "errors", "errors_by_code", "partial")},
+        "engine_batches": served["engine_batches"], "rows_per_batch_mean": served["rows_per_batch_mean"],
+        "batches_per_s": round(served["engine_batches"] / figures["wall_s"], 2) if figures["wall_s"] else None,
+        "mean_acceptance_length": served["mean_acceptance_length"],
+        "graph_captures": None if None in captures else captures[1] - captures[0],
+        "trimmed_drafts": None if None in trimmed else trimmed[1] - trimmed[0],
+        "compared_generations": len(generations), "mismatches": len(wrong), "mismatch_examples": wrong[:3],
+    }
+
+
+def _expected(generation: dict, stream: tuple[list[int], str]) -> tuple[list[int], str]:
+    """The plain stream cut where the generation stopped (it may be cut by its steps or the deadline)."""
+    tokens, finish = stream
+    n = len(generation["tokens"])
+    return tokens[:n], finish if n == len(tokens) else LENGTH
+
+
+@contextmanager
+def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = ()):
+    """A `python -m verifier serve` subprocess with the load runs' settings, and a client of it."""
+    settings = config.server_config(model_dir)
+    server = ServerProcess(model_dir, device=config.device, dtype=config.served_dtype, n_slots=settings.n_slots,
+                           max_seq_len=settings.max_seq_len, max_k=settings.max_k, max_batch_rows=settings.max_batch_rows,
+                           extra_args=extra_args)
+    try:
+        with VerifierClient(server.address, timeout_s=120.0) as client:
+            yield server, client
+    finally:
+        server.stop()
+
+
+def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) -> dict:
+    with_goodput_off = server_has_flag(NO_GOODPUT)
+    one, more = config.processes, min(2 * config.processes, config.sessions)
+    runs: dict[str, dict] = {}
+    rss: dict[str, float] = {}
+    with serving(config, model_dir) as (server, client):
+        info = client.model_info()
+        plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, "none", config.reference_tokens,
+                             config.warmup_steps + config.steps, config.seed, sampling_mix="greedy", generations=1)
+        # the engine alone while the server idles: they share the device, never its time
+        engine_figures, streams = engine_alone(config, model_dir, plan)
+
+        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None) -> dict:
+            return service_run(config, server.address, client, dataclasses.replace(plan, drafter=drafter), n_processes,
+                               streams, scratch, f"{name} {label}", at_start)
+
+        runs["plain"] = run("plain", at_start=lambda: rss.setdefault("before", server.rss_mib()))
+        runs["plain_more_processes"] = run(f"plain, {more} processes", n_processes=more)
+        runs["random"] = run(f"random K={config.k}", "random")
+        runs["oracle"] = run(f"oracle K={config.k}", "oracle")
+        rss["after"] = server.rss_mib()
+    if with_goodput_off:
+        with serving(config, model_dir, (NO_GOODPUT,)) as (server, client):
+            runs["oracle_untrimmed"] = service_run(config, server.address, client, dataclasses.replace(plan, drafter="oracle"),
+                                                   one, streams, scratch, f"{name} oracle K={config.k}, {NO_GOODPUT}")
+    else:
+        say(f"the server has no {NO_GOODPUT} flag yet: oracle_trimmed_vs_untrimmed is not measured", TAG)
+    return model_figures(config, engine_figures, runs, rss, with_goodput_off)
+
+
+def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss: dict[str, float],
+                  with_goodput_off: bool) -> dict:
+    plain, load_runs = runs["plain"], [runs[key] for key in ("plain", "plain_more_processes", "random", "oracle")]
+    captures = [r["graph_captures"] for r in load_runs]
+    untrimmed = runs.get("oracle_untrimmed")
+    return {
+        "sessions": config.sessions,
+        "engine_tokens_per_s": engine["tokens_per_s"],
+        "service_tokens_per_s": plain["tokens_per_s"],
+        "service_over_engine": _ratio(plain["tokens_per_s"], engine["tokens_per_s"]),
+        "p50_ms": plain["p50_ms"], "p99_ms": plain["p99_ms"],
+        "graph_captures_during_load": None if None in captures else sum(captures),
+        "rss_before_mib": _mib(rss.get("before")), "rss_after_mib": _mib(rss.get("after")),
+        "random_drafts_vs_plain_b64": _ratio(runs["random"]["tokens_per_s"], plain["tokens_per_s"]),
+        "oracle_trimmed_vs_untrimmed": _ratio(runs["oracle"]["tokens_per_s"], untrimmed["tokens_per_s"]) if untrimmed else None,
+        "mismatches": sum(r["mismatches"] for r in runs.values()),
+        "errors": sum(r["errors"] for r in runs.values()),
+        "processes": config.processes,
+        "service_tokens_per_s_more_processes": runs["plain_more_processes"]["tokens_per_s"],
+        "goodput_flag": with_goodput_off,
+        "engine": engine, "runs": runs,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _mib(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- the whole run -----------------------------------------------------------------------------
+
+
+def run_serve(config: ServeConfig) -> dict:
+    from bench.load.remote_pair import remote_drafter
+
+    versions = report.versions()
+    result = {"device": device_name("cuda" if config.device == "cuda" else "cpu"), "date": report.today(),
+              "torch": versions["torch"], "triton": versions.get("triton"), "versions": versions,
+              "settings": {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                           "dtype": config.served_dtype, "reference_tokens": config.reference_tokens},
+              "models": {}, "remote_drafter": None}
+    result["settings"] = json.loads(json.dumps(result["settings"], default=str))
+    with tempfile.TemporaryDirectory(prefix="serve-") as scratch:
+        scratch = Path(scratch)
+        for name in config.models:
+            model_dir = checkpoint(name, scratch)
+            key = name if name in MODEL_NAMES else model_dir.name
+            result["models"][key] = bench_model(config, key, model_dir, scratch)
+            _free_device_memory()
+        if config.remote:
+            result["remote_drafter"] = remote_drafter(config.remote_target, config.remote_draft, config.remote_prompts,
+                                                      config.remote_prompt_count, config.remote_new_tokens, config.k,
+                                                      config.device, config.served_dtype,
+                                                      config.draft_device or config.device, progress=lambda m: say(m, TAG))
+    result["ok"] = all(m["mismatches"] == 0 and m["errors"] == 0 for m in result["models"].values()) and \
+        (result["remote_drafter"] is None or result["remote_drafter"]["streams_equal"])
+    config.out.mkdir(parents=True, exist_ok=True)
+    path = config.out / f"serve_{result['date']}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    result["path"] = str(path)
+    return result
+
+
+def table(result: dict) -> str:
+    head = ("model", "engine tok/s", "service tok/s", "svc/engine", "2x procs tok/s", "p50 ms", "p99 ms", "captures",
+            "rss MiB", "random/plain", "oracle trim/untrim", "mismatches")
+    rows = [head]
+    for name, m in result["models"].items():
+        rows.append((name, m["engine_tokens_per_s"], m["service_tokens_per_s"], m["service_over_engine"],
+                     m["service_tokens_per_s_more_processes"], m["p50_ms"], m["p99_ms"], m["graph_captures_during_load"],
+                     f"{m['rss_before_mib']}->{m['rss_after_mib']}", m["random_drafts_vs_plain_b64"],
+                     m["oracle_trimmed_vs_untrimmed"], m["mismatches"]))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows]
+    remote = result["remote_drafter"]
+    if remote is not None:
+        lines.append(f"remote drafter K={remote['k']}: plain {remote['plain_tokens_per_s']} tok/s, model drafter "
+                     f"{remote['remote_model_tokens_per_s']} tok/s ({remote['remote_model_speedup']}x); in process "
+                     f"{remote['inprocess_model_speedup']}x; streams equal: {remote['streams_equal']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(ServeConfig)})
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="directory for serve_<date>.json")
+    p.add_argument("--model", default=",".join(defaults.models),
+                   help=f"comma-separated: {', '.join(MODEL_NAMES)} or a checkpoint directory")
+    p.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"], help="where the server and the engine run")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="served dtype; None: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--sessions", type=int, default=defaults.sessions, help="sessions (and sequences of the engine's batch)")
+    p.add_argument("--processes", type=int, default=defaults.processes, help="drafter processes (a second plain run uses twice as many)")
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="untimed steps (engine) or rounds (service) first")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per sequence")
+    p.add_argument("--k", type=int, default=defaults.k, help="drafts per step of the random, oracle and model drafters")
+    p.add_argument("--quick", action="store_true", help=f"shorter, overriding those flags: {QUICK}")
+    p.add_argument("--no-remote", action="store_true", help="skip the remote drafter part")
+    p.add_argument("--remote-target", type=Path, default=defaults.remote_target, help="the pair's target checkpoint")
+    p.add_argument("--remote-draft", type=Path, default=defaults.remote_draft, help="the pair's draft checkpoint")
+    p.add_argument("--remote-prompts", type=Path, default=defaults.remote_prompts, help="JSONL of held-out prompts")
+    p.add_argument("--remote-prompt-count", type=int, default=defaults.remote_prompt_count, help="prompts used, from the first")
+    p.add_argument("--remote-new-tokens", type=int, default=defaults.remote_new_tokens, help="tokens per remote generation")
+    p.add_argument("--draft-device", default=None, help="where the model drafter runs; None: --device")
+    p.add_argument("--time-limit-s", type=float, default=defaults.time_limit_s, help="per service run: stop its sessions then")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the prompts and the random drafts")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    quick, remote_off, models = args.pop("quick"), args.pop("no_remote"), args.pop("model")
+    if quick:
+        args.update(QUICK)
+    try:
+        config = ServeConfig(**args, models=tuple(m.strip() for m in models.split(",") if m.strip()), remote=not remote_off)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = run_serve(config)
+    say(f"wrote {result['path']}", TAG)
+    print(table(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Many sessions from one client, one Verify call per round for all of them.
+
+A drafter process that serves many sequences sends ONE Verify per round carrying the step of every
+unfinished session (steps of distinct sessions, answered as one engine batch: DESIGN.md section 8),
+so its per-step gRPC and protobuf work scales with processes, not with sessions. Each session is the
+one generation loop, drafter.loop.DraftLoop (next_step / advance); retries are the client's own
+(`verify` resends a step with a retryable status, alone, under its request id: drafter/retry.py).
+
+Lanes. A fleet has `lanes` places for one session each. A free lane asks the workload for a job
+(`workload.next_job(lane)`: what to open, or None: that lane is done for good). When the lane's
+generation ends (finished, failed, or cut by the job's step budget or the fleet's deadline) its
+session is closed, the workload hears `workload.ended(report)`, and the lane asks again. A failed
+open, a failed step or a proposer that raises ends that lane's generation only, never the others'.
+
+The driver is written once and does no I/O (`Fleet.decisions`, in the manner of drafter/retry.py):
+it yields what to do (OpenSessions, VerifyRound, CloseSessions) and is sent what that got.
+`run_fleet` carries it out with a blocking VerifierClient; `arun_fleet` with an AsyncVerifierClient,
+where the opens and closes of one round run concurrently.
+
+    class Workload:
+        def next_job(self, lane): return Job(16, prompt_ids=[1, 2, 3], proposer=NgramProposer(), k=4)
+        def ended(self, report): print(report.lane, report.generation.tokens, report.error)
+    fleet = run_fleet(client, Workload(), lanes=32)   # fleet.rounds: one Round per Verify call
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from verifier.generation import Generation
+from verifier.params import SamplingParams
+from verifier.proposers import Proposer
+
+from .adaptive import AdaptiveK
+from .aio_client import AsyncVerifierClient
+from .aio_client import carry_out as carry_out_async
+from .client import VerifierClient, carry_out
+from .loop import DraftLoop
+from .messages import ModelInfo, Step, StepOutcome, VerifierError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation for a lane: what to open, and how its loop drafts."""
+
+    max_new_tokens: int
+    prompt_ids: list[int] | None = None
+    text: str | None = None  # tokenized by the server, instead of prompt_ids
+    proposer: Proposer | None = None  # None: plain decoding
+    k: int = 0  # drafts per step asked of the proposer (the loop cuts to the server's limits)
+    sampling: SamplingParams = SamplingParams()
+    return_logits: bool = False
+    adaptive: AdaptiveK | None = None
+    max_steps: int | None = None  # cut the generation after this many verify steps (None: to its end)
+
+    def __post_init__(self):
+        if (self.prompt_ids is None) == (self.text is None):
+            raise ValueError("a Job needs exactly one of prompt_ids and text")
+        if self.max_new_tokens < 1 or self.k < 0 or (self.max_steps is not None and self.max_steps < 1):
+            raise ValueError(f"a Job needs max_new_tokens >= 1, k >= 0 and max_steps >= 1 or None, got "
+                             f"{self.max_new_tokens}, {self.k}, {self.max_steps}")
+
+    def open_arguments(self) -> dict:
+        """Keyword arguments of either client's open_session."""
+        return {"prompt_ids": self.prompt_ids, "text": self.text, "sampling": self.sampling,
+                "max_new_tokens": self.max_new_tokens, "return_logits": self.return_logits}
+
+
+@dataclass
+class Ended:
+    """How a lane's generation ended; the workload hears it before the lane asks for its next job."""
+
+    lane: int
+    job: Job
+    generation: Generation | None  # what the loop emitted, partial when cut or failed; None: never opened
+    error: Exception | None = None  # a VerifierError, or what the proposer raised
+    cut: bool = False  # stopped by the job's max_steps or the fleet's deadline before it finished
+
+
+@dataclass(frozen=True)
+class Round:
+    index: int
+    seconds: float  # the Verify call, its retries included
+    steps: int  # steps sent (one per unfinished session)
+    tokens: int  # emitted by the round's OK steps
+
+
+class Workload(Protocol):
+    def next_job(self, lane: int) -> Job | None: ...
+
+    def ended(self, report: Ended) -> None: ...
+
+
+# What the driver asks its transport to do, and what each is answered with.
+@dataclass(frozen=True)
+class OpenSessions:
+    jobs: tuple[Job, ...]  # answer: [Session | VerifierError], one per job
+
+
+@dataclass(frozen=True)
+class VerifyRound:
+    steps: tuple[Step, ...]  # answer: [StepOutcome] one per step, or the VerifierError of the whole call
+
+
+@dataclass(frozen=True)
+class CloseSessions:
+    session_ids: tuple[str, ...]  # answer: [bool | VerifierError], one per session
+
+
+@dataclass
+class _Lane:
+    job: Job
+    loop: DraftLoop
+    steps: int = 0
+
+
+@dataclass
+class Fleet:
+    workload: Workload
+    lanes: int
+    info: ModelInfo
+    deadline: float | None = None  # time.time() after which no step is sent and every lane is cut
+    on_round: Callable[[Round], None] | None = None  # hears each round once its sessions are settled
+    rounds: list[Round] = field(default_factory=list)
+    close_errors: list[VerifierError] = field(default_factory=list)
+    clock: Callable[[], float] = time.perf_counter
+
+    def __post_init__(self):
+        if self.lanes < 1:
+            raise ValueError(f"a fleet needs at least one lane, got {self.lanes}")
+        self._live: dict[int, _Lane] = {}
+        self._free: list[int] = list(range(self.lanes))
+
+    def open_session_ids(self) -> tuple[str, ...]:
+        """Sessions still open: none once `decisions` has returned; the drivers close them on an error."""
+        return tuple(lane.loop.session.id for lane in self._live.values())
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.time() >= self.deadline
+
+    def decisions(self):
+        """The whole run, as decisions for a transport to carry out; returns when every lane is done."""
+        while True:
+            yield from self._fill()
+            if not self._live:
+                return
+            if self._past_deadline():
+                yield from self._end([(lane, None, True) for lane in self._live])
+            else:
+                yield from self._round()
+
+    def _fill(self):
+        """Ask every free lane for a job and open them, until no free lane wants one."""
+        while self._free and not self._past_deadline():
+            asked = [(lane, job) for lane in self._free if (job := self.workload.next_job(lane)) is not None]
+            self._free = []  # a lane that got no job is done for good
+            if not asked:
+                return
+            opened = yield OpenSessions(tuple(job for _, job in asked))
+            finished_at_open = []
+            for (lane, job), got in zip(asked, opened):
+                if isinstance(got, VerifierError):
+                    self._report(Ended(lane, job, None, got), lane)
+                    continue
+                self._live[lane] = _Lane(job, DraftLoop(got, self.info, job.proposer, job.k, job.max_new_tokens,
+                                                        job.return_logits, job.sampling, job.adaptive))
+                if self._live[lane].loop.finished:  # the first token already ended it
+                    finished_at_open.append((lane, None, False))
+            yield from self._end(finished_at_open)
+
+    def _round(self):
+        """One Verify call with the next step of every live session; settle each outcome on its own."""
+        ending: list[tuple[int, Exception | None, bool]] = []
+        sent: list[tuple[int, Step]] = []
+        for lane, state in self._live.items():
+            try:
+                sent.append((lane, state.loop.next_step()))
+            except Exception as err:  # the proposer is the caller's code: its failure ends its session only
+                ending.append((lane, err, False))
+        tokens = 0
+        if sent:
+            start = self.clock()
+            got = yield VerifyRound(tuple(step for _, step in sent))
+            seconds = self.clock() - start
+            outcomes = [got] * len(sent) if isinstance(got, VerifierError) else got
+            for (lane, step), outcome in zip(sent, outcomes):
+                state = self._live[lane]
+                try:
+                    tokens += len(state.loop.advance(step, _checked(outcome)))
+                except VerifierError as err:
+                    ending.append((lane, err, False))
+                    continue
+                state.steps += 1
+                if state.loop.finished:
+                    ending.append((lane, None, False))
+                elif state.job.max_steps is not None and state.steps >= state.job.max_steps:
+                    ending.append((lane, None, True))
+        yield from self._end(ending)
+        if sent:
+            done = Round(len(self.rounds), seconds, len(sent), tokens)
+            self.rounds.append(done)
+            if self.on_round is not None:
+                self.on_round(done)
+
+    def _end(self, ending: list[tuple[int, Exception | None, bool]]):
+        """Close the sessions of these lanes (lane, error, cut), report them, free the lanes."""
+        if not ending:
+            return
+        closed = yield CloseSessions(tuple(self._live[lane].loop.session.id for lane, _, _ in ending))
+        for got in closed:
+            if isinstance(got, VerifierError):  # the server reaps an unclosed session once it is idle
+                log.warning("could not close a session: %s", got)
+                self.close_errors.append(got)
+        for lane, error, cut in ending:
+            state = self._live.pop(lane)
+            self._report(Ended(lane, state.job, state.loop.result(), error, cut), lane)
+
+    def _report(self, report: Ended, lane: int) -> None:
+        self.workload.ended(report)
+        self._free.append(lane)
+
+
+def _checked(outcome: StepOutcome | VerifierError) -> StepOutcome:
+    if isinstance(outcome, VerifierError):  # the whole Verify call failed: every step of the round did
+        raise outcome
+    return outcome
+
+
+# -- the transports ---------------------------------------------------------------------------
+
+
+def _blocking(client: VerifierClient, action):
+    """Carry out one action with blocking calls; VerifierErrors come back as answers."""
+    if isinstance(action, VerifyRound):
+        return _caught(client.verify, list(action.steps))
+    if isinstance(action, OpenSessions):
+        return [_caught(lambda job=job: client.open_session(**job.open_arguments())) for job in action.jobs]
+    return [_caught(client.close_session, session_id) for session_id in action.session_ids]
+
+
+def _caught(call, *args) -> object:
+    try:
+        return call(*args)
+    except VerifierError as err:
+        return err
+
+
+async def _concurrent(client: AsyncVerifierClient, action):
+    """Carry out one action on the event loop; the opens or closes of one action run concurrently."""
+    if isinstance(action, VerifyRound):
+        return await _acaught(client.verify(list(action.steps)))
+    if isinstance(action, OpenSessions):
+        return await asyncio.gather(*(_acaught(client.open_session(**job.open_arguments())) for job in action.jobs))
+    return await asyncio.gather(*(_acaught(client.close_session(session_id)) for session_id in action.session_ids))
+
+
+async def _acaught(call) -> object:
+    try:
+        return await call
+    except VerifierError as err:
+        return err
+
+
+def run_fleet(client: VerifierClient, workload: Workload, lanes: int, *, info: ModelInfo | None = None,
+              deadline: float | None = None, on_round: Callable[[Round], None] | None = None) -> Fleet:
+    """Run the workload's jobs on `lanes` sessions at a time through a blocking client; the Fleet
+    returned holds the rounds and the close errors. Sessions still open on any way out are closed."""
+    fleet = Fleet(workload, lanes, info or client.model_info(), deadline, on_round)
+    try:
+        carry_out(fleet.decisions(), lambda action: _blocking(client, action))
+    finally:
+        _blocking(client, CloseSessions(fleet.open_session_ids()))
+    return fleet
+
+
+async def arun_fleet(client: AsyncVerifierClient, workload: Workload, lanes: int, *,
+                     info: ModelInfo | None = None, deadline: float | None = None,
+                     on_round: Callable[[Round], None] | None = None) -> Fleet:
+    """`run_fleet` through an AsyncVerifierClient."""
+    fleet = Fleet(workload, lanes, info or await client.model_info(), deadline, on_round)
+    try:
+        await carry_out_async(fleet.decisions(), lambda action: _concurrent(client, action))
+    finally:
+        await _concurrent(client, CloseSessions(fleet.open_session_ids()))
+    return fleet
+
+
+__all__ = ["Job", "Ended", "Round", "Workload", "Fleet", "OpenSessions", "VerifyRound", "CloseSessions", "run_fleet",
+           "arun_fleet"]

@@ -1,0 +1,83 @@
+"""The serving bench (bench/serve.py) in CI size, on the CPU: the tiny checkpoint of bench/load, 4
+sessions from 2 drafter processes (then 4), a few steps, and the remote drafter part with the tiny
+checkpoint as its own draft model; through the same code as the H200 run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.load.cli import TINY_CONFIG, TINY_EMBED_STD
+from bench.serve import ServeConfig, _expected, main, run_serve, server_has_flag
+
+SESSIONS, PROCESSES, WARMUP, STEPS, K = 4, 2, 2, 4, 2
+MODEL_FIELDS = ("sessions", "engine_tokens_per_s", "service_tokens_per_s", "service_over_engine", "p50_ms", "p99_ms",
+                "graph_captures_during_load", "rss_before_mib", "rss_after_mib", "random_drafts_vs_plain_b64",
+                "oracle_trimmed_vs_untrimmed", "mismatches")
+REMOTE_FIELDS = ("k", "plain_tokens_per_s", "remote_model_tokens_per_s", "remote_model_speedup", "inprocess_model_speedup")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from verifier.model.random_checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(TINY_CONFIG, tmp_path_factory.mktemp("serve") / "tiny", seed=0, std=TINY_EMBED_STD)
+
+
+def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(tmp_path, tiny):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": [5 + i, 6, 7, 8, 5 + i, 6, 7]}) for i in range(3)))
+    config = ServeConfig(out=tmp_path, models=(str(tiny),), device="cpu", sessions=SESSIONS, processes=PROCESSES,
+                         warmup_steps=WARMUP, steps=STEPS, k=K, remote_target=tiny, remote_draft=tiny,
+                         remote_prompts=prompts, remote_prompt_count=2, remote_new_tokens=8, time_limit_s=120)
+    result = run_serve(config)
+    written = json.loads(Path(result["path"]).read_text())
+    assert Path(result["path"]).name == f"serve_{written['date']}.json"
+    for field in ("device", "date", "torch", "triton", "models", "remote_drafter"):
+        assert field in written, field
+    model = written["models"]["tiny"]
+    for field in MODEL_FIELDS:
+        assert field in model, field
+    assert model["mismatches"] == 0 and model["errors"] == 0 and written["ok"]
+    assert model["sessions"] == SESSIONS and model["engine"]["sequences"] == SESSIONS
+    assert model["engine"]["timed_steps"] == STEPS and model["engine"]["tokens"] == SESSIONS * STEPS
+    assert model["graph_captures_during_load"] in (0, None)  # no graphs on the CPU
+    assert model["rss_before_mib"] > 0 and model["rss_after_mib"] > 0
+    runs = model["runs"]
+    for name, processes in (("plain", PROCESSES), ("plain_more_processes", 2 * PROCESSES), ("random", PROCESSES)):
+        run = runs[name]
+        # every session took its timed steps, one Verify call per round per process
+        assert run["steps"] == SESSIONS * STEPS and run["rounds"] == processes * STEPS, name
+        assert run["processes"] == processes and run["compared_generations"] == SESSIONS and run["mismatches"] == 0
+        assert 0 < run["p50_ms"] <= run["p99_ms"]
+    assert runs["plain"]["tokens"] == SESSIONS * STEPS  # plain decoding: one token per step
+    assert model["service_over_engine"] > 0 and model["random_drafts_vs_plain_b64"] > 0
+    if server_has_flag("--no-goodput"):
+        # untrimmed, the oracle's every draft is accepted: K + 1 tokens per step
+        assert runs["oracle_untrimmed"]["mean_acceptance_length"] == K + 1
+        assert runs["oracle_untrimmed"]["mismatches"] == 0 and model["oracle_trimmed_vs_untrimmed"] > 0
+    else:
+        assert model["oracle_trimmed_vs_untrimmed"] is None
+    remote = written["remote_drafter"]
+    for field in REMOTE_FIELDS:
+        assert field in remote, field
+    assert remote["k"] == K and remote["streams_equal"]
+    # the draft model is the target itself: in process every draft is accepted; the server (goodput on,
+    # as a user starts it) may verify fewer drafts than were sent, never more
+    assert remote["inprocess_mean_acceptance_length"] == K + 1
+    assert 1.0 <= remote["remote_mean_acceptance_length"] <= K + 1
+
+
+def test_the_reference_is_cut_where_a_generation_stopped():
+    plain = ([1, 2, 3, 4], "eos")
+    assert _expected({"tokens": [1, 2, 3, 4]}, plain) == ([1, 2, 3, 4], "eos")
+    assert _expected({"tokens": [1, 2]}, plain) == ([1, 2], "length")  # cut by its steps: compared on what it emitted
+
+
+def test_bad_options_exit_2(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--model", "tiny", "--device", "cpu", "--sessions", "2", "--processes", "3"]) == 2
+    assert "processes" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--model", "2b", "--device", "cpu"]) == 2
+    assert "2b needs --device cuda" in capsys.readouterr().err
