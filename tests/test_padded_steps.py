@@ -10,16 +10,19 @@ import torch
 from bitexact.serial import serial_run
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
+from verifier.model.padding import PAD_CHUNK, bucket_shapes, pad_batch, smallest_bucket
 from verifier.model.rollback import ROLLBACK_MODES
+from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
 
-BUCKETS = (2, 4, 8, 16)
+BUCKETS = (2, 4, 16)
 MAX_SEQ_LEN, MAX_K = 64, 5
 PROMPTS = [[5, 6, 7], [11, 3, 9, 2, 8], [4, 4]]
-# drafts per sequence and step: rows 3 (bucket 4: one padding row), 7 (8), 14 (16), 10 (16),
-# 18 (past the largest bucket: eager, unpadded), and two sequences of 2 rows each (bucket 4 exactly:
-# a padding sequence with no rows and an empty one)
+# drafts per sequence and step: rows 3 (bucket 4: one padding row), 7 (16: 9 padding rows in two
+# padding sequences of 8 and 1 sharing the scratch slot), 14 (16: 2 padding rows, then an empty
+# padding sequence), 10 (16), 18 (past the largest bucket: eager, unpadded), and two sequences of
+# 2 rows each (bucket 4 exactly: two empty padding sequences)
 K_MIXES = [[0, 0, 0], [1, 3, 0], [5, 2, 4], [3, 3, 1], [5, 5, 5], [1, 1, None]]
 
 
@@ -75,7 +78,8 @@ def test_buckets_fit_the_context(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, 20)
     assert [s.rows for s in engine.runner.shapes] == [r for r in DEFAULT_GRAPH_ROWS if r <= 20]
-    assert [s.sequences for s in engine.runner.shapes][:4] == [1, 2, 3, 3]  # min(rows, n_slots + 1)
+    # min(rows, n_slots + ceil(rows / PAD_CHUNK)): rows 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20
+    assert [s.sequences for s in engine.runner.shapes] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 5]
     with pytest.raises(ValueError, match="passes max_seq_len 20"):
         Engine(model, 2, 20, graph_rows=(4, 32))
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -108,3 +112,36 @@ def test_want_logits_false_copies_none(load_target):
     without = engines[1].step([StepRequest(seqs[1], [1, 2], want_logits=False)])[0]
     assert without.logits is None and with_logits.logits.shape[0] == len(with_logits.tokens)
     assert (without.tokens, without.position) == (with_logits.tokens, with_logits.position)
+
+
+@pytest.mark.parametrize("n_slots", [1, 2, 3, 8, 20])
+def test_padding_sequences_hold_at_most_pad_chunk_rows(n_slots):
+    """Every default bucket and every real step that fits it (S sequences of R rows in all, S <= min(R,
+    n_slots), R <= R_b; the padding depends on S and R only): the padded batch has exactly the
+    bucket's shape, the real sequences as they were, and its padding rows in the scratch slot in
+    sequences of at most PAD_CHUNK rows, one row per position 0 .. R_b - R - 1."""
+    scratch = n_slots
+    for shape in bucket_shapes(DEFAULT_GRAPH_ROWS, n_slots):
+        for n_seqs in range(min(shape.rows, n_slots) + 1):
+            for n_rows in range(n_seqs, shape.rows + 1) if n_seqs else [0]:
+                counts = (n_rows - n_seqs + 1,) + (1,) * (n_seqs - 1) if n_seqs else ()
+                batch = RowBatch(tuple(range(n_seqs)), tuple(7 * s for s in range(n_seqs)), counts)
+                padded = pad_batch(batch, shape, scratch)
+                assert (padded.n_rows, len(padded.slots)) == (shape.rows, shape.sequences)
+                assert (padded.slots[:n_seqs], padded.starts[:n_seqs], padded.counts[:n_seqs]) == (batch.slots, batch.starts, batch.counts)
+                padding = range(n_seqs, shape.sequences)
+                assert all(padded.slots[s] == scratch for s in padding)
+                assert max((padded.counts[s] for s in padding), default=0) <= PAD_CHUNK, \
+                    f"bucket {shape}, {n_rows} rows in {n_seqs} sequences: a padding sequence of {max(padded.counts[n_seqs:])} rows"
+                positions = sorted(padded.starts[s] + r for s in padding for r in range(padded.counts[s]))
+                assert positions == list(range(shape.rows - n_rows)), f"bucket {shape}: padding positions {positions}"
+
+
+def test_k_mixes_pad_with_several_padding_sequences():
+    """The engine-level test above shares the scratch slot among padding sequences with rows: K mix
+    [1, 3, 0] (7 rows) pads to bucket 16 with padding sequences of 8 and 1 rows."""
+    shapes = bucket_shapes(BUCKETS, len(PROMPTS))
+    batch = RowBatch((0, 1, 2), (3, 5, 2), (2, 4, 1))
+    padded = pad_batch(batch, smallest_bucket(shapes, batch.n_rows), len(PROMPTS))
+    assert padded.counts[3:] == (8, 1) and padded.starts[3:] == (0, 8)
+    assert padded.slots[3:] == (len(PROMPTS),) * 2

@@ -1,8 +1,8 @@
 """The sequence-walking kernels under a graph bucket's padding (verifier/model/padding.py): the real
-sequences, then one padding sequence of rows in a scratch slot, then many padding sequences with
-no rows in that slot, which keep nothing at rollback. Real rows' outputs and real slots' state are
-torch.equal to the unpadded launch; the scratch slot's committed state is never written; outputs
-are NaN-poisoned so an unwritten real row fails."""
+sequences, then several padding sequences of rows sharing a scratch slot, then many padding
+sequences with no rows in that slot, all of which keep nothing at rollback. Real rows' outputs and
+real slots' state are torch.equal to the unpadded launch; the scratch slot's committed state is
+never written; outputs are NaN-poisoned so an unwritten real row fails."""
 
 import pytest
 import torch
@@ -15,12 +15,15 @@ from . import test_delta_rule as delta, test_short_conv as conv
 from .conftest import nan_like
 
 COUNTS, SLOTS, KEPT = [3, 1, 5], [0, 3, 1], [2, 1, 5]  # the real step: rows, slots, kept rows
-PADDING_ROWS, EMPTY_SEQUENCES = 4, 6
+# padding rows in chunks, as padding.pad_batch lays them out (PAD_CHUNK rows at most; 2 here to
+# keep the interpreted launches small), each chunk walking from the scratch slot's own state
+PADDING_COUNTS, EMPTY_SEQUENCES = [2, 2, 1], 6
 
 
 def padded(counts, slots, scratch):
-    """The padded layout: the real sequences, the scratch sequence's rows, then empty sequences."""
-    return counts + [PADDING_ROWS] + [0] * EMPTY_SEQUENCES, slots + [scratch] * (1 + EMPTY_SEQUENCES)
+    """The padded layout: the real sequences, the padding sequences' rows, then empty sequences."""
+    padding = len(PADDING_COUNTS) + EMPTY_SEQUENCES
+    return counts + PADDING_COUNTS + [0] * EMPTY_SEQUENCES, slots + [scratch] * padding
 
 
 def int32(values, device):
@@ -28,8 +31,8 @@ def int32(values, device):
 
 
 REAL_ROWS = sum(COUNTS)
-ALL_ROWS = REAL_ROWS + PADDING_ROWS
-PADDED_KEPT = KEPT + [0] * (1 + EMPTY_SEQUENCES)
+ALL_ROWS = REAL_ROWS + sum(PADDING_COUNTS)
+PADDED_KEPT = KEPT + [0] * (len(PADDING_COUNTS) + EMPTY_SEQUENCES)
 
 
 @pytest.mark.parametrize("kind", delta.KINDS)

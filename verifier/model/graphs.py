@@ -20,8 +20,10 @@ verify replays, and its record is consumed by its rollback before any other repl
 buckets' temporaries may share memory. Graph memory is then the largest bucket's, not the sum,
 and serving allocates nothing.
 
-Capture runs the step once eagerly on the bucket's padding-only inputs (it compiles the Triton
-kernels; it writes only the scratch slot's KV, and its rollback keeps nothing), then captures.
+Capture runs the step once eagerly on the bucket's padding-only inputs (R_b padding rows in
+sequences of at most padding.PAD_CHUNK rows, then zero-row ones, S_b in all: the bucket's shape; it
+compiles the Triton kernels, writes only the scratch slot's KV, and its rollback keeps nothing),
+then captures.
 """
 
 from __future__ import annotations

@@ -1,20 +1,25 @@
 """Padding a step to a graph bucket's fixed shape (DESIGN.md section 6, rule 9).
 
 A bucket is a fixed (rows R_b, sequences S_b). A step of R <= R_b verify rows in S sequences is
-padded to it: its S sequences first, as they are; then one padding sequence holding the R_b - R
-padding rows (token 0 at positions 0 .. R_b - R - 1 of the pool's scratch slot); then padding
-sequences with no rows, also in the scratch slot, up to S_b. Rollback keeps 0 rows of every
-padding sequence. So padding:
+padded to it: its S sequences first, as they are; then the R_b - R padding rows (token 0) in
+padding sequences of at most PAD_CHUNK rows each, all in the pool's scratch slot, sequence j at
+positions j * PAD_CHUNK onwards, so the padding rows fill positions 0 .. R_b - R - 1 of the slot
+once each (no two rows write the same KV entry); then padding sequences with no rows, also in the
+scratch slot, up to S_b. Rollback keeps 0 rows of every padding sequence. So padding:
   - changes no real row's bits: every per-row op is row-invariant, and the sequence-walking kernels
     (conv, delta rule, attention) read only their own sequence's slot;
   - writes no real slot's state: padding rows write KV only in the scratch slot, verify never
     writes a committed conv window or recurrent state, and the rollback kernels return at once for
-    a sequence that keeps nothing (so the scratch slot's window and state stay zero, and hundreds
-    of zero-row sequences cost a program each that loads two ints).
+    a sequence that keeps nothing (so the scratch slot's window and state stay zero, its padding
+    sequences may share it, and hundreds of zero-row sequences cost a program each that loads two
+    ints);
+  - adds no long serial walk: the recurrent kernels walk a sequence's rows one after another in
+    one program, so one padding sequence of 63 rows would take ~12x a real 5-row verify and bind
+    the whole step; in chunks, no padding walk is longer than PAD_CHUNK rows.
 
-S_b = min(R_b, n_slots + 1) always fits: a full bucket (R = R_b) has at most min(R_b, n_slots)
-sequences and needs no padding sequence; a step with R < R_b has S <= min(R, n_slots) <= S_b - 1,
-room for the padding sequence.
+S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) always fits a step of R <= R_b rows in
+S <= min(R, n_slots) sequences, which needs S + ceil((R_b - R) / PAD_CHUNK) sequences: at most
+n_slots + ceil(R_b / PAD_CHUNK), and at most R + (R_b - R) = R_b since a chunk holds >= 1 row.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ import bisect
 from dataclasses import dataclass
 
 from .rows import RowBatch
+
+# Most rows per padding sequence: a verify at K = 7 (the largest K the default buckets are sized
+# for, graphs.DEFAULT_GRAPH_ROWS) walks 8 rows, so padding never walks longer than a real verify of
+# a full-K batch. Smaller chunks would cost more padding sequences, each reading the scratch
+# slot's recurrent state once (a whole state per sequence and layer), for walks shorter than the
+# real ones already are.
+PAD_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,8 @@ def check_graph_rows(graph_rows: tuple[int, ...], max_seq_len: int) -> tuple[int
 
 
 def bucket_shapes(graph_rows: tuple[int, ...], n_slots: int) -> list[BucketShape]:
-    return [BucketShape(rows, min(rows, n_slots + 1)) for rows in graph_rows]
+    """One shape per bucket: S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) (module docstring)."""
+    return [BucketShape(rows, min(rows, n_slots - (-rows // PAD_CHUNK))) for rows in graph_rows]
 
 
 def smallest_bucket(shapes: list[BucketShape], n_rows: int) -> BucketShape | None:
@@ -60,15 +73,21 @@ def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatc
     padding = shape.sequences - n_seqs
     assert n_rows <= shape.rows and n_seqs <= shape.sequences, \
         f"a step of {n_rows} rows in {n_seqs} sequences does not fit bucket {shape}"
-    assert padding >= 1 or n_rows == shape.rows, f"no sequence left in bucket {shape} for {shape.rows - n_rows} padding rows"
-    if padding == 0:
-        return RowBatch(batch.slots, batch.starts, batch.counts, scratch_slot)
+    chunks = _chunks(shape.rows - n_rows)
+    assert len(chunks) <= padding, f"{len(chunks)} padding sequences needed, {padding} left in bucket {shape}"
+    empty = padding - len(chunks)
     return RowBatch(
         slots=batch.slots + (scratch_slot,) * padding,
-        starts=batch.starts + (0,) * padding,
-        counts=batch.counts + (shape.rows - n_rows,) + (0,) * (padding - 1),
+        starts=batch.starts + tuple(PAD_CHUNK * j for j in range(len(chunks))) + (0,) * empty,
+        counts=batch.counts + chunks + (0,) * empty,
         scratch_slot=scratch_slot,
     )
+
+
+def _chunks(padding_rows: int) -> tuple[int, ...]:
+    """Rows of each padding sequence with rows: PAD_CHUNK each, the last one the remainder."""
+    full, rest = divmod(padding_rows, PAD_CHUNK)
+    return (PAD_CHUNK,) * full + ((rest,) if rest else ())
 
 
 def padded_kept(consumed: list[int], shape: BucketShape) -> list[int]:

@@ -97,7 +97,12 @@ class StepRunner:
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each bucket: the median of `repeats` steps of
         padding rows only (the scratch slot: no real state changes), after one untimed step.
-        Graphed, every bucket's graphs replay (missing ones are captured first). Eager (the CPU
+        That is a realistic shape of R_b rows, not a worst case: padding comes in sequences of at
+        most padding.PAD_CHUNK rows, so the recurrent kernels walk no sequence longer than a real
+        verify does, as they would for a real batch of R_b rows (one sequence of R_b rows would
+        make large buckets look far dearer than they are, and the goodput policy trim drafts it
+        should verify). Its attention reads short prefixes (positions < R_b of the scratch slot),
+        so long real contexts cost more than the table says. Graphed, every bucket's graphs replay (missing ones are captured first). Eager (the CPU
         reference, whose step time grows linearly with the rows), buckets are timed smallest first,
         3 steps each, until `budget_s` has passed, so a test server starts in well under a second;
         the table then ends early (verifier.server.goodput.StepCost extrapolates past its end)."""
