@@ -118,7 +118,11 @@ class VerifierService:
         tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated else self._submit(step)
                    for i, step in enumerate(request.steps)]
         try:
-            results = [await asyncio.shield(t.future) for t in tickets]
+            # one wait for the whole request (its steps usually finish in one batch), not one per step
+            waiting = [t.future for t in tickets if not t.future.done()]
+            if waiting:
+                await asyncio.shield(asyncio.gather(*waiting))
+            results = [t.future.result() for t in tickets]
         except asyncio.CancelledError:
             for t in tickets:
                 self.scheduler.withdraw(t)
