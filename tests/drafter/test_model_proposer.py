@@ -62,7 +62,7 @@ def _plain(model, prompt, sampling):
     return plain_in_process(model, prompt, NEW, sampling)
 
 
-class _SerialDecode:
+class SerialDecode:
     """The reference: prefill all but the first context's last token, then decode every later
     token one by one (the decode path the bit-exactness contract is about)."""
 
@@ -80,7 +80,7 @@ class _SerialDecode:
         return self.logits
 
 
-def _assert_same_state(proposer, reference, length):
+def assert_same_state(proposer, reference, length):
     for i, (ours, theirs) in enumerate(zip(proposer.engine.pool.layers, reference.pool.layers)):
         if isinstance(ours, RecurrentState):
             assert torch.equal(ours.conv[proposer.slot], theirs.conv[reference.slot]), f"layer {i} conv window"
@@ -90,10 +90,14 @@ def _assert_same_state(proposer, reference, length):
             assert torch.equal(ours.values[proposer.slot, :length], theirs.values[reference.slot, :length]), f"layer {i} values"
 
 
-def test_rollback_keeps_the_drafter_in_step_with_serial_decoding(small):
-    proposer = ModelProposer(small, VOCAB, MAX_SEQ_LEN)
+# chain: the draft chain's body run eagerly on the CPU (its buffers, device-side positions and
+# snapshot views; its graphs are tested on a GPU in test_draft_chain.py)
+@pytest.mark.parametrize("draft_chain", [False, True], ids=["loop", "chain"])
+def test_rollback_keeps_the_drafter_in_step_with_serial_decoding(small, draft_chain):
+    proposer = ModelProposer(small, VOCAB, MAX_SEQ_LEN, draft_chain=draft_chain)
+    assert (proposer.chain is not None) == draft_chain
     context = list(PROMPT)
-    reference = _SerialDecode(small, context)
+    reference = SerialDecode(small, context)
     # every accepted count from none to all, K from 1 to 5, bonus tokens that differ from the draft they replace
     plan = [(4, 0), (4, 4), (3, 2), (1, 0), (1, 1), (5, 3), (2, 1), (4, 4), (5, 0), (3, 3)]
     for i, (k, accepted) in enumerate(plan):
@@ -104,16 +108,16 @@ def test_rollback_keeps_the_drafter_in_step_with_serial_decoding(small):
         context = context + drafts[:accepted] + [bonus]
         logits = proposer.sync(context)
         assert torch.equal(logits, reference.advance(context)), f"step {i} (K={k}, {accepted} accepted): next-token logits"
-        _assert_same_state(proposer, reference, len(context))
+        assert_same_state(proposer, reference, len(context))
     assert proposer.prefills == 1, "the context is prefilled once, at the start"
     # a step consumes at most K - 1 drafts plus the bonus and the last draft: no replay of the context
     assert proposer.rows <= 1 + sum(k + 1 for k, _ in plan)
     # a context that extends nothing it consumed is a new sequence: one fresh prefill
     other = [11, 12, 13, 14]
     proposer.propose(other, 3)
-    fresh = _SerialDecode(small, other)
+    fresh = SerialDecode(small, other)
     assert torch.equal(proposer.sync(other + [15]), fresh.advance(other + [15])) and proposer.prefills == 2
-    _assert_same_state(proposer, fresh, len(other) + 1)
+    assert_same_state(proposer, fresh, len(other) + 1)
 
 
 def test_sampled_drafts_come_with_their_distribution(small):
@@ -122,7 +126,7 @@ def test_sampled_drafts_come_with_their_distribution(small):
     assert isinstance(proposer, ProbabilityProposer)
     drafts, probs = proposer.propose_with_probs(PROMPT, 4)
     assert probs.dtype == np.float32 and probs.shape == (4, VOCAB)
-    reference = _SerialDecode(small, PROMPT)
+    reference = SerialDecode(small, PROMPT)
     context = list(PROMPT)
     for r, draft in enumerate(drafts):
         q = torch.softmax(masked_logits(reference.advance(context), sampling), dim=-1).numpy()
@@ -179,7 +183,7 @@ def test_rejection_sampling_streams_rows_of_the_target(client, small, target):
     assert any(s.draft_probs is not None for s in spy.steps)
     assert 0 < sum(got.drafted_per_step) and proposer.prefills == 1
     # each token was chosen from the target's own row for the stream so far, bit for bit
-    reference = _SerialDecode(target, PROMPT + got.tokens[:1])
+    reference = SerialDecode(target, PROMPT + got.tokens[:1])
     rows = [target.prefill(target.new_pool(1, MAX_SEQ_LEN), 0, PROMPT)]
     rows += [reference.advance(PROMPT + got.tokens[: i + 1]) for i in range(len(got.tokens) - 1)]
     assert np.array_equal(got.logits, torch.stack(rows).numpy())

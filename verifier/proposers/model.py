@@ -14,6 +14,11 @@ that prefix plus some of the drafter's own drafts) and holds the logits that pre
      the logits) are snapshotted: a rejection at any draft rolls back to that point with a copy,
      with no recompute. Attention needs no snapshot: its cursor is the position, and KV rows past
      it are overwritten before anything reads them.
+     On a GPU, greedy and coupled drafts of up to CHAIN_MAX_K run as one CUDA graph replay per
+     proposal (draft_chain.py: the same kernels and shapes, so the same drafts and state bits);
+     its snapshots are views of the chain's static buffers, which the next proposal overwrites,
+     so they are settled by the sync that precedes it (asserted). Rejection-sampled drafts, and
+     more than CHAIN_MAX_K, take the loop above.
 The context is prefilled only when the drafter starts (or when the context is not an extension of
 what it consumed: a new sequence), so a step costs about k one-row forwards. That prefill takes all
 but the context's last token, which is decoded, as the verifier prefills a prompt and decodes its
@@ -52,6 +57,7 @@ from ..model.rollback import WOA
 from ..model.state import RecurrentState
 from ..params import STREAM_DRAFT, SamplingParams
 from ..sampling import choose, masked_logits, sample_from
+from .draft_chain import DraftChain
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +65,15 @@ REJECTION, COUPLED = "rejection", "coupled"
 
 _DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 DRAFT_GRAPH_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # a context that grows by more runs eagerly
+CHAIN_MAX_K = 8  # drafts per proposal the chain graphs cover (the server's default max_k); more run the loop
 
 
 class ModelProposer:
     def __init__(self, model: HybridModel, vocab_size: int, max_context: int, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0, mode: str = REJECTION):
+                 seed: int = 0, mode: str = REJECTION, draft_chain: bool | None = None):
+        """draft_chain: draft greedy and coupled proposals through one graph replay each
+        (draft_chain.py); None: where the engine runs CUDA graphs. True without graphs runs the
+        chain's body eagerly (tests of its buffers on the CPU); False: the eager loop always."""
         _check_vocab(model.config.vocab_size, vocab_size)
         if mode not in (REJECTION, COUPLED):
             raise ValueError(f"mode must be {REJECTION!r} or {COUPLED!r}, got {mode!r}")
@@ -85,18 +95,34 @@ class ModelProposer:
         self._snapshots: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
         self.prefills = 0  # how many times the whole context was prefilled (tests: only at the start)
         self.rows = 0  # rows consumed by decode-path forwards after the prefills
+        self.chain = self._draft_chain(draft_chain, min(CHAIN_MAX_K, max_context))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, vocab_size: int, max_context: int, sampling: SamplingParams = SamplingParams(),
-                 device: str = "cpu", seed: int = 0, mode: str = REJECTION) -> "ModelProposer":
+                 device: str = "cpu", seed: int = 0, mode: str = REJECTION, draft_chain: bool | None = None) -> "ModelProposer":
         """Load the checkpoint at `model_dir` (fp32 on the CPU, bf16 on a GPU) for a target of
         `vocab_size` ids whose sessions hold at most `max_context` tokens."""
         _check_vocab(load_config(model_dir).vocab_size, vocab_size)  # before reading any weights
-        return cls(load_draft_model(model_dir, device), vocab_size, max_context, sampling, seed, mode)
+        return cls(load_draft_model(model_dir, device), vocab_size, max_context, sampling, seed, mode, draft_chain)
+
+    def _draft_chain(self, wanted: bool | None, max_k: int) -> DraftChain | None:
+        graphed = self.engine.runner.graphed
+        # rejection-sampled drafts are drawn on the host (with their q): the loop; coupled noise is
+        # drawn on the device only on CUDA
+        chained = self.params.greedy or (self.mode == COUPLED and graphed)
+        if not chained or wanted is False or (wanted is None and not graphed):
+            return None
+        # a pool of one slot hands out slot 0 on every admit (checked in _draft_chained)
+        return DraftChain(self.model, self.engine.pool, 0, max_k, self.params, graphed)
 
     @property
     def max_seq_len(self) -> int:
         return self.engine.pool.max_seq_len
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured since construction: the engine's buckets and the draft chains."""
+        return self.engine.graph_captures + (self.chain.captures if self.chain is not None else 0)
 
     # -- the proposer protocol --------------------------------------------------------------
 
@@ -111,6 +137,8 @@ class ModelProposer:
         if k <= 0 or not context:
             return [], None
         logits = self.sync(context)
+        if self.chain is not None and k <= self.chain.max_k:
+            return self._draft_chained(logits, k), None
         send_q = not self.params.greedy and self.mode == REJECTION
         drafts, probs = [], []
         for i in range(k):
@@ -124,10 +152,27 @@ class ModelProposer:
                 logits = self._consume([draft])
         return drafts, (np.stack(probs) if send_q else None)
 
+    def _draft_chained(self, logits: torch.Tensor, k: int) -> list[int]:
+        """The drafting loop's drafts, snapshots and end state, from one chain replay."""
+        # The replay overwrites the chain's boundary buffers, which the last proposal's snapshots
+        # are views of: sync has settled (restored or dropped) them all by now.
+        assert not self._snapshots, "a draft chain replay would overwrite snapshots that sync has not settled"
+        assert self.slot == self.chain.slot, f"the draft chain serves slot {self.chain.slot}, the drafter holds {self.slot}"
+        start = len(self.tokens)
+        drafts = self.chain.propose(logits, start, k)
+        for i in range(k - 1):
+            self._snapshots[start + i] = self.chain.boundary(i)
+        if k > 1:
+            self.tokens += drafts[:-1]
+            self.rows += k - 1
+            self.logits = self.chain.logits
+        return drafts
+
     # -- keeping in step ---------------------------------------------------------------------
 
     def sync(self, context: list[int]) -> torch.Tensor:
-        """Bring the slot to `context` consumed; return the logits [vocab] predicting the next token."""
+        """Bring the slot to `context` consumed; return the logits [vocab] predicting the next token
+        (with a draft chain possibly a view of its buffers: valid until the next proposal)."""
         if len(context) > self.max_seq_len:
             raise ValueError(f"context of {len(context)} tokens passes the draft slot's max_seq_len {self.max_seq_len}")
         agree = _common_prefix(self.tokens, context)

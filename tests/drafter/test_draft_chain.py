@@ -1,0 +1,164 @@
+"""The draft chain (verifier/proposers/draft_chain.py): a proposal of k drafts as one CUDA graph
+replay proposes exactly the drafting loop's drafts and leaves exactly its state.
+
+A chained and an unchained drafter follow one long stream whose verifier feedback is random (a
+random prefix of each proposal accepted, then a random bonus): every proposal's drafts, every
+sync's logits and the slot's state after every sync (each recurrent layer's conv window and
+recurrent state, the KV rows up to the position) are compared with torch.equal. On the CPU the
+chain's body runs eagerly (its buffers, device-side positions and tokens, and the snapshot views);
+on a GPU (skipped without one) through its graphs, which a steady stream never captures anew.
+
+The H200 run: python -m pytest -q tests/drafter/test_draft_chain.py -m gpu -s
+"""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verifier.defaults import SHIPPED_DRAFT, SHIPPED_TARGET
+from verifier.engine import Engine
+from verifier.generate import generate
+from verifier.model import load_model
+from verifier.params import SamplingParams
+from verifier.proposers import COUPLED, REJECTION, ModelProposer
+from verifier.proposers.model import CHAIN_MAX_K, DRAFT_GRAPH_ROWS
+
+from test_model_proposer import PROMPT, SAMPLED, VOCAB, assert_same_state, small, small_dir  # noqa: F401 (fixtures)
+
+GPU_CONTEXT = 512
+
+
+def on_gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")(test))
+
+
+def _follow(chained: ModelProposer, looped: ModelProposer, prompt: list[int], vocab: int, seed: int, max_context: int) -> int:
+    """Drive both drafters through one stream with random feedback until the context is nearly
+    full; assert equal drafts, logits and state at every step. Returns the proposals made."""
+    rng = random.Random(seed)
+    context, proposals, accepted, rejected = list(prompt), 0, 0, 0
+    while len(context) + CHAIN_MAX_K + 1 < max_context:
+        k = rng.randint(1, CHAIN_MAX_K)
+        drafts = chained.propose(context, k)
+        assert drafts == looped.propose(context, k), f"proposal {proposals} (K={k}): drafts differ"
+        keep = rng.randint(0, k)
+        accepted, rejected = accepted + keep, rejected + (keep < k)
+        context = context + drafts[:keep] + [rng.randrange(vocab)]
+        assert torch.equal(chained.sync(context), looped.sync(context)), f"proposal {proposals}: next-token logits"
+        assert_same_state(chained, SimpleNamespace(pool=looped.engine.pool, slot=looped.slot), len(context))
+        proposals += 1
+    assert accepted and rejected, "the stream saw acceptances and rejections"
+    assert chained.prefills == looped.prefills == 1 and chained.rows == looped.rows
+    return proposals
+
+
+# -- on the CPU: the chain's body, eagerly -------------------------------------------------------
+
+def test_the_chain_body_matches_the_loop_on_the_cpu(small):
+    chained = ModelProposer(small, VOCAB, 96, draft_chain=True)
+    looped = ModelProposer(small, VOCAB, 96, draft_chain=False)
+    assert chained.chain is not None and not chained.chain.graphed and looped.chain is None
+    assert _follow(chained, looped, PROMPT, VOCAB, seed=0, max_context=96) >= 10
+
+
+def test_a_replay_waits_for_sync_to_settle_the_last_snapshots(small):
+    proposer = ModelProposer(small, VOCAB, 96, draft_chain=True)
+    drafts = proposer.propose(PROMPT, 4)
+    # the snapshots are views of the chain's boundary buffers, which the next proposal overwrites
+    snapshot_logits = [logits for _, logits in proposer._snapshots.values()]
+    assert sorted(proposer._snapshots) == [len(PROMPT) + i for i in range(3)]
+    assert all(logits.data_ptr() == proposer.chain.boundary(i)[1].data_ptr() for i, logits in enumerate(snapshot_logits))
+    with pytest.raises(AssertionError, match="snapshots that sync has not settled"):
+        proposer._draft_chained(proposer.logits, 2)
+    proposer.sync(PROMPT + drafts[:1] + [(drafts[1] + 1) % VOCAB])  # d2 rejected: restores boundary 1, consumes the bonus, settles
+    assert not proposer._snapshots
+    proposer.propose(PROMPT + drafts[:1] + [(drafts[1] + 1) % VOCAB], 3)
+
+
+def test_the_cpu_and_rejection_sampling_keep_the_loop(small):
+    assert ModelProposer(small, VOCAB, 96).chain is None, "on the CPU nothing changes by default"
+    assert ModelProposer(small, VOCAB, 96, SAMPLED, mode=REJECTION, draft_chain=True).chain is None
+    assert ModelProposer(small, VOCAB, 96, SAMPLED, mode=COUPLED, draft_chain=True).chain is None, \
+        "coupled noise is drawn on the device only on CUDA"
+    assert ModelProposer(small, VOCAB, 3, draft_chain=True).chain.max_k == 3, "a chain fits the slot"
+
+
+# -- on a GPU: the graphs --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped_draft():
+    if not (SHIPPED_DRAFT / "config.json").exists():
+        pytest.skip("no shipped draft model in this checkout")
+    return load_model(SHIPPED_DRAFT, "cuda", torch.bfloat16)
+
+
+def _gpu_prompt(vocab: int) -> list[int]:
+    rng = random.Random(7)
+    return [rng.randrange(vocab) for _ in range(12)]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED, SamplingParams(temperature=1.0, seed=3)],
+                         ids=["greedy", "coupled-masked", "coupled"])
+@pytest.mark.parametrize("seed", [0, 1])
+@on_gpu
+def test_chained_drafter_equals_the_loop_on_the_gpu(shipped_draft, sampling, seed):
+    vocab = shipped_draft.config.vocab_size
+    chained = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, sampling, mode=COUPLED)
+    looped = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, sampling, mode=COUPLED, draft_chain=False)
+    assert chained.chain is not None and chained.chain.graphed, "graphs are on by default on a GPU"
+    assert _follow(chained, looped, _gpu_prompt(vocab), vocab, seed, GPU_CONTEXT) >= 50
+
+
+@on_gpu
+def test_a_steady_stream_captures_nothing_after_construction(shipped_draft):
+    vocab = shipped_draft.config.vocab_size
+    proposer = ModelProposer(shipped_draft, vocab, GPU_CONTEXT)
+    captured = proposer.graph_captures
+    assert captured == len(DRAFT_GRAPH_ROWS) + CHAIN_MAX_K, "the buckets and chains of 1 .. CHAIN_MAX_K, at construction"
+    rng, context = random.Random(2), _gpu_prompt(vocab)
+    proposer.propose(context, 4)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    while len(context) + CHAIN_MAX_K + 1 < GPU_CONTEXT:
+        drafts = proposer.propose(context, rng.randint(1, CHAIN_MAX_K))
+        context = context + drafts[: rng.randint(0, len(drafts))] + [rng.randrange(vocab)]
+    proposer.sync(context)
+    torch.cuda.synchronize()
+    assert proposer.graph_captures == captured, "a proposal captured a graph"
+    assert torch.cuda.memory_allocated() <= allocated + 2 * 4 * vocab, "more than the two logits rows a sync may hold"
+
+
+@on_gpu
+def test_the_target_as_its_own_chained_drafter_has_every_draft_accepted():
+    if not (SHIPPED_TARGET / "config.json").exists():
+        pytest.skip("no shipped target model in this checkout")
+    target = load_model(SHIPPED_TARGET, "cuda", torch.bfloat16)
+    vocab = target.config.vocab_size
+    engine = Engine(target, 1, GPU_CONTEXT, max_k=4)
+    engine.warm_up()
+    proposer = ModelProposer(target, vocab, GPU_CONTEXT)
+    assert proposer.chain is not None
+    prompt = _gpu_prompt(vocab)
+    got = generate(engine, prompt, 200, proposer=proposer, k=4)
+    assert got.accepted_per_step == got.drafted_per_step, "the chain computes the target's own bits"
+    assert got.tokens == generate(engine, prompt, 200).tokens
+
+
+@on_gpu
+def test_chained_proposals_run_no_eager_forward(shipped_draft):
+    """Proposals take the chain (one replay) rather than k - 1 runner forwards; speed is bench/serve.py's."""
+    vocab = shipped_draft.config.vocab_size
+    for chain, forwards_per_proposal in ((True, 0), (False, 3)):
+        proposer = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, draft_chain=chain)
+        runner, calls = proposer.engine.runner, []
+        verify = runner.verify
+        context = _gpu_prompt(vocab)
+        for step in range(10):
+            proposer.sync(context)
+            runner.verify = lambda *args, **kwargs: calls.append(1) or verify(*args, **kwargs)
+            drafts = proposer.propose(context, 4)
+            runner.verify = verify
+            assert len(calls) == forwards_per_proposal * (step + 1), f"draft_chain={chain}: {len(calls)} forwards"
+            context = context + drafts[:2] + [(drafts[2] + 1) % vocab]  # d3 rejected: the next sync restores
