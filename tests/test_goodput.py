@@ -76,6 +76,21 @@ def test_step_cost_pads_up_and_extrapolates():
     assert cost(32) == 8.0
 
 
+def test_step_cost_never_falls():
+    assert StepCost({4: 2.0, 8: 1.5, 16: 3.0}).times == [2.0, 2.0, 3.0]  # a measured dip is noise
+
+
+def test_useless_drafts_stop_the_walk_at_once():
+    calls = []
+
+    def cost(rows):
+        calls.append(rows)
+        return 1.0 + 0.1 * rows
+
+    assert trim_drafts([4] * 64, [[0.0] * 4] * 64, cost) == [0] * 64
+    assert len(calls) <= 2, f"{len(calls)} cost lookups for drafts that are never accepted"
+
+
 def test_decayed_rates_count_reached_positions():
     rates = DecayedRates(max_k=4, decay=1.0)
     rates.observe(verified=4, accepted=1)  # position 1 accepted, position 2 rejected, 3-4 never reached

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -51,8 +52,14 @@ def trim_drafts(requested: Sequence[int], rates: Sequence[Sequence[float]],
                 cost: Callable[[int], float]) -> list[int]:
     """Drafts to verify per session: k_s <= requested[s], chosen to maximise expected tokens per
     second. rates[s][j] is session s's acceptance rate at draft position j + 1 (at least
-    requested[s] of them); cost(rows) > 0 is the step time of a batch of `rows` verify rows.
-    Ties go to more drafts (the same goodput, more information about the drafter)."""
+    requested[s] of them); cost(rows) > 0 is the step time of a batch of `rows` verify rows, never
+    smaller for more rows (StepCost makes a measured table so). Ties go to more drafts (the same
+    goodput, more information about the drafter).
+
+    The walk stops once no later prefix can win: every draft still to come is worth at most the
+    largest marginal left and costs at least the next row, so (tokens + left * that marginal) /
+    cost(next rows) bounds every later rate. With useless drafts this stops at once instead of
+    walking all of a batch's drafts (a batch of 64 sessions x 4 drafts: ~1 ms of Python)."""
     if len(requested) != len(rates):
         raise ValueError(f"trim_drafts: {len(requested)} requests but {len(rates)} rate lists")
     for s, (k, r) in enumerate(zip(requested, rates)):
@@ -68,8 +75,12 @@ def trim_drafts(requested: Sequence[int], rates: Sequence[Sequence[float]],
     order: list[int] = []  # the session each successive draft row goes to
     tokens = float(base_rows)
     best_rate, best_rows = tokens / cost(base_rows), 0
+    left = sum(requested)
     while heap:
+        if (tokens + left * -heap[0][0]) / cost(base_rows + len(order) + 1) < best_rate:
+            break
         _, s, j = heapq.heappop(heap)
+        left -= 1
         alive[s] *= rates[s][j]
         tokens += alive[s]
         taken[s] += 1
@@ -94,7 +105,9 @@ class StepCost:
         if not table or any(r < 1 or not t > 0 for r, t in table.items()):
             raise ValueError(f"StepCost needs row counts >= 1 with times > 0, got {table}")
         self.rows = sorted(table)
-        self.times = [table[r] for r in self.rows]
+        # a larger bucket is never cheaper: a measured dip is timing noise, and the trim's early
+        # stop relies on costs that never fall
+        self.times = list(itertools.accumulate((table[r] for r in self.rows), max))
 
     def __call__(self, rows: int) -> float:
         i = bisect.bisect_left(self.rows, rows)
