@@ -97,7 +97,10 @@ def test_decayed_rates_count_reached_positions():
     assert rates.drafted == [1.0, 1.0, 0.0, 0.0] and rates.accepted == [1.0, 0.0, 0.0, 0.0]
     rates.observe(verified=2, accepted=2)  # all verified drafts accepted: nothing rejected
     assert rates.drafted == [2.0, 2.0, 0.0, 0.0] and rates.accepted == [2.0, 1.0, 0.0, 0.0]
-    assert rates.rates(None, prior=0.5, weight=1.0) == [2.5 / 3, 1.5 / 3, 0.5, 0.5]
+    # the prior at position 1; deeper, the position before carries forward as the base
+    first = 2.5 / 3
+    second = (1.0 + first) / 3
+    assert rates.rates(None, prior=0.5, weight=1.0) == [first, second, second, second]
 
 
 def _rounds(policy, ids, requested, accept, n):
@@ -148,3 +151,17 @@ def test_closed_sessions_are_forgotten():
     assert "a" not in policy.sessions
     policy.observe("b", 0, 0, 0)  # a plain step: nothing to learn
     assert "b" not in policy.sessions
+
+
+def test_oracle_drafts_are_all_verified_where_a_prior_alone_would_stop_at_one():
+    # the 2B model's shape of costs on the H200: at 64 sessions a second draft row per session is
+    # worth it only if it is accepted more often than ~0.75; the policy must find that out by
+    # verifying it, not hold the unverified position at its prior for ever
+    table = {r: (0.003 + 0.0044 * r / 64 if r <= 64 else 0.0074 + 0.0176 * (r - 64) / 256)
+             for r in (64, 80, 96, 128, 160, 192, 256, 320)}
+    policy = GoodputPolicy(max_k=8, cost=StepCost(table), prior=0.7)
+    ids = [f"s{i}" for i in range(64)]
+    for _ in range(20):
+        for sid, k in zip(ids, policy.trim(ids, [4] * 64)):
+            policy.observe(sid, 4, k, k)  # oracle drafts: every verified draft accepted
+    assert policy.trim(ids, [4] * 64) == [4] * 64

@@ -147,10 +147,15 @@ class DecayedRates:
 
     def rates(self, fallback: Sequence[float] | None, prior: float, weight: float = 1.0) -> list[float]:
         """Rate per position: (accepted + weight * base) / (drafted + weight), base = fallback's rate
-        at that position (the server-wide rates), else `prior`."""
+        at that position (the server-wide rates), else `prior` at position 1 and the rate just
+        estimated for the position before it deeper down. Carrying the previous position's rate
+        forward (not `prior`) matters: a position the policy has not verified yet has no evidence,
+        and a prior below the drafter's true rate would keep it unverified for ever (oracle drafts
+        stuck at one verified draft per step on the H200), while a high prior everywhere would make
+        useless drafts look worth a probe after every relaxation."""
         out = []
         for j in range(self.max_k):
-            base = fallback[j] if fallback is not None else prior
+            base = fallback[j] if fallback is not None else (out[j - 1] if j else prior)
             out.append((self.accepted[j] + weight * base) / (self.drafted[j] + weight))
         return out
 
