@@ -97,10 +97,10 @@ def choose_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
         raise ValueError("choose_rows: params has a greedy row (temperature 0); greedy rows take the argmax")
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
-    seeds = torch.tensor([_as_int64(p.seed) for p in params], dtype=torch.int64).to(device)
+    seeds = torch.tensor([seed_as_int64(p.seed) for p in params], dtype=torch.int64).to(device)
     position_ids = torch.tensor(positions, dtype=torch.int64).to(device)
     threshold = None
-    if any(_masks(p, logits.shape[1]) for p in params):
+    if any(masks_on(p, logits.shape[1]) for p in params):
         # one row at a time: a row's threshold never depends on which rows share the step
         threshold = torch.stack([keep_threshold(logits[r].float() / temperature[r], p) for r, p in enumerate(params)])
     return pick(coupled_choice, coupled_choice_ref, logits)(logits, temperature, seeds, position_ids, threshold)
@@ -128,11 +128,12 @@ def keep_threshold(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return threshold
 
 
-def _masks(params: SamplingParams, vocab: int) -> bool:
+def masks_on(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p removes anything from a vocabulary of `vocab` ids."""
     return bool(params.top_k and params.top_k < vocab) or params.top_p < 1.0
 
 
-def _as_int64(seed: int) -> int:
+def seed_as_int64(seed: int) -> int:
     """A uint64 seed as the int64 with the same bits (the kernel hashes the bits)."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 

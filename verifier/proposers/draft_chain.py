@@ -43,7 +43,7 @@ from ..model.rollback import WOA, VerifyRecord, apply_rollback
 from ..model.state import RecurrentState, SlotPool
 from ..model.step_inputs import StepInputs
 from ..params import SamplingParams
-from ..sampling import _as_int64, _masks, keep_threshold
+from ..sampling import seed_as_int64, masks_on, keep_threshold
 
 # A saved draft boundary: per recurrent layer (conv window [conv_dim, W-1], recurrent state
 # [heads, d_k, d_v] fp32), and the logits [vocab] fp32 predicting the token at that boundary.
@@ -60,8 +60,8 @@ class DeviceChoice:
             if torch.device(device).type != "cuda":
                 raise ValueError("a coupled draft is chosen on the device only on CUDA (the CPU draws its noise on the host)")
             self.temperature = torch.tensor([params.temperature], dtype=torch.float32, device=device)  # [1]
-            self.seeds = torch.tensor([_as_int64(params.seed)], dtype=torch.int64, device=device)  # [1]
-            self.masked = _masks(params, vocab)
+            self.seeds = torch.tensor([seed_as_int64(params.seed)], dtype=torch.int64, device=device)  # [1]
+            self.masked = masks_on(params, vocab)
 
     def __call__(self, logits: torch.Tensor, position: torch.Tensor, out: torch.Tensor) -> None:
         """position [1] int64: where the chosen token will sit (coupled sampling's noise key)."""
