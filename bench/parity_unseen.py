@@ -41,6 +41,12 @@ SPECS = {
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"],
         num_attention_heads=6, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=8,
         linear_key_head_dim=12, linear_value_head_dim=8, linear_conv_kernel_dim=2, tie_word_embeddings=False)),
+    "qwen3_5_moe": ("qwen3_5_moe", dict(
+        vocab_size=104, hidden_size=40, num_hidden_layers=5,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=5, num_key_value_heads=1, head_dim=12, linear_num_key_heads=2, linear_num_value_heads=6,
+        linear_key_head_dim=10, linear_value_head_dim=6, linear_conv_kernel_dim=4, num_experts=7, num_experts_per_tok=3,
+        moe_intermediate_size=14, shared_expert_intermediate_size=18, tie_word_embeddings=False)),
     "kimi_linear": ("kimi_linear", dict(
         vocab_size=100, hidden_size=44, intermediate_size=70, num_hidden_layers=5,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],

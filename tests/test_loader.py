@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verifier.model import CheckpointError, ConfigError, load_model
+from verifier.model.hf_reference import SPECS, build_hf_model, fuse_experts
 
 
 def _copy(src, dst):
@@ -56,25 +57,34 @@ def test_fused_and_per_expert_moe_weights_agree(hf_checkpoint, tmp_path):
     """Experts stored fused (gate_up_proj [E, 2I, H], down_proj [E, H, I]) load to the same weights."""
     per_expert = hf_checkpoint("qwen3_next_moe")
     fused = _copy(per_expert, tmp_path / "fused")
-
-    def fuse(tensors):
-        prefixes = sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k})
-        for p in prefixes:
-            E = len({k.split(".experts.")[1].split(".")[0] for k in tensors if k.startswith(p + ".experts.")})
-            gate = [tensors.pop(f"{p}.experts.{e}.gate_proj.weight") for e in range(E)]
-            up = [tensors.pop(f"{p}.experts.{e}.up_proj.weight") for e in range(E)]
-            down = [tensors.pop(f"{p}.experts.{e}.down_proj.weight") for e in range(E)]
-            tensors[f"{p}.experts.gate_up_proj"] = torch.stack([torch.cat((g, u)) for g, u in zip(gate, up)])
-            tensors[f"{p}.experts.down_proj"] = torch.stack(down)
-
-    _rewrite(fused, fuse)
+    _rewrite(fused, fuse_experts)
     a, b = load_model(per_expert), load_model(fused)
     for w in ("w_gate", "w_up", "w_down"):
         assert torch.equal(getattr(a.blocks[0].mlp, w), getattr(b.blocks[0].mlp, w))
 
 
-def test_mtp_and_vision_tensors_are_skipped_with_one_log_line(hf_checkpoint, tmp_path, caplog):
-    path = _copy(hf_checkpoint("qwen3_5_composite"), tmp_path / "m")
+def test_qwen3_5_moe_per_expert_and_published_fused_files_load_alike(hf_checkpoint, tmp_path):
+    """The same transformers model saved per expert (as transformers saves it) and in the published
+    layout (fused experts, `mtp.*` beside the text model): the same weights, the same logits bitwise."""
+    family, fields, _ = SPECS["qwen3_5_moe"]
+    per_expert = tmp_path / "per_expert"
+    build_hf_model(family, fields).save_pretrained(per_expert)
+    stored = load_file(per_expert / "model.safetensors")
+    assert "model.language_model.layers.0.mlp.experts.3.up_proj.weight" in stored
+    assert any(k.startswith("model.visual.") for k in stored)
+    published = hf_checkpoint("qwen3_5_moe")
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in load_file(published / "model.safetensors")
+    a, b = load_model(per_expert), load_model(published)
+    for i in range(a.config.n_layers):
+        for w in ("w_router", "w_gate", "w_up", "w_down", "w_shared_gate"):
+            assert torch.equal(getattr(a.blocks[i].mlp, w), getattr(b.blocks[i].mlp, w)), f"layer {i} {w}"
+    pa, pb = a.new_pool(1, 16), b.new_pool(1, 16)
+    assert torch.equal(a.prefill(pa, pa.admit(), [5, 6, 7, 8]), b.prefill(pb, pb.admit(), [5, 6, 7, 8]))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_composite", "qwen3_5_moe"])
+def test_mtp_and_vision_tensors_are_skipped_with_one_log_line(hf_checkpoint, tmp_path, caplog, name):
+    path = _copy(hf_checkpoint(name), tmp_path / "m")
     _rewrite(path, lambda t: t.update({"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)}))
     with caplog.at_level(logging.INFO, logger="verifier.model.checkpoint"):
         load_model(path)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 
-FAMILIES = ["qwen3_next_moe", "qwen3_5_text", "kimi_linear", "kimi_linear_qlora"]
+FAMILIES = ["qwen3_next_moe", "qwen3_5_text", "qwen3_5_moe", "kimi_linear", "kimi_linear_qlora"]
 
 
 @pytest.fixture(scope="session")

@@ -155,7 +155,7 @@ class ModelConfig:
     rms_norm_eps: float
     zero_centred_norm: bool  # Qwen: y = norm(x) * (1 + w); Kimi: y = w * norm(x)
     tie_word_embeddings: bool
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's; 0 when every layer is MoE (Qwen3.5-MoE)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     attention: AttentionConfig | None = None
@@ -178,6 +178,8 @@ class ModelConfig:
                 raise ValueError(f"layer {i}: unknown MLP kind {kind!r}")
             if kind == MOE and self.moe is None:
                 raise ValueError(f"layer {i} is MoE but the config has no moe section")
+            if kind == DENSE and self.intermediate_size <= 0:
+                raise ValueError(f"layer {i} is a dense MLP but intermediate_size is {self.intermediate_size}")
 
     @property
     def n_layers(self) -> int:

@@ -1,9 +1,10 @@
 """Read an HF `config.json` into a `ModelConfig`.
 
-Supported `model_type`s: `qwen3_next`, `qwen3_5` (its `text_config`), `qwen3_5_text`, and
-`kimi_linear` (the field names transformers saves and the original `linear_attn_config` form).
-Defaults are those of the transformers configuration classes, so a config that omits a field
-means what it means to transformers.
+Supported `model_type`s: `qwen3_next`, `qwen3_5` (its `text_config`), `qwen3_5_text`,
+`qwen3_5_moe` (its `text_config`), `qwen3_5_moe_text`, and `kimi_linear` (the field names
+transformers saves and the original `linear_attn_config` form). Defaults are those of the
+transformers configuration classes, so a config that omits a field means what it means to
+transformers; a field set to a value our engine does not compute is refused (ConfigError).
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from .config import (
     MoEConfig,
 )
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "kimi_linear")
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_linear")
+# Multimodal wrappers -> the model_type of their `text_config` (the text model we serve).
+_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Qwen3.5-MoE: transformers builds the sparse block in every layer (it reads neither
+# decoder_sparse_step nor mlp_only_layers) and always renormalises the top-k weights.
+_QWEN35_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 _REQUIRED = object()
 
 
@@ -62,26 +68,39 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 def config_from_dict(cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
-    if model_type == "qwen3_5":
-        text = cfg.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError("config.json: model_type 'qwen3_5' needs a 'text_config' object")
-        text = dict(text)
-        text.setdefault("model_type", "qwen3_5_text")
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
-            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-        if text.get("eos_token_id") is None and cfg.get("eos_token_id") is not None:
-            text["eos_token_id"] = cfg["eos_token_id"]
-        return _qwen(text, "qwen3_5")
-    if model_type == "qwen3_next":
-        return _qwen(cfg, "qwen3_next")
-    if model_type == "qwen3_5_text":
-        return _qwen(cfg, "qwen3_5_text")
+    if model_type in _WRAPPERS:
+        return _qwen(_text_config(cfg, model_type), model_type)
+    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        return _qwen(cfg, model_type)
     if model_type == "kimi_linear":
         return _kimi(cfg)
     raise ConfigError(
         f"config.json: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
     )
+
+
+def _text_config(cfg: dict, model_type: str) -> dict:
+    """The `text_config` of a multimodal wrapper, completed with what transformers takes from the
+    wrapper: its tie_word_embeddings (the wrapper's value decides when it has one, as in
+    transformers' Qwen3_5(Moe)ForConditionalGeneration) and its eos_token_id when the text has none.
+    The vision tower's fields are not read: its tensors are skipped."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: model_type {model_type!r} needs a 'text_config' object")
+    text = dict(text)
+    text.setdefault("model_type", _WRAPPERS[model_type])
+    if cfg.get("tie_word_embeddings") is not None:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    if text.get("eos_token_id") is None and cfg.get("eos_token_id") is not None:
+        text["eos_token_id"] = cfg["eos_token_id"]
+    return text
+
+
+def _require(cfg: dict, name: str, computed, why: str) -> None:
+    """Refuse a field whose value our engine does not compute (absent means the computed value)."""
+    value = cfg.get(name)
+    if value is not None and value != computed:
+        raise ConfigError(f"config.json: {name} = {value!r} is not supported ({why}; only {computed!r})")
 
 
 def _rope(cfg: dict) -> tuple[float, float]:
@@ -97,6 +116,8 @@ def _rope(cfg: dict) -> tuple[float, float]:
 
 
 def _qwen(cfg: dict, model_type: str) -> ModelConfig:
+    _require(cfg, "hidden_act", "silu", "the MLPs and experts compute SwiGLU")
+    _require(cfg, "attn_output_gate", True, "full attention is always sigmoid-gated, as in transformers")
     n_layers = int(_get(cfg, "num_hidden_layers"))
     layer_types = cfg.get("layer_types")
     if layer_types is None:
@@ -123,37 +144,74 @@ def _qwen(cfg: dict, model_type: str) -> ModelConfig:
         interleaved_projection=model_type == "qwen3_next",
     )
 
-    moe = None
-    mlps = (DENSE,) * n_layers
-    n_experts = int(_get(cfg, "num_experts", default=512)) if model_type == "qwen3_next" else 0
-    if n_experts > 0:
-        moe = MoEConfig(
-            router="softmax",
-            n_experts=n_experts,
-            top_k=int(_get(cfg, "num_experts_per_tok", default=10)),
-            expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=512)),
-            renormalize=bool(_get(cfg, "norm_topk_prob", default=True)),
-            shared_intermediate_size=int(_get(cfg, "shared_expert_intermediate_size", default=512)),
-            shared_gate=True,
-        )
-        mlp_only = set(_get(cfg, "mlp_only_layers", default=[]))
-        step = int(_get(cfg, "decoder_sparse_step", default=1))
-        mlps = tuple(MOE if i not in mlp_only and (i + 1) % step == 0 else DENSE for i in range(n_layers))
+    if model_type in _QWEN35_MOE_TYPES:
+        moe, mlps = _qwen35_moe(cfg, n_layers)
+        intermediate_size = 0  # no dense MLP; transformers' text model never reads intermediate_size
+    else:
+        moe, mlps = _qwen_next_moe(cfg, n_layers) if model_type == "qwen3_next" else (None, (DENSE,) * n_layers)
+        intermediate_size = int(_get(cfg, "intermediate_size"))
 
     return _model_config(
         cfg, model_type, mixers, mlps,
         eps_default=1e-6, zero_centred_norm=True, max_positions=(("max_position_embeddings",), 32768),
+        intermediate_size=intermediate_size,
         attention=attention if ATTENTION in mixers else None,
         gdn=gdn if GDN in mixers else None,
         moe=moe,
     )
 
 
+def _qwen_sparse_block(cfg: dict, *, n_experts: int, top_k: int, renormalize: bool) -> MoEConfig:
+    """The Qwen sparse block: softmax top-k router, sigmoid-gated shared expert. The expert counts'
+    defaults differ by family; the expert sizes' do not."""
+    return MoEConfig(
+        router="softmax",
+        n_experts=n_experts,
+        top_k=top_k,
+        expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=512)),
+        renormalize=renormalize,
+        shared_intermediate_size=int(_get(cfg, "shared_expert_intermediate_size", default=512)),
+        shared_gate=True,
+    )
+
+
+def _qwen_next_moe(cfg: dict, n_layers: int) -> tuple[MoEConfig | None, tuple[str, ...]]:
+    """Qwen3-Next: MoE at layer i unless i is in mlp_only_layers, num_experts is 0, or
+    (i + 1) % decoder_sparse_step != 0."""
+    n_experts = int(_get(cfg, "num_experts", default=512))
+    if n_experts <= 0:
+        return None, (DENSE,) * n_layers
+    moe = _qwen_sparse_block(cfg, n_experts=n_experts, top_k=int(_get(cfg, "num_experts_per_tok", default=10)),
+                             renormalize=bool(_get(cfg, "norm_topk_prob", default=True)))
+    mlp_only = set(_get(cfg, "mlp_only_layers", default=[]))
+    step = int(_get(cfg, "decoder_sparse_step", default=1))
+    return moe, tuple(MOE if i not in mlp_only and (i + 1) % step == 0 else DENSE for i in range(n_layers))
+
+
+def _qwen35_moe(cfg: dict, n_layers: int) -> tuple[MoEConfig, tuple[str, ...]]:
+    """Qwen3.5-MoE: the sparse block in every layer, top-k weights always renormalised. Fields of
+    Qwen3-Next's layout that transformers does not read for this family are accepted only at the
+    value it computes anyway. Ignored, as transformers ignores them: the router's training fields
+    (router_aux_loss_coef, output_router_logits), mtp_* (the MTP head's tensors are skipped) and
+    mamba_ssm_dtype (a hint to other engines; our recurrent state is fp32 always)."""
+    _require(cfg, "norm_topk_prob", True, "qwen3_5_moe always renormalises the top-k router weights")
+    _require(cfg, "decoder_sparse_step", 1, "qwen3_5_moe has the sparse block in every layer")
+    if cfg.get("mlp_only_layers"):
+        raise ConfigError(f"config.json: mlp_only_layers = {cfg['mlp_only_layers']!r} is not supported "
+                          "(qwen3_5_moe has the sparse block in every layer; only [])")
+    n_experts = int(_get(cfg, "num_experts", default=256))
+    if n_experts <= 0:
+        raise ConfigError(f"config.json: num_experts = {n_experts} (qwen3_5_moe needs at least one expert)")
+    moe = _qwen_sparse_block(cfg, n_experts=n_experts, top_k=int(_get(cfg, "num_experts_per_tok", default=8)), renormalize=True)
+    return moe, (MOE,) * n_layers
+
+
 def _model_config(cfg: dict, model_type: str, mixers: tuple[str, ...], mlps: tuple[str, ...], *, eps_default: float,
-                  zero_centred_norm: bool, max_positions: tuple[tuple[str, ...], int], **sections) -> ModelConfig:
+                  zero_centred_norm: bool, max_positions: tuple[tuple[str, ...], int], intermediate_size: int,
+                  **sections) -> ModelConfig:
     """The ModelConfig of a family: the fields every family reads alike, those it reads its own way
-    (the norm epsilon's default, the norm's form, the context length's names and default), and its
-    layer sections (attention, mla, gdn, kda, moe)."""
+    (the norm epsilon's default, the norm's form, the context length's names and default, the dense
+    MLP's size), and its layer sections (attention, mla, gdn, kda, moe)."""
     max_position_names, max_position_default = max_positions
     return ModelConfig(
         model_type=model_type,
@@ -164,7 +222,7 @@ def _model_config(cfg: dict, model_type: str, mixers: tuple[str, ...], mlps: tup
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=eps_default)),
         zero_centred_norm=zero_centred_norm,
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
-        intermediate_size=int(_get(cfg, "intermediate_size")),
+        intermediate_size=intermediate_size,
         max_position_embeddings=int(_get(cfg, *max_position_names, default=max_position_default)),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
         **sections,
@@ -259,6 +317,7 @@ def _kimi(cfg: dict) -> ModelConfig:
     return _model_config(
         cfg, "kimi_linear", mixers, mlps,
         eps_default=1e-5, zero_centred_norm=False, max_positions=(("model_max_length", "max_position_embeddings"), 1048576),
+        intermediate_size=int(_get(cfg, "intermediate_size")),
         mla=mla if MLA in mixers else None,
         kda=kda if KDA in mixers else None,
         moe=moe,
