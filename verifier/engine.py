@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.sampling import argmax_rows
+
 from .acceptance import accept
 from .model import HybridModel, RowBatch
 from .model.graphs import DEFAULT_GRAPH_ROWS
@@ -25,7 +27,7 @@ from .model.padding import check_graph_rows
 from .model.rollback import ROLLBACK_MODES, WOA
 from .model.runner import StepRunner
 from .params import SamplingParams
-from .sampling import choose
+from .sampling import choose, choose_rows
 
 EOS, LENGTH = "eos", "length"
 
@@ -102,8 +104,15 @@ class Engine:
 
     def warm_up(self) -> None:
         """Capture every graph bucket for the engine's rollback mode now, before the first step, so
-        that serving never captures (nothing to do when eager)."""
+        that serving never captures (nothing to do when eager); and on CUDA compile the kernels that
+        choose tokens from a step's logits (outside the graphs), so that the first served step does
+        not compile them (a ~0.3 s stall on the H200)."""
         self.runner.capture(self.rollback_mode)
+        if self.model.device.type == "cuda":
+            logits = torch.zeros(2, self.vocab_size, dtype=torch.float32, device=self.model.device)  # as _logits gives
+            argmax_rows(logits)  # greedy rows
+            for sampled in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)):  # without, with masks
+                choose_rows(logits, [sampled] * 2, [1, 2])
 
     @property
     def graph_captures(self) -> int:

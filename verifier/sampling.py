@@ -101,30 +101,45 @@ def choose_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     position_ids = torch.tensor(positions, dtype=torch.int64).to(device)
     threshold = None
     if any(masks_on(p, logits.shape[1]) for p in params):
-        # one row at a time: a row's threshold never depends on which rows share the step
-        threshold = torch.stack([keep_threshold(logits[r].float() / temperature[r], p) for r, p in enumerate(params)])
+        threshold = keep_thresholds(logits.float() / temperature[:, None], params)
     return pick(coupled_choice, coupled_choice_ref, logits)(logits, temperature, seeds, position_ids, threshold)
 
 
 def keep_threshold(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """scaled [vocab] fp32 (logits / T) -> 0-dim fp32 on its device: the smallest scaled logit the
-    top-k / top-p masks keep (-inf when neither is on); the kept ids are those >= it.
+    """scaled [vocab] fp32 (logits / T) -> 0-dim fp32 on its device: `keep_thresholds` of one row."""
+    return keep_thresholds(scaled[None], [params])[0]
 
-    masked_logits' rules computed on the device without a host sync. Ties at the cut stay in
-    (top-k as on the host; top-p keeps every id tied with the last one its prefix needs, where the
-    host keeps the lower ids of a tie only)."""
-    threshold = scaled.new_full((), float("-inf"))
-    vocab = scaled.shape[0]
-    if params.top_k and params.top_k < vocab:
-        threshold = torch.topk(scaled, params.top_k).values[-1]
-    if params.top_p < 1.0:
-        ordered = torch.sort(torch.where(scaled >= threshold, scaled, float("-inf")), descending=True).values
+
+def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """scaled [R, vocab] fp32 (logits / T), row r masked as params[r] says -> [R] fp32 on its device:
+    the smallest scaled logit each row's top-k / top-p masks keep (-inf when neither is on); the
+    kept ids are those >= it.
+
+    masked_logits' rules computed on the device for every row at once, without a host sync. Ties at
+    the cut stay in (top-k as on the host; top-p keeps every id tied with the last one its prefix
+    needs, where the host keeps the lower ids of a tie only). Row invariance: each op works along
+    the vocabulary of its own row (a top-k selection and a sort, exact; a softmax and a cumsum whose
+    per-row order the CUDA kernels fix by the vocabulary size, not the row count:
+    tests/kernel_tests/test_sampling.py checks rows alone against rows in batches on the GPU)."""
+    rows, vocab = scaled.shape
+    device = scaled.device
+    threshold = scaled.new_full((rows,), float("-inf"))
+    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, dtype=torch.int64).to(device)  # [R], 0: off
+        largest = torch.topk(scaled, max(top_k), dim=-1).values  # [R, max k] descending
+        kth = largest.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
+        threshold = torch.where(k > 0, kth, threshold)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)  # [R], 1: off
+        ordered = torch.sort(torch.where(scaled >= threshold[:, None], scaled, float("-inf")), dim=-1, descending=True).values
         probs = torch.softmax(ordered, dim=-1)
         # mass strictly before each token, as an exclusive cumsum: non-decreasing, so the kept
         # tokens (mass before < p) are a prefix and their count locates the cut
-        before = torch.cat([probs.new_zeros(1), torch.cumsum(probs, dim=-1)[:-1]])
-        kept = (before < params.top_p).sum().clamp(min=1)
-        threshold = torch.maximum(threshold, ordered.gather(0, (kept - 1).view(1))[0])
+        before = torch.cat([probs.new_zeros(rows, 1), torch.cumsum(probs, dim=-1)[:, :-1]], dim=1)
+        kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [R]
+        cut = ordered.gather(1, (kept - 1)[:, None])[:, 0]
+        threshold = torch.where(top_p < 1.0, torch.maximum(threshold, cut), threshold)
     return threshold
 
 

@@ -52,6 +52,7 @@ class LoadConfig:
     steps: int = 300
     k: int = 4
     drafter: str = "mixed"
+    sampling: str = "mixed"  # workload.SAMPLING_MIXES: half greedy, half seeded sampling; or all greedy
     device: str = "cpu"
     dtype: str = "float32"
     transport: str = FLEET
@@ -96,7 +97,7 @@ def run_load(config: LoadConfig) -> dict:
             with VerifierClient(address, timeout_s=60.0) as client:
                 info = client.model_info()
                 plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, config.drafter, config.max_new_tokens,
-                                     config.steps, config.seed)
+                                     config.steps, config.seed, sampling_mix=config.sampling)
                 # Warm-up at full width: the first batches grow the allocator's pools, which is not a leak.
                 with StepProgress(address, config.sessions * WARMUP_STEPS, "warm-up"):
                     warm = run_drafters(address, dataclasses.replace(plan, steps=WARMUP_STEPS), config, time.time() + 300,
@@ -122,7 +123,7 @@ def run_load(config: LoadConfig) -> dict:
         "device": info.device, "dtype": config.dtype, "machine": device_name("cuda" if config.device == "cuda" else "cpu"),
         "versions": versions, "torch": versions["torch"],
         "sessions": config.sessions, "processes": config.processes, "steps_per_session": config.steps, "k": config.k,
-        "drafter": config.drafter, "transport": config.transport, "goodput": config.goodput,
+        "drafter": config.drafter, "sampling": config.sampling, "transport": config.transport, "goodput": config.goodput,
         "max_new_tokens": config.max_new_tokens,
         "time_limit_s": config.time_limit_s, "seed": config.seed,
         **figures, "warmup_errors": warm_errors, **served,
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=4, help="drafts per step")
     p.add_argument("--drafter", default="mixed", choices=LOAD_DRAFTERS,
                    help="mixed: n-gram for even sessions, random for odd ones; none: plain decoding")
+    p.add_argument("--sampling", default="mixed", choices=workload.SAMPLING_MIXES,
+                   help="mixed: half the sessions greedy, half seeded sampling with top-k / top-p; greedy: all greedy")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the server and plain decoding run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the served weights' dtype")
     p.add_argument("--transport", default=FLEET, choices=TRANSPORTS,

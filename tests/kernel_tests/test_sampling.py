@@ -7,7 +7,7 @@ import torch
 
 from kernels.sampling import (BLOCK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice,
                               coupled_choice_ref, gumbel_rows, gumbel_rows_ref)
-from verifier.sampling import SamplingParams, choose, choose_rows, keep_threshold, masked_logits
+from verifier.sampling import SamplingParams, choose, choose_rows, keep_threshold, keep_thresholds, masked_logits
 
 from .conftest import ROW_COUNTS, assert_close
 
@@ -327,3 +327,24 @@ def test_engine_samples_on_the_device(hf_checkpoint, monkeypatch, params):
         spec = generate(engine, prompt, 24, params, proposer, 5, eos_ids=())
         assert spec.tokens == plain.tokens
         assert torch.equal(spec.logits, plain.logits)
+
+
+def test_keep_thresholds_of_a_batch_equal_each_row_alone():
+    """The engine thresholds every sampled row of a step at once: each row's threshold is the one it
+    gets alone, bitwise, whatever rows share the batch (CPU here, the CUDA ops on a GPU), at a
+    vocabulary the size of the published checkpoints' too."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = MASKS + [SamplingParams(temperature=0.9), SamplingParams(temperature=1.1, top_k=1),
+                      SamplingParams(temperature=0.6, top_k=2000, top_p=0.95)]
+    for vocab in (300, 151936):
+        gen = torch.Generator().manual_seed(vocab)
+        scaled = (torch.randn(len(params) * 3, vocab, generator=gen) * 3).to(device)
+        batch_params = [params[r % len(params)] for r in range(scaled.shape[0])]
+        together = keep_thresholds(scaled, batch_params)
+        for r in range(scaled.shape[0]):
+            alone = keep_thresholds(scaled[r : r + 1], batch_params[r : r + 1])[0]
+            assert torch.equal(together[r], alone), (vocab, r, batch_params[r])
+            assert torch.equal(alone, keep_threshold(scaled[r], batch_params[r]))
+        for size in (2, 5, 17):  # sub-batches at other offsets and sizes
+            part = keep_thresholds(scaled[1 : 1 + size], batch_params[1 : 1 + size])
+            assert torch.equal(part, together[1 : 1 + size]), (vocab, size)

@@ -34,7 +34,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -51,21 +50,55 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
 class PendingStep:
-    step: rpc.VerifyStep
-    session: Session | None
-    drafts: list[int]
-    draft_probs: torch.Tensor | None  # [K, vocab] float32
-    future: asyncio.Future  # -> rpc.StepResult
-    fingerprint: Fingerprint | None = None  # with a request id: what a retry must repeat
-    arrived: float = field(default_factory=time.perf_counter)
-    waiters: int = 1  # callers awaiting this step (an in-flight retry joins the original)
-    taken: bool = False  # handed to a batch: it will complete whatever its callers do
+    """One step from its arrival to its result. Its callers do not each hold an asyncio future: a
+    Verify call waits once for all of its steps (`on_done` counts them down), a VerifyStream waits
+    per step (`wait`); the batch answers a step by `finish`, which calls back synchronously.
+    (A future per step, gathered per call, cost a callback handle per step on the event loop.)"""
+
+    __slots__ = ("step", "session", "drafts", "draft_probs", "fingerprint", "arrived", "result", "waiters", "taken",
+                 "_callbacks")
+
+    def __init__(self, step: rpc.VerifyStep, session: Session | None, drafts: list[int], draft_probs: torch.Tensor | None,
+                 fingerprint: Fingerprint | None, arrived: float, result: rpc.StepResult | None = None):
+        self.step = step
+        self.session = session
+        self.drafts = drafts
+        self.draft_probs = draft_probs  # [K, vocab] float32
+        self.fingerprint = fingerprint  # with a request id: what a retry must repeat
+        self.arrived = arrived  # time.perf_counter() when its request arrived
+        self.result = result  # rpc.StepResult once answered
+        self.waiters = 1  # callers awaiting this step (an in-flight retry joins the original)
+        self.taken = result is not None  # handed to a batch (or answered at once): it completes whatever its callers do
+        self._callbacks: list = []
 
     @property
     def rows(self) -> int:
         return len(self.drafts) + 1
+
+    def on_done(self, callback) -> None:
+        """callback() once the step is answered (at once if it is)."""
+        if self.result is not None:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def finish(self, result: rpc.StepResult) -> None:
+        self.result = result
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def forget_callers(self) -> None:
+        self._callbacks = []
+
+    async def wait(self) -> rpc.StepResult:
+        """The result, for one caller (VerifyStream's steps)."""
+        if self.result is None:
+            future = asyncio.get_running_loop().create_future()
+            self.on_done(lambda: future.done() or future.set_result(None))
+            await future
+        return self.result
 
 
 class Scheduler:
@@ -96,17 +129,17 @@ class Scheduler:
         if self._task is not None:
             await self._task
 
-    def answered(self, step: rpc.VerifyStep, result: rpc.StepResult) -> PendingStep:
+    @staticmethod
+    def answered(step: rpc.VerifyStep, result: rpc.StepResult) -> PendingStep:
         """A step answered without the engine (a request error, a stored result)."""
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(result)
-        return PendingStep(step, None, [], None, future, taken=True)
+        return PendingStep(step, None, [], None, None, 0.0, result)
 
     def submit(self, step: rpc.VerifyStep, session: Session, drafts: list[int], draft_probs: torch.Tensor | None,
-               fingerprint: Fingerprint | None) -> PendingStep:
-        pending = PendingStep(step, session, drafts, draft_probs, asyncio.get_running_loop().create_future(), fingerprint)
+               fingerprint: Fingerprint | None, arrived: float, now: float) -> PendingStep:
+        """Queue a step; `arrived` (perf_counter) and `now` (the session table's clock) are its request's."""
+        pending = PendingStep(step, session, drafts, draft_probs, fingerprint, arrived)
         session.busy += 1
-        session.last_used = self.sessions.clock()
+        session.last_used = now
         if step.request_id:
             session.inflight[step.request_id] = pending
         self._queue.append(pending)
@@ -133,7 +166,7 @@ class Scheduler:
     def withdraw(self, pending: PendingStep) -> None:
         """A caller of `pending` went away. A step no one waits for leaves the queue, unless a batch
         has taken it (then it completes and its result is stored)."""
-        if pending.taken or pending.future.done():
+        if pending.taken or pending.result is not None:
             return
         pending.waiters -= 1
         if pending.waiters > 0:
@@ -141,7 +174,7 @@ class Scheduler:
         self._queue.remove(pending)
         self._queued_rows -= pending.rows
         self._release(pending)
-        pending.future.cancel()
+        pending.forget_callers()
 
     def _release(self, pending: PendingStep) -> None:
         session = pending.session
@@ -168,7 +201,7 @@ class Scheduler:
                 log.exception("engine step failed")
                 self._awaited = set()
                 for pending in batch:
-                    if not pending.future.done():
+                    if pending.result is None:
                         self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; "
                                                             "see the server log", pending.session.sequence.position))
 
@@ -266,8 +299,8 @@ class Scheduler:
         if result.status.code != 0:
             self.metrics.record_error(code_name(result.status.code))
         self._release(pending)
-        if not pending.future.done():
-            pending.future.set_result(result)
+        if pending.result is None:
+            pending.finish(result)
 
 
 def _request(pending: PendingStep, verified: int) -> StepRequest:

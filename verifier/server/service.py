@@ -114,20 +114,32 @@ class VerifierService:
             raise
 
     async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
-        repeated = repeated_sessions(request.steps)
-        tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated else self._submit(step)
-                   for i, step in enumerate(request.steps)]
-        try:
+        steps = request.steps
+        repeated = repeated_sessions(steps)
+        arrived, now = time.perf_counter(), self.sessions.clock()
+        tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated else self._submit(step, arrived, now)
+                   for i, step in enumerate(steps)]
+        waiting = [t for t in tickets if t.result is None]
+        if waiting:
             # one wait for the whole request (its steps usually finish in one batch), not one per step
-            waiting = [t.future for t in tickets if not t.future.done()]
-            if waiting:
-                await asyncio.shield(asyncio.gather(*waiting))
-            results = [t.future.result() for t in tickets]
-        except asyncio.CancelledError:
-            for t in tickets:
-                self.scheduler.withdraw(t)
-            raise
-        return rpc.VerifyResponse(results=results)
+            all_answered = asyncio.get_running_loop().create_future()
+            left = len(waiting)
+
+            def one_answered() -> None:
+                nonlocal left
+                left -= 1
+                if left == 0 and not all_answered.done():
+                    all_answered.set_result(None)
+
+            for ticket in waiting:
+                ticket.on_done(one_answered)
+            try:
+                await all_answered
+            except asyncio.CancelledError:
+                for ticket in waiting:
+                    self.scheduler.withdraw(ticket)
+                raise
+        return rpc.VerifyResponse(results=[t.result for t in tickets])
 
     async def VerifyStream(self, request_iterator, context):
         # Steps are submitted as they arrive (so one stream's steps of several sessions share a
@@ -140,7 +152,7 @@ class VerifierService:
                 async for step in request_iterator:
                     if isinstance(step, Malformed):  # the guard leaves this stream's requests unwrapped
                         await refuse(context, _VERIFY_STREAM, step)
-                    ticket = self._submit(step)
+                    ticket = self._submit(step, time.perf_counter(), self.sessions.clock())
                     outstanding.append(ticket)
                     tickets.put_nowait(ticket)
             finally:
@@ -149,7 +161,7 @@ class VerifierService:
         reader = asyncio.get_running_loop().create_task(read())
         try:
             while (ticket := await tickets.get()) is not None:
-                result = await asyncio.shield(ticket.future)
+                result = await ticket.wait()
                 outstanding.remove(ticket)
                 yield result
             await reader  # a broken request stream raises here
@@ -212,9 +224,10 @@ class VerifierService:
         self.metrics.record_error(code.name)
         return self.scheduler.answered(step, error_result(step, code, message, position))
 
-    def _submit(self, step: rpc.VerifyStep) -> PendingStep:
+    def _submit(self, step: rpc.VerifyStep, arrived: float, now: float) -> PendingStep:
         """Check the step's wire fields, find its session, answer a retry from the stored result or
-        join it to the same step in flight, else queue it."""
+        join it to the same step in flight, else queue it. `arrived` (perf_counter) and `now` (the
+        session table's clock) are read once per request."""
         try:
             drafts, draft_probs = step_drafts(step, self.engine.max_k, self.vocab)
         except Invalid as exc:
@@ -234,7 +247,7 @@ class VerifierService:
                 return self.scheduler.answered(step, stored.result)
             if in_flight is not None:
                 return self.scheduler.join(in_flight)
-        return self.scheduler.submit(step, session, drafts, draft_probs, fingerprint)
+        return self.scheduler.submit(step, session, drafts, draft_probs, fingerprint, arrived, now)
 
     async def _reap(self, timeout_s: float) -> None:
         interval = min(1.0, timeout_s / 4)

@@ -19,7 +19,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .. import rpc
 from ..engine import Sequence
@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 GONE_REMEMBERED = 4096  # ids of closed / reaped sessions kept to say why a later call fails
 
 
-@dataclass(frozen=True)
-class StoredResult:
+class StoredResult(NamedTuple):  # a tuple: one is made per answered step with a request id
     fingerprint: Fingerprint  # of the request that produced it: a retry must match
     result: rpc.StepResult
 

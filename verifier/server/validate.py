@@ -70,8 +70,8 @@ def step_drafts(step: rpc.VerifyStep, max_k: int, vocab: int) -> tuple[list[int]
     drafts = list(step.draft_ids)
     if len(drafts) > max_k:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids has {len(drafts)} ids, more than max_k {max_k}")
-    bad = _bad_ids(drafts, vocab)
-    if bad:
+    if drafts and (min(drafts) < 0 or max(drafts) >= vocab):
+        bad = _bad_ids(drafts, vocab)
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
     if not step.draft_probs:
         return drafts, None
@@ -102,6 +102,8 @@ def _check_probs(probs: torch.Tensor, drafts: list[int]) -> None:
 def repeated_sessions(steps) -> dict[int, str]:
     """Steps of one Verify request that name a session an earlier step named: index -> message.
     A session appears once per Verify request (its steps depend on each other's positions)."""
+    if len({step.session_id for step in steps}) == len(steps):  # the usual case, in one pass
+        return {}
     first_at: dict[str, int] = {}
     repeated = {}
     for i, step in enumerate(steps):
