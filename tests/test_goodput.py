@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from verifier.server.goodput import DecayedRates, GoodputPolicy, StepCost, expected_tokens, trim_drafts
+from verifier.server.goodput import MAX_TURNAROUND_S, DecayedRates, GoodputPolicy, StepCost, expected_tokens, trim_drafts
 
 
 def goodput(ks, rates, cost):
@@ -165,3 +165,19 @@ def test_oracle_drafts_are_all_verified_where_a_prior_alone_would_stop_at_one():
         for sid, k in zip(ids, policy.trim(ids, [4] * 64)):
             policy.observe(sid, 4, k, k)  # oracle drafts: every verified draft accepted
     assert policy.trim(ids, [4] * 64) == [4] * 64
+
+
+def test_the_turnaround_between_batches_buys_draft_rows():
+    # engine rows that cost 40% more time are not worth drafts accepted 30% of the time, until the
+    # round's fixed turnaround (clients, the round trip) is counted: then the step is a smaller
+    # share of the round and the same drafts pay
+    table = {64: 0.010, 128: 0.014}
+    policy = GoodputPolicy(max_k=1, cost=StepCost(table), prior=0.3)
+    ids = [f"s{i}" for i in range(64)]
+    assert policy.trim(ids, [1] * 64) == [0] * 64  # 64 / 10 ms > 64 * 1.3 / 14 ms
+    for _ in range(100):
+        policy.observe_turnaround(0.010)
+    assert abs(policy.turnaround_s - 0.010) < 1e-4
+    assert policy.trim(ids, [1] * 64) == [1] * 64  # 64 / 20 ms < 64 * 1.3 / 24 ms
+    policy.observe_turnaround(5.0)  # an idle server: counted as MAX_TURNAROUND_S at most
+    assert policy.turnaround_s <= 0.9 * 0.010 + 0.1 * MAX_TURNAROUND_S + 1e-12

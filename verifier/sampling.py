@@ -120,7 +120,12 @@ def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams]) -> torch
     needs, where the host keeps the lower ids of a tie only). Row invariance: each op works along
     the vocabulary of its own row (a top-k selection and a sort, exact; a softmax and a cumsum whose
     per-row order the CUDA kernels fix by the vocabulary size, not the row count:
-    tests/kernel_tests/test_sampling.py checks rows alone against rows in batches on the GPU)."""
+    tests/kernel_tests/test_sampling.py checks rows alone against rows in batches on the GPU).
+    A lone row is thresholded as a batch of two copies of itself: for a single row torch's CUDA
+    cumsum takes another algorithm (a device-wide scan), whose sums differ in the last bits from
+    the per-row scan every batch of two or more rows gets (seen on the H200)."""
+    if scaled.shape[0] == 1:
+        return keep_thresholds(scaled.expand(2, -1).contiguous(), params * 2)[:1]
     rows, vocab = scaled.shape
     device = scaled.device
     threshold = scaled.new_full((rows,), float("-inf"))

@@ -118,6 +118,7 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
+        self._last_answered: float | None = None  # when the last batch's results went out (perf_counter)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -264,7 +265,11 @@ class Scheduler:
         if not live:
             return
         requested = [len(p.drafts) for p in live]
-        verified = self.policy.trim([p.session.id for p in live], requested) if self.policy is not None else requested
+        verified = requested
+        if self.policy is not None:
+            if self._last_answered is not None:
+                self.policy.observe_turnaround(time.perf_counter() - self._last_answered)
+            verified = self.policy.trim([p.session.id for p in live], requested)
         requests = [_request(p, k) for p, k in zip(live, verified)]
         results, logits = await self.worker.run(_step, self.engine, requests)
         ran = [k + 1 for k, r in zip(verified, results) if r.error is None]  # the engine refuses steps its state cannot take
@@ -292,6 +297,7 @@ class Scheduler:
             if seq.finish_reason is None and self.sessions.is_live(pending.session):
                 going_on.add(pending.session.id)
         self.metrics.record_steps(answered)
+        self._last_answered = time.perf_counter()
         # the next batch waits for these, minus those whose next step is queued already
         self._awaited = going_on.difference(p.session.id for p in self._queue)
 
