@@ -40,6 +40,13 @@ not depend on the rows. Each (row, slot)'s hidden and each row's output are comp
 instructions in the same order whatever else shares the launch, so op(x[:r]) == op(x)[:r] and a
 row's bits do not depend on the order its expert ids are listed in.
 
+Block-FP8 experts (`moe_experts_fp8`, from an FP8 checkpoint on the GPU): the weights are
+float8_e4m3fn with kernels/linear_fp8.py's BlockScales per weight (scale_inv [E, S, ceil(K /
+block_k)], scale_row over the weight's N). Each weight tile is dequantized in registers to x's
+dtype by `dequantize_tile` (fp8 value x its block's scale in fp32, rounded once: the real weight
+`dequantize_ref` gives the CPU backend) and then goes through the same fp32 products and sums as
+above; the FP8 constexpr is False on the bf16/fp32 path, which compiles to the code it always had.
+
 The ids are not checked on the device (that would synchronise): an id outside [0, E) reads out of
 bounds, and a repeated id is visited once. The reference checks both. On a GPU fp32 products and
 sums may contract to FMA and tl.exp is ex2.approx-based, so kernel and reference differ there by
@@ -55,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
+from .linear_fp8 import FP8, BlockScales, check_block_scales, dequantize_ref, dequantize_tile
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -96,12 +104,17 @@ def moe_config(h: int, i: int, dtype: torch.dtype) -> MoEConfig:
 @triton.jit(do_not_specialize_on_alignment=["x", "expert_ids"])
 def _moe_hidden_kernel(
     x, expert_ids, w_gate, w_up, hidden,
+    gate_scale, gate_scale_row, up_scale, up_scale_row,  # FP8 only (else unused)
+    stride_se, stride_sn,  # FP8: scale_inv strides per expert and per scale row (gate's = up's)
     H: tl.constexpr,
     I: tl.constexpr,
     T: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr = False,
+    SCALE_BLOCK_K: tl.constexpr = 1,
+    ONE_SCALE_COLUMN: tl.constexpr = False,
 ):
     i_rt = tl.program_id(0).to(tl.int64)  # row * T + slot; int64: offsets below can pass 2^31
     i_i = tl.program_id(1)
@@ -114,6 +127,9 @@ def _moe_hidden_kernel(
     o_w = i_e * (I * H) + o_i[:, None] * H + o_h[None, :]  # [BLOCK_I, BLOCK_H]: rows of w[e]
     p_g = w_gate + o_w
     p_u = w_up + o_w
+    if FP8:  # [BLOCK_I, 1] offsets of each hidden feature's scale row in expert e's scales
+        p_sg = i_e * stride_se + (tl.load(gate_scale_row + o_i, mask=m_i, other=0).to(tl.int64) * stride_sn)[:, None]
+        p_su = i_e * stride_se + (tl.load(up_scale_row + o_i, mask=m_i, other=0).to(tl.int64) * stride_sn)[:, None]
 
     b_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)  # per-lane partial dots
     b_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
@@ -121,8 +137,16 @@ def _moe_hidden_kernel(
         m_h = (h0 + o_h) < H
         m_w = m_i[:, None] & m_h[None, :]
         b_x = tl.load(p_x, mask=m_h, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_H]
-        b_g += tl.load(p_g, mask=m_w, other=0.0).to(tl.float32) * b_x
-        b_u += tl.load(p_u, mask=m_w, other=0.0).to(tl.float32) * b_x
+        b_wg = tl.load(p_g, mask=m_w, other=0.0)
+        b_wu = tl.load(p_u, mask=m_w, other=0.0)
+        if FP8:  # the real weight in x's dtype, as dequantize_ref makes it
+            o_hh = (h0 + o_h)[None, :]
+            b_wg = dequantize_tile(b_wg, gate_scale, p_sg, m_i[:, None], h0, o_hh, m_w,
+                                   SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
+            b_wu = dequantize_tile(b_wu, up_scale, p_su, m_i[:, None], h0, o_hh, m_w,
+                                   SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
+        b_g += b_wg.to(tl.float32) * b_x
+        b_u += b_wu.to(tl.float32) * b_x
         p_x += BLOCK_H
         p_g += BLOCK_H
         p_u += BLOCK_H
@@ -135,6 +159,8 @@ def _moe_hidden_kernel(
 @triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
 def _moe_down_kernel(
     hidden, expert_ids, expert_weights, w_down, out,
+    down_scale, down_scale_row,  # FP8 only (else unused)
+    stride_se, stride_sn,  # FP8: scale_inv strides per expert and per scale row
     H: tl.constexpr,
     I: tl.constexpr,
     T: tl.constexpr,
@@ -142,6 +168,9 @@ def _moe_down_kernel(
     INTERPRET: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    FP8: tl.constexpr = False,
+    SCALE_BLOCK_K: tl.constexpr = 1,
+    ONE_SCALE_COLUMN: tl.constexpr = False,
 ):
     i_r = tl.program_id(0).to(tl.int64)  # the row
     i_h = tl.program_id(1)
@@ -150,6 +179,8 @@ def _moe_down_kernel(
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output features
     o_i = tl.arange(0, BLOCK_I)  # [BLOCK_I]
     m_h = o_h < H
+    if FP8:  # [BLOCK_H, 1] offsets of each output feature's scale row (within an expert's scales)
+        p_srow = (tl.load(down_scale_row + o_h, mask=m_h, other=0).to(tl.int64) * stride_sn)[:, None]
 
     b_out = tl.zeros([BLOCK_H], dtype=tl.float32)
     i_prev = tl.full([], -1, dtype=tl.int64)
@@ -164,7 +195,12 @@ def _moe_down_kernel(
         for i0 in range(0, I, BLOCK_I):
             m_i = (i0 + o_i) < I
             b_hid = tl.load(p_hid, mask=m_i, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_I]
-            b_y += tl.load(p_w, mask=m_h[:, None] & m_i[None, :], other=0.0).to(tl.float32) * b_hid
+            m_w = m_h[:, None] & m_i[None, :]
+            b_wd = tl.load(p_w, mask=m_w, other=0.0)
+            if FP8:
+                b_wd = dequantize_tile(b_wd, down_scale, i_e * stride_se + p_srow, m_h[:, None], i0, (i0 + o_i)[None, :], m_w,
+                                       SCALE_BLOCK_K, ONE_SCALE_COLUMN, hidden.dtype.element_ty, INTERPRET)
+            b_y += b_wd.to(tl.float32) * b_hid
             p_hid += BLOCK_I
             p_w += BLOCK_I
         b_out += b_w * tl.sum(b_y, axis=1)
@@ -172,10 +208,14 @@ def _moe_down_kernel(
     tl.store(out + i_r * H + o_h, cast_rtne(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
 
 
+ExpertScales = tuple[BlockScales, BlockScales, BlockScales]  # (gate, up, down) of fp8 expert weights
+
+
 def _check(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-           w_down: torch.Tensor, out: torch.Tensor | None) -> None:
-    """Shapes, dtypes, devices and contiguity, with messages that name the tensor."""
-    op = "moe_experts"
+           w_down: torch.Tensor, out: torch.Tensor | None, scales: ExpertScales | None = None) -> None:
+    """Shapes, dtypes, devices and contiguity, with messages that name the tensor. scales: the
+    fp8 path's block scales (the weights are then float8_e4m3fn), else None."""
+    op = "moe_experts" if scales is None else "moe_experts_fp8"
     check_operand(op, "x", x, "[R, H]", DTYPES)
     r, h = x.shape
     if w_gate.dim() != 3:
@@ -191,11 +231,20 @@ def _check(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tens
     check_tensor(op, "expert_weights", expert_weights, (r, t), torch.float32, on_x, layout="[R, T]")
     # E and I from w_gate, H from x; contiguous: a silent copy of every expert per call would cost
     # more than the layer
-    check_tensor(op, "w_gate", w_gate, (e, i, h), x.dtype, on_x, layout="[E, I, H]", contiguous=True)
-    check_tensor(op, "w_up", w_up, (e, i, h), x.dtype, on_x, layout="[E, I, H]", contiguous=True)
-    check_tensor(op, "w_down", w_down, (e, h, i), x.dtype, on_x, layout="[E, H, I]", contiguous=True)
+    weight_dtype = x.dtype if scales is None else FP8
+    check_tensor(op, "w_gate", w_gate, (e, i, h), weight_dtype, on_x, layout="[E, I, H]", contiguous=True)
+    check_tensor(op, "w_up", w_up, (e, i, h), weight_dtype, on_x, layout="[E, I, H]", contiguous=True)
+    check_tensor(op, "w_down", w_down, (e, h, i), weight_dtype, on_x, layout="[E, H, I]", contiguous=True)
     if out is not None:
         check_tensor(op, "out", out, (r, h), x.dtype, on_x, layout="[R, H]", contiguous=True)
+    if scales is not None:
+        for name, weight, block_scales in zip(("w_gate", "w_up", "w_down"), (w_gate, w_up, w_down), scales):
+            check_block_scales(op, name, weight, block_scales, on_x)
+        gate, up, _ = scales
+        # stage 1 walks gate and up with one set of scale strides and one block_k
+        if gate.scale_inv.shape != up.scale_inv.shape or gate.block_k != up.block_k:
+            raise ValueError(f"{op}: w_gate and w_up scales must share a layout: scale_inv {list(gate.scale_inv.shape)} vs "
+                             f"{list(up.scale_inv.shape)}, block_k {gate.block_k} vs {up.block_k}")
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
@@ -207,6 +256,23 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch
     host synchronisation: ids are read on the device, so the call can be captured in a CUDA graph.
     """
     _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out)
+    return _launch(x, expert_ids, expert_weights, w_gate, w_up, w_down, out, None)
+
+
+def moe_experts_fp8(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, scales: ExpertScales, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`moe_experts` over float8_e4m3fn expert weights ([E, I, H], [E, I, H], [E, H, I]), each with
+    its BlockScales (scale_inv [E, S, ceil(K / block_k)], scale_row over its N): every weight tile
+    is dequantized in registers to x's dtype (kernels/linear_fp8.py's real weight) before the same
+    fp32 products and sums as the bf16 path, so the result is moe_experts_ref over the
+    dequantized weights up to summation order."""
+    _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out, scales)
+    return _launch(x, expert_ids, expert_weights, w_gate, w_up, w_down, out, scales)
+
+
+def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor, out: torch.Tensor | None, scales: ExpertScales | None) -> torch.Tensor:
+    """Both stages, on checked arguments; scales None: the bf16/fp32 weights' path."""
     check_launchable("moe_experts", "x", x)
     r, h = x.shape
     t = expert_ids.shape[1]
@@ -218,22 +284,33 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch
     x, expert_ids, expert_weights = x.contiguous(), expert_ids.contiguous(), expert_weights.contiguous()
     hidden = torch.empty((r, t, i), dtype=x.dtype, device=x.device)  # [R, T, I] h per (row, slot)
     cfg = moe_config(h, i, x.dtype)
+    # scale pointers, strides and flags per stage (unused placeholders on the bf16/fp32 path)
+    hidden_fp8, down_fp8 = (x, x, x, x, 0, 0), (x, x, 0, 0)
+    hidden_flags, down_flags = {}, {}
+    if scales is not None:
+        gate, up, down = scales
+        hidden_fp8 = (gate.scale_inv, gate.scale_row, up.scale_inv, up.scale_row, gate.scale_inv.stride(0), gate.scale_inv.stride(1))
+        down_fp8 = (down.scale_inv, down.scale_row, down.scale_inv.stride(0), down.scale_inv.stride(1))
+        hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_H == 0)
+        down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_I2 == 0)
     _moe_hidden_kernel[(r * t, triton.cdiv(i, cfg.BLOCK_I))](
-        x, expert_ids, w_gate, w_up, hidden,
+        x, expert_ids, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, T=t,
         INTERPRET=interpreting(),
         BLOCK_I=cfg.BLOCK_I,
         BLOCK_H=cfg.BLOCK_H,
         num_warps=cfg.num_warps,
+        **hidden_flags,
     )
     _moe_down_kernel[(r, triton.cdiv(h, cfg.BLOCK_H2))](
-        hidden, expert_ids, expert_weights, w_down, out,
+        hidden, expert_ids, expert_weights, w_down, out, *down_fp8,
         H=h, I=i, T=t,
         BLOCK_T=triton.next_power_of_2(t),
         INTERPRET=interpreting(),
         BLOCK_H=cfg.BLOCK_H2,
         BLOCK_I=cfg.BLOCK_I2,
         num_warps=cfg.num_warps,
+        **down_flags,
     )
     return out
 
@@ -264,3 +341,12 @@ def moe_experts_ref(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: t
     if out is None:
         return result
     return out.copy_(result)
+
+
+def moe_experts_fp8_ref(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
+                        w_up: torch.Tensor, w_down: torch.Tensor, scales: ExpertScales, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of `moe_experts_fp8`: `moe_experts_ref` over each weight dequantized to x's
+    dtype by kernels/linear_fp8.dequantize_ref (what the CPU backend does once at load)."""
+    _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out, scales)
+    real = (dequantize_ref(w, s, x.dtype) for w, s in zip((w_gate, w_up, w_down), scales))
+    return moe_experts_ref(x, expert_ids, expert_weights, *real, out)

@@ -14,6 +14,10 @@ On CUDA the Triton kernels (kernels/) are row-invariant by construction (DESIGN.
 and elementwise CUDA ops compute each element alone, so `each_row` runs all rows at once there.
 The row-local functions therefore keep every reduction inside a kernel (linear, the norms,
 l2norm) or in a fixed-order sum of columns.
+
+Weights of a block-FP8 checkpoint (fp8.py) reach `linear` and `routed_experts` as BlockFP8Weight
+on CUDA (the FP8 kernels), or already dequantized on the CPU; a BlockFP8Weight on the CPU (tests
+of the plumbing) is dequantized per call, giving the bits of the dequantized-at-load model.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear as linear_kernel
-from kernels import norms
+from kernels import linear_fp8, moe, norms
 from kernels.runtime import pick, use_triton
+
+from .fp8 import BlockFP8Weight, LinearWeight, OutFeatureGroups
 
 
 def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
@@ -37,11 +43,32 @@ def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
     return torch.cat(outs)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ weight [out, in]^T (+ bias): the row-invariant Triton GEMM on CUDA."""
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in]^T (+ bias): the row-invariant Triton GEMM on CUDA.
+
+    weight: a tensor in x's dtype; a BlockFP8Weight (the W8A16 FP8 GEMM on CUDA); or
+    OutFeatureGroups (one GEMM per group, outputs side by side)."""
+    if isinstance(weight, OutFeatureGroups):
+        biases = [None] * len(weight.groups) if bias is None else bias.split(weight.sizes)
+        return torch.cat([linear(x, w, b) for w, b in zip(weight.groups, biases)], dim=1)
+    if isinstance(weight, BlockFP8Weight):
+        if use_triton(x):
+            return linear_fp8.linear_fp8(x, weight.data, weight.scales, bias)
+        weight = weight.dequantize()
     if use_triton(x):
         return linear_kernel.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
+    """A MoE layer's routed experts (kernels/moe.py): x [rows, H], ids and fp32 routing weights
+    [rows, top_k]; stacked expert weights [E, I, H], [E, I, H], [E, H, I], all tensors in x's
+    dtype or all BlockFP8Weight -> [rows, H]."""
+    if isinstance(w_gate, BlockFP8Weight):
+        scales = (w_gate.scales, w_up.scales, w_down.scales)
+        experts = pick(moe.moe_experts_fp8, moe.moe_experts_fp8_ref, x)
+        return experts(x, expert_ids, expert_weights, w_gate.data, w_up.data, w_down.data, scales)
+    return pick(moe.moe_experts, moe.moe_experts_ref, x)(x, expert_ids, expert_weights, w_gate, w_up, w_down)
 
 
 def _rowwise(launcher, reference, x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
+from ..fp8 import cat_out_features
 from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin
 from ..rollback import COMMIT
 from ..rows import RowBatch
@@ -28,7 +29,7 @@ class GatedAttention:
         w_k = src.take(p + "k_proj.weight", (a.n_kv_heads * hd, H))
         w_v = src.take(p + "v_proj.weight", (a.n_kv_heads * hd, H))
         # q | k | v in one GEMM (one launch reads the three weights; columns are independent sums)
-        self.w_qkv = torch.cat((w_q, w_k, w_v)).contiguous()
+        self.w_qkv = cat_out_features(w_q, w_k, w_v)
         self.qkv_splits = (2 * a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd)
         self.w_o = src.take(p + "o_proj.weight", (H, a.n_heads * hd))
         self.b_qkv = self.b_o = None

@@ -20,6 +20,7 @@ from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
+from ..fp8 import cat_out_features, select_rows
 from ..ops import linear, silu_gated_rms_norm
 from .linear_attention import DeltaRuleMixer
 
@@ -42,7 +43,7 @@ class GatedDeltaNet(DeltaRuleMixer):
             w_a = src.take(p + "in_proj_a.weight", (g.n_v_heads, H))
         # One GEMM for the four input projections: the weight is read in one launch, and a
         # column's sum does not depend on which other columns share the launch.
-        self.w_in = torch.cat((w_qkv, w_z, w_b, w_a)).contiguous()  # [conv_dim + value_dim + 2*Hv, H]
+        self.w_in = cat_out_features(w_qkv, w_z, w_b, w_a)  # [conv_dim + value_dim + 2*Hv, H]
         self.in_splits = (g.conv_dim, g.value_dim, g.n_v_heads, g.n_v_heads)
         self.conv_w = src.take(p + "conv1d.weight", (g.conv_dim, 1, g.conv_width))[:, 0, :]
         self.dt_bias = src.take(p + "dt_bias", (g.n_v_heads,))
@@ -71,14 +72,15 @@ class GatedDeltaNet(DeltaRuleMixer):
         return linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out)
 
 
-def _deinterleave(g, w_qkvz: torch.Tensor, w_ba: torch.Tensor):
-    """Qwen3-Next's grouped rows -> (w_qkv [q|k|v], w_z, w_b, w_a), each row kept intact."""
-    r, H = g.n_v_heads // g.n_k_heads, w_qkvz.shape[1]
-    groups = w_qkvz.view(g.n_k_heads, 2 * g.d_k + 2 * r * g.d_v, H)
+def _deinterleave(g, w_qkvz, w_ba):
+    """Qwen3-Next's grouped rows -> (w_qkv [q|k|v], w_z, w_b, w_a), each row kept intact (tensors,
+    or BlockFP8Weight whose rows keep their scales)."""
+    r = g.n_v_heads // g.n_k_heads
+    groups = torch.arange(w_qkvz.shape[0]).view(g.n_k_heads, 2 * g.d_k + 2 * r * g.d_v)  # row ids per key-head group
     q = groups[:, : g.d_k]
     k = groups[:, g.d_k : 2 * g.d_k]
     v = groups[:, 2 * g.d_k : 2 * g.d_k + r * g.d_v]
     z = groups[:, 2 * g.d_k + r * g.d_v :]
-    w_qkv = torch.cat((q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)), dim=0).contiguous()
-    ba = w_ba.view(g.n_k_heads, 2 * r, H)
-    return w_qkv, z.reshape(-1, H).contiguous(), ba[:, :r].reshape(-1, H).contiguous(), ba[:, r:].reshape(-1, H).contiguous()
+    ba = torch.arange(w_ba.shape[0]).view(g.n_k_heads, 2 * r)
+    w_qkv = select_rows(w_qkvz, torch.cat((q.flatten(), k.flatten(), v.flatten())))
+    return w_qkv, select_rows(w_qkvz, z.flatten()), select_rows(w_ba, ba[:, :r].flatten()), select_rows(w_ba, ba[:, r:].flatten())

@@ -14,6 +14,7 @@ import torch
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
+from ..fp8 import cat_out_features
 from ..ops import kimi_softplus, l2norm, linear, sigmoid_gated_rms_norm
 from .linear_attention import DeltaRuleMixer
 
@@ -26,9 +27,9 @@ class KimiDeltaAttention(DeltaRuleMixer):
         H, P, D, W = config.hidden_size, c.proj_dim, c.head_dim, c.conv_width
         p = f"{prefix}.self_attn."
         # q | k | v | beta | f_a | g_a: every projection of x in one GEMM (one launch, one weight read)
-        self.w_in = torch.cat([src.take(p + f"{n}_proj.weight", (P, H)) for n in "qkv"]
-                              + [src.take(p + "b_proj.weight", (c.n_heads, H)), src.take(p + "f_a_proj.weight", (D, H)),
-                                 src.take(p + "g_a_proj.weight", (D, H))]).contiguous()
+        self.w_in = cat_out_features(*[src.take(p + f"{n}_proj.weight", (P, H)) for n in "qkv"],
+                                     src.take(p + "b_proj.weight", (c.n_heads, H)), src.take(p + "f_a_proj.weight", (D, H)),
+                                     src.take(p + "g_a_proj.weight", (D, H)))
         self.in_splits = (3 * P, c.n_heads, D, D)
         if src.has(p + "conv1d.weight"):
             self.conv_w = src.take(p + "conv1d.weight", (3 * P, 1, W))[:, 0, :]

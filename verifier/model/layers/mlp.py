@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import torch
 
-from kernels import moe, swiglu
+from kernels import swiglu
 from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
-from ..ops import linear
+from ..fp8 import cat_out_features, same_kind, select_rows, stack_experts
+from ..ops import linear, routed_experts
 from ..config import ModelConfig, MoEConfig
 
 
 class DenseMLP:
     def __init__(self, src: TensorSource, prefix: str, hidden: int, intermediate: int):
         # gate | up in one GEMM: one launch reads both weights
-        self.w_gate_up = torch.cat((src.take(prefix + "gate_proj.weight", (intermediate, hidden)),
-                                    src.take(prefix + "up_proj.weight", (intermediate, hidden)))).contiguous()
+        self.w_gate_up = cat_out_features(src.take(prefix + "gate_proj.weight", (intermediate, hidden)),
+                                          src.take(prefix + "up_proj.weight", (intermediate, hidden)))
         self.intermediate = intermediate
         self.w_down = src.take(prefix + "down_proj.weight", (hidden, intermediate))
 
@@ -56,15 +57,16 @@ class MoE:
             self.w_shared_gate = src.take(p + "shared_expert_gate.weight", (1, H))
 
     @staticmethod
-    def _experts(src: TensorSource, p: str, E: int, H: int, I: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stacked expert weights: gate [E, I, H], up [E, I, H], down [E, H, I]."""
+    def _experts(src: TensorSource, p: str, E: int, H: int, I: int) -> tuple:
+        """Stacked expert weights: gate [E, I, H], up [E, I, H], down [E, H, I] (tensors, or all
+        three BlockFP8Weight from an FP8 checkpoint on CUDA)."""
         if src.has(p + "gate_up_proj"):
             gate_up = src.take(p + "gate_up_proj", (E, 2 * I, H))
             down = src.take(p + "down_proj", (E, H, I))
-            return gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous(), down
+            return same_kind(select_rows(gate_up, slice(0, I)), select_rows(gate_up, slice(I, 2 * I)), down)
         names = ("gate_proj", "up_proj", "down_proj") if src.has(p + "0.gate_proj.weight") else ("w1", "w3", "w2")
         shapes = ((I, H), (I, H), (H, I))
-        return tuple(torch.stack([src.take(f"{p}{e}.{name}.weight", shape) for e in range(E)]) for name, shape in zip(names, shapes))
+        return same_kind(*(stack_experts([src.take(f"{p}{e}.{name}.weight", shape) for e in range(E)]) for name, shape in zip(names, shapes)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [rows, top_k], weights [rows, top_k])."""
@@ -95,8 +97,7 @@ class MoE:
         ids, weights = self.route(x)
         # Per row, its experts in ascending id order, fp32 accumulation (kernels/moe.py): no host
         # sync on the routing, so a CUDA graph can capture it.
-        experts = pick(moe.moe_experts, moe.moe_experts_ref, x)
-        out = experts(x, ids, weights.float(), self.w_gate, self.w_up, self.w_down)
+        out = routed_experts(x, ids, weights.float(), self.w_gate, self.w_up, self.w_down)
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.cfg.shared_gate:

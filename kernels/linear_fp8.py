@@ -1,0 +1,262 @@
+"""Row-invariant W8A16 GEMM over block-FP8 weights: the projections of a block-FP8 checkpoint.
+
+    x          [M, K]    fp32 or bf16: M rows (a decode or verify batch), K input features
+    weight     [N, K]    float8_e4m3fn, contiguous along K
+    scales     BlockScales:
+      scale_inv  [S, ceil(K / block_k)]  fp32: one scale per (block of rows, block_k columns)
+      scale_row  [N]     int32: the scale_inv row of each weight row (n // block_n as published;
+                         after rows are concatenated or permuted at load, whatever row each came with)
+      block_k    int     columns per scale block
+    bias       [N]       x's dtype, or None
+    out        [M, N]    x's dtype: x @ real^T (+ bias), accumulated in fp32, cast once
+
+The real weight is real[n, k] = cast(fp32(weight[n, k]) * scale_inv[scale_row[n], k // block_k])
+with cast = to x's dtype: the fp8 value times its block's scale in fp32, rounded once to the
+activations' dtype. `dequantize_ref` computes exactly that tensor; the CPU reference backend
+dequantizes a checkpoint with it once at load, and the kernel rebuilds the same values tile by
+tile in registers, so both backends multiply by the same real weight.
+
+Why W8A16. The published format says activation_scheme "dynamic": transformers' FP8 path and
+vLLM quantize each row's activations to fp8 per 128-wide group on the fly (W8A8) and run an fp8
+MMA. That is row-invariant too (a row's groups are scaled by that row's own amax), but it
+changes the model's numbers twice (weight and activation rounding) and needs a per-row
+quantization pass before every GEMM. A decode or verify step reads every weight once for a
+handful of rows, so it is bound by the weight bytes, not by MMA throughput: halving the bytes is
+the whole gain, and it is the same in W8A16. We chose W8A16: the weight tile is dequantized in
+registers and multiplied with the bf16 (or fp32) activations as they are, so the result equals
+`linear_ref` over the dequantized weight up to the GEMM's summation order, and the CPU and GPU
+backends compute the same real weights.
+
+Row invariance is kernels/linear.py's, with the same pinned `linear_config` (N, K, dtype): a
+program owns a BLOCK_M x BLOCK_N tile, walks its range of K upward in BLOCK_K steps into one fp32
+register block (or a fixed split of K, reduced in ascending order by linear.py's reduce kernel),
+BLOCK_M is fixed, M is never specialised on, and the row-side pointers and strides (x, out) are
+not specialised on alignment, so a row sliced out of a batch at any offset meets the same code.
+The scales add nothing that depends on the rows: each weight element is multiplied by its one
+scale before the dot. When block_k is a multiple of BLOCK_K every K step lies in one block
+column and the scales are one [BLOCK_N] vector per step; otherwise they are gathered per element.
+Both give the same values; which one runs depends on (block_k, config) only.
+
+Under TRITON_INTERPRET=1 the same interpreter substitutions as kernels/linear.py apply (the dot
+through `_dot_rows_apart`, the bf16 cast rounded on the bits by `cast_rtne`). The interpreter
+also decodes fp8's NaN encoding (0x7f, 0xff) as 480: quantized weights never hold NaN.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_contiguous, check_launchable, check_operand, check_tensor
+from .linear import BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref, split_bounds
+from .rounding import cast_rtne
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+FP8 = torch.float8_e4m3fn
+
+
+class BlockScales(NamedTuple):
+    """How a float8_e4m3fn weight [..., N, K] maps to its real values (see the module docstring)."""
+
+    scale_inv: torch.Tensor  # fp32 [..., S, ceil(K / block_k)]
+    scale_row: torch.Tensor  # int32 [N]: the scale_inv row of each weight row
+    block_k: int  # columns per scale block
+
+
+def standard_scale_row(n: int, block_n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """scale_row of a weight as a checkpoint stores it: row n uses scale row n // block_n. -> int32 [n]"""
+    return (torch.arange(n, device=device) // block_n).to(torch.int32)
+
+
+@triton.jit
+def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
+                    SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """An fp8 weight tile -> its real values in DTYPE: cast(fp32(w) * scale), the cast rounding to nearest even.
+
+    p_srow: offsets of the tile's rows' scale rows in scale_inv (scale row * its stride), shaped to
+    broadcast along the tile's K axis; m_srow: their mask. k0: the tile's first column; o_kk: the
+    tile's columns, shaped to broadcast along its N axis; m_w: the tile's mask. ONE_SCALE_COLUMN:
+    the tile lies in one block column (block_k is a multiple of the K step and k0 of block_k's
+    grid), so one scale per weight row."""
+    if ONE_SCALE_COLUMN:
+        b_s = tl.load(scale_inv + p_srow + k0 // SCALE_BLOCK_K, mask=m_srow, other=0.0)
+    else:
+        b_s = tl.load(scale_inv + p_srow + o_kk // SCALE_BLOCK_K, mask=m_w, other=0.0)
+    return cast_rtne(b_w8.to(tl.float32) * b_s, DTYPE, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"], do_not_specialize_on_alignment=["x", "out"])
+def _linear_fp8_kernel(
+    x, weight, scale_inv, scale_row, bias, out, partial,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    SCALE_BLOCK_K: tl.constexpr,
+    ONE_SCALE_COLUMN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_s = tl.program_id(2)  # which range of K (0 without a split)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_m = o_m < M
+    m_n = o_n < N
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + (k_start + o_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
+    # [1, BLOCK_N] offsets of each output feature's scale row, read once per program
+    p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        m_k = (k0 + o_k) < k_end
+        m_w = m_k[:, None] & m_n[None, :]
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w8 = tl.load(p_w, mask=m_w, other=0.0)  # fp8 [BLOCK_K, BLOCK_N]
+        b_w = dequantize_tile(b_w8, scale_inv, p_srow, m_n[None, :], k0, (k0 + o_k)[:, None], m_w,
+                              SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
+        if INTERPRET:  # as kernels/linear.py: numpy's matmul mixes rows; bf16 products are exact in fp32
+            b_acc += _dot_rows_apart(b_x.to(tl.float32), b_w.to(tl.float32))
+        elif IS_FP32:
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
+        else:
+            b_acc = tl.dot(b_x, b_w, b_acc)  # bf16 MMA, fp32 accumulate
+        p_x += BLOCK_K
+        p_w += BLOCK_K
+
+    m_out = m_m[:, None] & m_n[None, :]
+    if SPLIT_K > 1:  # this range's fp32 partial: linear.py's _reduce_splits_kernel adds them in order
+        tl.store(partial + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :], b_acc, mask=m_out)
+    else:
+        if HAS_BIAS:
+            b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        b_out = cast_rtne(b_acc, out.dtype.element_ty, INTERPRET)
+        tl.store(out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :], b_out, mask=m_out)
+
+
+def check_block_scales(op: str, name: str, weight: torch.Tensor, scales: BlockScales, operand: tuple[str, torch.Tensor]) -> None:
+    """An fp8 weight [..., N, K] and its BlockScales: dtypes, shapes, devices, contiguity.
+
+    scale_row's values are not read (on the device that would synchronise); `dequantize_ref`
+    checks them."""
+    n, k = weight.shape[-2:]
+    lead = list(weight.shape[:-2])  # [E] for stacked experts, else []
+    if weight.dtype != FP8:
+        raise ValueError(f"{op}: {name} dtype {weight.dtype} != {FP8}")
+    check_tensor(op, name, weight, weight.shape, FP8, operand)
+    check_contiguous(op, name, weight, along="K")
+    if scales.block_k < 1:
+        raise ValueError(f"{op}: {name} block_k must be >= 1, got {scales.block_k}")
+    s = scales.scale_inv
+    k_blocks = triton.cdiv(k, scales.block_k)
+    if s.dim() != weight.dim() or list(s.shape[:-2]) != lead or s.shape[-1] != k_blocks:
+        raise ValueError(f"{op}: {name} scale_inv must have shape {lead + ['S', k_blocks]} (ceil(K / block_k) = "
+                         f"ceil({k} / {scales.block_k}) block columns), got {list(s.shape)}")
+    check_tensor(op, f"{name} scale_inv", s, s.shape, torch.float32, operand, contiguous=True)
+    check_tensor(op, f"{name} scale_row", scales.scale_row, (n,), torch.int32, operand, layout="[N]", contiguous=True)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    op = "linear_fp8"
+    check_operand(op, "x", x, "[M, K]", DTYPES)
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D [N, K], got shape {list(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: weight K {weight.shape[1]} != x K {x.shape[1]} (weight {list(weight.shape)}, x {list(x.shape)})")
+    check_block_scales(op, "weight", weight, scales, ("x", x))
+    n = weight.shape[0]
+    if bias is not None:
+        check_tensor(op, "bias", bias, (n,), x.dtype, ("x", x), layout="[N]")
+    if out is not None:
+        check_tensor(op, "out", out, (x.shape[0], n), x.dtype, ("x", x), layout="[M, N]")
+        check_contiguous(op, "out", out, along="N")
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: BlockScales,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ real(weight, scales)[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
+
+    out: an optional [M, N] buffer (rows may be strided, features contiguous), filled and returned.
+    config: overrides the pinned linear_config (never a function of M, so any config is row-invariant).
+    """
+    _check(x, weight, scales, bias, out)
+    check_launchable("linear_fp8", "x", x)
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or linear_config(n, k, x.dtype)
+    partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
+    flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
+    _linear_fp8_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
+        x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
+        m, n, k, split_bounds(k, cfg),
+        x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0),
+        SCALE_BLOCK_K=scales.block_k,
+        ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0,
+        **flags,
+        IS_FP32=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.SPLIT_K > 1:
+        _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+            partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+        )
+    return out
+
+
+def dequantize_ref(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype) -> torch.Tensor:
+    """The real weight: fp8 [..., N, K] -> cast(fp32(weight) * its block's scale) in dtype, [..., N, K].
+
+    The product is formed in fp32 and rounded once; it is what the kernels rebuild per tile."""
+    n, k = weight.shape[-2:]
+    rows = scales.scale_row.long()
+    n_scale_rows, n_scale_cols = scales.scale_inv.shape[-2:]
+    if rows.shape != (n,) or (n and not (0 <= int(rows.min()) and int(rows.max()) < n_scale_rows)):
+        raise ValueError(f"dequantize_ref: scale_row must be [N = {n}] ints in [0, {n_scale_rows}), got shape {list(rows.shape)}")
+    if n_scale_cols != triton.cdiv(k, scales.block_k):
+        raise ValueError(f"dequantize_ref: scale_inv has {n_scale_cols} block columns; K {k} / block_k {scales.block_k} needs "
+                         f"{triton.cdiv(k, scales.block_k)}")
+    per_element = scales.scale_inv.float().index_select(-2, rows).repeat_interleave(scales.block_k, dim=-1)[..., :k]  # [..., N, K]
+    return (weight.float() * per_element).to(dtype)
+
+
+def linear_fp8_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: BlockScales,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference: `linear_ref` (one row at a time) over `dequantize_ref(weight, scales, x.dtype)`."""
+    _check(x, weight, scales, bias, out)
+    return linear_ref(x, dequantize_ref(weight, scales, x.dtype), bias, out)

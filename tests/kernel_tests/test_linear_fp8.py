@@ -1,0 +1,188 @@
+"""kernels/linear_fp8.py: the row-invariant W8A16 block-FP8 GEMM against its torch reference.
+
+Weights are random fp8 values (~N(0, 1), so the format's subnormals and large values both occur)
+times block scales in [0.5, 1.5): real weights of unit scale, like test_linear.py's. The kernel
+and `linear_fp8_ref` multiply the same real weight (fp8 x scale in fp32, cast once to x's dtype:
+the kernel rebuilds exactly `dequantize_ref`'s tensor per tile), so they differ only in the
+order of the fp32 sums, and test_linear.py's tolerances apply unchanged:
+- fp32: rtol 1e-5, atol 1e-5 * sqrt(K) (summation order, ~1e-6 * sqrt(K) observed);
+- bf16: rtol 2^-7 (one bf16 ulp of the output), atol 1e-4 * sqrt(K).
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels.linear import BLOCK_M, LinearConfig
+from kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, linear_fp8, linear_fp8_ref, standard_scale_row
+
+from .conftest import ROW_COUNTS, assert_close, nan_like
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (M, K, N, [block_n, block_k]): N and K off the block grid (partial edge blocks), a block larger
+# than the weight, and a block_k that is not a power of two
+SHAPES = [(1, 40, 24, (16, 16)), (5, 70, 33, (16, 32)), (17, 136, 40, (32, 24)), (3, 300, 20, (128, 128)), (33, 47, 96, (8, 40))]
+
+
+def tolerance(dtype: torch.dtype, k: int) -> tuple[float, float]:
+    if dtype == torch.float32:
+        return 1e-5, 1e-5 * math.sqrt(k)
+    return 2.0**-7, 1e-4 * math.sqrt(k)
+
+
+def make_weight(n: int, k: int, block: tuple[int, int], device: str, seed: int = 0) -> tuple[torch.Tensor, BlockScales]:
+    """A float8_e4m3fn [n, k] weight and its scales [ceil(n / bn), ceil(k / bk)] in [0.5, 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    bn, bk = block
+    weight = torch.randn(n, k, generator=g).to(FP8)
+    scale_inv = 0.5 + torch.rand(-(-n // bn), -(-k // bk), generator=g)
+    return weight.to(device), BlockScales(scale_inv.to(device), standard_scale_row(n, bn, device), bk)
+
+
+def make(m: int, k: int, n: int, block, dtype: torch.dtype, bias: bool, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return (x, *make_weight(n, k, block, device, seed), b)
+
+
+def on_cpu(x, weight, scales, bias):
+    return x.cpu(), weight.cpu(), BlockScales(*(t.cpu() for t in scales[:2]), scales.block_k), None if bias is None else bias.cpu()
+
+
+def shape_id(s):
+    return "M{}-K{}-N{}-block{}x{}".format(*s[:3], *s[3])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_matches_reference(device, dtype, shape, bias):
+    m, k, n, block = shape
+    args = make(m, k, n, block, dtype, bias, device)
+    got = linear_fp8(*args)
+    want = linear_fp8_ref(*on_cpu(*args))
+    assert got.dtype == dtype
+    assert_close(f"linear_fp8 {dtype} {shape_id(shape)} bias={bias}", got.cpu(), want, *tolerance(dtype, k))
+
+
+def test_dequantize_ref_is_block_scaling():
+    """dequantize_ref against a plain loop over blocks, edge blocks partial: fp32(fp8) x scale, cast once."""
+    weight, scales = make_weight(37, 53, (16, 32), "cpu")
+    for dtype in DTYPES.values():
+        want = torch.empty(37, 53, dtype=dtype)
+        for i in range(0, 37, 16):
+            for j in range(0, 53, 32):
+                want[i : i + 16, j : j + 32] = (weight[i : i + 16, j : j + 32].float() * scales.scale_inv[i // 16, j // 32]).to(dtype)
+        assert torch.equal(dequantize_ref(weight, scales, dtype), want)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_row_invariance(device, dtype, bias):
+    """op(x[:r]) == op(x)[:r] bitwise for every row count; a row alone (a copy, and a view at an
+    odd offset of the batch) == that row in the batch. K 136 with blocks [16, 24]: several K steps,
+    a ragged last one, and scales gathered per element (24 is no multiple of the K step)."""
+    k, n = 136, 40
+    x, weight, scales, b = make(max(ROW_COUNTS), k, n, (16, 24), dtype, bias, device)
+    full = linear_fp8(x, weight, scales, b)
+    for r in ROW_COUNTS:
+        assert torch.equal(linear_fp8(x[:r], weight, scales, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
+    for i in (*range(1, BLOCK_M), BLOCK_M, 2 * BLOCK_M + 1, len(x) - 1):
+        assert torch.equal(linear_fp8(x[i : i + 1].clone(), weight, scales, b), full[i : i + 1]), f"row {i} alone differs"
+    odd = torch.zeros(len(x) * k + 1, dtype=dtype, device=device)[1:].view(len(x), k)  # rows start off alignment
+    odd.copy_(x)
+    for i in (3, 17):
+        assert torch.equal(linear_fp8(odd[i : i + 1], weight, scales, b), full[i : i + 1]), f"row {i} at an odd offset differs"
+
+
+SPLITS = [LinearConfig(16, 16, 4, 2, SPLIT_K=2), LinearConfig(32, 16, 4, 2, SPLIT_K=4), LinearConfig(16, 32, 4, 2, SPLIT_K=8)]
+
+
+@pytest.mark.parametrize("cfg", SPLITS, ids=lambda c: f"N{c.BLOCK_N}-K{c.BLOCK_K}-split{c.SPLIT_K}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_split_k(device, dtype, cfg):
+    """The fixed split of K (narrow bf16 weights on the GPU): close to the reference, row-invariant,
+    every output element written (NaN-poisoned out), bias kept; K 136 leaves the last split ragged."""
+    k, n = 136, 40
+    x, weight, scales, b = make(max(ROW_COUNTS), k, n, (16, 32), dtype, True, device)
+    full = linear_fp8(x, weight, scales, b, config=cfg)
+    assert_close(f"split-K {cfg}", full.cpu(), linear_fp8_ref(*on_cpu(x, weight, scales, b)), *tolerance(dtype, k))
+    for r in (1, 2, 5, 16, 17, 33):
+        assert torch.equal(linear_fp8(x[:r], weight, scales, b, config=cfg), full[:r]), f"rows 0..{r} differ"
+    out = nan_like(torch.empty(5, n, dtype=dtype, device=device))
+    assert torch.equal(linear_fp8(x[:5], weight, scales, b, out=out, config=cfg), full[:5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_scales_per_step_or_per_element_agree(device, dtype):
+    """The two ways of loading scales give the same bits: block_k 16 under a 16-wide K step (one
+    scale column per step) vs the same real weight as block_k 8 with each scale repeated (gathered
+    per element)."""
+    k, n, cfg = 48, 24, LinearConfig(16, 16, 4, 2)
+    x, weight, scales, _ = make(5, k, n, (16, 16), dtype, False, device)
+    halves = BlockScales(scales.scale_inv.repeat_interleave(2, dim=1).contiguous(), scales.scale_row, 8)
+    assert torch.equal(linear_fp8(x, weight, scales, config=cfg), linear_fp8(x, weight, halves, config=cfg))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_rows_keep_their_scale_rows(device, dtype):
+    """Rows permuted and joined (as the loader de-interleaves and concatenates weights) keep their
+    own scales through scale_row: the result is the original's columns, permuted."""
+    k, n = 40, 24
+    x, weight, scales, _ = make(3, k, n, (16, 16), dtype, False, device)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(3)).to(device)
+    moved = BlockScales(scales.scale_inv, scales.scale_row[perm].contiguous(), scales.block_k)
+    got = linear_fp8(x, weight[perm].contiguous(), moved)
+    assert_close("permuted rows", got.cpu(), linear_fp8_ref(*on_cpu(x, weight, scales, None))[:, perm.cpu()], *tolerance(dtype, k))
+
+
+@pytest.mark.parametrize("m", [1, 17], ids=lambda m: f"M{m}")
+def test_nan_poisoned_output(device, m):
+    """Every [M, N] element is written, nothing outside it: out is a window of a NaN buffer."""
+    k, n = 40, 70
+    x, weight, scales, b = make(m, k, n, (16, 16), torch.bfloat16, True, device)
+    buf = nan_like(torch.empty(m + 3, n + 5, dtype=torch.bfloat16, device=device))
+    out = buf[:m, :n]
+    assert linear_fp8(x, weight, scales, b, out=out) is out
+    assert not torch.isnan(out).any(), "NaN left in out: an element was not written"
+    assert torch.equal(out, linear_fp8(x, weight, scales, b))
+    assert torch.isnan(buf[m:]).all() and torch.isnan(buf[:, n:]).all(), "wrote outside out"
+
+
+def test_no_rows(device):
+    x, weight, scales, b = make(0, 16, 8, (16, 16), torch.float32, True, device)
+    assert linear_fp8(x, weight, scales, b).shape == (0, 8)
+
+
+def _bad(device, **over):
+    x, weight, scales, b = make(3, 40, 24, (16, 16), torch.float32, True, device)
+    args = {"x": x, "weight": weight, "scales": scales, "bias": b, "out": None}
+    for key, value in over.items():
+        if key in ("scale_inv", "scale_row", "block_k"):
+            args["scales"] = args["scales"]._replace(**{key: value})
+        else:
+            args[key] = value
+    return args
+
+
+ERRORS = {
+    "weight-fp32": (lambda d: _bad(d, weight=torch.zeros(24, 40, device=d)), "weight dtype"),
+    "weight-K": (lambda d: _bad(d, weight=torch.zeros(24, 41, device=d).to(FP8)), "weight K"),
+    "scale-cols": (lambda d: _bad(d, scale_inv=torch.ones(2, 2, device=d)), "scale_inv must have shape"),
+    "scale-bf16": (lambda d: _bad(d, scale_inv=torch.ones(2, 3, dtype=torch.bfloat16, device=d)), "scale_inv dtype"),
+    "scale_row-int64": (lambda d: _bad(d, scale_row=torch.zeros(24, dtype=torch.int64, device=d)), "scale_row dtype"),
+    "scale_row-len": (lambda d: _bad(d, scale_row=torch.zeros(23, dtype=torch.int32, device=d)), "scale_row must have shape"),
+    "block_k-0": (lambda d: _bad(d, block_k=0), "block_k must be"),
+    "bias-shape": (lambda d: _bad(d, bias=torch.zeros(6, device=d)), "bias must have shape"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
+def test_launcher_errors(device, case):
+    build, message = case
+    with pytest.raises(ValueError, match=message):
+        linear_fp8(**build(device))
+    with pytest.raises(ValueError, match=message):
+        linear_fp8_ref(**build(device))

@@ -1,0 +1,121 @@
+"""kernels/moe.py's block-FP8 path (`moe_experts_fp8`) against its torch reference, row
+invariance, unwritten rows, launcher checks.
+
+Expert weights are random fp8 values (~N(0, 1)) times block scales in [0.5, 1.5) / sqrt(fan_in):
+the unit-scale real weights of test_moe.py. The kernel dequantizes each tile to x's dtype exactly
+as `dequantize_ref` does (fp8 x scale in fp32, one rounding), so against `moe_experts_fp8_ref`
+(moe_experts_ref over the dequantized weights) it differs only as the bf16/fp32 path does, in
+the order of the fp32 sums: test_moe.py's tolerances apply (fp32 1e-5; bf16 one bf16 step, 2^-7).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.linear_fp8 import FP8, BlockScales, standard_scale_row
+from kernels.moe import moe_experts_fp8, moe_experts_fp8_ref
+
+from .conftest import assert_close, nan_like
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.0**-7, 2.0**-7)}
+# (R, H, I, E, T, [block_n, block_k]): H and I off the block grid (partial edge blocks); block_k
+# 24 and 8 are no multiple of the K steps (scales gathered per element), 16 and 128 are
+SHAPES = [(2, 40, 24, 4, 2, (16, 16)), (3, 70, 33, 5, 3, (16, 24)), (2, 300, 140, 4, 2, (128, 128)), (1, 19, 9, 6, 4, (8, 8))]
+INVARIANCE_ROWS = [1, 2, 3, 5, 16, 17]
+
+
+def shape_id(s):
+    return "R{}-H{}-I{}-E{}-T{}-block{}x{}".format(*s[:5], *s[5])
+
+
+def make_experts(e: int, n: int, k: int, block, device: str, g: torch.Generator) -> tuple[torch.Tensor, BlockScales]:
+    """fp8 [e, n, k] and scales [e, ceil(n / bn), ceil(k / bk)] making unit-scale real weights."""
+    bn, bk = block
+    weight = torch.randn(e, n, k, generator=g).to(FP8)
+    scale_inv = (0.5 + torch.rand(e, -(-n // bn), -(-k // bk), generator=g)) / k**0.5
+    return weight.to(device), BlockScales(scale_inv.to(device), standard_scale_row(n, bn, device), bk)
+
+
+def make(r, h, i, e, t, block, dtype, device, seed=0):
+    """(x, expert_ids, expert_weights, w_gate, w_up, w_down, scales)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, h, generator=g).to(dtype).to(device)
+    (w_gate, s_gate), (w_up, s_up), (w_down, s_down) = (make_experts(e, n, k, block, device, g) for n, k in ((i, h), (i, h), (h, i)))
+    ids = torch.stack([torch.randperm(e, generator=g)[:t] for _ in range(r)]).to(device)
+    weights = torch.rand(r, t, generator=g).to(device)
+    return x, ids, weights, w_gate, w_up, w_down, (s_gate, s_up, s_down)
+
+
+def on_cpu(x, ids, weights, w_gate, w_up, w_down, scales):
+    cpu_scales = tuple(BlockScales(s.scale_inv.cpu(), s.scale_row.cpu(), s.block_k) for s in scales)
+    return x.cpu(), ids.cpu(), weights.cpu(), w_gate.cpu(), w_up.cpu(), w_down.cpu(), cpu_scales
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_matches_reference(device, dtype, shape):
+    args = make(*shape, dtype, device)
+    got = moe_experts_fp8(*args)
+    assert got.dtype == dtype
+    assert_close(f"moe_experts_fp8 {dtype} {shape_id(shape)}", got.cpu(), moe_experts_fp8_ref(*on_cpu(*args)), *TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_row_invariance(device, dtype):
+    """op(x[:r]) == op(x)[:r] bitwise; a row alone (a copy, or a view at an odd offset: H 21) ==
+    that row in the batch."""
+    x, ids, weights, w_gate, w_up, w_down, scales = make(max(INVARIANCE_ROWS), 21, 20, 6, 3, (16, 8), dtype, device)
+    full = moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, scales)
+    for r in INVARIANCE_ROWS:
+        got = moe_experts_fp8(x[:r], ids[:r], weights[:r], w_gate, w_up, w_down, scales)
+        assert torch.equal(got, full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
+    for i in (1, len(x) - 1):
+        alone = moe_experts_fp8(x[i : i + 1].clone(), ids[i : i + 1].clone(), weights[i : i + 1].clone(), w_gate, w_up, w_down, scales)
+        assert torch.equal(alone, full[i : i + 1]), f"row {i} alone differs"
+        view = moe_experts_fp8(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w_gate, w_up, w_down, scales)
+        assert torch.equal(view, full[i : i + 1]), f"row {i} as a view at an offset differs"
+
+
+def test_nan_poisoned_output(device):
+    """Every [R, H] element is written and nothing else (out starts off 16-byte alignment)."""
+    r, h = 3, 33
+    args = make(r, h, 20, 6, 3, (16, 16), torch.bfloat16, device)
+    buf = nan_like(torch.empty(r + 2, h, dtype=torch.bfloat16, device=device))
+    out = buf[1 : r + 1]
+    assert moe_experts_fp8(*args, out=out) is out
+    assert not torch.isnan(out).any(), "NaN left in out: an element was not written"
+    assert torch.equal(out, moe_experts_fp8(*args))
+    assert torch.isnan(buf[0]).all() and torch.isnan(buf[r + 1]).all(), "wrote outside out"
+
+
+def _bad(device, which: int = 0, **over):
+    x, ids, weights, w_gate, w_up, w_down, scales = make(3, 8, 4, 5, 2, (4, 4), torch.float32, device)
+    args = {"x": x, "expert_ids": ids, "expert_weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "scales": scales}
+    scale_fields = {k: over.pop(k) for k in list(over) if k in BlockScales._fields}
+    if scale_fields:
+        scales = list(scales)
+        scales[which] = scales[which]._replace(**scale_fields)
+        args["scales"] = tuple(scales)
+    args.update(over)
+    return args
+
+
+ERRORS = {
+    "w_gate-fp32": (lambda d: _bad(d, w_gate=torch.zeros(5, 4, 8, device=d)), "w_gate dtype"),
+    "w_down-shape": (lambda d: _bad(d, w_down=torch.zeros(5, 4, 8, device=d).to(FP8)), "w_down must have shape"),
+    "gate-scale-shape": (lambda d: _bad(d, 0, scale_inv=torch.ones(5, 1, 1, device=d)), "w_gate scale_inv must have shape"),
+    "down-scale-lead": (lambda d: _bad(d, 2, scale_inv=torch.ones(4, 2, 1, device=d)), "w_down scale_inv must have shape"),
+    "up-scale_row": (lambda d: _bad(d, 1, scale_row=torch.zeros(3, dtype=torch.int32, device=d)), "w_up scale_row must have shape"),
+    "gate-up-layouts": (lambda d: _bad(d, 1, scale_inv=torch.ones(5, 2, 2, device=d), block_k=5), "share a layout"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
+def test_launcher_errors(device, case):
+    build, message = case
+    with pytest.raises(ValueError, match=message):
+        moe_experts_fp8(**build(device))
+    with pytest.raises(ValueError, match=message):
+        moe_experts_fp8_ref(**build(device))
