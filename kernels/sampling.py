@@ -32,6 +32,13 @@ chosen ids agree except where two candidates' scores lie within that rounding.
 Both kernels walk a row in BLOCK_V blocks from id 0 upward, keeping per lane the best value and
 the first id holding it, then reduce the lanes with ties to the lowest id (DESIGN.md section 6,
 rule 8): a row's answer never depends on how many rows share the launch.
+
+cumsum_rows: each row's running sum (top-p's mass before each id, verifier.sampling). torch's CUDA
+cumsum is not row-invariant: a lone row takes a device-wide scan (whose float association also
+depends on the timing of its look-back), and a batch splits each row among threads by the row
+count; on the H200 the same row summed alone and in a batch differs in its last bits. Here one
+program walks its row in BLOCK_V blocks from id 0 upward: a block's scan (tl.cumsum, a fixed
+tree) plus the running total carried from the last element of the previous block's scan.
 """
 
 from __future__ import annotations
@@ -151,6 +158,36 @@ def _gumbel_rows_kernel(p_seed, p_position, p_u, p_g, V, BLOCK_V: tl.constexpr):
         b_u = _uniform(b_key, o_id)
         tl.store(p_u + i_row * V + o_id, b_u, mask=m_id)
         tl.store(p_g + i_row * V + o_id, _gumbel(b_u), mask=m_id)
+
+
+@triton.jit
+def _cumsum_rows_kernel(p_x, p_out, V, s_row, BLOCK_V: tl.constexpr):
+    i_row = tl.program_id(0).to(tl.int64)
+    o_v = tl.arange(0, BLOCK_V)
+    p_in, p_row = p_x + i_row * s_row, p_out + i_row * s_row
+    carry = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)  # the running total before this block
+    for start in range(0, V, BLOCK_V):
+        m_v = start + o_v < V
+        b_x = tl.load(p_in + start + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_sum = carry + tl.cumsum(b_x, axis=0)
+        tl.store(p_row + start + o_v, b_sum, mask=m_v)
+        carry = tl.sum(tl.where(o_v == BLOCK_V - 1, b_sum, 0.0), axis=0)  # exactly the last element
+
+
+def cumsum_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] fp32, rows contiguous -> [R, V] fp32: each row's running sum, row-invariant."""
+    if x.dim() != 2 or x.dtype != torch.float32 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"cumsum_rows: x must be fp32 [R, V] with contiguous rows, got {x.dtype} {list(x.shape)}")
+    check_launchable("cumsum_rows", "x", x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel():
+        _cumsum_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return out
+
+
+def cumsum_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    """torch.cumsum along the rows (the CPU's sequential sum: row-invariant there)."""
+    return torch.cumsum(x, dim=-1)
 
 
 def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

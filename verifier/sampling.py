@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.runtime import pick
-from kernels.sampling import coupled_choice, coupled_choice_ref
+from kernels.sampling import coupled_choice, coupled_choice_ref, cumsum_rows, cumsum_rows_ref
 
 from .params import STREAM_CHOOSE, SamplingParams
 
@@ -118,14 +118,10 @@ def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams]) -> torch
     masked_logits' rules computed on the device for every row at once, without a host sync. Ties at
     the cut stay in (top-k as on the host; top-p keeps every id tied with the last one its prefix
     needs, where the host keeps the lower ids of a tie only). Row invariance: each op works along
-    the vocabulary of its own row (a top-k selection and a sort, exact; a softmax and a cumsum whose
-    per-row order the CUDA kernels fix by the vocabulary size, not the row count:
-    tests/kernel_tests/test_sampling.py checks rows alone against rows in batches on the GPU).
-    A lone row is thresholded as a batch of two copies of itself: for a single row torch's CUDA
-    cumsum takes another algorithm (a device-wide scan), whose sums differ in the last bits from
-    the per-row scan every batch of two or more rows gets (seen on the H200)."""
-    if scaled.shape[0] == 1:
-        return keep_thresholds(scaled.expand(2, -1).contiguous(), params * 2)[:1]
+    its own row: a top-k selection and a sort (exact), a softmax (per-row order fixed by the
+    vocabulary size), and the running sum of kernels/sampling.py's cumsum_rows (torch's CUDA cumsum
+    changes a row's bits with the row count); tests/kernel_tests/test_sampling.py checks rows
+    alone against rows in batches on the GPU."""
     rows, vocab = scaled.shape
     device = scaled.device
     threshold = scaled.new_full((rows,), float("-inf"))
@@ -139,9 +135,10 @@ def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams]) -> torch
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)  # [R], 1: off
         ordered = torch.sort(torch.where(scaled >= threshold[:, None], scaled, float("-inf")), dim=-1, descending=True).values
         probs = torch.softmax(ordered, dim=-1)
-        # mass strictly before each token, as an exclusive cumsum: non-decreasing, so the kept
-        # tokens (mass before < p) are a prefix and their count locates the cut
-        before = torch.cat([probs.new_zeros(rows, 1), torch.cumsum(probs, dim=-1)[:, :-1]], dim=1)
+        # mass strictly before each token (an exclusive running sum over the sorted row): the
+        # count of tokens whose mass before is < p locates the cut
+        running = pick(cumsum_rows, cumsum_rows_ref, probs)(probs)
+        before = torch.cat([probs.new_zeros(rows, 1), running[:, :-1]], dim=1)
         kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [R]
         cut = ordered.gather(1, (kept - 1)[:, None])[:, 0]
         threshold = torch.where(top_p < 1.0, torch.maximum(threshold, cut), threshold)

@@ -5,7 +5,7 @@ of coupled sampling (verifier.sampling.choose_rows, keep_threshold) as the engin
 import pytest
 import torch
 
-from kernels.sampling import (BLOCK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice,
+from kernels.sampling import (BLOCK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice, cumsum_rows,
                               coupled_choice_ref, gumbel_rows, gumbel_rows_ref)
 from verifier.sampling import SamplingParams, choose, choose_rows, keep_threshold, keep_thresholds, masked_logits
 
@@ -348,3 +348,19 @@ def test_keep_thresholds_of_a_batch_equal_each_row_alone():
         for size in (2, 5, 17):  # sub-batches at other offsets and sizes
             part = keep_thresholds(scaled[1 : 1 + size], batch_params[1 : 1 + size])
             assert torch.equal(part, together[1 : 1 + size]), (vocab, size)
+
+
+def test_cumsum_rows_is_a_running_sum_and_row_invariant():
+    """kernels.sampling.cumsum_rows (top-p's running sum on the device) against torch.cumsum within
+    fp32 rounding (another association: a block scan and a carry), across several blocks of the walk;
+    and each row's sums bitwise the same alone, in a batch, and at another offset."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = 2 * BLOCK_V + 37 if device == "cpu" else 151936
+    probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 3, dim=-1).to(device)
+    sums = cumsum_rows(probs)
+    assert torch.allclose(sums.cpu(), torch.cumsum(probs.cpu().double(), dim=-1).float(), rtol=1e-5, atol=1e-6)
+    for r in range(6):
+        assert torch.equal(cumsum_rows(probs[r : r + 1].clone())[0], sums[r])
+    assert torch.equal(cumsum_rows(probs[1:4]), sums[1:4])
+    with pytest.raises(ValueError, match="cumsum_rows"):
+        cumsum_rows(probs.double())
