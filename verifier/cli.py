@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids
+from .check import add_check_parser, check_command
 from .defaults import default_draft_model_dir, default_model_dir
 from .engine import Engine
 from .generate import generate
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    add_check_parser(sub)
     return parser
 
 
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from .server.cli import serve_command
 
         return serve_command(args)
+    if args.command == "check":
+        return check_command(args)
     return 2
 
 

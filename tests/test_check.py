@@ -1,0 +1,120 @@
+"""`python -m verifier check`: it passes on every tiny family, fails on a planted row-invariance
+bug naming the check and the layer, and refuses bad arguments with status 2."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import delta_rule
+from verifier import cli
+from verifier.arguments import flags_without_stated_default
+from verifier.check import add_check_parser
+from verifier.model.hf_reference import SPECS
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_K, NEW_TOKENS = 3, 5
+SMALL = ["--max-k", str(MAX_K), "--new-tokens", str(NEW_TOKENS), "--prompt-len", "6"]
+CHECK_NAMES = ["verify_vs_serial", "rollback_state", "mixed_batch_vs_alone", "streams_vs_plain"]
+
+
+def _check(model_dir, tmp_path, *extra) -> tuple[int, dict]:
+    """Run the command in this process -> (exit status, the --json report)."""
+    report = tmp_path / "report.json"
+    code = cli.main(["check", "--model", str(model_dir), *SMALL, "--json", str(report), *extra])
+    return code, json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_check_passes_on_every_family(hf_checkpoint, tmp_path, capsys, name):
+    code, report = _check(hf_checkpoint(name), tmp_path)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert report["passed"] and report["first_difference"] is None
+    assert report["rows_equal"] == report["rows_checked"] > 0
+    assert report["states_equal"] == report["states_checked"] > 0
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == CHECK_NAMES
+    assert all(c["passed"] and c["rows_equal"] == c["rows_checked"] > 0 for c in checks.values())
+    assert sum(c["rows_checked"] for c in checks.values()) == report["rows_checked"]
+    # every stream of K = 1..3 and 3 draft kinds emits NEW_TOKENS - 1 verify rows; the streams check
+    # compares 2 samplings x 3 drafters x K in {2, 3} streams of NEW_TOKENS rows
+    assert checks["verify_vs_serial"]["rows_checked"] == MAX_K * 3 * (NEW_TOKENS - 1)
+    assert checks["streams_vs_plain"]["rows_checked"] == 2 * 3 * 2 * NEW_TOKENS
+    # every layer of the model is compared after every verify and the decode after it, in both modes
+    n_layers = report["model"]["layers"]
+    assert checks["rollback_state"]["states_checked"] == 2 * MAX_K * 2 * n_layers
+    mixers, mlps = report["model"]["mixers"], report["model"]["mlps"]
+    per_kind = checks["verify_vs_serial"]["per_layer_kind"]
+    assert set(per_kind) == {f"{m} mixer" for m in mixers} | {f"{m} mlp" for m in mlps}
+    assert all(c["equal"] == c["checked"] > 0 for c in per_kind.values())
+    assert set(checks["rollback_state"]["per_layer_kind"]) == {f"{m} state" for m in mixers}
+    assert out.splitlines()[-1].startswith("PASS: ")
+
+
+@pytest.mark.parametrize("name, first_layer", [("qwen3_5_text", "layer 1 gdn mixer"), ("kimi_linear", "layer 0 kda mixer")])
+def test_check_fails_on_a_planted_row_invariance_bug(hf_checkpoint, tmp_path, capsys, monkeypatch, name, first_layer):
+    """The delta rule's torch reference, made to nudge its outputs when a call carries more than
+    one row: a verify row's bits then depend on how many rows share its call, while serial decode
+    has one row per call. (ops.linear meets one row per call on the CPU reference, see
+    ops.each_row, so the bug is planted in an op whose calls rows do share there.)"""
+    honest = delta_rule.delta_rule_verify_ref
+
+    def batch_dependent(state, query, *rest, **kwargs):
+        out = honest(state, query, *rest, **kwargs)
+        return out if query.shape[0] == 1 else out * (1 + 2**-20)
+
+    monkeypatch.setattr(delta_rule, "delta_rule_verify_ref", batch_dependent)
+    code, report = _check(hf_checkpoint(name), tmp_path)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert not report["passed"] and report["rows_equal"] < report["rows_checked"]
+    first = report["first_difference"]
+    # the first verify (K = 1) already differs, and the layer named is the first recurrent one
+    assert first["check"] == "verify_vs_serial" and first["where"].startswith("K=1 ") and first_layer in first["where"]
+    assert 0 < first["max_abs_diff"] < 1e-3
+    checks = {c["name"]: c for c in report["checks"]}
+    assert not checks["verify_vs_serial"]["passed"] and not checks["mixed_batch_vs_alone"]["passed"]
+    assert out.splitlines()[-1].startswith("FAIL: ") and "first difference in verify_vs_serial" in out
+
+
+def test_the_command_as_a_user_runs_it(hf_checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "verifier", "check", "--model", str(hf_checkpoint("qwen3_next_moe")), *SMALL],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "qwen3_next" in lines[0] and "3 gdn + 1 attention mixers" in lines[0]
+    assert "torch " in lines[1] and "triton " in lines[1] and "float32" in lines[1]
+    assert lines[-1].startswith("PASS: ")
+    assert "verify_vs_serial: K=3" in proc.stderr  # progress on stderr
+
+
+def test_every_flag_states_its_default():
+    parser = add_check_parser(argparse.ArgumentParser().add_subparsers())
+    assert flags_without_stated_default(parser) == []
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--max-k", "0"], "--max-k"),
+    (["--new-tokens", "1"], "--new-tokens"),
+    (["--sequences", "1"], "--sequences"),
+    (["--device", "tpu"], "--device"),
+    (["--dtype", "float16"], "--dtype"),
+])
+def test_bad_arguments_exit_2_naming_the_flag(capsys, args, flag):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", *args])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bad_paths_exit_2_naming_the_flag(hf_checkpoint, tmp_path, capsys):
+    assert cli.main(["check", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert cli.main(["check", "--model", str(hf_checkpoint("kimi_linear")), "--json", str(tmp_path / "no" / "r.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+    assert cli.main(["check", "--model", str(hf_checkpoint("kimi_linear")), "--prompt-len", str(10**9)]) == 2
+    assert "context length" in capsys.readouterr().err

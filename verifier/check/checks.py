@@ -1,0 +1,238 @@
+"""The four checks of `python -m verifier check`, each a function of (model, settings, progress)
+returning its CheckResult. Every comparison is bitwise (results.py); each check keeps going past a
+difference in one stream so the counts say how much differs, and stops that stream (its later rows
+would follow another path).
+
+1. verify_vs_serial: verify rows == serial decode rows, K = 1..max_k, wrong / right / random drafts,
+   with every layer's output row compared too (attribution per layer kind; an eager engine).
+2. rollback_state: after a partial accept, the slot's state == serial decode's at that position,
+   in both rollback modes, and the next decode row == serial.
+3. mixed_batch_vs_alone: sequences at different positions with different K in one step == each
+   sequence's step run alone (rows and states).
+4. streams_vs_plain: verifier.generate with oracle, n-gram and random drafters == plain decoding,
+   greedy and seeded sampling.
+Checks 2-4 run the engine as serving does (CUDA graphs where the backend has them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import Engine, StepRequest
+from ..generate import generate
+from ..model.rollback import ROLLBACK_MODES, WOA
+from ..params import SamplingParams
+from ..proposers import NgramProposer, OracleProposer, RandomProposer
+from .layers import LayerOutputs
+from .reference import serial_run, slot_state
+from .results import CheckResult
+
+DRAFT_KINDS = ("wrong", "right", "random")  # wrong: never the serial token; right: the serial continuation
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    max_k: int  # K runs 1..max_k
+    prompt_len: int  # prompt tokens per sequence (random ids, seeded)
+    new_tokens: int  # tokens each stream emits, the first one included
+    sequences: int  # sequences sharing the mixed-batch steps
+    seed: int  # prompts, random drafts and the seeded sampling
+
+    def __post_init__(self):
+        for name, low in (("max_k", 1), ("prompt_len", 1), ("new_tokens", 2), ("sequences", 2), ("seed", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+
+    @property
+    def max_seq_len(self) -> int:
+        """Room for the longest prompt (mixed batches lengthen theirs), the stream and a full verify."""
+        return self.prompt_len + 2 * self.sequences + self.new_tokens + self.max_k + 1
+
+
+def make_prompt(vocab: int, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    low = 3 if vocab > 3 else 0  # ids 0..2 are often pad / bos / eos
+    return torch.randint(low, vocab, (length,), generator=gen).tolist()
+
+
+def _engine(model, settings: CheckSettings, n_slots: int = 1, mode: str = WOA, cuda_graphs: bool = True) -> Engine:
+    return Engine(model, n_slots, settings.max_seq_len, settings.max_k, mode, cuda_graphs=cuda_graphs)
+
+
+def _step(engine: Engine, requests: list[StepRequest]):
+    """engine.step, raising a request's StepError: the check sized the engine for every step it
+    sends, so one is a bug of the check, not a difference of bits."""
+    results = engine.step(requests)
+    for res in results:
+        if res.error is not None:
+            raise res.error
+    return results
+
+
+def _path(engine: Engine) -> str:
+    return "cuda graphs" if engine.runner.graphed else "eager"
+
+
+def _drafts(kind: str, truth: list[int], k: int, vocab: int, gen: torch.Generator) -> list[int]:
+    """k drafts against the serial continuation `truth` (at least k long)."""
+    if kind == "right":
+        return truth[:k]
+    if kind == "wrong":
+        return [(t + 1 + int(torch.randint(0, vocab - 1, (1,), generator=gen))) % vocab for t in truth[:k]]
+    return torch.randint(0, vocab, (k,), generator=gen).tolist()
+
+
+def verify_vs_serial(model, settings: CheckSettings, progress) -> CheckResult:
+    vocab = model.config.vocab_size
+    engine = _engine(model, settings, cuda_graphs=False)  # eager, so the layer recorder sees every row
+    result = CheckResult("verify_vs_serial", f"verify rows == serial decode rows (K = 1..{settings.max_k}; "
+                         "wrong, right and random drafts; every layer's output row)", _path(engine))
+    prompt = make_prompt(vocab, settings.prompt_len, settings.seed)
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    with LayerOutputs(model) as recorder:
+        # the truth runs max_k past the stream, so right drafts near its end are still right
+        serial = serial_run(engine, prompt, settings.new_tokens + settings.max_k, recorder=recorder)
+        for k in range(1, settings.max_k + 1):
+            progress(f"verify_vs_serial: K={k}")
+            for kind in DRAFT_KINDS:
+                _verify_stream(engine, serial, recorder, result, settings.new_tokens, k, kind, vocab, gen)
+    return result
+
+
+def _verify_stream(engine, serial, recorder, result, n_tokens, k, kind, vocab, gen) -> None:
+    seq = engine.open(serial.prompt, SamplingParams(), n_tokens, eos_ids=())
+    recorder.take()  # prefill's rows
+    try:
+        step = 0
+        while not seq.finished:
+            done = seq.emitted  # stream rows emitted so far: this step's row r is stream row done + r
+            (res,) = _step(engine, [StepRequest(seq, _drafts(kind, serial.tokens[done:], k, vocab, gen))])
+            layer_rows = recorder.take()
+            n = len(res.tokens)
+            where = lambda r: f"K={k} {kind} drafts, step {step}, row {r} (stream row {done + r})"  # noqa: E731
+            equal = True
+            for r in range(n):  # layers first: the first difference names the first layer that differs
+                equal &= result.compare_layer_rows(recorder.kinds, [part[r] for part in layer_rows], serial.layer_rows[done + r], where(r))
+            equal &= result.compare_rows(res.tokens, res.logits, serial.tokens[done : done + n], serial.logits[done : done + n], where)
+            if not equal:
+                return
+            step += 1
+    finally:
+        engine.close(seq)
+
+
+def rollback_state(model, settings: CheckSettings, progress) -> CheckResult:
+    vocab, p = model.config.vocab_size, settings.prompt_len
+    prompt = make_prompt(vocab, p, settings.seed + 2)
+    n_tokens = settings.max_k + 3  # the truth covers K drafts, the bonus and one decode row after
+    accepted_at = {k: k // 2 for k in range(1, settings.max_k + 1)}  # a partial accept: 0 at K = 1
+    keep = frozenset(q for a in accepted_at.values() for q in (p + a + 1, p + a + 2))
+    serial = serial_run(_engine(model, settings), prompt, n_tokens, keep_states=keep)
+    gen = torch.Generator().manual_seed(settings.seed + 3)
+    engines = {mode: _engine(model, settings, mode=mode) for mode in ROLLBACK_MODES}
+    result = CheckResult("rollback_state", "state after a partial accept and rollback == serial decode's, and the next "
+                         f"decode row ({', '.join(ROLLBACK_MODES)})", _path(engines[WOA]))
+    for mode, engine in engines.items():
+        progress(f"rollback_state: {mode}")
+        for k, a in accepted_at.items():
+            where = f"{mode} K={k} accepting {a}"
+            seq = engine.open(prompt, SamplingParams(), n_tokens, eos_ids=())
+            try:
+                truth = serial.tokens[1:]
+                drafts = truth[:a] + _drafts("wrong", truth[a:], 1, vocab, gen) + _drafts("random", [], k - a - 1, vocab, gen)
+                for drafts_now in (drafts, []):  # the verify with its rollback, then one decode step
+                    done = seq.emitted
+                    (res,) = _step(engine, [StepRequest(seq, drafts_now)])
+                    n = len(res.tokens)
+                    rows_equal = result.compare_rows(res.tokens, res.logits, serial.tokens[done : done + n],
+                                                     serial.logits[done : done + n], lambda r: f"{where}: stream row {done + r}")
+                    if not rows_equal or seq.position not in serial.states:
+                        break
+                    result.compare_states(slot_state(engine, seq.slot, seq.position), serial.states[seq.position],
+                                          f"{where}: state at position {seq.position}")
+            finally:
+                engine.close(seq)
+    return result
+
+
+def _mixed_plan(sequence: int, step: int, max_k: int) -> tuple[int, int]:
+    """(K, right drafts) of a sequence in a step: Ks differ across the sequences of a step (0 included)."""
+    k = (3 * sequence + 5 * step) % (max_k + 1)
+    return k, (sequence + step) % (k + 1)
+
+
+def mixed_batch_vs_alone(model, settings: CheckSettings, progress) -> CheckResult:
+    vocab, n = model.config.vocab_size, settings.sequences
+    # different prompt lengths: the sequences of a step sit at different positions
+    prompts = [make_prompt(vocab, settings.prompt_len + 2 * i, settings.seed + 10 + i) for i in range(n)]
+    serial_engine = _engine(model, settings)
+    truths = [serial_run(serial_engine, prompt, settings.new_tokens + settings.max_k).tokens for prompt in prompts]
+    together, alone = _engine(model, settings, n), _engine(model, settings, n)
+    result = CheckResult("mixed_batch_vs_alone", f"{n} sequences with different K in one step == each step run alone "
+                         "(rows and states)", _path(together))
+    progress(f"mixed_batch_vs_alone: {n} sequences")
+    gen = torch.Generator().manual_seed(settings.seed + 4)
+    seqs_t = [together.open(p, SamplingParams(), settings.new_tokens, eos_ids=()) for p in prompts]
+    seqs_a = [alone.open(p, SamplingParams(), settings.new_tokens, eos_ids=()) for p in prompts]
+    live, step = set(range(n)), 0
+    while live:
+        owners = sorted(i for i in live if not seqs_t[i].finished and not seqs_a[i].finished)
+        if not owners:
+            break
+        drafts = {}
+        for i in owners:
+            k, right = _mixed_plan(i, step, settings.max_k)
+            truth = truths[i][seqs_t[i].emitted:]
+            drafts[i] = truth[:right] + _drafts("wrong", truth[right:], min(1, k - right), vocab, gen) \
+                + _drafts("random", [], max(0, k - right - 1), vocab, gen)
+        results_t = _step(together, [StepRequest(seqs_t[i], drafts[i]) for i in owners])
+        results_a = [_step(alone, [StepRequest(seqs_a[i], drafts[i])])[0] for i in owners]
+        for i, got, want in zip(owners, results_t, results_a):
+            where = f"step {step}, sequence {i} (K={len(drafts[i])})"
+            equal = result.compare_rows(got.tokens, got.logits, want.tokens, want.logits, lambda r: f"{where}, row {r}")
+            if equal and seqs_t[i].position == seqs_a[i].position:
+                equal = result.compare_states(slot_state(together, seqs_t[i].slot, seqs_t[i].position),
+                                              slot_state(alone, seqs_a[i].slot, seqs_a[i].position), where)
+            if not equal:
+                live.discard(i)  # its later steps would follow another path
+        live -= {i for i in owners if seqs_t[i].finished}
+        step += 1
+    return result
+
+
+def streams_vs_plain(model, settings: CheckSettings, progress) -> CheckResult:
+    vocab = model.config.vocab_size
+    engine = _engine(model, settings)
+    result = CheckResult("streams_vs_plain", "speculative streams == plain decoding (oracle, n-gram and random "
+                         "drafters; greedy and seeded sampling)", _path(engine))
+    half = make_prompt(vocab, (settings.prompt_len + 1) // 2, settings.seed + 5)
+    prompt = (half * 2)[: settings.prompt_len]  # a repeat gives the n-gram drafter something to find
+    ks = sorted({min(2, settings.max_k), settings.max_k})
+    samplings = {"greedy": SamplingParams(),
+                 "seeded (temperature 0.9, top-k 8, top-p 0.9)": SamplingParams(temperature=0.9, top_k=8, top_p=0.9, seed=settings.seed)}
+    for label, sampling in samplings.items():
+        progress(f"streams_vs_plain: {label}")
+        plain = generate(engine, prompt, settings.new_tokens, sampling, eos_ids=())
+        drafters = {"oracle": OracleProposer(len(prompt), plain.tokens), "n-gram": NgramProposer(),
+                    "random": RandomProposer(vocab, settings.seed)}
+        for name, proposer in drafters.items():
+            for k in ks:
+                spec = generate(engine, prompt, settings.new_tokens, sampling, proposer, k, eos_ids=())
+                result.compare_rows(spec.tokens, spec.logits, plain.tokens, plain.logits,
+                                    lambda r: f"{label}, {name} drafts K={k}: stream row {r}")
+    return result
+
+
+CHECKS = (verify_vs_serial, rollback_state, mixed_batch_vs_alone, streams_vs_plain)
+
+
+def run_checks(model, settings: CheckSettings, progress=lambda message: None) -> list[CheckResult]:
+    results = []
+    for check in CHECKS:
+        start = time.perf_counter()
+        results.append(check(model, settings, progress))
+        results[-1].seconds = time.perf_counter() - start
+    return results

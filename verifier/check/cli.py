@@ -1,0 +1,87 @@
+"""`python -m verifier check`: its flags and the command.
+
+    add_check_parser(subparsers)   # in the program's parser (verifier/cli.py)
+    check_command(args) -> int     # 0 every row equal, 1 a difference, 2 bad arguments
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..arguments import DefaultsHelpFormatter, at_least
+from ..engine import Engine
+from .checks import CheckSettings, run_checks
+from .report import build_report, environment, summary
+
+ENGINE_MAX_K = inspect.signature(Engine).parameters["max_k"].default  # the engine's own default (and the server's)
+
+
+def add_check_parser(sub):
+    from ..cli import DTYPES  # verifier.cli imports this module
+
+    parser = sub.add_parser(
+        "check", help="prove bit-exact verification on your checkpoint and device", formatter_class=DefaultsHelpFormatter,
+        description="Run on your checkpoint and device what the project's bit-exactness tests prove on theirs: verify rows "
+                    "== serial decode rows (K = 1..--max-k; wrong, right and random drafts; per layer), the state after "
+                    "rollback in both modes, mixed batches == each sequence alone, speculative streams == plain (greedy "
+                    "and seeded sampling). Every comparison is bitwise. Run it after upgrading torch, triton or a "
+                    "checkpoint, before serving. Exit status: 0 every row equal, 1 a difference (the report names the "
+                    "first), 2 bad arguments.")
+    parser.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model, models/target)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the model runs: cpu (the torch reference ops) or cuda (the Triton kernels)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="weights and activations (recurrent state is fp32 always)")
+    parser.add_argument("--max-k", type=at_least(1), default=ENGINE_MAX_K,
+                        help=f"verify K = 1 .. this many drafts (default: {ENGINE_MAX_K}, the engine's max_k)")
+    parser.add_argument("--prompt-len", type=at_least(1), default=8, help="tokens per prompt (random ids, seeded)")
+    parser.add_argument("--new-tokens", type=at_least(2), default=8, help="tokens each stream emits, the first one included")
+    parser.add_argument("--sequences", type=at_least(2), default=3, help="sequences sharing each step of the mixed-batch check")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the prompts, the random drafts and the seeded sampling")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write the report as JSON to FILE (default: not written)")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_command(args) -> int:
+    from ..cli import DTYPES
+    from ..defaults import default_model_dir
+    from ..model import load_model
+
+    settings = CheckSettings(args.max_k, args.prompt_len, args.new_tokens, args.sequences, args.seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return _fail("--device cuda, but torch sees no CUDA device")
+    if args.json is not None and not args.json.parent.is_dir():
+        return _fail(f"--json {args.json}: no directory {args.json.parent}")
+    model_dir = args.model or default_model_dir()
+    try:
+        model = load_model(model_dir, args.device, DTYPES[args.dtype])
+    except (ValueError, OSError) as exc:
+        return _fail(f"--model {model_dir}: {exc}")
+    limit = model.config.max_position_embeddings
+    if settings.max_seq_len > limit:
+        return _fail(f"--prompt-len, --new-tokens, --max-k and --sequences need {settings.max_seq_len} positions, "
+                     f"past the model's context length {limit}")
+
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    results = run_checks(model, settings, progress)
+    report = build_report(model_dir, model, settings, environment(args.device, args.dtype), results, time.perf_counter() - start)
+    print(summary(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["passed"] else 1

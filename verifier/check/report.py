@@ -1,0 +1,102 @@
+"""The report of `python -m verifier check`: one dict (what --json writes) and the human summary
+printed from it, so both always say the same."""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections import Counter
+from dataclasses import asdict
+
+import torch
+
+from .checks import CheckSettings
+from .results import CheckResult, Counts, Difference
+
+
+def environment(device: str, dtype: str) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
+    return {"device": device, "gpu": gpu, "dtype": dtype, "torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version()}
+
+
+def _number(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)  # JSON has no inf / nan
+
+
+def _difference(diff: Difference | None) -> dict | None:
+    return None if diff is None else {**asdict(diff), "max_abs_diff": _number(diff.max_abs_diff)}
+
+
+def _counts(counts: Counts) -> dict:
+    return {"checked": counts.checked, "equal": counts.equal}
+
+
+def build_report(model_dir, model, settings: CheckSettings, env: dict, results: list[CheckResult], seconds: float) -> dict:
+    config = model.config
+    first = next((r.first_difference for r in results if r.first_difference is not None), None)
+    rows_checked = sum(r.rows.checked for r in results)
+    rows_equal = sum(r.rows.equal for r in results)
+    return {
+        "passed": all(r.passed for r in results) and rows_checked > 0,
+        "rows_checked": rows_checked,
+        "rows_equal": rows_equal,
+        "states_checked": sum(r.states.checked for r in results),
+        "states_equal": sum(r.states.equal for r in results),
+        "first_difference": _difference(first),
+        "seconds": round(seconds, 3),
+        "model": {"dir": str(model_dir), "model_type": config.model_type, "layers": config.n_layers,
+                  "mixers": dict(Counter(config.mixers)), "mlps": dict(Counter(config.mlps))},
+        "environment": env,
+        "settings": asdict(settings),
+        "checks": [{
+            "name": r.name,
+            "title": r.title,
+            "path": r.path,
+            "passed": r.passed,
+            "rows_checked": r.rows.checked,
+            "rows_equal": r.rows.equal,
+            "states_checked": r.states.checked,
+            "states_equal": r.states.equal,
+            "per_layer_kind": {kind: _counts(c) for kind, c in r.per_layer_kind.items()},
+            "first_difference": _difference(r.first_difference),
+            "seconds": round(r.seconds, 3),
+        } for r in results],
+    }
+
+
+def _kinds(counts: dict) -> str:
+    return " + ".join(f"{n} {kind}" for kind, n in counts.items())
+
+
+def summary(report: dict) -> str:
+    model, env, s = report["model"], report["environment"], report["settings"]
+    lines = [
+        f"verifier check: {model['dir']} ({model['model_type']}, {model['layers']} layers: "
+        f"{_kinds(model['mixers'])} mixers, {_kinds(model['mlps'])} MLPs)",
+        f"{env['device']}{' (' + env['gpu'] + ')' if env['gpu'] else ''}, {env['dtype']}, torch {env['torch']}, "
+        f"triton {env['triton'] or 'absent'}; K = 1..{s['max_k']}, prompts of {s['prompt_len']} tokens, "
+        f"{s['new_tokens']} new tokens, {s['sequences']} sequences, seed {s['seed']}",
+    ]
+    for check in report["checks"]:
+        states = f", {check['states_equal']}/{check['states_checked']} layer states" if check["states_checked"] else ""
+        lines.append(f"  {'ok  ' if check['passed'] else 'FAIL'} {check['name']:<21} {check['rows_equal']}/{check['rows_checked']} rows"
+                     f"{states} equal  [{check['path']}, {check['seconds']:.1f} s]  {check['title']}")
+        if check["per_layer_kind"]:
+            per_kind = ", ".join(f"{kind} {c['equal']}/{c['checked']}" for kind, c in check["per_layer_kind"].items())
+            lines.append(f"       per layer kind: {per_kind}")
+    totals = f"{report['rows_equal']}/{report['rows_checked']} rows and {report['states_equal']}/{report['states_checked']} layer states"
+    if report["passed"]:
+        lines.append(f"PASS: {totals} bitwise equal in {report['seconds']:.1f} s")
+    else:
+        first = report["first_difference"]
+        where = (Difference(first["check"], first["where"], float(first["max_abs_diff"])).describe()
+                 if first else "no rows were checked")
+        lines.append(f"FAIL: {totals} equal in {report['seconds']:.1f} s; first difference in {where}")
+    return "\n".join(lines)
