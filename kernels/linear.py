@@ -7,11 +7,22 @@
 
 Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks its
 range of K from the start upward in BLOCK_K steps, accumulating tl.dot products in one fp32
-register block. BLOCK_M is 16 whatever M (rows past M load as 0 and are never stored), the launch
-config depends only on (N, K, dtype) and M is not specialised on, so a row meets the same
-instructions in the same order whether it is decoded alone or among 63 others. No atomics, no
-autotune. fp32 dots use input_precision="ieee" (TF32 off); bf16 dots use the tensor-core MMA with
-fp32 accumulate.
+register block (rows past M load as 0 and are never stored). The K walk (SPLIT_K, its bounds, and
+the ascending order of the 16-wide K chunks the MMAs add) is a function of (N, K, dtype) only, and
+M is not specialised on. No atomics, no autotune. fp32 dots use input_precision="ieee" (TF32 off);
+bf16 dots use the tensor-core MMA with fp32 accumulate.
+
+Tiles by row count (bf16; `tile_for_rows`). Decode and small verify batches run the pinned tile
+(BLOCK_M 16); from ROW_TILES' row counts on, wider tiles (64 or 128 rows, 128 features, BLOCK_K 64)
+that put Hopper's wgmma to work and read each weight tile M/128 times instead of M/16. A tile's
+shape decides which rows and features one program computes and which MMA instruction multiplies a
+16-wide K chunk (mma.sync at 16 rows, wgmma at 64 and more), not the K walk: each output element is
+still the same chunks summed in the same order. That the MMA instructions round alike is measured,
+not documented: on the H200 every tile tried (BLOCK_M 16/64/128, BLOCK_N 64-256, BLOCK_K 64/128,
+4 or 8 warps, 3 or 4 stages) gave bitwise the pinned tile's output on every weight shape of the 2B
+model (`python -m bench.gemm`: tiles_equal in bench/results/gemm_2026-11-30.json), and
+tests/kernel_tests/test_linear.py checks torch.equal across row counts that cross every tile
+boundary, on the GPU too. fp32 (tests, the interpreter's reference checks) keeps one tile.
 
 The range of K: the whole of K (SPLIT_K = 1: fp32 always, and bf16 weights with enough output
 tiles, such as an LM head), after which bias is added in fp32 and the tile is cast once. Narrow
@@ -55,6 +66,13 @@ class LinearConfig(NamedTuple):
     num_warps: int
     num_stages: int
     SPLIT_K: int = 1  # programs per output tile, each over a fixed contiguous range of K
+    BLOCK_M: int = BLOCK_M
+
+
+# (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), largest first.
+# Chosen from a sweep on the H200 at M = 576 (34 tiles, the 2B model's shapes): 128 x 128 x 64 with 8
+# warps and 3 stages was the fastest or within 15% of it on every shape; bench/gemm.py times it.
+ROW_TILES = ((128, (128, 128, 64, 8, 3)), (32, (64, 128, 64, 4, 3)))
 
 
 TARGET_PROGRAMS = 256  # split narrow weights until about this many programs run (~2 per H200 SM)
@@ -95,6 +113,20 @@ def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
                and k_steps >= 2 * split_k * MIN_K_STEPS_PER_SPLIT):
             split_k *= 2
     return LinearConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages, SPLIT_K=split_k)
+
+
+def tile_for_rows(cfg: LinearConfig, n: int, m: int, dtype: torch.dtype) -> LinearConfig:
+    """The pinned config `cfg` of an [n, K] weight with its tile for a batch of m rows (bf16: ROW_TILES;
+    fp32 keeps the pinned tile). The K walk is cfg's: SPLIT_K is kept, the tile's BLOCK_K divides
+    cfg's (so the split bounds, whole BLOCK_K steps of cfg, are whole steps of the tile too), and
+    the bounds are computed from cfg (see `linear`)."""
+    if dtype != torch.bfloat16:
+        return cfg
+    for min_rows, (block_m, block_n, block_k, num_warps, num_stages) in ROW_TILES:
+        if m >= min_rows:
+            return cfg._replace(BLOCK_M=block_m, BLOCK_N=max(16, min(block_n, triton.next_power_of_2(n))), BLOCK_K=min(block_k, cfg.BLOCK_K),
+                                num_warps=num_warps, num_stages=num_stages)
+    return cfg
 
 
 def split_bounds(k: int, cfg: LinearConfig) -> int:
@@ -227,8 +259,8 @@ def linear(
 
     out: an optional [M, N] buffer to write into (rows may be strided, features contiguous); it is
     returned. Rows of x may be strided (a slice of a larger buffer); features are made contiguous.
-    config: overrides the pinned linear_config (bench/linear_configs.py measures candidates with it);
-    a config never depends on M, so any config is row-invariant.
+    config: overrides the pinned linear_config and its tiles by row count (bench/linear_configs.py
+    measures candidates with it): that one config then runs every M.
     """
     _check(x, weight, bias, out)
     m, k = x.shape
@@ -241,18 +273,19 @@ def linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or linear_config(n, k, x.dtype)
+    pinned = config or linear_config(n, k, x.dtype)
+    cfg = tile_for_rows(pinned, n, m, x.dtype) if config is None else pinned
     # [SPLIT_K, M, N] fp32 partial sums when K is split (else unused)
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)
+    grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out, partial,
-        m, n, k, split_bounds(k, cfg),
+        m, n, k, split_bounds(k, pinned),
         x.stride(0), weight.stride(0), out.stride(0),
         **flags,
         IS_FP32=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps,

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import BLOCK_M, LinearConfig, linear, linear_config, linear_ref
+from kernels.linear import BLOCK_M, LinearConfig, linear, linear_config, linear_ref, tile_for_rows
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -188,3 +188,37 @@ def test_narrow_bf16_weights_split_k():
     assert linear_config(151936, 2048, torch.bfloat16).SPLIT_K == 1
     assert linear_config(2048, 4096, torch.float32).SPLIT_K == 1
     assert linear_config(2048, 256, torch.bfloat16).SPLIT_K == 1  # too few K steps to split
+
+
+# row counts either side of every tile boundary (kernels/linear.py ROW_TILES), to 1024 on the GPU
+TILE_ROW_COUNTS = [1, 15, 16, 17, 31, 32, 33, 64, 127, 128, 129]
+
+
+@pytest.mark.parametrize("shape", [(136, 40), (1024, 48), (256, 520)], ids=lambda s: "K{}-N{}".format(*s))
+def test_row_invariance_across_tiles(device, shape):
+    """bf16 batches take wider tiles from ROW_TILES' row counts on (the K walk unchanged): a row's
+    bits are the same alone, in a batch of any size, and sliced at any offset. (1024, 48) splits K
+    (narrow weight, many K steps); (136, 40) has a ragged last K block; (256, 520) several N tiles."""
+    k, n = shape
+    counts = TILE_ROW_COUNTS + ([576, 1024] if device == "cuda" else [])
+    x, w, b = make(max(counts), k, n, torch.bfloat16, True, device)
+    assert (linear_config(n, k, torch.bfloat16).SPLIT_K > 1) == (shape == (1024, 48))
+    assert tile_for_rows(linear_config(n, k, torch.bfloat16), n, max(counts), torch.bfloat16).BLOCK_M == 128
+    full = linear(x, w, b)
+    for r in counts:
+        assert torch.equal(linear(x[:r], w, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
+    for i in (0, 5, 63, 64, 127, len(x) - 1):
+        assert torch.equal(linear(x[i : i + 1].clone(), w, b), full[i : i + 1]), f"row {i} alone differs"
+    assert torch.equal(linear(x[37:37 + 100], w, b), full[37:137])  # a 64-row-tile batch at an odd offset
+
+
+def test_tiles_by_rows_keep_the_k_walk():
+    """A tile for more rows keeps the pinned SPLIT_K, takes a BLOCK_K that divides the pinned one,
+    and fp32 keeps the pinned tile whatever the rows."""
+    for n, k in [(12352, 2048), (2048, 4096), (512, 2048), (24, 136), (151936, 2048)]:
+        pinned = linear_config(n, k, torch.bfloat16)
+        for m in (1, 16, 31, 32, 128, 1024):
+            tile = tile_for_rows(pinned, n, m, torch.bfloat16)
+            assert tile.SPLIT_K == pinned.SPLIT_K and pinned.BLOCK_K % tile.BLOCK_K == 0
+            assert tile.BLOCK_M == (16 if m < 32 else 64 if m < 128 else 128)
+        assert tile_for_rows(linear_config(n, k, torch.float32), n, 1024, torch.float32) == linear_config(n, k, torch.float32)
