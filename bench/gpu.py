@@ -25,6 +25,7 @@ import torch
 
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
+from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
 from verifier.model.rollback import SNAPSHOT, WOA
 from verifier.params import SamplingParams
 
@@ -98,25 +99,45 @@ def build_checkpoint(family: str, fields: dict, out: Path) -> None:
     torch.cuda.empty_cache()
 
 
+def weight_bytes(weight) -> int:
+    """Bytes a GEMM reads from a weight: a tensor; a BlockFP8Weight (fp8 values, block scales,
+    scale rows: its nbytes); an OutFeatureGroups (its groups, FP8 beside kept bf16)."""
+    if isinstance(weight, OutFeatureGroups):
+        return sum(weight_bytes(group) for group in weight.groups)
+    if isinstance(weight, BlockFP8Weight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
+
+
+def expert_bytes(stacked) -> int:
+    """Bytes of one expert in a stacked expert weight [E, N, K]: its slice, and of an FP8 stack its
+    block scales [S, ceil(K / block_k)] and the scale rows [N] every expert shares."""
+    if isinstance(stacked, BlockFP8Weight):
+        s = stacked.scales
+        return weight_bytes(stacked.data[0]) + weight_bytes(s.scale_inv[0]) + weight_bytes(s.scale_row)
+    return weight_bytes(stacked[0])
+
+
 def decode_bytes(model) -> int:
     """Weights one single-row decode step reads: everything but the unchosen experts and the
-    embedding table (one row of it; a tied table is read whole as the LM head)."""
+    embedding table (one row of it; a tied table is read whole as the LM head). FP8 weights count
+    their fp8 bytes and scales."""
     total = 0
     cfg = model.config
     for block in model.blocks:
         for value in list(vars(block.mixer).values()) + [block.input_norm, block.post_norm]:
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+            if isinstance(value, (torch.Tensor, BlockFP8Weight, OutFeatureGroups)):
+                total += weight_bytes(value)
         mlp = block.mlp
         if hasattr(mlp, "w_router"):
-            per_expert = sum(t[0].numel() * t.element_size() for t in (mlp.w_gate, mlp.w_up, mlp.w_down))
-            total += cfg.moe.top_k * per_expert + mlp.w_router.numel() * mlp.w_router.element_size()
+            total += cfg.moe.top_k * sum(expert_bytes(w) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)) + weight_bytes(mlp.w_router)
             if mlp.shared is not None:
-                total += sum(t.numel() * t.element_size() for t in (mlp.shared.w_gate_up, mlp.shared.w_down))
+                total += weight_bytes(mlp.shared.w_gate_up) + weight_bytes(mlp.shared.w_down)
+            if hasattr(mlp, "w_shared_gate"):
+                total += weight_bytes(mlp.w_shared_gate)
         else:
-            total += sum(t.numel() * t.element_size() for t in (mlp.w_gate_up, mlp.w_down))
-    total += model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * model.final_norm.element_size()
-    return total
+            total += weight_bytes(mlp.w_gate_up) + weight_bytes(mlp.w_down)
+    return total + weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
 
 
 def open_sequences(engine: Engine, n: int) -> list:

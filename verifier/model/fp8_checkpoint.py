@@ -38,7 +38,7 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     bn, bk = block
     *lead, n, k = weight.shape
     rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(*lead, rows * bn, cols * bk, dtype=torch.float32)  # zeros never raise an amax
+    padded = torch.zeros(*lead, rows * bn, cols * bk, dtype=torch.float32, device=weight.device)  # zeros never raise an amax
     padded[..., :n, :k] = weight.float()
     blocks = padded.view(*lead, rows, bn, cols, bk)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., rows, cols]

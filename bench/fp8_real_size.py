@@ -1,0 +1,373 @@
+"""Real size in block FP8 on one device: a published Qwen3.5-MoE config at full size, written as
+its published -FP8 checkpoint with random weights, served through the normal loader, gated, timed.
+
+    PYTHONPATH=. python -m bench.fp8_real_size --out DIR [--config qwen3.6-35b-a3b] [--workdir PATH]
+        [--steps N] [--scale full|tiny] [--experts per-expert|fused] [--keep]
+
+Phases, each timed on stderr:
+1. write: config.json is the published one (verifier/model/published_configs.py holds it; `--scale
+   tiny` shrinks its sizes, every field kept) plus quantization_config {fp8, e4m3, dynamic,
+   [128, 128], KEPT_MODULES}. Tensors as published, under `model.language_model.`: the linears in
+   float8_e4m3fn beside fp32 `*_scale_inv`, experts per expert (`mlp.experts.{e}.gate_proj.weight`,
+   the published layout) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]);
+   embeddings, norms, lm_head, routers, shared_expert_gate, in_proj_a/b, conv1d, dt_bias in bf16,
+   A_log in fp32. No vision tower or mtp.* (the engine skips them). Shards of --shard-gb, written by
+   one saver thread while the next shard is drawn: host memory holds about two shards.
+2. load: verifier.model.load_model(dir, device, dtype), as a user serves it.
+3. gate: a prefill's logits are finite and not all equal, then bench/gpu.py's bitexact_rows (36
+   verify rows bitwise equal to serial decode). Red: no timings, exit status 1.
+4. time (CUDA only): HBM floor (decode_bytes over the measured copy bandwidth), decode and K = 8
+   verify at batch 1 and 64 (engine steps replaying one CUDA graph bucket per shape), peak memory.
+Writes DIR/fp8_real_size_<date>.json; deletes the checkpoint unless --keep.
+
+Random weights are drawn in the stored form, on the GPU when there is one: fp8 values N(0, 112^2)
+clamped to +-448 (four standard deviations fit e4m3's range), and per 128 x 128 block a scale of
+std / 112 times a factor in [1/2, 2], so real weights have the init std and every block its own
+scale (quantizing a drawn bf16 weight gives the same kind of tensor for twice the work). Init stds
+follow verifier/model/random_checkpoint.py: 1 / sqrt(fan_in) for linears, 1 for the embedding.
+Every tensor has its own generator seeded by (seed, name): the same seed writes the same bytes on
+one kind of device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, open_sequences, step_ms
+from bench.machine import device_name
+from verifier.engine import Engine
+from verifier.model import load_model
+from verifier.model.published_configs import PUBLISHED
+from verifier.model.config import ATTENTION, GDN, ModelConfig
+from verifier.model.fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Format
+from verifier.model.fp8_checkpoint import INDEX, is_quantized
+from verifier.model.hf_config import config_from_dict
+
+PREFIX = "model.language_model."
+# Modules the published -FP8 files keep in bf16 beside the embeddings and the head (matched as
+# suffixes, as transformers matches them): routers, the shared-expert gate, GDN's b and a inputs.
+KEPT_MODULES = ("lm_head", PREFIX + "embed_tokens", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+FORMAT = BlockFP8Format(128, 128, KEPT_MODULES)
+FP8_SPREAD = FP8_MAX / 4  # std of the drawn fp8 values
+K = 8
+BATCH = 64
+# figures timed on CUDA only, after a green gate (None otherwise)
+TIMED = ("hbm_floor_ms", "decode_ms_b1", f"verify_k{K}_ms_b1", f"decode_ms_b{BATCH}", f"verify_k{K}_ms_b{BATCH}", "gpu_memory_gib")
+
+# --scale tiny: sizes only (every other field as published); partial 128-blocks everywhere, and
+# the fused gate | up split (I = 160) inside a block row. Vocabulary past the bench prompts' ids (< 1000).
+TINY_TEXT_SIZES = dict(
+    vocab_size=1024, hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=160,
+    shared_expert_intermediate_size=96,
+)
+TINY_MROPE_SECTION = [2, 1, 1]  # the rotary half-width int(32 * 0.25) / 2, as [11, 11, 10] is at head_dim 256
+
+# how a tensor's values are drawn
+LINEAR, EMBED, NORM, GATED_NORM, A_LOG, DT_BIAS = "linear", "embed", "norm", "gated_norm", "A_log", "dt_bias"
+
+
+def log(message: str) -> None:
+    print(f"[fp8_real_size] {message}", file=sys.stderr, flush=True)
+
+
+def published_configs() -> dict[str, dict]:
+    """{lower-case name: config.json} of the published configs (verifier/model/published_configs.py)."""
+    return {name.lower(): config for name, config in PUBLISHED.items()}
+
+
+def checkpoint_config(name: str, scale: str) -> dict:
+    """The published config.json (shrunk for --scale tiny) with the block-FP8 quantization_config."""
+    config = json.loads(json.dumps(published_configs()[name]))  # a deep copy
+    if scale == "tiny":
+        config["text_config"].update(json.loads(json.dumps(TINY_TEXT_SIZES)))
+        config["text_config"]["rope_parameters"]["mrope_section"] = list(TINY_MROPE_SECTION)
+    return {**config, "quantization_config": FORMAT.to_config()}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of the checkpoint. name: as stored; an expert stack [E, N, K] stored per expert
+    has "{e}" in its name. fp8: float8_e4m3fn beside `<name>_scale_inv`, else stored in dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+    fp8: bool
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.name
+
+    @property
+    def params(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        if self.fp8:
+            return self.params + 4 * math.prod(FORMAT.scale_shape(self.shape))
+        return self.params * self.dtype.itemsize
+
+
+def planned(name: str, shape: tuple[int, ...], init: str = LINEAR, dtype: torch.dtype = torch.bfloat16) -> Planned:
+    """A tensor stored in FP8 when the writer's rule (fp8_checkpoint.is_quantized) quantizes it."""
+    one = name.format(e=0) if "{e}" in name else name
+    meta = torch.empty(shape[1:] if "{e}" in name else shape, dtype=dtype, device="meta")
+    return Planned(name, tuple(shape), init, is_quantized(one, meta, FORMAT), dtype)
+
+
+def plan_tensors(config: ModelConfig, experts: str) -> list[Planned]:
+    """Every tensor of a qwen3_5_moe text model as the published files name and store them."""
+    H, V, g, a, m = config.hidden_size, config.vocab_size, config.gdn, config.attention, config.moe
+    E, I = m.n_experts, m.expert_intermediate_size
+    plan = [planned(PREFIX + "embed_tokens.weight", (V, H), EMBED)]
+    for i, mixer in enumerate(config.mixers):
+        p = f"{PREFIX}layers.{i}."
+        plan += [planned(p + "input_layernorm.weight", (H,), NORM), planned(p + "post_attention_layernorm.weight", (H,), NORM)]
+        if mixer == GDN:
+            la = p + "linear_attn."
+            plan += [planned(la + "in_proj_qkv.weight", (g.conv_dim, H)), planned(la + "in_proj_z.weight", (g.value_dim, H)),
+                     planned(la + "in_proj_b.weight", (g.n_v_heads, H)), planned(la + "in_proj_a.weight", (g.n_v_heads, H)),
+                     planned(la + "conv1d.weight", (g.conv_dim, 1, g.conv_width)), planned(la + "dt_bias", (g.n_v_heads,), DT_BIAS),
+                     planned(la + "A_log", (g.n_v_heads,), A_LOG, torch.float32), planned(la + "norm.weight", (g.d_v,), GATED_NORM),
+                     planned(la + "out_proj.weight", (H, g.value_dim))]
+        else:
+            assert mixer == ATTENTION, mixer
+            sa, hd = p + "self_attn.", a.head_dim
+            plan += [planned(sa + "q_proj.weight", (2 * a.n_heads * hd, H)), planned(sa + "k_proj.weight", (a.n_kv_heads * hd, H)),
+                     planned(sa + "v_proj.weight", (a.n_kv_heads * hd, H)), planned(sa + "o_proj.weight", (H, a.n_heads * hd)),
+                     planned(sa + "q_norm.weight", (hd,), NORM), planned(sa + "k_norm.weight", (hd,), NORM)]
+        mlp, S = p + "mlp.", m.shared_intermediate_size
+        plan += [planned(mlp + "gate.weight", (E, H)), planned(mlp + "shared_expert_gate.weight", (1, H)),
+                 planned(mlp + "shared_expert.gate_proj.weight", (S, H)), planned(mlp + "shared_expert.up_proj.weight", (S, H)),
+                 planned(mlp + "shared_expert.down_proj.weight", (H, S))]
+        if experts == "fused":
+            plan += [planned(mlp + "experts.gate_up_proj", (E, 2 * I, H)), planned(mlp + "experts.down_proj", (E, H, I))]
+        else:
+            plan += [planned(mlp + "experts.{e}." + n + ".weight", shape) for n, shape in
+                     (("gate_proj", (E, I, H)), ("up_proj", (E, I, H)), ("down_proj", (E, H, I)))]
+    return plan + [planned(PREFIX + "norm.weight", (H,), NORM), planned("lm_head.weight", (V, H))]
+
+
+def draw(t: Planned, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensor(s) one plan entry stores, on the host: {stored name: tensor}."""
+    digest = hashlib.sha256(f"{seed}:{t.name}".encode()).digest()
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
+    if t.fp8:
+        std = 1.0 / math.sqrt(t.shape[-1])
+        values = torch.randn(t.shape, generator=gen, device=device).mul_(FP8_SPREAD).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        factor = torch.empty(FORMAT.scale_shape(t.shape), device=device).uniform_(-1.0, 1.0, generator=gen).exp2_()
+        stored = {t.name: values, t.name + "_scale_inv": factor.mul_(std / FP8_SPREAD)}  # fp32 [..., ceil(N/128), ceil(K/128)]
+    else:
+        stored = {t.name: _draw_dense(t, gen, device).to(t.dtype)}
+    if not t.per_expert:
+        return {name: value.cpu() for name, value in stored.items()}
+    # one copy to the host per expert: separate allocations (a view would share its stack's storage)
+    return {name.format(e=e): value[e].to("cpu", copy=True) for name, value in stored.items() for e in range(t.shape[0])}
+
+
+def _draw_dense(t: Planned, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """fp32 values of a tensor stored in its dtype, by the init rules of random_checkpoint.py."""
+    if t.init == A_LOG:
+        return torch.empty(t.shape, device=device).uniform_(1.0, 16.0, generator=gen).log_()
+    if t.init == DT_BIAS:
+        return torch.empty(t.shape, device=device).uniform_(0.5, 1.5, generator=gen)
+    noise = torch.randn(t.shape, generator=gen, device=device)
+    if t.init in (NORM, GATED_NORM):  # Qwen's norms are zero-centred (y = norm(x) * (1 + w)), the gated one is not
+        return noise.mul_(0.1).add_(1.0 if t.init == GATED_NORM else 0.0)
+    return noise if t.init == EMBED else noise.mul_(1.0 / math.sqrt(t.shape[-1]))
+
+
+def shard_plan(plan: list[Planned], shard_bytes: int) -> list[list[Planned]]:
+    """Consecutive entries in shards of about shard_bytes (an entry is never split)."""
+    shards, size = [[]], 0
+    for t in plan:
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def write_checkpoint(out: Path, config: dict, experts: str, seed: int, device: torch.device, shard_bytes: int) -> list[Planned]:
+    """Write config.json, the shards and model.safetensors.index.json into out; -> the plan written."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan = plan_tensors(config_from_dict(config), experts)
+    shards = shard_plan(plan, shard_bytes)
+    total = sum(t.nbytes for t in plan)
+    weight_map: dict[str, str] = {}
+    start, drawn, saving = time.perf_counter(), 0, None
+
+    def save(tensors: dict[str, torch.Tensor], file: str, upto: int) -> None:
+        save_file(tensors, str(out / file), {"format": "pt"})
+        log(f"{file} written: {upto / 1e9:.1f} of {total / 1e9:.1f} GB, {time.perf_counter() - start:.0f} s")
+
+    with ThreadPoolExecutor(max_workers=1) as saver:
+        for i, shard in enumerate(shards):
+            tensors = {name: value for t in shard for name, value in draw(t, seed, device).items()}
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            weight_map.update(dict.fromkeys(tensors, file))
+            drawn += sum(t.nbytes for t in shard)
+            if saving is not None:
+                saving.result()  # one shard is saved while the next is drawn: host memory holds two
+            saving = saver.submit(save, tensors, file, drawn)
+        saving.result()
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return plan
+
+
+def params(plan: list[Planned], config: ModelConfig) -> tuple[int, int]:
+    """(total, active per token): the unchosen experts' parameters are not active."""
+    total = sum(t.params for t in plan)
+    expert = sum(t.params for t in plan if ".experts." in t.name)
+    return total, total - expert + expert * config.moe.top_k // config.moe.n_experts
+
+
+def logits_check(model) -> dict:
+    """A prefill's last logits: finite, and not all equal (the random weights keep 40 layers sane)."""
+    gen = torch.Generator().manual_seed(2)
+    pool = model.new_pool(1, PROMPT_LEN)
+    logits = model.prefill(pool, 0, torch.randint(3, 1000, (PROMPT_LEN,), generator=gen).tolist()).float()
+    finite = bool(torch.isfinite(logits).all())
+    return {"logits_finite": finite, "logits_std": float(logits.std()) if finite else None,
+            "logits_sane": finite and bool(logits.max() > logits.min())}
+
+
+def time_steps(model, steps: int) -> dict:
+    """Engine steps (verify + acceptance + rollback, drafts all rejected), medians in ms, each
+    shape replaying its own CUDA graph bucket: batch 1 and 64, K = 0 and 8."""
+    buckets = (1, K + 1, BATCH, BATCH * (K + 1))
+    engine = Engine(model, BATCH, max(buckets[-1], PROMPT_LEN + 2 * (steps + 3) + K + 1), max_k=K, graph_rows=buckets)
+    start = time.perf_counter()
+    engine.warm_up()
+    out = {"graph_buckets": list(buckets), "warm_up_s": time.perf_counter() - start}
+    for n in (1, BATCH):
+        seqs = open_sequences(engine, n)
+        out[f"decode_ms_b{n}"] = step_ms(engine, seqs, 0, steps)
+        out[f"verify_k{K}_ms_b{n}"] = step_ms(engine, seqs, K, steps)
+        for s in seqs:
+            engine.close(s)
+    out["graph_captures"] = engine.graph_captures
+    return out
+
+
+def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> dict:
+    """Load, gate, and (CUDA) time the checkpoint at path."""
+    cuda = device.type == "cuda"
+    if cuda:  # measured on the empty device, so that the peak memory below is the model's and the engine's
+        bandwidth = copy_bandwidth()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model = load_model(path, device, dtype)
+    out = {"load_s": time.perf_counter() - start, "decode_weight_bytes": decode_bytes(model)}
+    out["weights_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    log(f"load: {out['load_s']:.1f} s; a decode step reads {out['decode_weight_bytes'] / 1e9:.2f} GB of weights")
+    start = time.perf_counter()
+    out.update(logits_check(model))
+    equal, total = bitexact_rows(model, k=K)
+    out["bitexact_rows"] = f"{equal}/{total}"
+    out["gate"] = "green" if out["logits_sane"] and equal == total else "red"
+    out["gate_s"] = time.perf_counter() - start
+    log(f"gate {out['gate']}: logits finite {out['logits_finite']} (std {out['logits_std']}), "
+        f"{out['bitexact_rows']} verify rows equal serial decode, {out['gate_s']:.1f} s")
+    out.update(dict.fromkeys(TIMED, None))
+    if out["gate"] != "green" or not cuda:
+        return out  # no timing when the gate is red; the CPU reference is not timed
+    out["hbm_copy_bandwidth_bytes_per_s"] = bandwidth
+    out["hbm_floor_ms"] = out["decode_weight_bytes"] / bandwidth * 1e3
+    start = time.perf_counter()
+    out.update(time_steps(model, steps))
+    out["time_s"] = time.perf_counter() - start
+    out["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    log(f"time: {out['time_s']:.0f} s; floor {out['hbm_floor_ms']:.2f} ms, decode b1 {out['decode_ms_b1']:.2f} ms, "
+        f"K={K} b1 {out[f'verify_k{K}_ms_b1']:.2f}, decode b64 {out['decode_ms_b64']:.2f}, K={K} b64 {out[f'verify_k{K}_ms_b64']:.2f}")
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
+    parser.add_argument("--config", default="qwen3.6-35b-a3b", choices=sorted(published_configs()), help="published config.json")
+    parser.add_argument("--workdir", type=Path, default=None, help="the checkpoint goes in a new folder here (None: the system's temporary folder)")
+    parser.add_argument("--steps", type=int, default=20, help="timed engine steps per figure (medians)")
+    parser.add_argument("--scale", choices=("full", "tiny"), default="full", help="published sizes, or shrunk for a CPU test")
+    parser.add_argument("--experts", choices=("per-expert", "fused"), default="per-expert", help="expert tensors' layout")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="draws the weights and serves them")
+    parser.add_argument("--shard-gb", type=float, default=4.0, help="checkpoint shard size (GB)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint after the run")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the bench; -> the results (also written to --out). bf16 on CUDA, fp32 on the CPU reference."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = checkpoint_config(args.config, args.scale)
+    parsed = config_from_dict(config)
+    if parsed.model_type != "qwen3_5_moe":
+        raise SystemExit(f"--config {args.config}: the bench writes qwen3_5_moe checkpoints, not {parsed.model_type}")
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    today = datetime.date.today().isoformat()
+    result = {"device": device_name(device.type), "date": today, "torch": torch.__version__, "triton": triton_version,
+              "config": args.config, "scale": args.scale, "experts": args.experts, "dtype": str(dtype).removeprefix("torch."),
+              "quantization_config": config["quantization_config"], "steps": args.steps}
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="fp8_real_size_", dir=args.workdir))
+    path = workdir / f"{args.config}-fp8"
+    try:
+        start = time.perf_counter()
+        plan = write_checkpoint(path, config, args.experts, args.seed, device, int(args.shard_gb * 1e9))
+        result["write_s"] = time.perf_counter() - start
+        result["params_total"], result["params_active"] = params(plan, parsed)
+        result["checkpoint_gb"] = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+        log(f"write: {result['write_s']:.1f} s, {result['checkpoint_gb']:.1f} GB, {result['params_total'] / 1e9:.2f} B parameters "
+            f"({result['params_active'] / 1e9:.2f} B active)")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result.update(serve(path, device, dtype, args.steps))
+    except BaseException as exc:  # the results file says how far the run got
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if args.keep:
+            log(f"kept the checkpoint in {path}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        out_file = args.out / f"fp8_real_size_{today}.json"
+        out_file.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {out_file}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["gate"] == "green" else 1)
