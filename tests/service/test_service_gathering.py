@@ -96,3 +96,41 @@ def test_a_closed_session_is_not_waited_for(patient):
     (other,) = patient.Verify(rpc.VerifyRequest(steps=[step(sessions[1].session_id, sessions[1].position)])).results
     assert other.status.code == 0 and time.monotonic() - started < WINDOW_S
     _close(patient, sessions[1:])
+
+
+def test_the_window_grows_to_drafters_slower_than_max_wait(text_checkpoint):
+    """Drafters that take 15 ms between a result and their next step, against a 1 ms max_wait_ms:
+    the first rounds fragment, the window follows the measured round trip (1.5x it, at most 50 ms),
+    and from then on every round is one batch."""
+    with LoopbackServer(text_checkpoint, n_slots=4, max_seq_len=96, max_wait_ms=1.0) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            sessions = [open_session(stub, [30 + i, 2], 60) for i in range(4)]
+            positions = {s.session_id: s.position for s in sessions}
+            barrier = threading.Barrier(len(sessions))
+
+            def run(session, rounds):
+                position = positions[session.session_id]
+                barrier.wait()
+                for _ in range(rounds):
+                    time.sleep(0.015)  # the drafter's own work before its next step
+                    (result,) = stub.Verify(rpc.VerifyRequest(steps=[step(session.session_id, position)])).results
+                    assert result.status.code == 0, result.status.message
+                    position = result.position
+                positions[session.session_id] = position
+
+            def rounds(n):
+                threads = [threading.Thread(target=run, args=(s, n)) for s in sessions]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+
+            rounds(12)  # learning: fragments allowed
+            assert server.run_on_loop(lambda: server.server.service.scheduler.gather_window_s()) > 0.015
+            before = _stats(stub)
+            rounds(8)
+            after = _stats(stub)
+            assert after.steps - before.steps == 32
+            assert after.engine_steps - before.engine_steps <= 9  # one batch per round (one fragment allowed)
+            _close(stub, sessions)

@@ -44,13 +44,15 @@ class ServerConfig:
     # An engine batch holds at most max_batch_rows verify rows, and never more than the largest
     # graph bucket (a single step larger than that still runs alone).
     max_batch_rows: int = option(256, "most verify rows in one engine batch")
-    # When the engine is free, the next batch waits up to max_wait_ms for the next step of every
-    # session of the batch that just ran (the drafters answering its results), so that sessions
-    # stepping in lockstep share one batch instead of splitting into a tiny batch of whoever answered
-    # first. 2 ms: a loopback or LAN round trip plus a drafter's Python is well under it, and it is a
-    # fraction of a batch of 64 on the GPU (~9 ms); a lone drafter never waits (its step is all that
-    # is awaited), and a session that misses a batch is no longer awaited.
-    max_wait_ms: float = option(2.0, "wait this long for the sessions of the last batch (0: run as soon as the engine is free)")
+    # When the engine is free, the next batch waits for the next step of every session of the batch
+    # that just ran (the drafters answering its results), so that sessions stepping in lockstep
+    # share one batch instead of splitting into a tiny batch of whoever answered first: at least
+    # max_wait_ms, and 1.5x the measured time they take to come back when that is longer (up to
+    # 50 ms; verifier/server/scheduler.py). 2 ms: a loopback round trip plus a drafter's Python on
+    # a fast host; a lone drafter never waits (its step is all that is awaited), and a session that
+    # misses a batch is no longer awaited.
+    max_wait_ms: float = option(2.0, "wait at least this long for the sessions of the last batch, longer when they "
+                                     "measurably take longer (0: run as soon as the engine is free)")
     # Per batch, verify only the drafts worth their rows (verifier/server/goodput.py), from the step
     # costs the engine measures at startup; off: every draft is verified.
     goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")

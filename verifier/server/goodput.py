@@ -26,17 +26,18 @@ stopped buying rows (a drafter that improves, or a good drafter arriving after a
 would never be verified again): such a step relaxes the session's counts (decay without an
 observation) toward the server-wide rates, and a batch holding such a step relaxes the server-wide
 counts toward `prior`. Drafts are then tried again once old evidence has faded, at a cost that
-falls as rows get dearer. Pure Python, no torch: the policy is a function of numbers and is tested
+falls as rows get dearer. numpy, no torch: the policy is a function of numbers and is tested
 as one.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import numpy as np
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -48,52 +49,48 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
     return total
 
 
-def trim_drafts(requested: Sequence[int], rates: Sequence[Sequence[float]],
-                cost: Callable[[int], float]) -> list[int]:
+def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -> list[int]:
     """Drafts to verify per session: k_s <= requested[s], chosen to maximise expected tokens per
     second. rates[s][j] is session s's acceptance rate at draft position j + 1 (at least
-    requested[s] of them); cost(rows) > 0 is the step time of a batch of `rows` verify rows, never
-    smaller for more rows (StepCost makes a measured table so). Ties go to more drafts (the same
-    goodput, more information about the drafter).
+    requested[s] of them; a list of lists or an [S, >= max requested] array); cost(rows) > 0 is the
+    step time of a batch of `rows` verify rows, never smaller for more rows (StepCost makes a
+    measured table so); a cost with a `many(rows array)` method is asked once for every candidate.
+    Ties go to more drafts (the same goodput, more information about the drafter).
 
-    The walk stops once no later prefix can win: every draft still to come is worth at most the
-    largest marginal left and costs at least the next row, so (tokens + left * that marginal) /
-    cost(next rows) bounds every later rate. With useless drafts this stops at once instead of
-    walking all of a batch's drafts (a batch of 64 sessions x 4 drafts: ~1 ms of Python)."""
+    Vectorised (a batch of 64 sessions x 8 drafts is one sort, not a heap walk in Python): every
+    draft's marginal value P_s(j) in descending order, sessions' own drafts in order (their values
+    never grow; ties by session then position), the tokens and rows of every prefix of that order,
+    and the prefix of largest tokens / cost. When even the best draft left cannot pay for the next
+    row (useless drafts), two cost lookups decide it."""
     if len(requested) != len(rates):
         raise ValueError(f"trim_drafts: {len(requested)} requests but {len(rates)} rate lists")
     for s, (k, r) in enumerate(zip(requested, rates)):
         if k < 0 or len(r) < k:
             raise ValueError(f"trim_drafts: session {s} asks for {k} drafts with {len(r)} rates")
     base_rows = len(requested)
-    # marginal value of each session's next draft, largest first; a session's values never grow,
-    # so popping the largest and pushing that session's next keeps the prefix order per session
-    heap = [(-float(rates[s][0]), s, 0) for s in range(base_rows) if requested[s] > 0]
-    heapq.heapify(heap)
-    alive = [1.0] * base_rows
-    taken = [0] * base_rows
-    order: list[int] = []  # the session each successive draft row goes to
-    tokens = float(base_rows)
-    best_rate, best_rows = tokens / cost(base_rows), 0
-    left = sum(requested)
-    while heap:
-        if (tokens + left * -heap[0][0]) / cost(base_rows + len(order) + 1) < best_rate:
-            break
-        _, s, j = heapq.heappop(heap)
-        left -= 1
-        alive[s] *= rates[s][j]
-        tokens += alive[s]
-        taken[s] += 1
-        order.append(s)
-        if taken[s] < requested[s]:
-            heapq.heappush(heap, (-alive[s] * rates[s][taken[s]], s, taken[s]))
-        rate = tokens / cost(base_rows + len(order))
-        if rate >= best_rate:
-            best_rate, best_rows = rate, len(order)
-    chosen = [0] * base_rows
-    for s in order[:best_rows]:
-        chosen[s] += 1
-    return chosen
+    width = max(requested, default=0)
+    if width == 0:
+        return [0] * base_rows
+    asked = np.asarray(requested)
+    wanted = np.arange(width)[None, :] < asked[:, None]  # [S, width]: drafts sent
+    if isinstance(rates, np.ndarray):
+        rate = np.where(wanted, rates[:, :width], 0.0)
+    else:
+        rate = np.zeros((base_rows, width))
+        for s, r in enumerate(rates):
+            rate[s, : asked[s]] = np.asarray(r[: asked[s]], dtype=np.float64)
+    value = np.cumprod(rate, axis=1)  # [S, width]: P_s(j), the j-th draft's expected tokens
+    base_rate = base_rows / cost(base_rows)
+    if (base_rows + float(value[wanted].sum())) / cost(base_rows + 1) < base_rate:
+        return [0] * base_rows  # every draft together, at the price of one row, does not pay
+    session, position = np.nonzero(wanted)  # row-major: sessions ascending, positions ascending
+    order = np.lexsort((position, session, -value[session, position]))
+    tokens = base_rows + np.cumsum(value[session, position][order])
+    rows = base_rows + np.arange(1, len(order) + 1)
+    costs = cost.many(rows) if hasattr(cost, "many") else np.array([cost(int(r)) for r in rows])
+    goodput = np.concatenate(([base_rate], tokens / costs))
+    best = len(goodput) - 1 - int(np.argmax(goodput[::-1]))  # the last prefix of the largest goodput
+    return np.bincount(session[order[:best]], minlength=base_rows).tolist()
 
 
 class StepCost:
@@ -114,6 +111,27 @@ class StepCost:
         if i < len(self.rows):
             return self.times[i]
         return self.times[-1] * rows / self.rows[-1]
+
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        """__call__ for an array of row counts."""
+        i = np.searchsorted(self.rows, rows, side="left")
+        table = np.asarray(self.times)
+        return np.where(i < len(self.rows), table[np.minimum(i, len(self.rows) - 1)], self.times[-1] * rows / self.rows[-1])
+
+
+class _WithTurnaround:
+    """A step cost plus the turnaround every round pays (GoodputPolicy)."""
+
+    def __init__(self, cost, turnaround_s: float):
+        self.cost, self.turnaround_s = cost, turnaround_s
+
+    def __call__(self, rows: int) -> float:
+        return self.cost(rows) + self.turnaround_s
+
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        if hasattr(self.cost, "many"):
+            return self.cost.many(rows) + self.turnaround_s
+        return np.array([self.cost(int(r)) for r in rows]) + self.turnaround_s
 
 
 @dataclass
@@ -173,14 +191,21 @@ class GoodputPolicy:
     drafters pay the turnaround whatever the rows: the seconds a batch's tokens are divided by
     are cost(rows) + the turnaround (a decayed mean of the gaps the scheduler reports). Without it
     a row that costs 10% more engine time looked 10% dearer than it is and good drafts were cut
-    (oracle drafts at 0.9x untrimmed on the 2B model, H200)."""
+    (oracle drafts at 0.9x untrimmed on the 2B model, H200).
+
+    The sessions' decayed counts are rows of two [sessions, max_k] arrays (a batch's rates and
+    updates are a few array operations, not a Python loop per session and position: the policy
+    ran ~1 ms per batch of 64 on the H200's host); the server-wide counts are a DecayedRates."""
 
     def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7):
         if not 0 <= prior <= 1:
             raise ValueError(f"prior must be in [0, 1], got {prior}")
         self.max_k, self.cost, self.decay, self.prior = max_k, cost, decay, prior
         self.server = DecayedRates(max_k, decay)
-        self.sessions: dict[str, DecayedRates] = {}
+        self.sessions: dict[str, int] = {}  # session id -> its row of the count arrays
+        self._drafted = np.zeros((0, max_k))  # [rows, max_k] decayed drafts that reached each position
+        self._accepted = np.zeros((0, max_k))
+        self._free_rows: list[int] = []
         self.turnaround_s = 0.0  # decayed mean of the gaps between batches
         self._relax_server = False  # a step of the last batch had every draft trimmed
 
@@ -196,25 +221,62 @@ class GoodputPolicy:
             self._relax_server = False
         if not any(requested):  # plain decoding: nothing to trim
             return list(requested)
-        server = self.server.rates(None, self.prior)
-        rates = [self.sessions[s].rates(server, self.prior) if s in self.sessions else server for s in session_ids]
-        turnaround = self.turnaround_s
-        return trim_drafts(requested, rates, lambda rows: self.cost(rows) + turnaround)
+        server = np.asarray(self.server.rates(None, self.prior))  # [max_k]
+        rates = np.broadcast_to(server, (len(session_ids), self.max_k)).copy()
+        rows = np.array([self.sessions.get(s, -1) for s in session_ids])
+        known = rows >= 0
+        if known.any():  # (accepted + base) / (drafted + 1), the base the server-wide rate
+            at = rows[known]
+            rates[known] = (self._accepted[at] + server) / (self._drafted[at] + 1.0)
+        return trim_drafts(requested, rates, _WithTurnaround(self.cost, self.turnaround_s))
 
     def observe(self, session_id: str, requested: int, verified: int, accepted: int) -> None:
         """One step's outcome: it sent `requested` drafts, `verified` were verified, `accepted` accepted."""
-        if requested == 0:
+        self.observe_batch([session_id], [requested], [verified], [accepted])
+
+    def observe_batch(self, session_ids: Sequence[str], requested: Sequence[int], verified: Sequence[int],
+                      accepted: Sequence[int]) -> None:
+        """A batch's outcomes, one per session (each at most once), as `observe`: a step whose drafts
+        were all trimmed relaxes its session's counts (and, next batch, the server-wide ones); a
+        step that verified drafts counts the positions it reached, decayed."""
+        judged, relaxed = [], []
+        for i, (sid, sent, k) in enumerate(zip(session_ids, requested, verified)):
+            if sent == 0:
+                continue
+            if k == 0:
+                self._relax_server = True
+                if sid in self.sessions:
+                    relaxed.append(self.sessions[sid])
+            else:
+                judged.append(i)
+                if sid not in self.sessions:
+                    self.sessions[sid] = self._new_row()
+        if relaxed:
+            self._drafted[relaxed] *= self.decay
+            self._accepted[relaxed] *= self.decay
+        if not judged:
             return
-        rates = self.sessions.get(session_id)
-        if verified == 0:
-            if rates is not None:
-                rates.relax()
-            self._relax_server = True
-            return
-        if rates is None:
-            rates = self.sessions[session_id] = DecayedRates(self.max_k, self.decay)
-        rates.observe(verified, accepted)
-        self.server.observe(verified, accepted)
+        rows = np.array([self.sessions[session_ids[i]] for i in judged])
+        k = np.array([verified[i] for i in judged])[:, None]
+        a = np.array([accepted[i] for i in judged])[:, None]
+        position = np.arange(self.max_k)[None, :]
+        reached = position < np.minimum(k, a + 1)  # [steps, max_k]: the first rejected one included
+        self._drafted[rows] = np.where(reached, self._drafted[rows] * self.decay + 1.0, self._drafted[rows])
+        self._accepted[rows] = np.where(reached, self._accepted[rows] * self.decay + (position < a), self._accepted[rows])
+        for i in judged:
+            self.server.observe(verified[i], accepted[i])
 
     def forget(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+        row = self.sessions.pop(session_id, None)
+        if row is not None:
+            self._drafted[row] = 0.0
+            self._accepted[row] = 0.0
+            self._free_rows.append(row)
+
+    def _new_row(self) -> int:
+        if not self._free_rows:
+            grown = max(8, 2 * len(self._drafted))
+            self._free_rows = list(range(grown - 1, len(self._drafted) - 1, -1))
+            self._drafted = np.concatenate((self._drafted, np.zeros((grown - len(self._drafted), self.max_k))))
+            self._accepted = np.concatenate((self._accepted, np.zeros((grown - len(self._accepted), self.max_k))))
+        return self._free_rows.pop()

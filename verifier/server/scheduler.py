@@ -5,11 +5,13 @@ ONE engine step for it on the worker thread, then the next.
 Gathering: while a batch runs, the next one gathers (the engine runs on the worker thread, steps
 keep arriving on the event loop). When the engine is free, the batch waits for the sessions of the
 batch that just ran and go on (still open, unfinished): once each has queued its next step, or the
-queue holds max_batch_rows rows, it runs; else it runs what is there after max_wait_ms (counted
-from the first step queued). Without this, after a full batch returns, whichever drafter answers
-first starts a batch of one and the others wait behind it: batches fragment. A session that misses
-a batch is not awaited by the next (a client that went away costs one window at most), and a lone
-drafter never waits (its own step is all that is awaited).
+queue holds max_batch_rows rows, it runs; else it runs what is there when the gather window ends:
+max_wait_ms, or longer when the drafters take longer to come back (the window follows the
+measured round trip, up to MAX_GATHER_S: gather_window_s). Without this, after a full batch
+returns, whichever drafter answers first starts a batch of one and the others wait behind it:
+batches fragment. A session that misses a batch is not awaited by the next (a client that went
+away costs one window at most), and a lone drafter never waits (its own step is all that is
+awaited).
 
 Goodput-aware K: with a GoodputPolicy, each batch verifies only the first k_s drafts of session s
 (verifier/server/goodput.py); later drafts are neither verified nor accepted, the result says how
@@ -48,6 +50,11 @@ from .sessions import Session, SessionTable
 from .worker import Worker
 
 log = logging.getLogger(__name__)
+
+# The gather window adapts to the drafters: GATHER_MARGIN x the time they take to come back, never
+# below max_wait_ms, never above MAX_GATHER_S (a session that stops stepping costs one window).
+GATHER_MARGIN = 1.5
+MAX_GATHER_S = 0.05
 
 
 class PendingStep:
@@ -119,6 +126,7 @@ class Scheduler:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._last_answered: float | None = None  # when the last batch's results went out (perf_counter)
+        self._round_trip_s = 0.0  # decayed time from a batch's results to its awaited sessions' next steps
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -193,7 +201,7 @@ class Scheduler:
                 await self._wakeup.wait()
                 continue
             if self.max_wait_s > 0 and not self._ready():
-                await self._gather()
+                self._learn_round_trip(await self._gather())
             batch = self._take()
             self._awaited = set()
             try:
@@ -210,19 +218,37 @@ class Scheduler:
         """The next batch may run: every awaited session has queued its step, or the batch is full."""
         return not self._awaited or self._queued_rows >= self.max_batch_rows or self._stopping
 
-    async def _gather(self) -> None:
-        """Wait up to max_wait_ms for the awaited sessions (see the module docstring)."""
+    def gather_window_s(self) -> float:
+        """How long the next batch waits for the awaited sessions: max_wait_ms, or GATHER_MARGIN x the
+        decayed time they took to come back, up to MAX_GATHER_S (drafters that take longer than
+        max_wait_ms between a result and their next step, a slower host or a model drafter, would
+        otherwise split every round into fragments)."""
+        return max(self.max_wait_s, min(MAX_GATHER_S, GATHER_MARGIN * self._round_trip_s))
+
+    async def _gather(self) -> bool:
+        """Wait up to the gather window for the awaited sessions (see the module docstring); whether
+        they all came."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_s
+        window = self.gather_window_s()
+        deadline = loop.time() + window
         while not self._ready():
             remaining = deadline - loop.time()
             if remaining <= 0:
-                return
+                return False
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                return False
+        return True
+
+    def _learn_round_trip(self, all_came: bool) -> None:
+        """The time from the last batch's results to its last awaited session's next step; a window
+        that ran out counts as GATHER_MARGIN windows, so the window grows while it is too short."""
+        if self._last_answered is None:
+            return
+        sample = time.perf_counter() - self._last_answered if all_came else GATHER_MARGIN * self.gather_window_s()
+        self._round_trip_s = 0.5 * self._round_trip_s + 0.5 * min(sample, MAX_GATHER_S)
 
     def _take(self) -> list[PendingStep]:
         """Waiting steps in arrival order: each session once, at most max_batch_rows rows (the
@@ -287,8 +313,6 @@ class Scheduler:
             if seq.finish_reason is None and seq.position >= max_seq_len:
                 # no room for even a one-row step: the context is full, which ends the session
                 seq.finish_reason = result.finish_reason = LENGTH
-            if self.policy is not None:
-                self.policy.observe(pending.session.id, asked, k, result.accepted)
             answer = ok_result(pending.step, result, k, rows)
             if pending.step.request_id:
                 self.sessions.store_result(pending.session, pending.step.request_id, pending.fingerprint, answer)
@@ -297,6 +321,11 @@ class Scheduler:
             if seq.finish_reason is None and self.sessions.is_live(pending.session):
                 going_on.add(pending.session.id)
         self.metrics.record_steps(answered)
+        if self.policy is not None:
+            ran_ok = [(p.session.id, asked, k, r.accepted) for p, asked, k, r in zip(live, requested, verified, results)
+                      if r.error is None]
+            if ran_ok:
+                self.policy.observe_batch(*zip(*ran_ok))
         self._last_answered = time.perf_counter()
         # the next batch waits for these, minus those whose next step is queued already
         self._awaited = going_on.difference(p.session.id for p in self._queue)
