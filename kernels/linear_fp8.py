@@ -29,9 +29,10 @@ backends compute the same real weights.
 
 Row invariance is kernels/linear.py's, with the same pinned `linear_config` (N, K, dtype): a
 program owns a BLOCK_M x BLOCK_N tile, walks its range of K upward in BLOCK_K steps into one fp32
-register block (or a fixed split of K, reduced in ascending order by linear.py's reduce kernel),
-BLOCK_M is fixed, M is never specialised on, and the row-side pointers and strides (x, out) are
-not specialised on alignment, so a row sliced out of a batch at any offset meets the same code.
+register block (or a fixed split of K, reduced in ascending order by linear.py's reduce kernel);
+the tile follows the row count as linear.py's does (tile_for_rows: wider tiles from 32 rows on,
+the K walk unchanged), M is never specialised on, and the row-side pointers and strides (x, out)
+are not specialised on alignment, so a row sliced out of a batch at any offset sums the same.
 The scales add nothing that depends on the rows: each weight element is multiplied by its one
 scale before the dot. When block_k is a multiple of BLOCK_K every K step lies in one block
 column and the scales are one [BLOCK_N] vector per step; otherwise they are gathered per element.
@@ -51,7 +52,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
-from .linear import BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref, split_bounds
+from .linear import (BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref,
+                     split_bounds, tile_for_rows)
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -196,7 +198,7 @@ def linear_fp8(
     """x [M, K] @ real(weight, scales)[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
     out: an optional [M, N] buffer (rows may be strided, features contiguous), filled and returned.
-    config: overrides the pinned linear_config (never a function of M, so any config is row-invariant).
+    config: overrides the pinned linear_config and its tiles by row count: that one config runs every M.
     """
     _check(x, weight, scales, bias, out)
     check_launchable("linear_fp8", "x", x)
@@ -210,18 +212,19 @@ def linear_fp8(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or linear_config(n, k, x.dtype)
+    pinned = config or linear_config(n, k, x.dtype)
+    cfg = tile_for_rows(pinned, n, m, x.dtype) if config is None else pinned  # kernels/linear.py: same K walk
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
-    _linear_fp8_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
+    _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
         x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
-        m, n, k, split_bounds(k, cfg),
+        m, n, k, split_bounds(k, pinned),
         x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0),
         SCALE_BLOCK_K=scales.block_k,
         ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0,
         **flags,
         IS_FP32=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps,

@@ -186,3 +186,18 @@ def test_launcher_errors(device, case):
         linear_fp8(**build(device))
     with pytest.raises(ValueError, match=message):
         linear_fp8_ref(**build(device))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 24)], ids=["blocks128", "blocks16x24"])
+def test_row_invariance_across_tiles(device, block):
+    """bf16 batches take kernels/linear.py's wider tiles from 32 rows on (the K walk unchanged):
+    a row's bits are the same alone and in batches on either side of every tile boundary, with
+    scales read one column per K step (128 x 128 blocks) or gathered per element (16 x 24)."""
+    k, n = 256, 72
+    counts = [1, 16, 31, 32, 33, 127, 128, 129] + ([576] if device == "cuda" else [])
+    x, weight, scales, b = make(max(counts), k, n, block, torch.bfloat16, True, device)
+    full = linear_fp8(x, weight, scales, b)
+    for r in counts:
+        assert torch.equal(linear_fp8(x[:r], weight, scales, b), full[:r]), f"rows 0..{r} differ"
+    for i in (0, 40, len(x) - 1):
+        assert torch.equal(linear_fp8(x[i : i + 1].clone(), weight, scales, b), full[i : i + 1]), f"row {i} alone differs"
