@@ -1,8 +1,8 @@
 """The serial oracle of `python -m verifier check`: plain decoding through the engine, one row per
 step (K = 0), the path every verify row is compared against (DESIGN.md section 5).
 
-tests/bitexact/serial.py holds the same oracle for the test suite; verifier/ never imports tests/,
-so the command keeps its own (with per-layer attribution the tests do not need).
+The test suite's oracle is this one too (tests/bitexact/serial.py adapts it: flat state lists,
+every position kept); the per-layer attribution is the command's own.
 """
 
 from __future__ import annotations
