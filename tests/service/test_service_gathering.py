@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from verifier import rpc
+from verifier.engine import Engine
 from verifier.server.testing import LoopbackServer
 
 from .helpers import open_session, step
@@ -98,11 +99,21 @@ def test_a_closed_session_is_not_waited_for(patient):
     _close(patient, sessions[1:])
 
 
+class SteadyEngine(Engine):
+    """Every step takes at least 40 ms (a large model's step, from the drafters' side)."""
+
+    def step(self, requests):
+        started = time.monotonic()
+        results = super().step(requests)
+        time.sleep(max(0.0, 0.04 - (time.monotonic() - started)))
+        return results
+
+
 def test_the_window_grows_to_drafters_slower_than_max_wait(text_checkpoint):
-    """Drafters that take 15 ms between a result and their next step, against a 1 ms max_wait_ms:
-    the first rounds fragment, the window follows the measured round trip (1.5x it, at most 50 ms),
-    and from then on every round is one batch."""
-    with LoopbackServer(text_checkpoint, n_slots=4, max_seq_len=96, max_wait_ms=1.0) as server:
+    """Drafters that take 15 ms between a result and their next step, against a 1 ms max_wait_ms
+    and 40 ms steps: the first rounds fragment, the window follows the measured round trip (1.5x
+    it, at most one step's time), and from then on every round is one batch."""
+    with LoopbackServer(text_checkpoint, engine_class=SteadyEngine, n_slots=4, max_seq_len=96, max_wait_ms=1.0) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = rpc.VerifierStub(channel)
             sessions = [open_session(stub, [30 + i, 2], 60) for i in range(4)]
@@ -127,10 +138,23 @@ def test_the_window_grows_to_drafters_slower_than_max_wait(text_checkpoint):
                     t.join()
 
             rounds(12)  # learning: fragments allowed
-            assert server.run_on_loop(lambda: server.server.service.scheduler.gather_window_s()) > 0.015
+            window = server.run_on_loop(lambda: server.server.service.scheduler.gather_window_s())
+            assert 0.015 < window <= 0.05
             before = _stats(stub)
             rounds(8)
             after = _stats(stub)
             assert after.steps - before.steps == 32
             assert after.engine_steps - before.engine_steps <= 9  # one batch per round (one fragment allowed)
             _close(stub, sessions)
+
+
+def test_the_window_never_exceeds_a_step(text_checkpoint):
+    """Against fast steps, a drafter that takes 60 ms to come back is not waited for longer than a
+    step takes (a fragment costs about one step): the window stays near max_wait_ms."""
+    with LoopbackServer(text_checkpoint, n_slots=4, max_seq_len=96, max_wait_ms=1.0) as server:
+        scheduler = server.server.service.scheduler
+        server.run_on_loop(lambda: setattr(scheduler, "_round_trip_s", 0.06))
+        server.run_on_loop(lambda: setattr(scheduler, "_last_step_s", 0.004))
+        assert server.run_on_loop(scheduler.gather_window_s) == pytest.approx(0.004)
+        server.run_on_loop(lambda: setattr(scheduler, "_last_step_s", 0.0))
+        assert server.run_on_loop(scheduler.gather_window_s) == pytest.approx(0.001)

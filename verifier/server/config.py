@@ -48,7 +48,7 @@ class ServerConfig:
     # that just ran (the drafters answering its results), so that sessions stepping in lockstep
     # share one batch instead of splitting into a tiny batch of whoever answered first: at least
     # max_wait_ms, and 1.5x the measured time they take to come back when that is longer (up to
-    # 50 ms; verifier/server/scheduler.py). 2 ms: a loopback round trip plus a drafter's Python on
+    # the last engine step's time: a fragment costs about one step; verifier/server/scheduler.py). 2 ms: a loopback round trip plus a drafter's Python on
     # a fast host; a lone drafter never waits (its step is all that is awaited), and a session that
     # misses a batch is no longer awaited.
     max_wait_ms: float = option(2.0, "wait at least this long for the sessions of the last batch, longer when they "

@@ -7,7 +7,7 @@ keep arriving on the event loop). When the engine is free, the batch waits for t
 batch that just ran and go on (still open, unfinished): once each has queued its next step, or the
 queue holds max_batch_rows rows, it runs; else it runs what is there when the gather window ends:
 max_wait_ms, or longer when the drafters take longer to come back (the window follows the
-measured round trip, up to MAX_GATHER_S: gather_window_s). Without this, after a full batch
+measured round trip, up to one engine step's time: gather_window_s). Without this, after a full batch
 returns, whichever drafter answers first starts a batch of one and the others wait behind it:
 batches fragment. A session that misses a batch is not awaited by the next (a client that went
 away costs one window at most), and a lone drafter never waits (its own step is all that is
@@ -52,7 +52,8 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 # The gather window adapts to the drafters: GATHER_MARGIN x the time they take to come back, never
-# below max_wait_ms, never above MAX_GATHER_S (a session that stops stepping costs one window).
+# below max_wait_ms, never above the last engine step's time nor MAX_GATHER_S (a session that stops
+# stepping costs one window).
 GATHER_MARGIN = 1.5
 MAX_GATHER_S = 0.05
 
@@ -127,6 +128,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._last_answered: float | None = None  # when the last batch's results went out (perf_counter)
         self._round_trip_s = 0.0  # decayed time from a batch's results to its awaited sessions' next steps
+        self._last_step_s = 0.0  # how long the last engine step took (the gather window's ceiling)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -220,10 +222,12 @@ class Scheduler:
 
     def gather_window_s(self) -> float:
         """How long the next batch waits for the awaited sessions: max_wait_ms, or GATHER_MARGIN x the
-        decayed time they took to come back, up to MAX_GATHER_S (drafters that take longer than
-        max_wait_ms between a result and their next step, a slower host or a model drafter, would
-        otherwise split every round into fragments)."""
-        return max(self.max_wait_s, min(MAX_GATHER_S, GATHER_MARGIN * self._round_trip_s))
+        decayed time they took to come back (drafters that take longer than max_wait_ms between a
+        result and their next step, a slower host or a model drafter, would otherwise split every
+        round into fragments), but never longer than the last engine step took (a fragment costs
+        about one more step: waiting longer than that for a straggler costs the others more than
+        running without it) nor MAX_GATHER_S."""
+        return max(self.max_wait_s, min(MAX_GATHER_S, GATHER_MARGIN * self._round_trip_s, self._last_step_s))
 
     async def _gather(self) -> bool:
         """Wait up to the gather window for the awaited sessions (see the module docstring); whether
@@ -297,7 +301,9 @@ class Scheduler:
                 self.policy.observe_turnaround(time.perf_counter() - self._last_answered)
             verified = self.policy.trim([p.session.id for p in live], requested)
         requests = [_request(p, k) for p, k in zip(live, verified)]
+        started = time.perf_counter()
         results, logits = await self.worker.run(_step, self.engine, requests)
+        self._last_step_s = time.perf_counter() - started
         ran = [k + 1 for k, r in zip(verified, results) if r.error is None]  # the engine refuses steps its state cannot take
         if ran:
             self.metrics.record_batch(sum(ran))
