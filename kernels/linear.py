@@ -70,8 +70,8 @@ class LinearConfig(NamedTuple):
 
 
 # (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), largest first.
-# Chosen from a sweep on the H200 at M = 576 (34 tiles, the 2B model's shapes): 128 x 128 x 64 with 8
-# warps and 3 stages was the fastest or within 15% of it on every shape; bench/gemm.py times it.
+# Chosen by timing candidate tiles on the H200 at M = 576 on the 2B model's shapes; bench/gemm.py
+# times the result against cuBLAS (bench/results/gemm_2026-11-30.json: 0.66-0.87 of it at M = 576).
 ROW_TILES = ((128, (128, 128, 64, 8, 3)), (32, (64, 128, 64, 4, 3)))
 
 

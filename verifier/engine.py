@@ -111,7 +111,8 @@ class Engine:
         if self.model.device.type == "cuda":
             logits = torch.zeros(2, self.vocab_size, dtype=torch.float32, device=self.model.device)  # as _logits gives
             argmax_rows(logits)  # greedy rows
-            for sampled in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)):  # without, with masks
+            # without masks, then with top-k and top-p (the thresholds' running sum, kernels/sampling.py cumsum_rows)
+            for sampled in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
                 choose_rows(logits, [sampled] * 2, [1, 2])
 
     @property

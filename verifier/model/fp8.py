@@ -18,6 +18,7 @@ index of its scale row (`BlockScales.scale_row`), so nothing needs a block bound
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -86,20 +87,16 @@ class BlockFP8Format:
     def keeps(self, module: str) -> bool:
         """Whether modules_to_not_convert names `module` (transformers' rule: a prefix or a regex
         from the start up to a module boundary, or a suffix)."""
-        return bool(self._kept_prefixes().match(module)) or module.endswith(tuple(self.modules_to_not_convert))
-
-    def _kept_prefixes(self) -> re.Pattern:
-        # one compiled pattern for the whole list: a published list names every layer's modules
-        # (~140 entries), and this is asked twice per FP8 tensor at load
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        pattern = _KEPT_PATTERNS.get(self.modules_to_not_convert)
-        if pattern is None:
-            alternatives = "|".join(f"(?:{key})" for key in self.modules_to_not_convert) or "(?!)"
-            pattern = _KEPT_PATTERNS[self.modules_to_not_convert] = re.compile(f"(?:{alternatives}){boundary}")
-        return pattern
+        return bool(_kept_prefix_pattern(self.modules_to_not_convert).match(module)) or module.endswith(self.modules_to_not_convert)
 
 
-_KEPT_PATTERNS: dict[tuple[str, ...], re.Pattern] = {}  # modules_to_not_convert -> its compiled prefixes
+@functools.cache
+def _kept_prefix_pattern(modules: tuple[str, ...]) -> re.Pattern:
+    """modules_to_not_convert as one compiled pattern: a published list names every layer's modules
+    (~140 entries), and BlockFP8Format.keeps is asked twice per FP8 tensor at load."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    alternatives = "|".join(f"(?:{key})" for key in modules) or "(?!)"
+    return re.compile(f"(?:{alternatives}){boundary}")
 
 
 def read_block_fp8_format(model_dir: str | Path) -> BlockFP8Format | None:

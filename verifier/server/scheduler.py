@@ -202,8 +202,10 @@ class Scheduler:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            all_came = None  # whether the awaited sessions came within the window (None: no wait)
             if self.max_wait_s > 0 and not self._ready():
-                self._learn_round_trip(await self._gather())
+                all_came = await self._gather()
+            self._observe_turnaround(all_came)
             batch = self._take()
             self._awaited = set()
             try:
@@ -246,13 +248,18 @@ class Scheduler:
                 return False
         return True
 
-    def _learn_round_trip(self, all_came: bool) -> None:
-        """The time from the last batch's results to its last awaited session's next step; a window
-        that ran out counts as GATHER_MARGIN windows, so the window grows while it is too short."""
+    def _observe_turnaround(self, all_came: bool | None) -> None:
+        """The time from the last batch's results to this batch's start, read once: the goodput
+        policy's turnaround, and (after a wait) the round trip the gather window follows, where a
+        window that ran out counts as GATHER_MARGIN windows, so the window grows while too short."""
         if self._last_answered is None:
             return
-        sample = time.perf_counter() - self._last_answered if all_came else GATHER_MARGIN * self.gather_window_s()
-        self._round_trip_s = 0.5 * self._round_trip_s + 0.5 * min(sample, MAX_GATHER_S)
+        gap = time.perf_counter() - self._last_answered
+        if self.policy is not None:
+            self.policy.observe_turnaround(gap)
+        if all_came is not None:
+            sample = gap if all_came else GATHER_MARGIN * self.gather_window_s()
+            self._round_trip_s = 0.5 * self._round_trip_s + 0.5 * min(sample, MAX_GATHER_S)
 
     def _take(self) -> list[PendingStep]:
         """Waiting steps in arrival order: each session once, at most max_batch_rows rows (the
@@ -295,11 +302,7 @@ class Scheduler:
         if not live:
             return
         requested = [len(p.drafts) for p in live]
-        verified = requested
-        if self.policy is not None:
-            if self._last_answered is not None:
-                self.policy.observe_turnaround(time.perf_counter() - self._last_answered)
-            verified = self.policy.trim([p.session.id for p in live], requested)
+        verified = self.policy.trim([p.session.id for p in live], requested) if self.policy is not None else requested
         requests = [_request(p, k) for p, k in zip(live, verified)]
         started = time.perf_counter()
         results, logits = await self.worker.run(_step, self.engine, requests)
@@ -310,7 +313,7 @@ class Scheduler:
         self.metrics.record_graph_captures(self.engine.graph_captures)
         max_seq_len = self.engine.pool.max_seq_len
         now = time.perf_counter()
-        going_on, answered = set(), []
+        going_on, answered, judged = set(), [], []  # judged: (session id, drafts sent, verified, accepted)
         for pending, asked, k, result, rows in zip(live, requested, verified, results, logits):
             if result.error is not None:
                 self._deliver(pending, error_result(pending.step, STEP_ERROR_CODES[result.error.code], str(result.error), result.position))
@@ -323,15 +326,13 @@ class Scheduler:
             if pending.step.request_id:
                 self.sessions.store_result(pending.session, pending.step.request_id, pending.fingerprint, answer)
             answered.append((k, asked - k, result.accepted, now - pending.arrived))
+            judged.append((pending.session.id, asked, k, result.accepted))
             self._deliver(pending, answer)
             if seq.finish_reason is None and self.sessions.is_live(pending.session):
                 going_on.add(pending.session.id)
         self.metrics.record_steps(answered)
-        if self.policy is not None:
-            ran_ok = [(p.session.id, asked, k, r.accepted) for p, asked, k, r in zip(live, requested, verified, results)
-                      if r.error is None]
-            if ran_ok:
-                self.policy.observe_batch(*zip(*ran_ok))
+        if self.policy is not None and judged:
+            self.policy.observe_batch(*zip(*judged))
         self._last_answered = time.perf_counter()
         # the next batch waits for these, minus those whose next step is queued already
         self._awaited = going_on.difference(p.session.id for p in self._queue)
