@@ -106,7 +106,7 @@ class Engine:
         """Capture every graph bucket for the engine's rollback mode now, before the first step, so
         that serving never captures (nothing to do when eager); and on CUDA compile the kernels that
         choose tokens from a step's logits (outside the graphs), so that the first served step does
-        not compile them (a ~0.3 s stall on the H200)."""
+        not compile them (0.43 s inside the first served step on the H200: serve_profile_2026-11-30.json)."""
         self.runner.capture(self.rollback_mode)
         if self.model.device.type == "cuda":
             logits = torch.zeros(2, self.vocab_size, dtype=torch.float32, device=self.model.device)  # as _logits gives
