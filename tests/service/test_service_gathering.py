@@ -158,3 +158,22 @@ def test_the_window_never_exceeds_a_step(text_checkpoint):
         assert server.run_on_loop(scheduler.gather_window_s) == pytest.approx(0.004)
         server.run_on_loop(lambda: setattr(scheduler, "_last_step_s", 0.0))
         assert server.run_on_loop(scheduler.gather_window_s) == pytest.approx(0.001)
+
+
+def test_a_call_cut_by_max_batch_rows_runs_its_rest_at_once(text_checkpoint):
+    """One Verify call whose steps need more rows than max_batch_rows runs in two batches; its
+    sessions cannot step again before the call answers, so the second batch waits for nothing
+    (before, it waited a whole gather window for them)."""
+    with LoopbackServer(text_checkpoint, n_slots=4, max_seq_len=96, max_wait_ms=WINDOW_S * 1000, max_batch_rows=6,
+                        max_k=2) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            sessions = [open_session(stub, [40 + i, 2], 20) for i in range(3)]
+            before = _stats(stub)
+            started = time.monotonic()
+            response = stub.Verify(rpc.VerifyRequest(steps=[step(s.session_id, s.position, [3, 4]) for s in sessions]))
+            elapsed = time.monotonic() - started
+            assert all(r.status.code == 0 for r in response.results)
+            assert _stats(stub).engine_steps - before.engine_steps == 2  # 9 rows: 6, then 3 (fewer than a batch holds)
+            assert elapsed < WINDOW_S
+            _close(stub, sessions)

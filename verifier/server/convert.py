@@ -21,7 +21,6 @@ FINISH_REASONS = {None: rpc.FINISH_NONE, EOS: rpc.FINISH_EOS, LENGTH: rpc.FINISH
 
 
 _NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-_OK = rpc.Status(code=0)
 
 
 def code_number(code: grpc.StatusCode) -> int:
@@ -63,8 +62,9 @@ def error_result(step: rpc.VerifyStep, code: grpc.StatusCode, message: str, posi
 
 def ok_result(step: rpc.VerifyStep, result, verified_drafts: int, logits: rpc.Logits | None = None) -> rpc.StepResult:
     """engine.StepResult of a step that ran, with its first `verified_drafts` drafts verified (and
-    its rpc.Logits, when asked) -> rpc.StepResult."""
-    out = rpc.StepResult(status=_OK, session_id=step.session_id, request_id=step.request_id,
+    its rpc.Logits, when asked) -> rpc.StepResult. Its status is left unset: proto3 reads an unset
+    Status as code 0, OK, and copying one in costs ~1.5 us per step."""
+    out = rpc.StepResult(session_id=step.session_id, request_id=step.request_id,
                          accepted=result.accepted, tokens=result.tokens, position=result.position,
                          finish_reason=FINISH_REASONS[result.finish_reason], verified_drafts=verified_drafts)
     if logits is not None:

@@ -19,9 +19,10 @@ from .validate import Invalid
 Fingerprint = tuple
 
 
-def step_fingerprint(step: rpc.VerifyStep) -> Fingerprint:
+def step_fingerprint(step: rpc.VerifyStep, drafts: list[int] | None = None) -> Fingerprint:
+    """`drafts`: the step's draft_ids when the caller has them as a list already."""
     probs = hashlib.blake2b(step.draft_probs, digest_size=16).digest() if step.draft_probs else b""
-    return step.expected_position, tuple(step.draft_ids), probs, step.return_logits
+    return step.expected_position, tuple(step.draft_ids if drafts is None else drafts), probs, step.return_logits
 
 
 def open_fingerprint(request: rpc.OpenSessionRequest) -> Fingerprint:

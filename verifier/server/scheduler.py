@@ -64,8 +64,8 @@ class PendingStep:
     per step (`wait`); the batch answers a step by `finish`, which calls back synchronously.
     (A future per step, gathered per call, cost a callback handle per step on the event loop.)"""
 
-    __slots__ = ("step", "session", "drafts", "draft_probs", "fingerprint", "arrived", "result", "waiters", "taken",
-                 "_callbacks")
+    __slots__ = ("step", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "result", "waiters",
+                 "taken", "_callbacks")
 
     def __init__(self, step: rpc.VerifyStep, session: Session | None, drafts: list[int], draft_probs: torch.Tensor | None,
                  fingerprint: Fingerprint | None, arrived: float, result: rpc.StepResult | None = None):
@@ -75,14 +75,11 @@ class PendingStep:
         self.draft_probs = draft_probs  # [K, vocab] float32
         self.fingerprint = fingerprint  # with a request id: what a retry must repeat
         self.arrived = arrived  # time.perf_counter() when its request arrived
+        self.rows = len(drafts) + 1  # verify rows it asks for
         self.result = result  # rpc.StepResult once answered
         self.waiters = 1  # callers awaiting this step (an in-flight retry joins the original)
         self.taken = result is not None  # handed to a batch (or answered at once): it completes whatever its callers do
         self._callbacks: list = []
-
-    @property
-    def rows(self) -> int:
-        return len(self.drafts) + 1
 
     def on_done(self, callback) -> None:
         """callback() once the step is answered (at once if it is)."""
@@ -129,6 +126,7 @@ class Scheduler:
         self._last_answered: float | None = None  # when the last batch's results went out (perf_counter)
         self._round_trip_s = 0.0  # decayed time from a batch's results to its awaited sessions' next steps
         self._last_step_s = 0.0  # how long the last engine step took (the gather window's ceiling)
+        self._cut_short = False  # the last batch left steps queued for want of rows (max_batch_rows)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -278,6 +276,7 @@ class Scheduler:
             batch.append(pending)
         self._queue = rest
         self._queued_rows = sum(p.rows for p in rest)
+        self._cut_short = full
         return batch
 
     def _check(self, pending: PendingStep) -> rpc.StepResult | None:
@@ -313,29 +312,44 @@ class Scheduler:
         self.metrics.record_graph_captures(self.engine.graph_captures)
         max_seq_len = self.engine.pool.max_seq_len
         now = time.perf_counter()
-        going_on, answered, judged = set(), [], []  # judged: (session id, drafts sent, verified, accepted)
+        store = self.sessions.store_result
+        going_on = set()
+        ok_verified, ok_accepted, latencies, judged = [], [], [], []  # per OK step; judged: its session and drafts sent
+        trimmed = 0
         for pending, asked, k, result, rows in zip(live, requested, verified, results, logits):
             if result.error is not None:
                 self._deliver(pending, error_result(pending.step, STEP_ERROR_CODES[result.error.code], str(result.error), result.position))
                 continue
-            seq = pending.session.sequence
+            session, step = pending.session, pending.step
+            seq = session.sequence
             if seq.finish_reason is None and seq.position >= max_seq_len:
                 # no room for even a one-row step: the context is full, which ends the session
                 seq.finish_reason = result.finish_reason = LENGTH
-            answer = ok_result(pending.step, result, k, rows)
-            if pending.step.request_id:
-                self.sessions.store_result(pending.session, pending.step.request_id, pending.fingerprint, answer)
-            answered.append((k, asked - k, result.accepted, now - pending.arrived))
-            judged.append((pending.session.id, asked, k, result.accepted))
-            self._deliver(pending, answer)
-            if seq.finish_reason is None and self.sessions.is_live(pending.session):
-                going_on.add(pending.session.id)
-        self.metrics.record_steps(answered)
+            answer = ok_result(step, result, k, rows)
+            if step.request_id:
+                store(session, step.request_id, pending.fingerprint, answer)
+            ok_verified.append(k)
+            ok_accepted.append(result.accepted)
+            latencies.append(now - pending.arrived)
+            judged.append((session.id, asked))
+            trimmed += asked - k
+            self._release(pending)
+            if pending.result is None:
+                pending.finish(answer)
+            if seq.finish_reason is None:
+                going_on.add(session.id)
+        self.metrics.record_steps(ok_verified, trimmed, ok_accepted, latencies)
         if self.policy is not None and judged:
-            self.policy.observe_batch(*zip(*judged))
+            ids, sent = zip(*judged)
+            self.policy.observe_batch(ids, sent, ok_verified, ok_accepted)
         self._last_answered = time.perf_counter()
-        # the next batch waits for these, minus those whose next step is queued already
-        self._awaited = going_on.difference(p.session.id for p in self._queue)
+        # the next batch waits for these (still open, unfinished), minus those whose next step is queued already
+        self._awaited = {sid for sid in going_on if self.sessions.find(sid) is not None}.difference(
+            p.session.id for p in self._queue)
+        if self._cut_short:
+            # steps that did not fit this batch are queued: their callers (a Verify call answers
+            # all its steps at once) cannot send anything before they run, so nothing is awaited
+            self._awaited = set()
 
     def _deliver(self, pending: PendingStep, result: rpc.StepResult) -> None:
         if result.status.code != 0:

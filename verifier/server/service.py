@@ -236,7 +236,7 @@ class VerifierService:
         if session is None:
             return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(step.session_id))
         rid = step.request_id
-        fingerprint = step_fingerprint(step) if rid else None
+        fingerprint = step_fingerprint(step, drafts) if rid else None
         if rid:
             stored, in_flight = session.results.get(rid), session.inflight.get(rid)
             earlier = stored.fingerprint if stored is not None else in_flight.fingerprint if in_flight is not None else None
