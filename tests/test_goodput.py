@@ -68,6 +68,10 @@ def test_bad_arguments_name_the_problem():
         trim_drafts([3], [[0.5, 0.5]], linear_cost(0.1))
     with pytest.raises(ValueError, match="times > 0"):
         StepCost({4: 0.0})
+    with pytest.raises(ValueError, match="relax must be in"):
+        GoodputPolicy(max_k=4, cost=linear_cost(0.1), relax=0.0)
+    with pytest.raises(ValueError, match="probe_share must be in"):
+        GoodputPolicy(max_k=4, cost=linear_cost(0.1), probe_share=1.0)
 
 
 def test_step_cost_pads_up_and_extrapolates():
@@ -103,13 +107,30 @@ def test_decayed_rates_count_reached_positions():
     assert rates.rates(None, prior=0.5, weight=1.0) == [first, second, second, second]
 
 
+def test_server_wide_counts_take_a_batch_as_one_observation():
+    rates = DecayedRates(max_k=3, decay=0.5)
+    rates.observe([3, 3], [3, 0])  # one step accepts all three drafts, one rejects the first
+    assert rates.drafted == [2.0, 1.0, 1.0] and rates.accepted == [1.0, 1.0, 1.0]
+    rates.observe(1, 0)  # one step, decayed once: only the position it reached
+    assert rates.drafted == [2.0, 1.0, 1.0] and rates.accepted == [0.5, 1.0, 1.0]
+
+
+def test_server_wide_rates_of_never_accepted_drafts_fall_near_zero():
+    # counts decayed per step remembered ten steps: prior / 11 = 6% under drafts never accepted,
+    # enough to buy a bucket the table calls cheap; per batch, ten batches of 64 steps
+    policy = GoodputPolicy(max_k=4, cost=linear_cost(0.1), prior=0.7)
+    ids = [f"s{i}" for i in range(64)]
+    for _ in range(10):
+        policy.observe_batch(ids, [4] * 64, [1] * 64, [0] * 64)
+    assert policy.server.rates(None, policy.prior)[0] < 0.002
+
+
 def _rounds(policy, ids, requested, accept, n):
     """n batches: trim, then observe with accept(session, verified) drafts accepted; the drafts verified per batch."""
     verified = []
     for _ in range(n):
         ks = policy.trim(ids, [requested] * len(ids))
-        for sid, k in zip(ids, ks):
-            policy.observe(sid, requested, k, accept(sid, k))
+        policy.observe_batch(ids, [requested] * len(ids), ks, [accept(sid, k) for sid, k in zip(ids, ks)])
         verified.append(sum(ks))
     return verified
 

@@ -19,15 +19,45 @@ Trimming changes no token of the stream: a step verifies a prefix of the drafts,
 step emits (accepted drafts, then the target's own token) are those of plain decoding whatever the
 drafts (the bit-exactness contract). Only the number of tokens per step changes.
 
-Acceptance rates are decayed counts per session and draft position; a session with no history
-borrows the server-wide rates (also decayed), and positions nobody has reached yet start at
-`prior`. A step whose drafts were all trimmed judged nothing, so evidence would freeze where it
-stopped buying rows (a drafter that improves, or a good drafter arriving after a run of bad ones,
-would never be verified again): such a step relaxes the session's counts (decay without an
-observation) toward the server-wide rates, and a batch holding such a step relaxes the server-wide
-counts toward `prior`. Drafts are then tried again once old evidence has faded, at a cost that
-falls as rows get dearer. numpy, no torch: the policy is a function of numbers and is tested
-as one.
+Acceptance rates are decayed counts per session and draft position (`decay` per observation); a
+session with no history borrows the server-wide rates, and positions nobody has reached yet start
+at `prior`. The server-wide counts decay once per batch, not per step, so they remember ten
+batches of steps: remembering ten steps put a floor of prior / 11 (6%) under drafts that are never
+accepted, enough to buy a graph bucket that looks cheap.
+
+A step whose drafts were all trimmed judged nothing, so evidence freezes where it stopped buying
+rows, and a drafter that improves, or a good drafter after a run of bad luck, would never be
+verified again. The first remedy relaxed every trimmed session's counts by `decay` per step toward
+the server-wide rates, and those toward `prior` by `decay` per batch: within a few dozen batches
+every estimate was back up, and the trim bought a bucket of probes again, nearly every batch
+(H200, 2026-11-30: 64 sessions of random drafts ran at 79.6 rows per batch against 64 for plain
+decoding, 0.835x its tokens/s). Exploring now has a bounded price, in two parts:
+
+- Evidence ages by `relax` per batch (0.98: a half-life of 34 batches, against 6.6 observations
+  for `decay`): a trimmed session's rates drift toward the server-wide ones, which hold evidence
+  only and never drift toward `prior`, and a new observation after a long gap outweighs the stale
+  counts. When every drafter is useless the server-wide rates are near 0 and the drift buys no
+  rows; a good drafter trimmed after a streak of rejections is verified again within tens of
+  batches. (Among good drafters a useless one drifts up too and is verified again now and then:
+  at half and half, 1% below the best goodput.)
+- Probes are paid from a credit. A batch that trims drafts adds `probe_share` (0.02) of a step;
+  a probe takes the trimmed drafts that fit in the rows costing what one more row costs (the rest
+  of the next graph bucket) and is charged the larger of its share of the step by the cost table
+  and its share of the rows. The table times padding rows, and real rows also bring host work, so
+  a bucket may cost more than its entry; the share of rows bounds any step whose time per row
+  does not grow with the rows. Probes then cost at most `probe_share` of the steps over time, and
+  at plain decoding's rows (one per session) they reach each session's first draft about every
+  1 / probe_share = 50 batches. A probe takes the drafts of highest value at rates whose counts
+  are discounted by age toward `prior`: stale positions first, and a drafter whose last probe was
+  accepted ahead of the useless ones, so that it is probed again soon and its evidence climbs to
+  where exploiting it pays.
+
+tests/test_goodput_exploration.py measures the bounds on an H200-shaped table (flat per bucket,
+64 -> 80 rows 8% dearer): never-accepted drafts at 64 sessions cost under 1% more than plain
+decoding; one session whose drafter turns perfect is verified in full again within 120 batches
+(where its drafts pay at all: at 64 sessions x 4 drafts, one perfect session is worth less than
+the 16-row bucket it needs), a whole server's drafters within 60. numpy, no torch: the policy is
+a function of numbers and is tested as one.
 """
 
 from __future__ import annotations
@@ -105,6 +135,7 @@ class StepCost:
         # a larger bucket is never cheaper: a measured dip is timing noise, and the trim's early
         # stop relies on costs that never fall
         self.times = list(itertools.accumulate((table[r] for r in self.rows), max))
+        self._rows_array, self._times_array = np.asarray(self.rows), np.asarray(self.times)
 
     def __call__(self, rows: int) -> float:
         i = bisect.bisect_left(self.rows, rows)
@@ -114,9 +145,9 @@ class StepCost:
 
     def many(self, rows: np.ndarray) -> np.ndarray:
         """__call__ for an array of row counts."""
-        i = np.searchsorted(self.rows, rows, side="left")
-        table = np.asarray(self.times)
-        return np.where(i < len(self.rows), table[np.minimum(i, len(self.rows) - 1)], self.times[-1] * rows / self.rows[-1])
+        i = np.searchsorted(self._rows_array, rows, side="left")
+        table = self._times_array
+        return np.where(i < len(table), table[np.minimum(i, len(table) - 1)], self.times[-1] * rows / self.rows[-1])
 
 
 class _WithTurnaround:
@@ -137,7 +168,7 @@ class _WithTurnaround:
 @dataclass
 class DecayedRates:
     """Acceptance rate by draft position from decayed counts: each observation multiplies the old
-    counts by `decay` first, so recent steps weigh most."""
+    counts of the positions it reached by `decay` first, so recent evidence weighs most."""
 
     max_k: int
     decay: float = 0.9
@@ -150,18 +181,17 @@ class DecayedRates:
         self.drafted = [0.0] * self.max_k
         self.accepted = [0.0] * self.max_k
 
-    def observe(self, verified: int, accepted: int) -> None:
-        """A step verified `verified` drafts and accepted the first `accepted` of them: positions
-        1..accepted+1 (the first rejected one included, when there is one) were reached."""
-        reached = min(verified, accepted + 1)
-        for j in range(reached):
-            self.drafted[j] = self.drafted[j] * self.decay + 1.0
-            self.accepted[j] = self.accepted[j] * self.decay + (1.0 if j < accepted else 0.0)
-
-    def relax(self) -> None:
-        """A step that judged nothing: older evidence weighs less, the base (see rates) more."""
-        self.drafted = [d * self.decay for d in self.drafted]
-        self.accepted = [a * self.decay for a in self.accepted]
+    def observe(self, verified, accepted) -> None:
+        """One observation: steps that verified `verified` drafts and accepted the first `accepted`
+        of them (ints for one step; equal-length sequences for a batch, which decays once). Each step
+        reached positions 1..accepted+1 (the first rejected one included, when there is one)."""
+        verified, accepted = np.atleast_1d(verified), np.atleast_1d(accepted)
+        position = np.arange(self.max_k)[:, None]
+        reached = (position < np.minimum(verified, accepted + 1)).sum(axis=1)  # [max_k] steps per position
+        taken = (position < accepted).sum(axis=1)  # [max_k]
+        for j in np.flatnonzero(reached):
+            self.drafted[j] = self.drafted[j] * self.decay + float(reached[j])
+            self.accepted[j] = self.accepted[j] * self.decay + float(taken[j])
 
     def rates(self, fallback: Sequence[float] | None, prior: float, weight: float = 1.0) -> list[float]:
         """Rate per position: (accepted + weight * base) / (drafted + weight), base = fallback's rate
@@ -170,7 +200,7 @@ class DecayedRates:
         forward (not `prior`) matters: a position the policy has not verified yet has no evidence,
         and a prior below the drafter's true rate would keep it unverified for ever (oracle drafts
         stuck at one verified draft per step on the H200), while a high prior everywhere would make
-        useless drafts look worth a probe after every relaxation."""
+        useless drafts look worth verifying."""
         out = []
         for j in range(self.max_k):
             base = fallback[j] if fallback is not None else (out[j - 1] if j else prior)
@@ -183,9 +213,13 @@ class DecayedRates:
 # this is an idle server, not a round trip, and is counted as this.
 MAX_TURNAROUND_S = 0.02
 
+# Probe credit is kept in steps (1.0: the cost of one batch). Capped at one step, so a long run with
+# nothing to probe does not save up a burst of probes for later.
+MAX_PROBE_CREDIT = 1.0
+
 
 class GoodputPolicy:
-    """Per-session acceptance rates and the batch trim, as the scheduler uses them.
+    """Per-session acceptance rates, the batch trim and the probes, as the scheduler uses them.
 
     A served round costs the step plus the turnaround before the next batch, and closed-loop
     drafters pay the turnaround whatever the rows: the seconds a batch's tokens are divided by
@@ -193,21 +227,32 @@ class GoodputPolicy:
     a row that costs 10% more engine time looked 10% dearer than it is and good drafts were cut
     (oracle drafts at 0.9x untrimmed on the 2B model, H200).
 
-    The sessions' decayed counts are rows of two [sessions, max_k] arrays (a batch's rates and
-    updates are a few array operations, not a Python loop per session and position: the policy
-    ran ~1 ms per batch of 64 on the H200's host); the server-wide counts are a DecayedRates."""
+    `relax` (per batch) discounts evidence by its age, `probe_share` is what probing may cost (a
+    share of the steps, see the module docstring). The sessions' decayed counts are rows of
+    [sessions, max_k] arrays (a batch's rates and updates are a few array operations, not a Python
+    loop per session and position: the policy ran ~1 ms per batch of 64 on the H200's host); the
+    server-wide counts are a DecayedRates, observed once per batch."""
 
-    def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7):
+    def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7,
+                 relax: float = 0.98, probe_share: float = 0.02):
         if not 0 <= prior <= 1:
             raise ValueError(f"prior must be in [0, 1], got {prior}")
+        if not 0 < relax <= 1:
+            raise ValueError(f"relax must be in (0, 1], got {relax}")
+        if not 0 <= probe_share < 1:
+            raise ValueError(f"probe_share must be in [0, 1), got {probe_share}")
         self.max_k, self.cost, self.decay, self.prior = max_k, cost, decay, prior
+        self.relax, self.probe_share = relax, probe_share
         self.server = DecayedRates(max_k, decay)
         self.sessions: dict[str, int] = {}  # session id -> its row of the count arrays
-        self._drafted = np.zeros((0, max_k))  # [rows, max_k] decayed drafts that reached each position
-        self._accepted = np.zeros((0, max_k))
+        # row 0 stays empty: the row of sessions with no counts, so a batch's rates need no mask
+        self._drafted = np.zeros((1, max_k))  # [rows, max_k] decayed drafts that reached each position
+        self._accepted = np.zeros((1, max_k))
+        self._reached_at = np.zeros((1, max_k), dtype=np.int64)  # the batch that last reached each position
         self._free_rows: list[int] = []
         self.turnaround_s = 0.0  # decayed mean of the gaps between batches
-        self._relax_server = False  # a step of the last batch had every draft trimmed
+        self.batch = 0  # batches trimmed so far: the clock evidence ages by
+        self.probe_credit = 0.0  # in steps: what probes may still cost
 
     def observe_turnaround(self, gap_s: float) -> None:
         """The time from one batch's results to the next batch's start."""
@@ -215,68 +260,95 @@ class GoodputPolicy:
         self.turnaround_s = self.decay * self.turnaround_s + (1 - self.decay) * gap_s
 
     def trim(self, session_ids: Sequence[str], requested: Sequence[int]) -> list[int]:
-        """Drafts to verify per session of one batch (requested[i] drafts sent by session_ids[i])."""
-        if self._relax_server:
-            self.server.relax()
-            self._relax_server = False
+        """Drafts to verify per session of one batch (requested[i] drafts sent by session_ids[i]):
+        those worth their rows by the evidence, plus a probe when the credit allows one."""
+        self.batch += 1
         if not any(requested):  # plain decoding: nothing to trim
             return list(requested)
+        rows = np.array([self.sessions.get(s, 0) for s in session_ids])
+        cost = _WithTurnaround(self.cost, self.turnaround_s)
         server = np.asarray(self.server.rates(None, self.prior))  # [max_k]
-        rates = np.broadcast_to(server, (len(session_ids), self.max_k)).copy()
-        rows = np.array([self.sessions.get(s, -1) for s in session_ids])
-        known = rows >= 0
-        if known.any():  # (accepted + base) / (drafted + 1), the base the server-wide rate
-            at = rows[known]
-            rates[known] = (self._accepted[at] + server) / (self._drafted[at] + 1.0)
-        return trim_drafts(requested, rates, _WithTurnaround(self.cost, self.turnaround_s))
+        verified = trim_drafts(requested, self._rates(rows, server), cost)
+        if sum(verified) == sum(requested):
+            return verified
+        self.probe_credit = min(self.probe_credit + self.probe_share, MAX_PROBE_CREDIT)
+        return self._probe(rows, requested, verified, cost)
+
+    def _rates(self, rows: np.ndarray, base: np.ndarray | float) -> np.ndarray:
+        """[S, max_k] rates (accepted + base) / (drafted + 1) from each session's counts, discounted
+        by relax ** their age (row 0, no counts: `base`)."""
+        weight = self.relax ** self._age(rows)
+        return (self._accepted[rows] * weight + base) / (self._drafted[rows] * weight + 1.0)
+
+    def _age(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), max_k] batches since each position was last reached, the batch after it not counted
+        (evidence renewed every batch does not age)."""
+        return np.maximum(self.batch - self._reached_at[rows] - 1, 0)
+
+    def _probe(self, rows: np.ndarray, requested: Sequence[int], verified: list[int], cost) -> list[int]:
+        """`verified` plus, when the probe credit pays for it, the trimmed drafts that fit in the
+        rows costing what one more row costs (the rest of the next graph bucket), chosen by their
+        value at rates whose evidence is discounted by age toward `prior`: stale positions first."""
+        step_rows = len(requested) + sum(verified)
+        costs = cost.many(np.arange(step_rows + 1, len(requested) + sum(requested) + 1))  # one more row, two, ...
+        dearer = np.flatnonzero(costs > costs[0])
+        size = min(int(dearer[0]) if len(dearer) else len(costs), step_rows)
+        step = cost(step_rows)
+        # rows at no less than their share of the step: the measured table may make a bucket look
+        # cheaper than real rows in it are (padding rows are timed), and per-row host work grows too
+        charge = max(float(costs[size - 1]) / step - 1.0, size / step_rows)
+        if charge > self.probe_credit:
+            return verified
+        self.probe_credit -= charge
+        asked, kept = np.asarray(requested), np.asarray(verified)
+        position = np.arange(int(asked.max()))[None, :]
+        trimmed = (position >= kept[:, None]) & (position < asked[:, None])  # [S, width]
+        value = np.cumprod(self._rates(rows, self.prior)[:, : position.shape[1]], axis=1)
+        session, at = np.nonzero(trimmed)
+        chosen = np.lexsort((at, session, -value[session, at]))[:size]
+        return (kept + np.bincount(session[chosen], minlength=len(asked))).tolist()
 
     def observe(self, session_id: str, requested: int, verified: int, accepted: int) -> None:
-        """One step's outcome: it sent `requested` drafts, `verified` were verified, `accepted` accepted."""
+        """One step's outcome, as a batch of one: `requested` drafts sent, `verified` verified, `accepted` accepted."""
         self.observe_batch([session_id], [requested], [verified], [accepted])
 
     def observe_batch(self, session_ids: Sequence[str], requested: Sequence[int], verified: Sequence[int],
                       accepted: Sequence[int]) -> None:
-        """A batch's outcomes, one per session (each at most once), as `observe`: a step whose drafts
-        were all trimmed relaxes its session's counts (and, next batch, the server-wide ones); a
-        step that verified drafts counts the positions it reached, decayed."""
-        judged, relaxed = [], []
-        for i, (sid, sent, k) in enumerate(zip(session_ids, requested, verified)):
-            if sent == 0:
-                continue
-            if k == 0:
-                self._relax_server = True
-                if sid in self.sessions:
-                    relaxed.append(self.sessions[sid])
-            else:
-                judged.append(i)
-                if sid not in self.sessions:
-                    self.sessions[sid] = self._new_row()
-        if relaxed:
-            self._drafted[relaxed] *= self.decay
-            self._accepted[relaxed] *= self.decay
+        """A batch's outcomes, one per session (each at most once): a step that verified drafts
+        counts the positions it reached (the first rejected one included), its old counts there
+        discounted by relax ** (their age) and decayed; the server-wide counts take the whole batch
+        as one observation. A step whose drafts were all trimmed judged nothing and changes nothing."""
+        judged = [i for i, k in enumerate(verified) if k > 0]
         if not judged:
             return
-        rows = np.array([self.sessions[session_ids[i]] for i in judged])
-        k = np.array([verified[i] for i in judged])[:, None]
-        a = np.array([accepted[i] for i in judged])[:, None]
-        position = np.arange(self.max_k)[None, :]
-        reached = position < np.minimum(k, a + 1)  # [steps, max_k]: the first rejected one included
-        self._drafted[rows] = np.where(reached, self._drafted[rows] * self.decay + 1.0, self._drafted[rows])
-        self._accepted[rows] = np.where(reached, self._accepted[rows] * self.decay + (position < a), self._accepted[rows])
         for i in judged:
-            self.server.observe(verified[i], accepted[i])
+            if session_ids[i] not in self.sessions:
+                self.sessions[session_ids[i]] = self._new_row()
+        rows = np.array([self.sessions[session_ids[i]] for i in judged])
+        k = np.array([verified[i] for i in judged])
+        a = np.array([accepted[i] for i in judged])
+        position = np.arange(self.max_k)[None, :]
+        reached = position < np.minimum(k, a + 1)[:, None]  # [steps, max_k]
+        kept = np.where(reached, self.decay * self.relax ** self._age(rows), 1.0)  # what old counts keep
+        self._drafted[rows] = self._drafted[rows] * kept + reached
+        self._accepted[rows] = self._accepted[rows] * kept + (position < a[:, None])
+        self._reached_at[rows] = np.where(reached, self.batch, self._reached_at[rows])
+        self.server.observe(k, a)
 
     def forget(self, session_id: str) -> None:
         row = self.sessions.pop(session_id, None)
         if row is not None:
             self._drafted[row] = 0.0
             self._accepted[row] = 0.0
+            self._reached_at[row] = 0
             self._free_rows.append(row)
 
     def _new_row(self) -> int:
         if not self._free_rows:
-            grown = max(8, 2 * len(self._drafted))
+            grown = max(8, 2 * len(self._drafted))  # row 0 is never handed out
             self._free_rows = list(range(grown - 1, len(self._drafted) - 1, -1))
-            self._drafted = np.concatenate((self._drafted, np.zeros((grown - len(self._drafted), self.max_k))))
-            self._accepted = np.concatenate((self._accepted, np.zeros((grown - len(self._accepted), self.max_k))))
+            extra = grown - len(self._drafted)
+            self._drafted = np.concatenate((self._drafted, np.zeros((extra, self.max_k))))
+            self._accepted = np.concatenate((self._accepted, np.zeros((extra, self.max_k))))
+            self._reached_at = np.concatenate((self._reached_at, np.zeros((extra, self.max_k), dtype=np.int64)))
         return self._free_rows.pop()
