@@ -92,6 +92,36 @@ def _read_state(b_s, b_q):
     return tl.sum(b_s * b_q[:, None], axis=0)
 
 
+@triton.jit
+def _state_tile(i_v, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """A program's [BLOCK_K, BLOCK_V] tile of one head's state (value block i_v) -> key offsets o_k
+    [BLOCK_K], value offsets o_v [BLOCK_V], their masks m_k, m_v, the tile's mask m_s and offsets
+    o_s within the head's [D_K, D_V] state, and the decay offsets o_decay [BLOCK_K] within a row's head."""
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K] key channels
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value channels
+    m_k = o_k < D_K
+    m_v = o_v < D_V
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * D_V + o_v[None, :]  # [BLOCK_K, BLOCK_V] within one head's state
+    if DECAY_K == 1:
+        o_decay = o_k * 0  # GDN: every lane reads the head's one decay
+    else:
+        o_decay = o_k
+    return o_k, o_v, m_k, m_v, m_s, o_s, o_decay
+
+
+@triton.jit
+def _apply_stash_row(b_s, p_key, p_value, p_decay, p_beta, o_k, o_v, o_decay, m_k, m_v):
+    """Load one row's key, value, decay and beta of one head (each pointer at that row and head's
+    first channel) and apply them to the state tile b_s: the step verify and fold share."""
+    b_k = tl.load(p_key + o_k, mask=m_k, other=0.0)
+    b_v = tl.load(p_value + o_v, mask=m_v, other=0.0)
+    b_decay = tl.load(p_decay + o_decay, mask=m_k, other=0.0)
+    b_beta = tl.load(p_beta)
+    return _update_state(b_s, b_k, b_v, b_decay, b_beta)
+
+
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
 
 
@@ -121,16 +151,7 @@ def _delta_rule_kernel(
         return
     i_bos = i_bos.to(tl.int64)
 
-    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K] key channels
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value channels
-    m_k = o_k < D_K
-    m_v = o_v < D_V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = o_k[:, None] * D_V + o_v[None, :]  # [BLOCK_K, BLOCK_V] within one head's state
-    if DECAY_K == 1:
-        o_decay = o_k * 0  # GDN: every lane reads the head's one decay
-    else:
-        o_decay = o_k
+    o_k, o_v, m_k, m_v, m_s, o_s, o_decay = _state_tile(i_v, D_K, D_V, DECAY_K, BLOCK_K, BLOCK_V)
 
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
@@ -138,11 +159,8 @@ def _delta_rule_kernel(
     for i_t in range(0, i_rows):
         i_row = i_bos + i_t  # int64
         i_rh = i_row * H + i_h  # this row's head
-        b_k = tl.load(key + i_rh * D_K + o_k, mask=m_k, other=0.0)
-        b_v = tl.load(value + i_rh * D_V + o_v, mask=m_v, other=0.0)
-        b_decay = tl.load(decay + i_rh * DECAY_K + o_decay, mask=m_k, other=0.0)
-        b_beta = tl.load(beta + i_rh)
-        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
+        b_s = _apply_stash_row(b_s, key + i_rh * D_K, value + i_rh * D_V, decay + i_rh * DECAY_K, beta + i_rh,
+                               o_k, o_v, o_decay, m_k, m_v)
         if not FOLD:
             b_q = tl.load(query + i_rh * D_K + o_k, mask=m_k, other=0.0)
             tl.store(out + i_rh * D_V + o_v, _read_state(b_s, b_q), mask=m_v)

@@ -107,6 +107,27 @@ def _conv_rows_kernel(
 
 
 @triton.jit
+def _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C: tl.constexpr, W: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    """In place, channels o_c [BLOCK_C] (mask m_c) of window[i_slot] <- the last W-1 of (window ++
+    inputs rows i_bos .. i_bos + i_n - 1), i_n >= 1 (int64); an input row is i_row_stride elements
+    after the one before it, its channels contiguous."""
+    o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W] new window columns
+    m_w = o_w < W - 1
+    # new column w is seq[n + w] of seq = old window ++ inputs
+    o_pos = i_n + o_w
+    m_old = m_c[:, None] & (m_w & (o_pos < W - 1))[None, :]
+    m_new = m_c[:, None] & (m_w & (o_pos >= W - 1))[None, :]
+    p_window = window + i_slot * C * (W - 1) + o_c[:, None] * (W - 1)  # [BLOCK_C, 1]
+    b_old = tl.load(p_window + o_pos[None, :], mask=m_old, other=0.0)
+    b_new = tl.load(inputs + (i_bos + o_pos - (W - 1))[None, :] * i_row_stride + o_c[:, None], mask=m_new, other=0.0)
+    b_win = tl.where(m_old, b_old, b_new)  # [BLOCK_C, BLOCK_W]
+    # in place: every thread's reads of the old window land before any thread overwrites it
+    tl.debug_barrier()
+    tl.store(p_window + o_w[None, :], b_win, mask=m_c[:, None] & m_w[None, :])
+
+
+@triton.jit
 def _next_window_kernel(
     window, inputs, seq_slots, cu_rows, consumed,
     C: tl.constexpr,
@@ -120,19 +141,7 @@ def _next_window_kernel(
     if i_n == 0:
         # a padding sequence (graph buckets): its window is neither read nor written
         return
-    o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W] new window columns
-    m_w = o_w < W - 1
-    # new column w is seq[n + w] of seq = old window ++ inputs
-    o_pos = i_n + o_w
-    m_old = m_c[:, None] & (m_w & (o_pos < W - 1))[None, :]
-    m_new = m_c[:, None] & (m_w & (o_pos >= W - 1))[None, :]
-    p_window = window + i_slot * C * (W - 1) + o_c[:, None] * (W - 1)  # [BLOCK_C, 1]
-    b_old = tl.load(p_window + o_pos[None, :], mask=m_old, other=0.0)
-    b_new = tl.load(inputs + (i_bos + o_pos - (W - 1))[None, :] * C + o_c[:, None], mask=m_new, other=0.0)
-    b_win = tl.where(m_old, b_old, b_new)  # [BLOCK_C, BLOCK_W]
-    # in place: every thread's reads of the old window land before any thread overwrites it
-    tl.debug_barrier()
-    tl.store(p_window + o_w[None, :], b_win, mask=m_c[:, None] & m_w[None, :])
+    _shift_window(window, inputs, C, i_slot, i_bos, i_n, o_c, m_c, C, W, BLOCK_W)
 
 
 def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:

@@ -26,6 +26,14 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _copy_head_block(src, dst, i_b, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Block i_b of one head's HEAD = D_K * D_V values from src to dst (both at the head's first value)."""
+    o_x = i_b * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] within the head
+    m_x = o_x < HEAD
+    tl.store(dst + o_x, tl.load(src + o_x, mask=m_x), mask=m_x)
+
+
+@triton.jit
 def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.constexpr, BLOCK: tl.constexpr):
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)  # a head of the slot
@@ -36,10 +44,7 @@ def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
     n_heads = tl.num_programs(1)
-    o_x = i_b * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] within the head
-    m_x = o_x < HEAD
-    b_x = tl.load(snapshots + (i_row * n_heads + i_h) * HEAD + o_x, mask=m_x)
-    tl.store(state + (i_slot * n_heads + i_h) * HEAD + o_x, b_x, mask=m_x)
+    _copy_head_block(snapshots + (i_row * n_heads + i_h) * HEAD, state + (i_slot * n_heads + i_h) * HEAD, i_b, HEAD, BLOCK)
 
 
 def _check(op: str, state: torch.Tensor, snapshots: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,

@@ -20,6 +20,12 @@ verify replays, and its record is consumed by its rollback before any other repl
 buckets' temporaries may share memory. Graph memory is then the largest bucket's, not the sum,
 and serving allocates nothing.
 
+Rollback. The rollback graph replays the record's RollbackPlan (rollback.py): for all recurrent
+layers, one launch for the conv windows and one for the recurrent states (kernels/fused_rollback.py).
+The plan's pointer tables are built once, between the two captures, from the addresses the verify
+graph writes the record to; the bucket keeps the tables (the graph reads them) and drops the plan,
+so the record's tensors still go back to the shared pool. Its bits are the per-layer rollback's.
+
 Capture runs the step once eagerly on the bucket's padding-only inputs (R_b padding rows in
 sequences of at most padding.PAD_CHUNK rows, then zero-row ones, S_b in all: the bucket's shape; it
 compiles the Triton kernels, writes only the scratch slot's KV, and its rollback keeps nothing),
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .padding import BucketShape, pad_batch
-from .rollback import VerifyRecord, apply_rollback
+from .rollback import RollbackPlan, VerifyRecord, apply_rollback
 from .rows import RowBatch
 from .step_inputs import StepInputs
 
@@ -62,6 +68,7 @@ class _Bucket:
     copied: torch.cuda.Event  # the last copy out of the pinned buffers: wait on it before rewriting them
     verify_graph: torch.cuda.CUDAGraph
     rollback_graph: torch.cuda.CUDAGraph
+    rollback_tables: list[torch.Tensor]  # the rollback graph reads these pointer tables in every replay
 
 
 class GraphedSteps:
@@ -97,16 +104,18 @@ class GraphedSteps:
         # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
         warm = VerifyRecord(mode, static)
         self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out)
-        apply_rollback(self.pool, warm, kept)
+        apply_rollback(self.pool, warm, kept, RollbackPlan(self.pool, warm))
         torch.cuda.synchronize()
         record = VerifyRecord(mode, static)
         verify_graph = self._capture(lambda: self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out))
-        rollback_graph = self._capture(lambda: apply_rollback(self.pool, record, kept))
+        # the record's addresses are the verify graph's from here on: its pointer tables are built once, here
+        plan = RollbackPlan(self.pool, record)
+        rollback_graph = self._capture(lambda: apply_rollback(self.pool, record, kept, plan))
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
             raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
         self._release(record)
         bucket = _Bucket(shape, mode, inputs, host, kept, torch.zeros(shape.sequences, dtype=torch.int32).pin_memory(),
-                         torch.cuda.Event(), verify_graph, rollback_graph)
+                         torch.cuda.Event(), verify_graph, rollback_graph, plan.tables)
         self._buckets[(shape.rows, mode)] = bucket
         self.captures += 1
         return bucket

@@ -7,8 +7,12 @@ records a LayerRecord over all rows of the batch (each sequence's rows 0..K in o
   write-on-accept (WOA): the stash of what each row's update consumes: key [rows, heads, d_k],
               value [rows, heads, d_v], decay [rows, heads, 1 or d_k], beta [rows, heads]
               (rollback folds rows 0..a into the committed state with the one update function).
-Rollback runs for every sequence of the batch at once: one conv-window and one fold (or
-snapshot copy) launch per recurrent layer.
+Rollback runs for every sequence of the batch at once. With the record's RollbackPlan it runs for
+every recurrent layer at once too: per group of alike layers (one group per recurrent kind), one
+launch for all conv windows and one for all recurrent states (kernels/fused_rollback.py), whose
+pointer table the plan builds; a CUDA graph bucket builds its plan once. Without a plan (a caller
+that captures its verify and rollback in one graph, where no table can be built: the draft chain)
+it is one conv-window and one fold (or snapshot copy) launch per layer. Both give the same bits.
 Attention needs no record: its cursor is the committed position, and KV rows past it are
 overwritten before anything reads them.
 
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import delta_rule, short_conv, snapshots
+from kernels.fused_rollback import (RecurrentLayers, fold_states, fold_states_ref, keep_state_snapshots,
+                                    keep_state_snapshots_ref, next_windows, next_windows_ref)
 from kernels.runtime import pick
 
 from .rows import RowBatch
@@ -76,12 +82,59 @@ def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: to
         fold(state.recurrent, record.keys, record.values, record.decays, record.betas, seq_slots, cu_rows, kept)
 
 
+def recurrent_groups(pool: SlotPool, record: VerifyRecord) -> list[RecurrentLayers]:
+    """The record's recurrent layers with their slot state, in layer order, grouped by shape: one
+    group per recurrent kind (the layers of a kind share one config)."""
+    groups: dict[tuple, list[tuple[RecurrentState, LayerRecord]]] = {}
+    for index, layer_record in record.layers.items():
+        state = pool.layers[index]
+        shape = (tuple(state.conv.shape), state.conv.dtype, tuple(state.recurrent.shape), tuple(layer_record.decays.shape),
+                 layer_record.snapshots is None)
+        groups.setdefault(shape, []).append((state, layer_record))
+    return [
+        RecurrentLayers([s.conv for s, _ in layers], [s.recurrent for s, _ in layers], [r.conv_inputs for _, r in layers],
+                        [r.keys for _, r in layers], [r.values for _, r in layers], [r.decays for _, r in layers],
+                        [r.betas for _, r in layers], None if layers[0][1].snapshots is None else [r.snapshots for _, r in layers])
+        for layers in groups.values()
+    ]
+
+
+class RollbackPlan:
+    """The rollback of one verify record over all its recurrent layers: per group of alike layers,
+    one launch for their conv windows and one for their recurrent states (a fold in WOA mode, a
+    snapshot copy in snapshot mode). Making it builds the groups' pointer tables (a host to device
+    copy): outside any CUDA graph capture, once per record (a graph bucket: once)."""
+
+    def __init__(self, pool: SlotPool, record: VerifyRecord):
+        self.batch = record.batch
+        self.groups = recurrent_groups(pool, record)
+        self.device = self.groups[0].states[0].device if self.groups else None
+
+    @property
+    def tables(self) -> list[torch.Tensor]:
+        """The groups' pointer tables: a graph that replays this plan reads them; whoever keeps the graph keeps them."""
+        return [group.table for group in self.groups]
+
+    def apply(self, kept: torch.Tensor) -> None:
+        """kept: int32 [sequences] on the state's device; no host syncs."""
+        if not self.groups:
+            return
+        seq_slots, cu_rows = self.batch.seq_slots(self.device), self.batch.cu_rows(self.device)
+        for group in self.groups:
+            state = group.states[0]
+            pick(next_windows, next_windows_ref, state)(group, seq_slots, cu_rows, kept)
+            if group.snapshots is None:
+                pick(fold_states, fold_states_ref, state)(group, seq_slots, cu_rows, kept)
+            else:
+                pick(keep_state_snapshots, keep_state_snapshots_ref, state)(group, seq_slots, cu_rows, kept)
+
+
 def rollback(pool: SlotPool, record: VerifyRecord, consumed: list[int]) -> None:
     """Bring every sequence of the verify to 'rows 0 .. consumed[s]-1 consumed' (consumed = accepted + 1)."""
     check_consumed(record.batch, consumed)
     if record.layers:
-        device = next(iter(record.layers.values())).keys.device
-        apply_rollback(pool, record, torch.tensor(consumed, dtype=torch.int32, device=device))
+        plan = RollbackPlan(pool, record)
+        apply_rollback(pool, record, torch.tensor(consumed, dtype=torch.int32, device=plan.device), plan)
 
 
 def check_consumed(batch: RowBatch, consumed: list[int]) -> None:
@@ -92,8 +145,14 @@ def check_consumed(batch: RowBatch, consumed: list[int]) -> None:
             raise ValueError(f"rollback of slot {batch.slots[s]}: {n} rows consumed, but {batch.counts[s]} were verified")
 
 
-def apply_rollback(pool: SlotPool, record: VerifyRecord, kept: torch.Tensor) -> None:
+def apply_rollback(pool: SlotPool, record: VerifyRecord, kept: torch.Tensor, plan: RollbackPlan | None = None) -> None:
     """rollback with checked counts kept (int32 [sequences], on the state's device; 0 for the
-    padding sequences of a graph bucket); no host syncs, so a CUDA graph can capture it."""
+    padding sequences of a graph bucket); no host syncs, so a CUDA graph can capture it.
+    plan: the record's RollbackPlan (all layers at once); None: one launch per layer and state."""
+    if plan is not None:
+        if plan.batch is not record.batch:
+            raise ValueError("apply_rollback: the plan was made for another verify record")
+        plan.apply(kept)
+        return
     for index, layer_record in record.layers.items():
         commit(pool.layers[index], layer_record, record.batch, kept)

@@ -1,0 +1,310 @@
+"""Rollback of every recurrent layer of a step in one launch per state: the conv windows of all
+layers in one (`next_windows`), the recurrent states of all layers in another (`fold_states`,
+write-on-accept; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
+kin gives, bit for bit: short_conv.next_window, delta_rule.delta_rule_fold, snapshots.keep_snapshots.
+
+A RecurrentLayers is L alike layers (the same C, W, conv dtype, H, D_K, D_V and DECAY_K); per layer l:
+    windows[l]      [n_slots, C, W-1]       conv dtype: committed conv windows (written)
+    states[l]       [n_slots, H, D_K, D_V]  fp32: committed recurrent states (written)
+    conv_inputs[l]  [R, C]                  conv dtype: one verify's raw conv inputs
+    keys[l]         [R, H, D_K]             fp32: its write-on-accept stash (delta_rule.py)
+    values[l]       [R, H, D_V]             fp32
+    decays[l]       [R, H, DECAY_K]         fp32
+    betas[l]        [R, H]                  fp32
+    snapshots[l]    [R, H, D_K, D_V]        fp32, contiguous: snapshot mode's state after each row
+and for a launch seq_slots [S], cu_rows [S+1] (the verify's ragged batch) and kept [S] int32, the
+rows each sequence keeps (0 <= kept[s] <= its rows; 0: its slot is neither read nor written, so
+padding sequences may share one). A record's rows may be strided (a layer's conv inputs are a
+column block of its input projection's output), its other dims not: a row's channels are dense.
+
+Pointer table. A RecurrentLayers writes, once, when it is made, an int64 [L, N_FIELDS] tensor on
+the tensors' device: each layer's data_ptr()s and row strides (FIELDS names the columns). A
+program reads its layer's row and casts the addresses to typed pointers. Nothing is rebuilt per
+step where the addresses hold still: a CUDA graph bucket makes its RecurrentLayers once, after
+capturing its verify, whose replays write the same addresses, and its rollback graph reads that
+table in every replay (the table must then outlive the graph). The table is built by a host to
+device copy, so never inside a capture. The Triton interpreter (TRITON_INTERPRET=1, CPU tensors)
+runs the kernels on the host addresses.
+
+Grids: next_windows (S, L * cdiv(C, BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
+keep_state_snapshots (S, L * H, cdiv(D_K * D_V, BLOCK)). Block sizes and num_warps are the
+one-layer kernels', chosen from the layer shapes alone.
+
+Bits. fold_states runs delta_rule_fold's program on each layer: delta_rule's config for (D_K, D_V),
+its `_state_tile` and `_apply_stash_row` (hence `_update_state`), num_stages 1, FMA contraction
+off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
+specialised on alignment) carry none, so the compiler lays the [BLOCK_K, BLOCK_V] state tile and
+its sums over D_K out as it does there: the float instructions are delta_rule_fold's, only the
+address arithmetic differs. next_windows and keep_state_snapshots copy values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import delta_rule, short_conv
+from .checks import check_launchable, check_ragged, check_tensor
+from .delta_rule import _apply_stash_row, _state_tile
+from .runtime import interpreting
+from .short_conv import _shift_window
+from .snapshots import BLOCK as SNAPSHOT_BLOCK
+from .snapshots import NUM_WARPS as SNAPSHOT_NUM_WARPS
+from .snapshots import _copy_head_block, keep_snapshots_ref
+
+# The pointer table's columns, per layer: tensors by address, a record's rows by their stride in elements.
+FIELDS = ("window", "conv_inputs", "conv_inputs_row_stride", "state", "key", "key_row_stride", "value", "value_row_stride",
+          "decay", "decay_row_stride", "beta", "beta_row_stride", "snapshots")
+N_FIELDS = tl.constexpr(len(FIELDS))
+WINDOW, CONV_INPUTS, CONV_INPUTS_ROW_STRIDE, STATE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[:4])
+KEY, KEY_ROW_STRIDE, VALUE, VALUE_ROW_STRIDE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[4:8])
+DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:])
+
+
+@triton.jit
+def _field(table, i_layer, FIELD: tl.constexpr):
+    """Layer i_layer's int64 entry FIELD of the table."""
+    return tl.load(table + i_layer * N_FIELDS + FIELD)
+
+
+@triton.jit
+def _pointer(table, i_layer, FIELD: tl.constexpr, DTYPE: tl.constexpr):
+    """Layer i_layer's address FIELD as a pointer to DTYPE."""
+    return _field(table, i_layer, FIELD).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _next_windows_kernel(
+    table, seq_slots, cu_rows, kept,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    CONV_DTYPE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    C_BLOCKS: tl.constexpr,  # cdiv(C, BLOCK_C): programs per layer and sequence
+):
+    i_s = tl.program_id(0)
+    i_layer = tl.program_id(1) // C_BLOCKS
+    i_c = tl.program_id(1) % C_BLOCKS
+    i_n = tl.load(kept + i_s).to(tl.int64)
+    if i_n == 0:
+        # a padding sequence (graph buckets): its windows are neither read nor written
+        return
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s).to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
+    window = _pointer(table, i_layer, WINDOW, CONV_DTYPE)
+    inputs = _pointer(table, i_layer, CONV_INPUTS, CONV_DTYPE)
+    i_row_stride = _field(table, i_layer, CONV_INPUTS_ROW_STRIDE)
+    _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, o_c < C, C, W, BLOCK_W)
+
+
+@triton.jit
+def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+                        DECAY_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    i_s = tl.program_id(0)
+    i_layer = tl.program_id(1) // H
+    i_h = tl.program_id(1) % H
+    i_v = tl.program_id(2)
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s)
+    i_rows = tl.load(kept + i_s)
+    if i_rows == 0:
+        # a padding sequence (graph buckets): no state tile is read, nothing is stored
+        return
+    i_bos = i_bos.to(tl.int64)
+    state = _pointer(table, i_layer, STATE, tl.float32)
+    key = _pointer(table, i_layer, KEY, tl.float32) + i_h * D_K  # this head's channels of row 0
+    value = _pointer(table, i_layer, VALUE, tl.float32) + i_h * D_V
+    decay = _pointer(table, i_layer, DECAY, tl.float32) + i_h * DECAY_K
+    beta = _pointer(table, i_layer, BETA, tl.float32) + i_h
+    s_key = _field(table, i_layer, KEY_ROW_STRIDE)
+    s_value = _field(table, i_layer, VALUE_ROW_STRIDE)
+    s_decay = _field(table, i_layer, DECAY_ROW_STRIDE)
+    s_beta = _field(table, i_layer, BETA_ROW_STRIDE)
+
+    o_k, o_v, m_k, m_v, m_s, o_s, o_decay = _state_tile(i_v, D_K, D_V, DECAY_K, BLOCK_K, BLOCK_V)
+    p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
+    b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
+    for i_t in range(0, i_rows):
+        i_row = i_bos + i_t  # int64
+        b_s = _apply_stash_row(b_s, key + i_row * s_key, value + i_row * s_value, decay + i_row * s_decay,
+                               beta + i_row * s_beta, o_k, o_v, o_decay, m_k, m_v)
+    tl.store(p_state, b_s, mask=m_s)
+
+
+@triton.jit
+def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    i_s = tl.program_id(0)
+    i_layer = tl.program_id(1) // H
+    i_h = tl.program_id(1) % H
+    i_b = tl.program_id(2)  # a block of the head's HEAD = D_K * D_V values
+    i_kept = tl.load(kept + i_s)
+    if i_kept == 0:
+        return
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
+    state = _pointer(table, i_layer, STATE, tl.float32)
+    snapshot = _pointer(table, i_layer, SNAPSHOTS, tl.float32)
+    _copy_head_block(snapshot + (i_row * H + i_h) * HEAD, state + (i_slot * H + i_h) * HEAD, i_b, HEAD, BLOCK)
+
+
+_CONV_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+
+
+class RecurrentLayers:
+    """L alike recurrent layers' committed state and one verify's record of them (shapes in the
+    module docstring), checked, with their pointer table (`table`: int64 [L, N_FIELDS] on their
+    device; None where no Triton kernel can launch: CPU tensors without the interpreter).
+
+    It holds the tensors (the references read them); what the launchers read is the table alone,
+    so whoever keeps a graph that replays them keeps `table` alive, not this object."""
+
+    def __init__(self, windows: list[torch.Tensor], states: list[torch.Tensor], conv_inputs: list[torch.Tensor],
+                 keys: list[torch.Tensor], values: list[torch.Tensor], decays: list[torch.Tensor], betas: list[torch.Tensor],
+                 snapshots: list[torch.Tensor] | None = None):
+        op = "RecurrentLayers"
+        per_layer = dict(windows=windows, states=states, conv_inputs=conv_inputs, keys=keys, values=values, decays=decays,
+                         betas=betas, **({} if snapshots is None else dict(snapshots=snapshots)))
+        n_layers = len(states)
+        for name, tensors in per_layer.items():
+            if n_layers == 0 or len(tensors) != n_layers:
+                raise ValueError(f"{op}: {name} has {len(tensors)} tensors, states {n_layers}: one per layer, at least one")
+        first, window = states[0], windows[0]
+        if first.dim() != 4 or window.dim() != 3 or window.shape[2] < 1 or keys[0].dim() != 3 or decays[0].dim() != 3:
+            raise ValueError(f"{op}: states[0] must be [n_slots, H, D_K, D_V], windows[0] [n_slots, C, W-1 >= 1], keys[0] "
+                             f"[R, H, D_K], decays[0] [R, H, DECAY_K]; got {list(first.shape)}, {list(window.shape)}, "
+                             f"{list(keys[0].shape)}, {list(decays[0].shape)}")
+        if window.dtype not in _CONV_DTYPES:
+            raise ValueError(f"{op}: windows[0] dtype {window.dtype} is not one of {tuple(_CONV_DTYPES)}")
+        n_slots, self.heads, self.d_k, self.d_v = first.shape
+        _, self.channels, keep = window.shape
+        self.width, self.conv_dtype = keep + 1, window.dtype
+        self.rows, self.decay_k = keys[0].shape[0], decays[0].shape[2]
+        if self.decay_k not in (1, self.d_k):
+            raise ValueError(f"{op}: decays[0] must be [R, H, 1 or D_K={self.d_k}], got {list(decays[0].shape)}")
+        if self.d_k > delta_rule.MAX_D_K:
+            raise ValueError(f"{op}: D_K {self.d_k} > {delta_rule.MAX_D_K}: the key dim must fit one register tile")
+        rows, heads, f32, on_state = self.rows, self.heads, torch.float32, ("states[0]", first)
+        for l in range(n_layers):
+            check_tensor(op, f"states[{l}]", states[l], first.shape, f32, on_state, contiguous=True)
+            check_tensor(op, f"windows[{l}]", windows[l], (n_slots, self.channels, keep), self.conv_dtype, on_state,
+                         layout="[n_slots, C, W-1]", contiguous=True)
+            _check_rows(op, f"conv_inputs[{l}]", conv_inputs[l], (rows, self.channels), self.conv_dtype, on_state)
+            _check_rows(op, f"keys[{l}]", keys[l], (rows, heads, self.d_k), f32, on_state)
+            _check_rows(op, f"values[{l}]", values[l], (rows, heads, self.d_v), f32, on_state)
+            _check_rows(op, f"decays[{l}]", decays[l], (rows, heads, self.decay_k), f32, on_state)
+            _check_rows(op, f"betas[{l}]", betas[l], (rows, heads), f32, on_state)
+            if snapshots is not None:
+                check_tensor(op, f"snapshots[{l}]", snapshots[l], (rows, *first.shape[1:]), f32, on_state,
+                             layout="[R, H, D_K, D_V]", contiguous=True)
+        self.windows, self.states, self.conv_inputs = windows, states, conv_inputs
+        self.keys, self.values, self.decays, self.betas, self.snapshots = keys, values, decays, betas, snapshots
+        self.n_layers = n_layers
+        self.table = self._table() if first.is_cuda or interpreting() else None
+
+    def _table(self) -> torch.Tensor:
+        rows = []
+        for l in range(self.n_layers):
+            entries = dict(window=self.windows[l], conv_inputs=self.conv_inputs[l], state=self.states[l], key=self.keys[l],
+                           value=self.values[l], decay=self.decays[l], beta=self.betas[l])
+            row = []
+            for field in FIELDS:
+                if field.endswith("_row_stride"):
+                    row.append(entries[field.removesuffix("_row_stride")].stride(0))
+                elif field == "snapshots":
+                    row.append(0 if self.snapshots is None else self.snapshots[l].data_ptr())
+                else:
+                    row.append(entries[field].data_ptr())
+            rows.append(row)
+        # a host to device copy: never inside a CUDA graph capture (the module docstring)
+        return torch.tensor(rows, dtype=torch.int64).to(self.states[0].device)
+
+
+def _check_rows(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                operand: tuple[str, torch.Tensor]) -> None:
+    """A record tensor [R, ...]: this shape and dtype, rows at any stride, each row dense."""
+    check_tensor(op, name, t, shape, dtype, operand)
+    dense = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] > 1 and t.stride(dim) != dense:
+            raise ValueError(f"{op}: {name} must be dense within a row (rows may be strided), got strides {t.stride()}")
+        dense *= t.shape[dim]
+
+
+def _check_launch(op: str, layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> int:
+    """-> S, the sequences of the launch (0: nothing to launch)."""
+    if layers.table is None:
+        raise ValueError(f"{op}: the layers have no pointer table (CPU tensors without TRITON_INTERPRET=1)")
+    check_launchable(op, "table", layers.table)
+    on_table = ("table", layers.table)
+    check_ragged(op, seq_slots, cu_rows, on_table)
+    check_tensor(op, "kept", kept, seq_slots.shape, torch.int32, on_table, layout="[S]")
+    return seq_slots.shape[0] if layers.rows else 0
+
+
+def next_windows(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """In place, every layer l: windows[l][slot] = the last W-1 of (windows[l][slot] ++ the first
+    kept[s] rows of conv_inputs[l] of s). kept[s] = 0 leaves the slot alone; kept[s] within the
+    rows of s is not checked (that would sync)."""
+    n_seqs = _check_launch("next_windows", layers, seq_slots, cu_rows, kept)
+    if n_seqs == 0:
+        return
+    block_c = short_conv._block_c(layers.channels)
+    c_blocks = triton.cdiv(layers.channels, block_c)
+    _next_windows_kernel[(n_seqs, layers.n_layers * c_blocks)](
+        layers.table, seq_slots, cu_rows, kept,
+        C=layers.channels, W=layers.width, CONV_DTYPE=_CONV_DTYPES[layers.conv_dtype], BLOCK_C=block_c,
+        BLOCK_W=triton.next_power_of_2(layers.width - 1), C_BLOCKS=c_blocks,
+        num_warps=short_conv.NUM_WARPS, num_stages=1,
+    )
+
+
+def fold_states(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """In place, every layer l: states[l][slot] advanced by the first kept[s] stash rows of s, with
+    the update verify applies (delta_rule_fold on each layer). kept[s] = 0 leaves the slot alone."""
+    n_seqs = _check_launch("fold_states", layers, seq_slots, cu_rows, kept)
+    if n_seqs == 0:
+        return
+    cfg = delta_rule.delta_rule_config(layers.d_k, layers.d_v)
+    _fold_states_kernel[(n_seqs, layers.n_layers * layers.heads, triton.cdiv(layers.d_v, cfg.BLOCK_V))](
+        layers.table, seq_slots, cu_rows, kept,
+        H=layers.heads, D_K=layers.d_k, D_V=layers.d_v, DECAY_K=layers.decay_k, BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
+        num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
+    )
+
+
+def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """In place, every layer l: states[l][slot] = snapshots[l][cu_rows[s] + kept[s] - 1] where kept[s] > 0."""
+    op = "keep_state_snapshots"
+    n_seqs = _check_launch(op, layers, seq_slots, cu_rows, kept)
+    if layers.snapshots is None:
+        raise ValueError(f"{op}: the layers hold no snapshots (a write-on-accept record)")
+    if n_seqs == 0:
+        return
+    head = layers.d_k * layers.d_v
+    _keep_state_snapshots_kernel[(n_seqs, layers.n_layers * layers.heads, triton.cdiv(head, SNAPSHOT_BLOCK))](
+        layers.table, seq_slots, cu_rows, kept, H=layers.heads, HEAD=head, BLOCK=SNAPSHOT_BLOCK,
+        num_warps=SNAPSHOT_NUM_WARPS,
+    )
+
+
+def next_windows_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """next_windows in torch: short_conv.next_window_ref on each layer."""
+    for window, inputs in zip(layers.windows, layers.conv_inputs):
+        short_conv.next_window_ref(window, inputs, seq_slots, cu_rows, kept)
+
+
+def fold_states_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """fold_states in torch: delta_rule.delta_rule_fold_ref on each layer."""
+    for state, key, value, decay, beta in zip(layers.states, layers.keys, layers.values, layers.decays, layers.betas):
+        delta_rule.delta_rule_fold_ref(state, key, value, decay, beta, seq_slots, cu_rows, kept)
+
+
+def keep_state_snapshots_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """keep_state_snapshots in torch: snapshots.keep_snapshots_ref on each layer."""
+    if layers.snapshots is None:
+        raise ValueError("keep_state_snapshots_ref: the layers hold no snapshots (a write-on-accept record)")
+    for state, snapshot in zip(layers.states, layers.snapshots):
+        keep_snapshots_ref(state, snapshot, seq_slots, cu_rows, kept)
