@@ -127,6 +127,7 @@ class Scheduler:
         self._round_trip_s = 0.0  # decayed time from a batch's results to its awaited sessions' next steps
         self._last_step_s = 0.0  # how long the last engine step took (the gather window's ceiling)
         self._cut_short = False  # the last batch left steps queued for want of rows (max_batch_rows)
+        self._bookkeeping: tuple | None = None  # the last batch's outcomes, until keep_books records them
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -137,6 +138,7 @@ class Scheduler:
         self._wakeup.set()
         if self._task is not None:
             await self._task
+        self.keep_books()
 
     @staticmethod
     def answered(step: rpc.VerifyStep, result: rpc.StepResult) -> PendingStep:
@@ -290,7 +292,20 @@ class Scheduler:
                                 f"the session is at position {position} (Status.current_position)", position)
         return None
 
+    def keep_books(self) -> None:
+        """The last batch's metrics and goodput observations (at the latest before the next batch
+        is trimmed, which must see them)."""
+        if self._bookkeeping is None:
+            return
+        verified, trimmed, accepted, latencies, judged = self._bookkeeping
+        self._bookkeeping = None
+        self.metrics.record_steps(verified, trimmed, accepted, latencies)
+        if self.policy is not None and judged:
+            ids, sent = zip(*judged)
+            self.policy.observe_batch(ids, sent, verified, accepted)
+
     async def _run(self, batch: list[PendingStep]) -> None:
+        self.keep_books()
         live = []
         for pending in batch:
             problem = self._check(pending)
@@ -338,10 +353,10 @@ class Scheduler:
                 pending.finish(answer)
             if seq.finish_reason is None:
                 going_on.add(session.id)
-        self.metrics.record_steps(ok_verified, trimmed, ok_accepted, latencies)
-        if self.policy is not None and judged:
-            ids, sent = zip(*judged)
-            self.policy.observe_batch(ids, sent, ok_verified, ok_accepted)
+        # the batch's bookkeeping runs once the answers are on their way: the Verify calls woken
+        # above are ahead of it on the event loop, so it overlaps the drafters' turnaround
+        self._bookkeeping = (ok_verified, trimmed, ok_accepted, latencies, judged)
+        asyncio.get_running_loop().call_soon(self.keep_books)
         self._last_answered = time.perf_counter()
         # the next batch waits for these (still open, unfinished), minus those whose next step is queued already
         self._awaited = {sid for sid in going_on if self.sessions.find(sid) is not None}.difference(

@@ -177,6 +177,8 @@ class VerifierService:
         return rpc.CloseSessionResponse(closed=session is not None)
 
     async def GetStats(self, request: rpc.GetStatsRequest, context) -> rpc.Stats:
+        if self.scheduler is not None:
+            self.scheduler.keep_books()  # the last batch's figures, if its bookkeeping has not run yet
         return self.metrics.stats()
 
     # ---- helpers ----------------------------------------------------------------------------
