@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 from .rows import RowBatch
 
-# Most rows per padding sequence: a verify at K = 7 (the largest K the default buckets are sized
-# for, graphs.DEFAULT_GRAPH_ROWS) walks 8 rows, so padding never walks longer than a real verify of
-# a full-K batch. Smaller chunks would cost more padding sequences, each reading the scratch
-# slot's recurrent state once (a whole state per sequence and layer), for walks shorter than the
-# real ones already are.
+# Most rows per padding sequence: a verify at K = 7 walks 8 rows (at K = 8, the largest K the
+# default buckets are sized for, graphs.DEFAULT_GRAPH_ROWS, 9), so padding never walks longer than a
+# real verify of a full-K batch. Smaller chunks would cost more padding sequences, each reading the
+# scratch slot's recurrent state once (a whole state per sequence and layer), for walks shorter
+# than the real ones already are.
 PAD_CHUNK = 8
 
 
