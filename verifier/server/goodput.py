@@ -94,9 +94,16 @@ def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -
     row (useless drafts), two cost lookups decide it."""
     if len(requested) != len(rates):
         raise ValueError(f"trim_drafts: {len(requested)} requests but {len(rates)} rate lists")
-    for s, (k, r) in enumerate(zip(requested, rates)):
-        if k < 0 or len(r) < k:
-            raise ValueError(f"trim_drafts: session {s} asks for {k} drafts with {len(r)} rates")
+    if isinstance(rates, np.ndarray):  # the policy's case: one check for the batch, not a loop
+        asked = np.asarray(requested)
+        wrong = np.flatnonzero((asked < 0) | (asked > rates.shape[1]))
+        if len(wrong):
+            s = int(wrong[0])
+            raise ValueError(f"trim_drafts: session {s} asks for {requested[s]} drafts with {rates.shape[1]} rates")
+    else:
+        for s, (k, r) in enumerate(zip(requested, rates)):
+            if k < 0 or len(r) < k:
+                raise ValueError(f"trim_drafts: session {s} asks for {k} drafts with {len(r)} rates")
     base_rows = len(requested)
     width = max(requested, default=0)
     if width == 0:
