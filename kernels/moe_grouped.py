@@ -1,0 +1,327 @@
+"""The routed experts grouped by expert: each expert's weight tiles are read once per block of the
+(row, slot) pairs routed to it, for every row count (decode included). kernels/moe.py states the
+formulas and the contract and checks the arguments; this module computes them.
+
+    pairs           P = R * T: pair p = row * T + slot, one per (row, expert) of the batch
+    sorted_ids      [P]      int64: the flattened expert ids, stably sorted (torch.sort, on the device)
+    order           [P]      int64: the pair at each sorted position
+    hidden          [P, I]   x's dtype: h of the pair at each sorted position (stage 1 -> stage 2)
+    expert_out      [P, H]   fp32: y of each pair, by pair index (stage 2 -> combine)
+
+Grouping, with no host synchronisation: one torch.sort of the flattened ids puts the pairs of each
+expert side by side. Expert e owns the sorted positions [start_e, end_e); its pairs are cut into
+blocks of BLOCK_M from start_e, so it has cdiv(count_e, BLOCK_M) blocks, and the blocks of all
+experts are numbered in ascending expert order. Every program finds its block itself
+(`_expert_block`): one lane per expert bisects sorted_ids for start_e and end_e, a cumulative sum
+of the block counts maps the program's block number to its expert. The grid's block axis has the
+static bound n + (P - n) // BLOCK_M, n = min(E, P) the most experts that can own pairs (each owns
+at most one partly filled block); programs past the real blocks return at once. Every shape is a
+function of R, T, H, I, E: nothing is read back to size a launch, so a CUDA graph captures it.
+
+Stage 1, `_grouped_hidden_kernel`, grid (blocks, cdiv(I, BLOCK_N)): a block's BLOCK_M pairs gather
+their rows of x (rows past the block's end load as 0 and are never stored) and multiply them by
+w_gate[e]^T and w_up[e]^T over one BLOCK_N tile of features: a K walk over H from 0 upward in
+BLOCK_K steps, tl.dot into fp32, then h = cast(silu(g) * u). Stage 2, `_grouped_down_kernel`, grid
+(blocks, cdiv(H, BLOCK_N2)): the same over I with w_down[e], y kept in fp32 and stored by pair.
+`_combine_kernel`, grid (R, cdiv(H, BLOCK_H)): per row, its T pairs' y in ascending expert id
+order (T passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
+
+Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what
+a pair computes does not: BLOCK_M, the tiles and the K walks are pinned per (H, I, dtype)
+(`grouped_config`), so a pair's dots are the same chunks in the same order in the same MMA
+instruction at any place in any block, and an MMA's output row is a function of its own input row
+(measured on the H200 for the dense GEMM, kernels/linear.py). Row counts (P, the bisection steps)
+are not specialised on, and the caller's row-side pointers are not specialised on alignment. The
+sum over a row's experts is the combine's, in ascending id order: the listing order of a row's ids
+and its block-mates never reach it. Decode and verify take this one path.
+
+Under the interpreter tl.dot is replaced by kernels/linear.py's `_dot_rows_apart` (tiles upcast to
+fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
+round on the bits (`cast_rtne`).
+
+Block-FP8 experts: with FP8 the weight tiles are float8_e4m3fn and `dequantize_tile` makes each
+the real weight in x's dtype (as `dequantize_ref` does) before the same dot; otherwise the FP8
+constexpr compiles the branch away.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .linear import _dot_rows_apart
+from .linear_fp8 import BlockScales, dequantize_tile
+from .rounding import cast_rtne
+from .runtime import interpreting
+
+NO_EXPERT = tl.constexpr(2**62)  # above every expert id: masked slots and "no id left"
+
+
+# experts per routing slot from which blocks are 16 rows whatever the dtype (grouped_config)
+MANY_EXPERTS_PER_SLOT = 8
+
+
+class GroupedConfig(NamedTuple):
+    BLOCK_M: int  # pairs per block: one value for every row count
+    BLOCK_N: int  # stage 1: hidden features per program
+    BLOCK_K: int  # stage 1: the step of the walk over H
+    BLOCK_N2: int  # stage 2: output features per program
+    BLOCK_K2: int  # stage 2: the step of the walk over I
+    BLOCK_H: int  # combine: output features per program
+    num_warps: int
+    num_stages: int
+
+
+def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k: int = 0) -> GroupedConfig:
+    """The pinned config for experts of hidden size h and intermediate size i; never a function of
+    the row count.
+
+    Reasoned, not timed (time it on the H200: BLOCK_M 64/128, BLOCK_N 32/64, num_stages 3/4).
+    bf16: BLOCK_M 64 rows is one wgmma warpgroup tile; at a batch-64 K = 8 verify of 2-of-8
+    experts (~144 pairs an expert) an expert's tiles are read 3 times, not 144. The feature
+    tiles are narrow (32) so that a decode, 2 pairs in 2 blocks, still spreads an expert's
+    weights over 2 * 2048 / 32 = 128 programs to stream them. fp32 (tests, the interpreter) uses
+    the FMA dot of input_precision="ieee": BLOCK_M 16 keeps its tiles in registers.
+    Small H or I shrink the tiles to the next power of two, at least 16 (tl.dot's minimum).
+    Changing a config changes the CUDA backend's bits (another association of the K sums), never
+    the row-invariance contract.
+    Many experts (n_experts >= MANY_EXPERTS_PER_SLOT x top_k: the published Qwen3-Next, Qwen3.5-MoE
+    and Kimi Linear routers, 256-512 experts for 8-10 slots) get 16-row blocks in bf16 too: a
+    batch-64 K = 8 verify gives an expert ~18 pairs there, and a 64-row block padded from a few
+    pairs spent the MMAs on padding (H200, the 35B FP8 config of bench/fp8_real_size.py, 256 experts,
+    top 8: with 64-row blocks a K = 8 verify at batch 1 took 18.1 ms and a batch-64 decode 52.9,
+    `fp8_real_size_2026-11-30_grouped_m64.json`; with 16-row blocks 13.3 and 34.2,
+    `fp8_real_size_2026-11-30.json`; the per-row kernels before them 11.6 and 37.7,
+    `fp8_real_size_2026-11-30_per_row_experts.json`). The block is still a function of the
+    weights' shapes only.
+    """
+    block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
+    if n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k:
+        block_m = 16
+
+    def fit(block: int, n: int) -> int:
+        return max(16, min(block, triton.next_power_of_2(n)))
+
+    return GroupedConfig(
+        BLOCK_M=block_m, BLOCK_N=fit(32, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(32, h), BLOCK_K2=fit(block_k, i),
+        BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages,
+    )
+
+
+def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
+    """The most blocks n_pairs pairs over n_experts experts can need: with n experts owning pairs,
+    sum of cdiv(count_e, block_m) <= n + (n_pairs - n) // block_m, largest at n = min(E, P)."""
+    n = min(n_experts, n_pairs)
+    return n + (n_pairs - n) // block_m
+
+
+@triton.jit
+def _lower_bound(sorted_ids, n_pairs, n_steps, keys):
+    """Per lane, the first sorted position whose id is >= its key ([BLOCK_E] int64 keys):
+    a bisection of [0, n_pairs) in n_steps steps (n_pairs < 2^n_steps)."""
+    lo = tl.zeros_like(keys)
+    hi = tl.zeros_like(keys) + n_pairs
+    for _ in range(n_steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        b_id = tl.load(sorted_ids + mid, mask=active, other=0)
+        below = active & (b_id < keys)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
+def _expert_block(sorted_ids, n_pairs, n_steps, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's block (program id 0) -> (its expert: an int64 scalar, >= E past the last
+    block; the sorted positions of its pairs: [BLOCK_M] int64; their mask: false past the
+    expert's last pair)."""
+    i_b = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BLOCK_E).to(tl.int64)  # [BLOCK_E] one lane per expert (lanes >= E own no pair)
+    b_start = _lower_bound(sorted_ids, n_pairs, n_steps, o_e)  # [BLOCK_E]
+    b_end = _lower_bound(sorted_ids, n_pairs, n_steps, o_e + 1)
+    b_blocks = (b_end - b_start + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E] blocks of each expert
+    b_blocks_end = tl.cumsum(b_blocks, axis=0)  # [BLOCK_E] one past each expert's last block
+    i_e = tl.sum((b_blocks_end <= i_b).to(tl.int64), axis=0)  # experts whose blocks all come before
+    m_e = o_e == i_e
+    first_block = tl.sum(tl.where(m_e, b_blocks_end - b_blocks, 0), axis=0)
+    start = tl.sum(tl.where(m_e, b_start, 0), axis=0) + (i_b - first_block) * BLOCK_M
+    end = tl.sum(tl.where(m_e, b_end, 0), axis=0)
+    o_p = start + tl.arange(0, BLOCK_M)
+    return i_e, o_p, o_p < end
+
+
+@triton.jit
+def _dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
+    """b_acc + b_a [BLOCK_M, K] @ b_b [K, N] in fp32, each output row from its own input row."""
+    if INTERPRET:  # see kernels/linear.py's _dot_rows_apart
+        return b_acc + _dot_rows_apart(b_a.to(tl.float32), b_b.to(tl.float32))
+    elif b_a.dtype == tl.float32:
+        return tl.dot(b_a, b_b, b_acc, input_precision="ieee")
+    else:
+        return tl.dot(b_a, b_b, b_acc)  # bf16 MMA, fp32 accumulate
+
+
+@triton.jit
+def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
+                 stride_se, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+                 FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of an expert's weight^T in DTYPE (FP8: dequantized in registers;
+    p_srow [1, BLOCK_N]: each column's scale row offset within an expert's scales)."""
+    b_w = tl.load(p_w, mask=m_w, other=0.0)
+    if FP8:
+        b_w = dequantize_tile(b_w, scale_inv, i_e * stride_se + p_srow, m_srow, k0, o_kk, m_w,
+                              SCALE_BLOCK_K, ONE_SCALE_COLUMN, DTYPE, INTERPRET)
+    return b_w
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_steps"], do_not_specialize_on_alignment=["x"])
+def _grouped_hidden_kernel(
+    x, sorted_ids, order, w_gate, w_up, hidden,
+    gate_scale, gate_scale_row, up_scale, up_scale_row,  # FP8 only (else unused)
+    stride_se, stride_sn,  # FP8: scale_inv strides per expert and per scale row (gate's = up's)
+    n_pairs, n_steps,
+    H: tl.constexpr, I: tl.constexpr, T: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
+):
+    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M)  # o_p, m_p: [BLOCK_M]
+    if i_e >= E:
+        return
+    b_row = tl.load(order + o_p, mask=m_p, other=0) // T  # [BLOCK_M] each pair's row of x
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_n = o_n < I
+    p_x = x + b_row[:, None] * H + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    o_w = i_e * (I * H) + o_n[None, :].to(tl.int64) * H + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w[e]^T
+    p_g = w_gate + o_w
+    p_u = w_up + o_w
+    m_srow = m_n[None, :]
+    p_sg = o_n[None, :]  # FP8: [1, BLOCK_N] scale row offsets of each feature (else unused)
+    p_su = p_sg
+    if FP8:
+        p_sg = (tl.load(gate_scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+        p_su = (tl.load(up_scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+
+    b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        m_k = (k0 + o_k) < H
+        m_w = m_k[:, None] & m_n[None, :]
+        o_kk = (k0 + o_k)[:, None]
+        b_x = tl.load(p_x, mask=m_p[:, None] & m_k[None, :], other=0.0)
+        b_wg = _weight_tile(p_g, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+                            FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+                            FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        b_g = _dot_acc(b_x, b_wg, b_g, INTERPRET)
+        b_u = _dot_acc(b_x, b_wu, b_u, INTERPRET)
+        p_x += BLOCK_K
+        p_g += BLOCK_K
+        p_u += BLOCK_K
+    b_h = tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u as torch: g / (1 + exp(-g))
+    p_h = hidden + o_p[:, None] * I + o_n[None, :]
+    tl.store(p_h, cast_rtne(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_steps"])
+def _grouped_down_kernel(
+    hidden, sorted_ids, order, w_down, expert_out,
+    down_scale, down_scale_row,  # FP8 only (else unused)
+    stride_se, stride_sn,  # FP8: scale_inv strides per expert and per scale row
+    n_pairs, n_steps,
+    H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
+):
+    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M)  # o_p, m_p: [BLOCK_M]
+    if i_e >= E:
+        return
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_n = o_n < H
+    p_h = hidden + o_p[:, None] * I + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = w_down + i_e * (H * I) + o_n[None, :].to(tl.int64) * I + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w_down[e]^T
+    m_srow = m_n[None, :]
+    p_srow = o_n[None, :]  # FP8: [1, BLOCK_N] scale row offsets of each output feature (else unused)
+    if FP8:
+        p_srow = (tl.load(down_scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+
+    b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        m_k = (k0 + o_k) < I
+        b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
+        b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
+                           hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        b_y = _dot_acc(b_h, b_w, b_y, INTERPRET)
+        p_h += BLOCK_K
+        p_w += BLOCK_K
+    b_pair = tl.load(order + o_p, mask=m_p, other=0)  # [BLOCK_M] pair index = row * T + slot
+    tl.store(expert_out + b_pair[:, None] * H + o_n[None, :], b_y, mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
+def _combine_kernel(
+    expert_out, expert_ids, expert_weights, out,
+    H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)  # the row
+    i_h = tl.program_id(1)
+    o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T] slots
+    b_ids = tl.load(expert_ids + i_r * T + o_t, mask=o_t < T, other=NO_EXPERT)  # [BLOCK_T] int64
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output features
+    m_h = o_h < H
+    b_out = tl.zeros([BLOCK_H], dtype=tl.float32)
+    i_prev = tl.full([], -1, dtype=tl.int64)
+    for _ in range(T):
+        # the next expert in ascending id order, and the slot that lists it
+        i_e = tl.min(tl.where(b_ids > i_prev, b_ids, NO_EXPERT), axis=0)
+        i_t = tl.min(tl.where(b_ids == i_e, o_t, BLOCK_T), axis=0)
+        b_w = tl.load(expert_weights + i_r * T + i_t)  # fp32 routing weight
+        b_y = tl.load(expert_out + (i_r * T + i_t) * H + o_h, mask=m_h, other=0.0)  # [BLOCK_H] fp32
+        b_out += b_w * b_y
+        i_prev = i_e
+    tl.store(out + i_r * H + o_h, cast_rtne(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
+
+
+def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor,
+                    scales: tuple[BlockScales, BlockScales, BlockScales] | None) -> torch.Tensor:
+    """The three launches on arguments kernels/moe.py has checked (x, ids and weights contiguous,
+    out [R, H] contiguous, R >= 1); scales None: weights in x's dtype. Fills and returns out."""
+    r, h = x.shape
+    t = expert_ids.shape[1]
+    e, i, _ = w_gate.shape
+    n_pairs = r * t
+    cfg = grouped_config(h, i, x.dtype, e, t)
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)  # [P], [P]: pairs grouped by expert
+    hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by sorted position
+    expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
+    n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)
+    grouping = dict(n_pairs=n_pairs, n_steps=n_pairs.bit_length(), E=e, BLOCK_E=triton.next_power_of_2(e),
+                    INTERPRET=interpreting(), BLOCK_M=cfg.BLOCK_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # scale pointers, strides and flags per stage (unused placeholders without FP8)
+    hidden_fp8, down_fp8 = (x, x, x, x, 0, 0), (x, x, 0, 0)
+    hidden_flags, down_flags = {}, {}
+    if scales is not None:
+        gate, up, down = scales
+        hidden_fp8 = (gate.scale_inv, gate.scale_row, up.scale_inv, up.scale_row, gate.scale_inv.stride(0), gate.scale_inv.stride(1))
+        down_fp8 = (down.scale_inv, down.scale_row, down.scale_inv.stride(0), down.scale_inv.stride(1))
+        hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0)
+        down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0)
+    _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
+        x, sorted_ids, order, w_gate, w_up, hidden, *hidden_fp8,
+        H=h, I=i, T=t, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
+    )
+    _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
+        hidden, sorted_ids, order, w_down, expert_out, *down_fp8,
+        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
+    )
+    _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
+        expert_out, expert_ids, expert_weights, out,
+        H=h, T=t, BLOCK_T=triton.next_power_of_2(t), INTERPRET=interpreting(), BLOCK_H=cfg.BLOCK_H, num_warps=cfg.num_warps,
+    )
+    return out
