@@ -15,8 +15,11 @@ written once to a temporary directory by its writer; tiny = bench.load's tiny ch
            drafter/fleet.py (one Verify call per round). Every process runs --warmup-steps rounds,
            then all start their --steps timed rounds at once. Runs: plain (K = 0); plain from twice
            the processes (when the two agree, the load generator is not the bottleneck); random
-           drafts K; oracle drafts K (the plain continuation); then a second server started with
-           --no-goodput for oracle drafts untrimmed. Every stream is compared with the engine's.
+           drafts K; oracle drafts K (the plain continuation); and oracle drafts untrimmed on a second
+           server, started with --no-goodput beside the first. With --pairs N each ratio (random vs
+           plain, oracle trimmed vs untrimmed) is measured N - 1 more times as back-to-back pairs,
+           alternating which run goes first, and the median is reported (`pair_ratios` lists them).
+           Every stream is compared with the engine's.
 remote drafter (--remote-target/--remote-draft, the shipped pair): held-out prompts one session at a
 time, as `python -m drafter generate` runs them (drafter.loop.generate over a VerifyStream): plain,
 then the model drafter at K in this process on --draft-device; and the same pair in process
@@ -32,10 +35,11 @@ import argparse
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, redirect_stderr
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from io import StringIO
 from pathlib import Path
 
@@ -79,6 +83,7 @@ class ServeConfig:
     draft_device: str | None = None  # None: --device
     time_limit_s: float = 300.0
     seed: int = 0
+    pairs: int = 1  # back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed); the median is reported
 
     def __post_init__(self):
         if not 1 <= self.processes <= self.sessions:
@@ -89,6 +94,8 @@ class ServeConfig:
             raise ValueError("--device cuda, but torch sees no CUDA device")
         if "2b" in self.models and self.device != "cuda":
             raise ValueError("--model 2b needs --device cuda (a 2B checkpoint on this CPU would take hours)")
+        if self.pairs < 1:
+            raise ValueError(f"--pairs must be >= 1, got {self.pairs}")
         if self.remote_prompt_count < 1 or self.remote_new_tokens < 2 or self.time_limit_s <= 0:
             raise ValueError("--remote-prompt-count >= 1, --remote-new-tokens >= 2 and --time-limit-s > 0 are needed")
 
@@ -208,40 +215,66 @@ def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = 
 
 
 def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) -> dict:
+    """The engine alone, then the service runs. The untrimmed oracle's server (--no-goodput) runs beside
+    the first from the start, so that with --pairs N each ratio is also measured N - 1 more times as
+    back-to-back pairs, alternating which run goes first: the hosts lent differ from run to run by
+    more than the effects measured, and a pair run seconds apart shares its host's state."""
     with_goodput_off = server_has_flag(NO_GOODPUT)
     one, more = config.processes, min(2 * config.processes, config.sessions)
     runs: dict[str, dict] = {}
     rss: dict[str, float] = {}
-    with serving(config, model_dir) as (server, client):
+    pairs: dict[str, list[float]] = {"random_vs_plain": [], "oracle_trimmed_vs_untrimmed": []}
+    if not with_goodput_off:
+        say(f"the server has no {NO_GOODPUT} flag yet: oracle_trimmed_vs_untrimmed is not measured", TAG)
+    untrimmed_server = serving(config, model_dir, (NO_GOODPUT,)) if with_goodput_off else nullcontext((None, None))
+    with serving(config, model_dir) as (server, client), untrimmed_server as (untrimmed, untrimmed_client):
         info = client.model_info()
         plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, "none", config.reference_tokens,
                              config.warmup_steps + config.steps, config.seed, sampling_mix="greedy", generations=1)
-        # the engine alone while the server idles: they share the device, never its time
+        # the engine alone while the servers idle: they share the device, never its time
         engine_figures, streams = engine_alone(config, model_dir, plan)
 
-        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None) -> dict:
-            return service_run(config, server.address, client, dataclasses.replace(plan, drafter=drafter), n_processes,
+        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None, trimmed: bool = True) -> dict:
+            address, caller = (server.address, client) if trimmed else (untrimmed.address, untrimmed_client)
+            return service_run(config, address, caller, dataclasses.replace(plan, drafter=drafter), n_processes,
                                streams, scratch, f"{name} {label}", at_start)
 
+        oracle = f"oracle K={config.k}"
         runs["plain"] = run("plain", at_start=lambda: rss.setdefault("before", server.rss_mib()))
         runs["plain_more_processes"] = run(f"plain, {more} processes", n_processes=more)
         runs["random"] = run(f"random K={config.k}", "random")
-        runs["oracle"] = run(f"oracle K={config.k}", "oracle")
+        runs["oracle"] = run(oracle, "oracle")
+        if with_goodput_off:
+            runs["oracle_untrimmed"] = run(f"{oracle}, {NO_GOODPUT}", "oracle", trimmed=False)
+        _add_pair(pairs["random_vs_plain"], runs["random"], runs["plain"])
+        _add_pair(pairs["oracle_trimmed_vs_untrimmed"], runs["oracle"], runs.get("oracle_untrimmed"))
+        comparisons = [("random_vs_plain", True, lambda i: run(f"random K={config.k}, pair {i}", "random"),
+                        lambda i: run(f"plain, pair {i}"))]  # (key, baseline ran first in pair 1, drafts, baseline)
+        if with_goodput_off:
+            comparisons.append(("oracle_trimmed_vs_untrimmed", False, lambda i: run(f"{oracle}, pair {i}", "oracle"),
+                                lambda i: run(f"{oracle}, {NO_GOODPUT}, pair {i}", "oracle", trimmed=False)))
+        for i in range(2, config.pairs + 1):
+            for key, baseline_first_in_pair_1, drafts, baseline in comparisons:
+                if baseline_first_in_pair_1 != (i % 2 == 0):  # every other pair swaps the order
+                    pair = {"baseline": baseline(i), "drafts": drafts(i)}
+                else:
+                    pair = {"drafts": drafts(i), "baseline": baseline(i)}
+                runs[f"{key}_pair_{i}"] = pair
+                _add_pair(pairs[key], pair["drafts"], pair["baseline"])
         rss["after"] = server.rss_mib()
-    if with_goodput_off:
-        with serving(config, model_dir, (NO_GOODPUT,)) as (server, client):
-            runs["oracle_untrimmed"] = service_run(config, server.address, client, dataclasses.replace(plan, drafter="oracle"),
-                                                   one, streams, scratch, f"{name} oracle K={config.k}, {NO_GOODPUT}")
-    else:
-        say(f"the server has no {NO_GOODPUT} flag yet: oracle_trimmed_vs_untrimmed is not measured", TAG)
-    return model_figures(config, engine_figures, runs, rss, with_goodput_off)
+    return model_figures(config, engine_figures, runs, rss, with_goodput_off, pairs)
+
+
+def _add_pair(ratios: list[float], drafts: dict | None, baseline: dict | None) -> None:
+    ratio = _ratio(drafts and drafts["tokens_per_s"], baseline and baseline["tokens_per_s"])
+    if ratio is not None:
+        ratios.append(ratio)
 
 
 def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss: dict[str, float],
-                  with_goodput_off: bool) -> dict:
+                  with_goodput_off: bool, pairs: dict[str, list[float]]) -> dict:
     plain, load_runs = runs["plain"], [runs[key] for key in ("plain", "plain_more_processes", "random", "oracle")]
     captures = [r["graph_captures"] for r in load_runs]
-    untrimmed = runs.get("oracle_untrimmed")
     return {
         "sessions": config.sessions,
         "engine_tokens_per_s": engine["tokens_per_s"],
@@ -250,15 +283,26 @@ def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss:
         "p50_ms": plain["p50_ms"], "p99_ms": plain["p99_ms"],
         "graph_captures_during_load": None if None in captures else sum(captures),
         "rss_before_mib": _mib(rss.get("before")), "rss_after_mib": _mib(rss.get("after")),
-        "random_drafts_vs_plain_b64": _ratio(runs["random"]["tokens_per_s"], plain["tokens_per_s"]),
-        "oracle_trimmed_vs_untrimmed": _ratio(runs["oracle"]["tokens_per_s"], untrimmed["tokens_per_s"]) if untrimmed else None,
-        "mismatches": sum(r["mismatches"] for r in runs.values()),
-        "errors": sum(r["errors"] for r in runs.values()),
+        # the median of the back-to-back pairs (--pairs; one pair: that pair's ratio)
+        "random_drafts_vs_plain_b64": _median(pairs["random_vs_plain"]),
+        "oracle_trimmed_vs_untrimmed": _median(pairs["oracle_trimmed_vs_untrimmed"]),
+        "pair_ratios": pairs,
+        "mismatches": sum(r["mismatches"] for r in _all_runs(runs)),
+        "errors": sum(r["errors"] for r in _all_runs(runs)),
         "processes": config.processes,
         "service_tokens_per_s_more_processes": runs["plain_more_processes"]["tokens_per_s"],
         "goodput_flag": with_goodput_off,
         "engine": engine, "runs": runs,
     }
+
+
+def _all_runs(runs: dict[str, dict]) -> list[dict]:
+    """Every service run, the extra pairs' included ({"baseline": run, "drafts": run})."""
+    return [r for run in runs.values() for r in (run.values() if "baseline" in run else [run]) if r is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -352,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-device", default=None, help="where the model drafter runs; None: --device")
     p.add_argument("--time-limit-s", type=float, default=defaults.time_limit_s, help="per service run: stop its sessions then")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the prompts and the random drafts")
+    p.add_argument("--pairs", type=int, default=defaults.pairs,
+                   help="back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed), alternating "
+                        "which runs first; the median ratio is reported")
     return p
 
 

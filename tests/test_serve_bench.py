@@ -31,7 +31,7 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     prompts.write_text("\n".join(json.dumps({"prompt_ids": [5 + i, 6, 7, 8, 5 + i, 6, 7]}) for i in range(3)))
     config = ServeConfig(out=tmp_path, models=(str(tiny),), device="cpu", sessions=SESSIONS, processes=PROCESSES,
                          warmup_steps=WARMUP, steps=STEPS, k=K, remote_target=tiny, remote_draft=tiny,
-                         remote_prompts=prompts, remote_prompt_count=2, remote_new_tokens=8, time_limit_s=120)
+                         remote_prompts=prompts, remote_prompt_count=2, remote_new_tokens=8, time_limit_s=120, pairs=2)
     result = run_serve(config)
     written = json.loads(Path(result["path"]).read_text())
     assert Path(result["path"]).name == f"serve_{written['date']}.json"
@@ -54,7 +54,16 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
         assert 0 < run["p50_ms"] <= run["p99_ms"]
     assert runs["plain"]["tokens"] == SESSIONS * STEPS  # plain decoding: one token per step
     assert model["service_over_engine"] > 0 and model["random_drafts_vs_plain_b64"] > 0
+    # --pairs 2: each ratio measured twice, the second pair in the other order; the median reported
+    ratios = model["pair_ratios"]
+    assert len(ratios["random_vs_plain"]) == 2 and model["random_drafts_vs_plain_b64"] == round(sum(ratios["random_vs_plain"]) / 2, 3)
+    second = runs["random_vs_plain_pair_2"]
+    assert list(second) == ["drafts", "baseline"]  # pair 1 ran plain first
+    assert second["drafts"]["drafter"] == "random" and second["baseline"]["drafter"] == "none"
+    assert second["drafts"]["mismatches"] == 0 and second["baseline"]["mismatches"] == 0
     if server_has_flag("--no-goodput"):
+        assert len(ratios["oracle_trimmed_vs_untrimmed"]) == 2
+        assert list(runs["oracle_trimmed_vs_untrimmed_pair_2"]) == ["baseline", "drafts"]  # pair 1 ran trimmed first
         # untrimmed, the oracle's every draft is accepted: K + 1 tokens per step
         assert runs["oracle_untrimmed"]["mean_acceptance_length"] == K + 1
         assert runs["oracle_untrimmed"]["mismatches"] == 0 and model["oracle_trimmed_vs_untrimmed"] > 0
