@@ -3,7 +3,7 @@ per-position draft counts a batch adds (GetStats reads both back)."""
 
 from prometheus_client import generate_latest
 
-from verifier.server.metrics import LATENCY_BUCKETS_S, SMALL_BATCH, Metrics
+from verifier.server.metrics import LATENCY_BUCKETS_S, Metrics
 
 
 def test_a_batch_of_latencies_lands_in_prometheus_buckets():
@@ -35,17 +35,3 @@ def test_draft_counts_by_position():
     assert list(stats.accepted_per_position) == [2, 2, 0]
     metrics.record_batch(9)
     assert stats.rows_per_batch.count == 0 and metrics.stats().rows_per_batch.count == 1
-
-
-def test_small_and_large_batches_count_alike():
-    """Batches of up to SMALL_BATCH values are counted with bisect, larger ones with numpy: the same
-    buckets either way, bounds included."""
-    values = [0.0005, 0.001, 0.002, 0.0021, 0.05, 0.3, 1.0, 5.0, 9.0, 0.01] * 3
-    assert len(values) > SMALL_BATCH
-    one, many = Metrics(max_k=1), Metrics(max_k=1)
-    one.step_latency.observe_many(values)
-    for i in range(0, len(values), 3):
-        many.step_latency.observe_many(values[i : i + 3])
-    assert one.step_latency.counts.tolist() == many.step_latency.counts.tolist()
-    assert abs(one.step_latency.sum - many.step_latency.sum) < 1e-12
-    assert one.step_latency.counts.tolist()[LATENCY_BUCKETS_S.index(0.001)] == 6  # 0.0005 and the bound 0.001

@@ -4,6 +4,7 @@ the same series (one set of figures, two views)."""
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -16,44 +17,32 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-# Batches of at most this many observations are counted in Python (bisect), larger ones with numpy
-SMALL_BATCH = 8
-
-
 class BatchHistogram:
-    """A Prometheus histogram fed a batch's observations at once: one numpy pass per engine batch
-    (prometheus_client's Histogram takes a lock and walks its buckets per value, ~2 us per step
-    on the event loop). Exposed like a Histogram: NAME_bucket{le=...}, NAME_sum, NAME_count."""
+    """A Prometheus histogram fed a batch's observations at once, on the event loop, with no lock
+    (prometheus_client's Histogram takes a lock and walks its buckets per value). Exposed like a
+    Histogram: NAME_bucket{le=...}, NAME_sum, NAME_count."""
 
     def __init__(self, name: str, documentation: str, buckets, registry: CollectorRegistry):
         self.name, self.documentation = name, documentation
-        self.bounds = np.asarray(buckets, dtype=np.float64)  # upper bounds; a last bucket is +inf
-        self._bounds = [float(b) for b in buckets]
-        self.counts = np.zeros(len(self.bounds) + 1, dtype=np.int64)
+        self.bounds = [float(b) for b in buckets]  # upper bounds; a last bucket is +inf
+        self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
         registry.register(self)
 
     def observe_many(self, values) -> None:
-        # a value equal to a bound belongs to that bucket (Prometheus' "le"): bisect_left / side="left"
-        if len(values) <= SMALL_BATCH:  # numpy's fixed cost (~8 us) is more than a few bisects
-            counts = self.counts.copy()
-            for value in values:
-                counts[bisect.bisect_left(self._bounds, value)] += 1
-            self.counts, self.sum = counts, self.sum + sum(values)
-            return
-        values = np.asarray(values, dtype=np.float64)
-        self.counts = self.counts + np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=len(self.counts))
-        self.sum += float(values.sum())
+        counts = list(self.counts)  # replaced whole: a scrape on another thread reads one or the other
+        for value in values:
+            counts[bisect.bisect_left(self.bounds, value)] += 1  # a value equal to a bound is in it ("le")
+        self.counts, self.sum = counts, self.sum + sum(values)
 
     def observe(self, value: float) -> None:
         self.observe_many([value])
 
     def collect(self):
         counts, total = self.counts, self.sum  # read once: a scrape runs on another thread
-        cumulative = np.cumsum(counts).tolist()
-        bounds = [*(repr(float(b)) for b in self.bounds), "+Inf"]
+        bounds = [*(repr(b) for b in self.bounds), "+Inf"]
         family = HistogramMetricFamily(self.name, self.documentation)
-        family.add_metric([], list(zip(bounds, cumulative)), sum_value=total)
+        family.add_metric([], list(zip(bounds, itertools.accumulate(counts))), sum_value=total)
         yield family
 
 

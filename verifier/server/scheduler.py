@@ -348,9 +348,7 @@ class Scheduler:
             latencies.append(now - pending.arrived)
             judged.append((session.id, asked))
             trimmed += asked - k
-            self._release(pending)
-            if pending.result is None:
-                pending.finish(answer)
+            self._deliver(pending, answer)
             if seq.finish_reason is None:
                 going_on.add(session.id)
         # the batch's bookkeeping runs once the answers are on their way: the Verify calls woken
