@@ -105,12 +105,24 @@ def choose_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     return pick(coupled_choice, coupled_choice_ref, logits)(logits, temperature, seeds, position_ids, threshold)
 
 
-def keep_threshold(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def keep_threshold(scaled: torch.Tensor, params: SamplingParams,
+                   limits: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """scaled [vocab] fp32 (logits / T) -> 0-dim fp32 on its device: `keep_thresholds` of one row."""
-    return keep_thresholds(scaled[None], [params])[0]
+    return keep_thresholds(scaled[None], [params], limits)[0]
 
 
-def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def mask_limits(params: list[SamplingParams], vocab: int, device: torch.device | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each row's top-k [R] int64 (0: off) and top-p [R] fp32 (1: off) on `device`, None where no
+    row uses that mask: what keep_thresholds reads. Made once outside a CUDA graph, they let a
+    capture take the thresholds without a copy from the host inside it."""
+    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    k = torch.tensor(top_k, dtype=torch.int64).to(device) if any(top_k) else None
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device) if any(p.top_p < 1.0 for p in params) else None
+    return k, top_p
+
+
+def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams],
+                    limits: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """scaled [R, vocab] fp32 (logits / T), row r masked as params[r] says -> [R] fp32 on its device:
     the smallest scaled logit each row's top-k / top-p masks keep (-inf when neither is on); the
     kept ids are those >= it.
@@ -121,18 +133,17 @@ def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams]) -> torch
     its own row: a top-k selection and a sort (exact), a softmax (per-row order fixed by the
     vocabulary size), and the running sum of kernels/sampling.py's cumsum_rows (torch's CUDA cumsum
     changes a row's bits with the row count); tests/kernel_tests/test_sampling.py checks rows
-    alone against rows in batches on the GPU."""
+    alone against rows in batches on the GPU. limits: mask_limits(params, vocab, device), when made
+    beforehand (a CUDA graph's capture)."""
     rows, vocab = scaled.shape
-    device = scaled.device
+    k, top_p = mask_limits(params, vocab, scaled.device) if limits is None else limits  # [R] each, or None
     threshold = scaled.new_full((rows,), float("-inf"))
-    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        k = torch.tensor(top_k, dtype=torch.int64).to(device)  # [R], 0: off
-        largest = torch.topk(scaled, max(top_k), dim=-1).values  # [R, max k] descending
+    if k is not None:
+        largest_k = max(p.top_k if p.top_k and p.top_k < vocab else 0 for p in params)
+        largest = torch.topk(scaled, largest_k, dim=-1).values  # [R, max k] descending
         kth = largest.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
         threshold = torch.where(k > 0, kth, threshold)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)  # [R], 1: off
+    if top_p is not None:
         ordered = torch.sort(torch.where(scaled >= threshold[:, None], scaled, float("-inf")), dim=-1, descending=True).values
         probs = torch.softmax(ordered, dim=-1)
         # mass strictly before each token (an exclusive running sum over the sorted row): the

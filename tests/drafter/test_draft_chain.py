@@ -23,7 +23,8 @@ from verifier.generate import generate
 from verifier.model import load_model
 from verifier.params import SamplingParams
 from verifier.proposers import COUPLED, REJECTION, ModelProposer
-from verifier.proposers.model import CHAIN_MAX_K, DRAFT_GRAPH_ROWS
+from verifier.proposers.draft_chain import BONUS, NONE, RESTORE_BONUS, TWO
+from verifier.proposers.model import CHAIN_MAX_K, DRAFT_GRAPH_ROWS, _common_prefix
 
 from test_model_proposer import PROMPT, SAMPLED, VOCAB, assert_same_state, small, small_dir  # noqa: F401 (fixtures)
 
@@ -54,7 +55,45 @@ def _follow(chained: ModelProposer, looped: ModelProposer, prompt: list[int], vo
     return proposals
 
 
+def _follow_by_proposals(chained: ModelProposer, looped: ModelProposer, prompt: list[int], vocab: int, seed: int,
+                         max_context: int) -> set[str]:
+    """As _follow, but the chained drafter is never synced from outside: each proposal catches up
+    inside its chain (the verifier's answer restored and consumed in the replay). After every
+    proposal both drafters hold context + drafts[:-1]: equal drafts, logits and state. Returns the
+    catch-ups the chain ran."""
+    rng = random.Random(seed)
+    catch_ups, propose = [], chained.chain.propose
+    chained.chain.propose = lambda logits, start, k, catch_up=NONE, *rest: catch_ups.append(catch_up) or \
+        propose(logits, start, k, catch_up, *rest)
+    context = list(prompt)
+    while len(context) + CHAIN_MAX_K + 1 < max_context:
+        k = rng.randint(1, CHAIN_MAX_K)
+        drafts = chained.propose(context, k)
+        assert drafts == looped.propose(context, k), f"proposal {len(catch_ups)} (K={k}): drafts differ"
+        assert torch.equal(chained.logits, looped.logits), f"proposal {len(catch_ups)}: the logits after the drafts"
+        assert_same_state(chained, SimpleNamespace(pool=looped.engine.pool, slot=looped.slot), len(context) + k - 1)
+        keep = rng.choice([0, rng.randint(0, k), k - 1, k])  # every case of catch-up, often
+        context = context + drafts[:keep] + [rng.randrange(vocab)]
+    assert chained.prefills == looped.prefills == 1 and chained.rows == looped.rows
+    return set(catch_ups)
+
+
 # -- on the CPU: the chain's body, eagerly -------------------------------------------------------
+
+def test_proposals_catch_up_inside_the_chain_as_the_sync_would(small):
+    chained = ModelProposer(small, VOCAB, 96, draft_chain=True)
+    looped = ModelProposer(small, VOCAB, 96, draft_chain=False)
+    assert _follow_by_proposals(chained, looped, PROMPT, VOCAB, seed=0, max_context=96) == {NONE, BONUS, TWO, RESTORE_BONUS}
+
+
+def test_common_prefix_finds_the_first_difference():
+    rng = random.Random(5)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 5))]
+        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert _common_prefix(a, b) == expected == _common_prefix(b, a), (a, b)
+
 
 def test_the_chain_body_matches_the_loop_on_the_cpu(small):
     chained = ModelProposer(small, VOCAB, 96, draft_chain=True)
@@ -111,12 +150,23 @@ def test_chained_drafter_equals_the_loop_on_the_gpu(shipped_draft, sampling, see
     assert _follow(chained, looped, _gpu_prompt(vocab), vocab, seed, GPU_CONTEXT) >= 50
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "coupled-masked"])
+@on_gpu
+def test_catch_ups_in_the_graphs_equal_the_loop_on_the_gpu(shipped_draft, sampling):
+    vocab = shipped_draft.config.vocab_size
+    chained = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, sampling, mode=COUPLED)
+    looped = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, sampling, mode=COUPLED, draft_chain=False)
+    assert chained.chain.graphed
+    assert _follow_by_proposals(chained, looped, _gpu_prompt(vocab), vocab, 4, GPU_CONTEXT) == {NONE, BONUS, TWO, RESTORE_BONUS}
+
+
 @on_gpu
 def test_a_steady_stream_captures_nothing_after_construction(shipped_draft):
     vocab = shipped_draft.config.vocab_size
     proposer = ModelProposer(shipped_draft, vocab, GPU_CONTEXT)
     captured = proposer.graph_captures
-    assert captured == len(DRAFT_GRAPH_ROWS) + CHAIN_MAX_K, "the buckets and chains of 1 .. CHAIN_MAX_K, at construction"
+    assert captured == len(DRAFT_GRAPH_ROWS) + 4 * CHAIN_MAX_K, \
+        "the buckets and chains of 1 .. CHAIN_MAX_K after each of the four catch-ups, at construction"
     rng, context = random.Random(2), _gpu_prompt(vocab)
     proposer.propose(context, 4)
     torch.cuda.synchronize()

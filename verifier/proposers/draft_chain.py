@@ -17,6 +17,19 @@ One proposal of k drafts from committed position p (the slot has consumed p toke
 The choice is greedy (argmax, ties to the lowest id: torch.argmax's answer) or, on CUDA, coupled
 sampling (the device path of verifier/sampling.choose_rows: the same kernel and threshold ops).
 
+Catching up. Between two proposals the verifier's answer arrives: the drafts it kept, then a bonus.
+The drafter's sync would restore the boundary of the first rejected draft and consume the new
+tokens through the engine's runner (host packing, two replays, a clone): on the H200 that sync
+cost more wall time than the chain itself (bench/README.md). So a chain can begin with the
+catch-up, in the same replay, before its first choice:
+    RESTORE_BONUS  boundary j of the last proposal back into the slot, then the bonus consumed
+                   (drafts[j] was rejected: the slot had consumed drafts[0 .. k-2]);
+    BONUS          the bonus consumed (drafts[0 .. k-2] kept, drafts[k-1] rejected);
+    TWO            the last draft and the bonus consumed as one two-row verify (every draft kept);
+    NONE           nothing: the running logits already predict the first draft.
+The consumption is the one-row (or two-row) verify and a rollback keeping every row, the kernels
+and shapes of the engine's own consume, so the catch-up leaves the sync's bits.
+
 Static buffers. A graph reads and writes fixed addresses: the start position, the one-row step
 inputs (token and position written by in-graph ops from the start and the chosen draft; the slot
 fixed at construction), the running logits, the draft ids and the k-1 boundary buffers. A replay
@@ -24,8 +37,8 @@ overwrites all of them, so what a proposal hands out (its boundaries, its last l
 until the next proposal; the drafter settles every boundary in its sync, which runs before the
 next proposal (ModelProposer asserts it).
 
-Capture happens at construction, for every k up to max_k, after one eager run of the largest
-chain in the pool's scratch slot (it compiles the kernels; its rollback keeps nothing and the
+Capture happens at construction, for every catch-up and every k up to max_k, after one eager run
+of the largest chain in the pool's scratch slot (it compiles the kernels; its rollback keeps nothing and the
 scratch slot's KV is padding's anyway). Without CUDA graphs (graphed=False, the CPU reference:
 tests) every proposal runs the same body eagerly: the same buffers and device-side positions and
 tokens, none of the speed.
@@ -43,7 +56,14 @@ from ..model.rollback import WOA, VerifyRecord, apply_rollback
 from ..model.state import RecurrentState, SlotPool
 from ..model.step_inputs import StepInputs
 from ..params import SamplingParams
-from ..sampling import seed_as_int64, masks_on, keep_threshold
+from ..sampling import keep_threshold, mask_limits, masks_on, seed_as_int64
+
+# How a proposal first brings the slot to its context (module docstring, "Catching up").
+NONE, BONUS, TWO, RESTORE_BONUS = "none", "bonus", "two", "restore_bonus"
+CATCH_UP_TOKENS = {NONE: 0, BONUS: 1, TWO: 2, RESTORE_BONUS: 1}
+
+# the host-written control words, one copy to the device per proposal
+_CATCH_START, _START, _RESTORE, _NEW_TOKENS = 0, 1, 2, 3  # _NEW_TOKENS .. +2: the tokens caught up
 
 # A saved draft boundary: per recurrent layer (conv window [conv_dim, W-1], recurrent state
 # [heads, d_k, d_v] fp32), and the logits [vocab] fp32 predicting the token at that boundary.
@@ -62,6 +82,8 @@ class DeviceChoice:
             self.temperature = torch.tensor([params.temperature], dtype=torch.float32, device=device)  # [1]
             self.seeds = torch.tensor([seed_as_int64(params.seed)], dtype=torch.int64, device=device)  # [1]
             self.masked = masks_on(params, vocab)
+            # the masks' limits on the device now: a capture may not copy them from the host
+            self.limits = mask_limits([params], vocab, device) if self.masked else None
 
     def __call__(self, logits: torch.Tensor, position: torch.Tensor, out: torch.Tensor) -> None:
         """position [1] int64: where the chosen token will sit (coupled sampling's noise key)."""
@@ -70,7 +92,7 @@ class DeviceChoice:
             return
         threshold = None
         if self.masked:  # choose_rows' threshold, for its one row
-            threshold = keep_threshold(logits[0].float() / self.temperature[0], self.params).view(1)
+            threshold = keep_threshold(logits[0].float() / self.temperature[0], self.params, self.limits).view(1)
         coupled_choice(logits, self.temperature, self.seeds, position, threshold, out=out)
 
 
@@ -88,12 +110,20 @@ class DraftChain:
         self.choose = DeviceChoice(params, vocab, self.device)
         self.graphed = graphed
         device = self.device
-        self._start = torch.zeros(1, dtype=torch.int64, device=device)  # [1]: p, the proposal's first draft position
-        self._host_start = torch.zeros(1, dtype=torch.int64, pin_memory=graphed)
+        # [5] int64: catch-up start, p (the first draft's position), restore boundary, up to two new tokens
+        self._control = torch.zeros(_NEW_TOKENS + 2, dtype=torch.int64, device=device)
+        self._host_control = torch.zeros(_NEW_TOKENS + 2, dtype=torch.int64, pin_memory=graphed)
+        self._start = self._control[_START : _START + 1]  # [1]: p
+        self._catch_start = self._control[_CATCH_START : _CATCH_START + 1]  # [1]: where the caught-up tokens sit
+        self._restore_index = self._control[_RESTORE : _RESTORE + 1]  # [1]: the boundary RESTORE_BONUS restores
+        self._row_offsets = torch.arange(2, dtype=torch.int64, device=device)  # [2]: 0, 1
+        self._catch_inputs = {n: _sequence_inputs(slot, n, device) for n in (1, 2)}
+        self._keep_caught = {n: torch.full((1,), n, dtype=torch.int32, device=device) for n in (1, 2)}
+        self._caught_logits = torch.zeros(2, vocab, dtype=torch.float32, device=device)  # [2, vocab]: the catch-up rows'
         self._logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)  # running: predicts the next draft
         self._drafts = torch.zeros(max_k, dtype=torch.int64, device=device)  # [max_k] the draft ids
         self._host_drafts = torch.zeros(max_k, dtype=torch.int64, pin_memory=graphed)
-        self._inputs = _one_row_inputs(slot, device)
+        self._inputs = _sequence_inputs(slot, 1, device)
         self._keep_row = torch.ones(1, dtype=torch.int32, device=device)  # rollback keeps the consumed draft
         boundaries = max_k - 1
         layers = [layer for layer in pool.layers if isinstance(layer, RecurrentState)]
@@ -104,7 +134,8 @@ class DraftChain:
                                  for layer in layers]  # per layer [max_k - 1, heads, d_k, d_v]
         self._saved_logits = torch.zeros(boundaries, vocab, dtype=torch.float32, device=device)  # [max_k - 1, vocab]
         self.captures = 0  # chain graphs captured since construction
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.catch_ups = (NONE, BONUS, TWO) + ((RESTORE_BONUS,) if boundaries else ())
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         if graphed:
             self._capture_all()
 
@@ -122,24 +153,59 @@ class DraftChain:
         return states, self._saved_logits[i]
 
     @torch.inference_mode()
-    def propose(self, logits: torch.Tensor, start: int, k: int) -> list[int]:
-        """k drafts from `logits` [vocab] (predicting the token at position `start`, the slot's
-        committed position); the slot ends with drafts[0 .. k-2] consumed."""
+    def propose(self, logits: torch.Tensor | None, start: int, k: int, catch_up: str = NONE, new_tokens: tuple[int, ...] = (),
+                restore: int = 0) -> list[int]:
+        """k drafts from position `start` (the slot's committed position once caught up).
+
+        catch_up NONE: `logits` [vocab] predicts the token at `start`, which the slot has consumed
+        up to. Otherwise (logits None) the replay first consumes `new_tokens` at start -
+        len(new_tokens) .. start - 1, after restoring boundary `restore` of the last proposal for
+        RESTORE_BONUS (module docstring). The slot ends with drafts[0 .. k-2] consumed."""
         assert 1 <= k <= self.max_k, f"a chain of {k} drafts; chains hold 1 .. {self.max_k}"
         assert start + k - 1 <= self.pool.max_seq_len, f"drafts consumed up to position {start + k - 2}, past the slot"
-        if logits.data_ptr() != self._logits.data_ptr():  # a fresh row (sync consumed tokens) or a boundary's
+        assert catch_up in self.catch_ups and len(new_tokens) == CATCH_UP_TOKENS[catch_up], (catch_up, new_tokens)
+        assert (logits is None) == (catch_up != NONE), "logits come either from the caller or from the catch-up"
+        assert catch_up != RESTORE_BONUS or 0 <= restore < self.max_k - 1, f"no boundary {restore}"
+        if logits is not None and logits.data_ptr() != self._logits.data_ptr():  # a fresh row (sync consumed tokens) or a boundary's
             self._logits[0].copy_(logits)
-        self._host_start[0] = start
-        self._start.copy_(self._host_start, non_blocking=True)
+        control = self._host_control
+        control[_CATCH_START] = start - len(new_tokens)
+        control[_START] = start
+        control[_RESTORE] = restore
+        for i, token in enumerate(new_tokens):
+            control[_NEW_TOKENS + i] = token
+        self._control.copy_(control, non_blocking=True)
         if self.graphed:
-            self._graphs[k].replay()
+            self._graphs[catch_up, k].replay()
         else:
+            self._catch_up(catch_up, self.slot, start - len(new_tokens))
             self._run(k, self.slot, self._inputs, self._keep_row, start)
         self._host_drafts[:k].copy_(self._drafts[:k], non_blocking=True)
         if self.device.type == "cuda":
             # the ids are needed now; this also settles both copies from the pinned buffers
             torch.cuda.current_stream(self.device).synchronize()
         return self._host_drafts[:k].tolist()
+
+    def _catch_up(self, kind: str, slot: int, catch_start: int) -> None:
+        """The slot brought to the proposal's context (module docstring); the running logits then
+        predict the first draft. `catch_start` on the host, for the one-sequence batch's host field
+        (as `_run`'s start)."""
+        if kind == NONE:
+            return
+        if kind == RESTORE_BONUS:
+            for layer, conv, recurrent in zip(self._layers, self._saved_conv, self._saved_recurrent):
+                layer.conv[slot].copy_(conv.index_select(0, self._restore_index)[0])
+                layer.recurrent[slot].copy_(recurrent.index_select(0, self._restore_index)[0])
+        n = CATCH_UP_TOKENS[kind]
+        inputs = self._catch_inputs[n]
+        inputs.tokens.copy_(self._control[_NEW_TOKENS : _NEW_TOKENS + n])
+        torch.add(self._catch_start, self._row_offsets[:n], out=inputs.positions)
+        batch = RowBatch(slots=(slot,), starts=(catch_start,), counts=(n,))
+        batch.attach(self.device, inputs.batch_tensors())
+        record = VerifyRecord(WOA, batch)
+        self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, self._caught_logits[:n])
+        apply_rollback(self.pool, record, self._keep_caught[n])
+        self._logits[0].copy_(self._caught_logits[n - 1])
 
     def _run(self, k: int, slot: int, inputs: StepInputs, kept: torch.Tensor, start: int) -> None:
         """The chain's body (module docstring). `start` is p on the host, for the host fields of the
@@ -169,21 +235,38 @@ class DraftChain:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # one eager run of the longest chain first, in the scratch slot: it compiles every kernel
-        # outside a capture; keeping no row, it commits nothing (the scratch slot's state stays zero)
+        # one eager run of the longest chain after each catch-up first, in the scratch slot: it
+        # compiles every kernel outside a capture; keeping no row, it commits nothing (the scratch
+        # slot's state stays zero)
         scratch = self.pool.scratch_slot
         keep_none = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._run(self.max_k, scratch, _one_row_inputs(scratch, self.device), keep_none, 0)
+        for kind in self.catch_ups:
+            self._catch_up_scratch(kind, scratch)
+            self._run(self.max_k, scratch, _sequence_inputs(scratch, 1, self.device), keep_none, 0)
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.graph_pool_handle()  # one replays at a time and keeps nothing in its temporaries
-        for k in range(1, self.max_k + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory):
-                self._run(k, self.slot, self._inputs, self._keep_row, 0)
-            self._graphs[k] = graph
-            self.captures += 1
+        for kind in self.catch_ups:
+            for k in range(1, self.max_k + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=memory):
+                    self._catch_up(kind, self.slot, 0)
+                    self._run(k, self.slot, self._inputs, self._keep_row, 0)
+                self._graphs[kind, k] = graph
+                self.captures += 1
+
+    def _catch_up_scratch(self, kind: str, scratch: int) -> None:
+        """A catch-up's kernels compiled in the scratch slot, committing nothing (the warm-up's)."""
+        if kind == NONE:
+            return
+        n = CATCH_UP_TOKENS[kind]
+        inputs = _sequence_inputs(scratch, n, self.device)
+        batch = RowBatch(slots=(scratch,), starts=(0,), counts=(n,))
+        batch.attach(self.device, inputs.batch_tensors())
+        record = VerifyRecord(WOA, batch)
+        self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, self._caught_logits[:n])
+        apply_rollback(self.pool, record, torch.zeros(1, dtype=torch.int32, device=self.device))
 
 
-def _one_row_inputs(slot: int, device: torch.device) -> StepInputs:
-    """The step inputs of one row in one sequence of `slot`: token and position are written per draft."""
-    return StepInputs(1, 1, "cpu").fill(None, RowBatch(slots=(slot,), starts=(0,), counts=(1,))).to(device)
+def _sequence_inputs(slot: int, rows: int, device: torch.device) -> StepInputs:
+    """The step inputs of `rows` rows in one sequence of `slot`: tokens and positions are written per proposal."""
+    return StepInputs(rows, 1, "cpu").fill(None, RowBatch(slots=(slot,), starts=(0,), counts=(rows,))).to(device)

@@ -17,7 +17,10 @@ that prefix plus some of the drafter's own drafts) and holds the logits that pre
      On a GPU, greedy and coupled drafts of up to CHAIN_MAX_K run as one CUDA graph replay per
      proposal (draft_chain.py: the same kernels and shapes, so the same drafts and state bits);
      its snapshots are views of the chain's static buffers, which the next proposal overwrites,
-     so they are settled by the sync that precedes it (asserted). Rejection-sampled drafts, and
+     so they are settled by the sync that precedes it (asserted). When the context is the last
+     one plus the verifier's answer (kept drafts, then the bonus) that sync runs inside the same
+     replay: the restore and the one- or two-row consume are the chain's first nodes, so a
+     steady proposal is one copy in, one replay and one copy out (draft_chain.py, "Catching up"). Rejection-sampled drafts, and
      more than CHAIN_MAX_K, take the loop above.
 The context is prefilled only when the drafter starts (or when the context is not an extension of
 what it consumed: a new sequence), so a step costs about k one-row forwards. That prefill takes all
@@ -57,7 +60,7 @@ from ..model.rollback import WOA
 from ..model.state import RecurrentState
 from ..params import STREAM_DRAFT, SamplingParams
 from ..sampling import choose, masked_logits, sample_from
-from .draft_chain import DraftChain
+from .draft_chain import BONUS, NONE, RESTORE_BONUS, TWO, DraftChain
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class ModelProposer:
         self.tokens: list[int] = []  # consumed into the slot: positions 0 .. len - 1
         self.logits: torch.Tensor | None = None  # [vocab] predicting the token at position len(tokens)
         self._snapshots: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+        self._chain_start: int | None = None  # where the last chained proposal started (its boundaries are the snapshots)
         self.prefills = 0  # how many times the whole context was prefilled (tests: only at the start)
         self.rows = 0  # rows consumed by decode-path forwards after the prefills
         self.chain = self._draft_chain(draft_chain, min(CHAIN_MAX_K, max_context))
@@ -136,9 +140,12 @@ class ModelProposer:
         k = min(k, self.max_seq_len - len(context) + 1)
         if k <= 0 or not context:
             return [], None
-        logits = self.sync(context)
         if self.chain is not None and k <= self.chain.max_k:
-            return self._draft_chained(logits, k), None
+            caught = self._catch_up_in_chain(context, k)
+            if caught is not None:
+                return caught, None
+            return self._draft_chained(self.sync(context), k), None
+        logits = self.sync(context)
         send_q = not self.params.greedy and self.mode == REJECTION
         drafts, probs = [], []
         for i in range(k):
@@ -148,6 +155,7 @@ class ModelProposer:
             if send_q:
                 probs.append(q)
             if i + 1 < k:  # the last draft is consumed only if the verifier keeps it
+                self._chain_start = None  # these snapshots are clones, not chain boundaries
                 self._snapshots[len(self.tokens)] = (self._save(), logits)
                 logits = self._consume([draft])
         return drafts, (np.stack(probs) if send_q else None)
@@ -158,15 +166,50 @@ class ModelProposer:
         # are views of: sync has settled (restored or dropped) them all by now.
         assert not self._snapshots, "a draft chain replay would overwrite snapshots that sync has not settled"
         assert self.slot == self.chain.slot, f"the draft chain serves slot {self.chain.slot}, the drafter holds {self.slot}"
-        start = len(self.tokens)
-        drafts = self.chain.propose(logits, start, k)
+        return self._chained(k, self.chain.propose(logits, len(self.tokens), k))
+
+    def _chained(self, k: int, drafts: list[int]) -> list[int]:
+        """Record a chain's proposal of k drafts from position len(self.tokens): its boundaries
+        are the snapshots, drafts[0 .. k-2] are consumed, the chain's logits predict the next."""
+        start = self._chain_start = len(self.tokens)
         for i in range(k - 1):
             self._snapshots[start + i] = self.chain.boundary(i)
-        if k > 1:
-            self.tokens += drafts[:-1]
-            self.rows += k - 1
-            self.logits = self.chain.logits
+        self.tokens += drafts[:-1]
+        self.rows += k - 1
+        self.logits = self.chain.logits
         return drafts
+
+    def _catch_up_in_chain(self, context: list[int], k: int) -> list[int] | None:
+        """The proposal with the sync inside the chain's replay (draft_chain.py, "Catching up"):
+        when the context is the last proposal's context plus the verifier's answer (the kept drafts
+        and a bonus), restore and consume are the replay's first nodes. None: the context needs the
+        eager sync (a restart, or more new tokens than a catch-up takes)."""
+        if self.slot is None or len(context) > self.max_seq_len:
+            return None
+        agree = _common_prefix(self.tokens, context)
+        restore = None
+        if agree < len(self.tokens):  # the slot consumed a rejected draft: back to a boundary of the last chain
+            kept = [n for n in self._snapshots if n <= agree]
+            if not kept or self._chain_start is None:
+                return None
+            length = max(kept)
+            restore = length - self._chain_start  # the boundary's index in the chain
+        else:
+            length = len(self.tokens)
+        new = tuple(context[length:])
+        if restore is not None:
+            kind = RESTORE_BONUS if len(new) == 1 else None
+        else:
+            kind = {0: NONE, 1: BONUS, 2: TWO}.get(len(new))
+        if kind is None or kind not in self.chain.catch_ups:
+            return None
+        # the catch-up reads the last proposal's boundaries before the replay overwrites them
+        self._snapshots.clear()
+        logits = self.logits if kind == NONE else None
+        drafts = self.chain.propose(logits, len(context), k, kind, new, restore or 0)
+        self.tokens = self.tokens[:length] + list(new)
+        self.rows += len(new)
+        return self._chained(k, drafts)
 
     # -- keeping in step ---------------------------------------------------------------------
 
@@ -248,11 +291,19 @@ def _check_vocab(draft: int, served: int) -> None:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix, by slice comparisons (in C) that halve the span
+    holding the first difference: a context of thousands of tokens costs a few, not a Python loop."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    agreed, differs = 0, n  # a[:agreed] == b[:agreed]; the first difference is before index `differs`
+    while differs - agreed > 1:
+        middle = (agreed + differs) // 2
+        if a[agreed:middle] == b[agreed:middle]:
+            agreed = middle
+        else:
+            differs = middle
+    return agreed
 
 
 _LOADED: dict[tuple[str, str], HybridModel] = {}
