@@ -3,8 +3,9 @@
     query          [R, HQ, D_K]               fp32 or bf16
     keys           [n_slots, L, HKV, D_K]     query's dtype; the slot KV cache, the rows' own keys
     values         [n_slots, L, HKV, D_V]     query's dtype   already written at their positions
-    row_slots      [R] int32                  slot of each row
-    row_positions  [R] int32                  row i sees positions 0 .. row_positions[i] of its slot
+    row_slots      [R] int32 or int64         slot of each row
+    row_positions  [R] int32 or int64         row i sees positions 0 .. row_positions[i] of its slot
+                                              (int64: a step's own index tensors, with no cast launched)
     scale          float
     out            [R, HQ, D_V]               query's dtype (returned; optional preallocated buffer)
 
@@ -190,8 +191,8 @@ def _check(query, keys, values, row_slots, row_positions, out) -> torch.Tensor:
         if t.dtype != query.dtype:
             raise ValueError(f"attend_rows: {name} dtype {t.dtype} != query dtype {query.dtype}")
     for name, t in (("row_slots", row_slots), ("row_positions", row_positions)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"attend_rows: {name} dtype {t.dtype} is not int32")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"attend_rows: {name} dtype {t.dtype} is not int32 or int64")
         if t.shape != (n_rows,):
             raise ValueError(f"attend_rows: {name} shape {list(t.shape)} != [{n_rows}] (one per query row)")
         if not t.is_contiguous():

@@ -79,6 +79,15 @@ def test_matches_reference(device, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_int64_indices_give_the_int32_bits(device, dtype):
+    """A step's own int64 row_slots / positions (no cast launched) walk the same positions."""
+    shape = next(iter(SHAPES.values()))
+    query, keys, values, row_slots, row_positions = make_rows(shape, dtype, device, MIXED_SLOTS, MIXED_POSITIONS)
+    narrow = launch(query, keys, values, row_slots, row_positions, scale_of(shape))
+    assert torch.equal(launch(query, keys, values, row_slots.long(), row_positions.long(), scale_of(shape)), narrow)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_row_invariance(device, dtype):
     """attend_rows(rows[:r]) == attend_rows(rows)[:r] bit for bit, for every row count."""
     shape = (2, 1, 5, 3)
@@ -183,7 +192,7 @@ def _bad(name):
         "heads": (lambda a: a.update(query=a["query"][:, :-1]), "not a multiple of keys kv_heads"),
         "keys_stride": (lambda a: a.update(keys=a["keys"].transpose(0, 3).contiguous().transpose(0, 3)), "keys must be contiguous"),
         "query_stride": (lambda a: a.update(query=a["query"].transpose(1, 2).contiguous().transpose(1, 2)), "query must be contiguous"),
-        "slots_int64": (lambda a: a.update(row_slots=a["row_slots"].long()), "row_slots dtype"),
+        "slots_int16": (lambda a: a.update(row_slots=a["row_slots"].short()), "row_slots dtype"),
         "positions_length": (lambda a: a.update(row_positions=a["row_positions"][:-1]), "row_positions shape"),
         "positions_stride": (lambda a: a.update(row_positions=a["row_positions"].repeat_interleave(2)[::2]), "row_positions must"),
         "out_shape": (lambda a: a.update(out=a["out"][:, :, :-1]), "out shape"),
@@ -193,7 +202,7 @@ def _bad(name):
 
 
 BAD = ["query_dim", "query_fp16", "keys_dtype", "values_dtype", "keys_d_k", "values_length", "heads", "keys_stride",
-       "query_stride", "slots_int64", "positions_length", "positions_stride", "out_shape", "out_dtype"]
+       "query_stride", "slots_int16", "positions_length", "positions_stride", "out_shape", "out_dtype"]
 
 
 @pytest.mark.parametrize("mutate, message", [_bad(name) for name in BAD])

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear as linear_kernel
+from kernels.attention_prep import apply_partial_rope  # noqa: F401 (the layers' rope; the kernel's reference)
 from kernels import linear_fp8, moe, norms
 from kernels.runtime import pick, use_triton
 
@@ -103,29 +104,17 @@ def l2norm(x: torch.Tensor, form: str) -> torch.Tensor:
     return _rowwise(norms.l2norm, norms.l2norm_ref, x, form)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+    """inv_freq [ceil(rotary_dim / 2)] fp32: theta^(-2i / rotary_dim), exactly as transformers builds
+    it (a layer makes it once; the same ops give the same bits every time)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [rows, 2 * ceil(rotary_dim / 2)] for integer positions [rows] (rotate-half layout).
-
-    inv_freq[i] = theta^(-2i / rotary_dim), i < ceil(rotary_dim / 2), exactly as transformers builds it."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim))
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [rows, 2 * len(inv_freq)] for integer positions [rows] (rotate-half layout)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of x [rows, heads, head_dim]; cos, sin [rows, rotary_dim]."""
-    rd = cos.shape[-1]
-    if rd == 0:
-        return x
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 def kimi_softplus(x: torch.Tensor) -> torch.Tensor:

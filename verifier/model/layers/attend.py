@@ -28,7 +28,7 @@ def attend(batch: RowBatch, state: AttentionState, queries: torch.Tensor, scale:
     """queries [rows, heads, d_k] over positions 0 .. start + r of the slot -> [rows, heads, d_v]."""
     if use_triton(queries):
         device = queries.device
-        return attend_rows(queries, state.keys, state.values, batch.row_slots(device).int(), batch.positions(device).int(), scale)
+        return attend_rows(queries, state.keys, state.values, batch.row_slots(device), batch.positions(device), scale)
     out = torch.empty(queries.shape[0], queries.shape[1], state.values.shape[-1], dtype=queries.dtype, device=queries.device)
     for slot, start, rows in batch.sequences():
         n = rows.stop - rows.start

@@ -11,7 +11,10 @@ import torch
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..fp8 import cat_out_features
-from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin
+from kernels.attention_prep import attention_prep
+from kernels.runtime import use_triton
+
+from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin, rope_inv_freq
 from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
@@ -40,12 +43,16 @@ class GatedAttention:
         self.q_norm = src.take(p + "q_norm.weight", (hd,))
         self.k_norm = src.take(p + "k_norm.weight", (hd,))
         self.scale = hd**-0.5
+        self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, src.device)  # [ceil(rotary_dim / 2)] fp32
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
                 mode: str = COMMIT) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
-        query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
-        write_kv(batch, state, key, value)
+        if use_triton(x):
+            query, gate = self._project_and_write(x, batch, positions, state)
+        else:
+            query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
+            write_kv(batch, state, key, value)
         out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
         return each_row(self._output, out, gate, row_invariant=row_invariant), None
 
@@ -58,8 +65,19 @@ class GatedAttention:
         query = rms_norm(query, self.q_norm, self.eps, zero_centred=True)
         key = rms_norm(key.reshape(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
         value = value.reshape(n, a.n_kv_heads, hd)
-        cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
+
+    def _project_and_write(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState):
+        """_project and write_kv on CUDA: the GEMM, the rope tables, then one kernel for the norms, the
+        rope and the KV write (kernels/attention_prep.py) -> query [n, heads, hd], gate [n, heads*hd]."""
+        a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
+        qkv = linear(x, self.w_qkv, self.b_qkv)  # [n, 2*heads*hd + 2*kv_heads*hd]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        query = attention_prep(qkv, self.q_norm, self.k_norm, self.eps, cos, sin, state.keys, state.values,
+                               batch.row_slots(x.device), positions, a.n_heads, a.n_kv_heads, hd)
+        gate = qkv[:, : 2 * a.n_heads * hd].reshape(n, a.n_heads, 2 * hd)[..., hd:].reshape(n, a.n_heads * hd)
+        return query, gate
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """out [n, heads, hd], gate [n, heads*hd] -> [n, H]."""

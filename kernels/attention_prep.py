@@ -1,0 +1,170 @@
+"""Gated attention's pre-processing in one launch (issue 14, item 4): per row, every query head
+normalised and rotated, every key head normalised, rotated and written to the KV cache beside its
+value head.
+
+    qkv         [n, W]   bf16 or fp32, W = H*2*hd + KV*hd + KV*hd: per query head its query (hd)
+                         then its output gate (hd), then the key heads, then the value heads (the
+                         layer's one GEMM for q_proj | k_proj | v_proj)
+    q_weight, k_weight   [hd] qkv's dtype: the zero-centred RMSNorm weights (Qwen: q_norm, k_norm)
+    cos, sin    [n, rd]  qkv's dtype: each row's rotary table (verifier.model.ops.rope_cos_sin,
+                         rotate-half layout); rd even, <= hd; rd = 0 rotates nothing
+    keys, values [slots, length, KV, hd] qkv's dtype: the KV cache; row r's key and value go to
+                         (row_slots[r], positions[r])
+    row_slots, positions [n] int64
+    -> query    [n, H, hd] qkv's dtype
+
+The math is the torch code it replaces (`attention_prep_ref`, what the CPU reference runs): the
+zero-centred RMSNorm of kernels/norms.py per head, cast(norm(x32) * (1 + w32)); then rotate-half
+rope on the first rd dims, each op rounded to the dtype as torch rounds it:
+    x[:rd] * cos + rotate_half(x[:rd]) * sin,  rotate_half(y) = (-y[rd/2:], y[:rd/2])
+and the dims past rd passed through. The launch replaces about thirty (two norms, the rope's
+products, negation and concatenations, two index writes, the copies of strided slices): at batch
+one they are launch-bound, and a decode step of the 2B model has six attention layers.
+
+One program per (row, head), over query heads then key heads: a head's sum of squares is one
+tl.sum over one block of hd (next power of two) inside its program; the rotate-half partner of each
+element is loaded a second time in partner order and normalised with the same scalar, so it holds
+the bits the element itself gets. Block size and num_warps depend on hd alone and nothing reads
+another row, so a row gets the same bits alone or among thousands (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_launchable, check_operand, check_tensor
+from .norms import MAX_BLOCK_D, RMS_ZERO_CENTRED, _aligned, _normalise, rms_norm_ref
+from .rounding import cast_rtne
+from .runtime import interpreting
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _attention_prep_kernel(
+    qkv, q_weight, k_weight, cos, sin, keys, values, row_slots, positions, query,
+    eps, length,
+    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
+    BLOCK_D: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)  # the row
+    i_h = tl.program_id(1)  # a query head (< H), else key head i_h - H
+    DTYPE: tl.constexpr = query.dtype.element_ty
+    W: tl.constexpr = 2 * H * HD + 2 * KV * HD
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HD
+    p_row = qkv + i_m * W
+    if i_h < H:
+        p_head = p_row + i_h * 2 * HD
+        p_w = q_weight
+    else:
+        p_head = p_row + 2 * H * HD + (i_h - H) * HD
+        p_w = k_weight
+    b_x = tl.load(p_head + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+    b_ss = tl.sum(b_x * b_x, axis=0)
+    b_y = _normalise(b_x, b_ss, p_w, p_w + o_d, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
+    b_y = cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)  # the normed head, as rms_norm stores it
+    if RD > 0:
+        HALF: tl.constexpr = RD // 2
+        m_rot = o_d < RD
+        o_partner = tl.where(o_d < HALF, o_d + HALF, tl.where(m_rot, o_d - HALF, o_d))
+        b_xp = tl.load(p_head + o_partner, mask=m_d, other=0.0).to(tl.float32)
+        b_yp = _normalise(b_xp, b_ss, p_w, p_w + o_partner, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
+        b_yp = cast_rtne(b_yp, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+        b_half = tl.where(o_d < HALF, -b_yp, b_yp)  # rotate_half, exact
+        b_cos = tl.load(cos + i_m * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
+        b_sin = tl.load(sin + i_m * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
+        b_a = cast_rtne(b_y * b_cos, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+        b_b = cast_rtne(b_half * b_sin, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+        b_y = tl.where(m_rot, b_a + b_b, b_y)
+    b_out = cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE)
+    if i_h < H:
+        tl.store(query + (i_m * H + i_h) * HD + o_d, b_out, mask=m_d)
+    else:
+        i_kv = i_h - H
+        slot = tl.load(row_slots + i_m)
+        position = tl.load(positions + i_m)
+        at = ((slot * length + position) * KV + i_kv) * HD  # int64: the cache can pass 2^31 elements
+        tl.store(keys + at + o_d, b_out, mask=m_d)
+        b_v = tl.load(p_row + 2 * H * HD + KV * HD + i_kv * HD + o_d, mask=m_d, other=0.0)
+        tl.store(values + at + o_d, b_v, mask=m_d)
+
+
+def _check(qkv, q_weight, k_weight, cos, sin, keys, values, row_slots, positions, n_heads, n_kv_heads, head_dim) -> None:
+    op = "attention_prep"
+    check_operand(op, "qkv", qkv, "[n, W]", DTYPES)
+    if min(n_heads, n_kv_heads, head_dim) < 1:
+        raise ValueError(f"{op}: n_heads ({n_heads}), n_kv_heads ({n_kv_heads}) and head_dim ({head_dim}) must be positive")
+    if head_dim > MAX_BLOCK_D:
+        raise ValueError(f"{op}: head_dim ({head_dim}) over {MAX_BLOCK_D}: a head must fit one register block")
+    n, width = qkv.shape[0], 2 * n_heads * head_dim + 2 * n_kv_heads * head_dim
+    if qkv.shape[1] != width:
+        raise ValueError(f"{op}: qkv must be [n, 2*H*hd + 2*KV*hd] = [n, {width}], got shape {list(qkv.shape)}")
+    operand = ("qkv", qkv)
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        check_tensor(op, name, w, (head_dim,), qkv.dtype, operand)
+    rd = cos.shape[-1] if cos.dim() == 2 else -1
+    if rd < 0 or rd % 2 or rd > head_dim:
+        raise ValueError(f"{op}: cos must be [n, rd] with rd even and <= head_dim {head_dim}, got shape {list(cos.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(op, name, t, (n, rd), qkv.dtype, operand, layout="[n, rd]")
+    if keys.dim() != 4 or tuple(keys.shape[2:]) != (n_kv_heads, head_dim):
+        raise ValueError(f"{op}: keys must be [slots, length, {n_kv_heads}, {head_dim}], got shape {list(keys.shape)}")
+    for name, t in (("keys", keys), ("values", values)):
+        check_tensor(op, name, t, keys.shape, qkv.dtype, operand, layout="[slots, length, KV, hd]", contiguous=True)
+    for name, t in (("row_slots", row_slots), ("positions", positions)):
+        check_tensor(op, name, t, (n,), torch.int64, operand, layout="[n]", contiguous=True)
+    check_launchable(op, "qkv", qkv)
+
+
+def attention_prep(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
+                   positions: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """-> query [n, H, hd]; writes each row's key and value heads into keys / values (module docstring)."""
+    _check(qkv, q_weight, k_weight, cos, sin, keys, values, row_slots, positions, n_heads, n_kv_heads, head_dim)
+    n = qkv.shape[0]
+    query = torch.empty((n, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if n == 0:
+        return query
+    block_d = triton.next_power_of_2(head_dim)
+    _attention_prep_kernel[(n, n_heads + n_kv_heads)](
+        _aligned(qkv), _aligned(q_weight), _aligned(k_weight), _aligned(cos), _aligned(sin), keys, values,
+        row_slots, positions, query,
+        eps, keys.shape[1],
+        H=n_heads, KV=n_kv_heads, HD=head_dim, RD=cos.shape[1],
+        BLOCK_D=block_d, EMULATE_BF16_RTNE=interpreting(),
+        num_warps=min(4, max(1, block_d // 128)), num_stages=1, enable_fp_fusion=False,
+    )
+    return query
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x [rows, heads, head_dim]; cos, sin [rows, rotary_dim]."""
+    rd = cos.shape[-1]
+    if rd == 0:
+        return x
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def attention_prep_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
+                       positions: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The torch code the kernel replaces (GatedAttention's projection split, norms, rope, KV write)."""
+    n, hd = qkv.shape[0], head_dim
+    q_and_gate, key, value = qkv.split((2 * n_heads * hd, n_kv_heads * hd, n_kv_heads * hd), dim=1)
+    query = q_and_gate.reshape(n, n_heads, 2 * hd)[..., :hd]
+    query = rms_norm_ref(query.reshape(-1, hd), q_weight, eps, True).reshape(n, n_heads, hd)
+    key = rms_norm_ref(key.reshape(-1, hd), k_weight, eps, True).reshape(n, n_kv_heads, hd)
+    query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
+    keys[row_slots, positions] = key
+    values[row_slots, positions] = value.reshape(n, n_kv_heads, hd)
+    return query
