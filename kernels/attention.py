@@ -8,6 +8,9 @@
                                               (int64: a step's own index tensors, with no cast launched)
     scale          float
     out            [R, HQ, D_V]               query's dtype (returned; optional preallocated buffer)
+    gate           [R, HQ, D_V] or None       query's dtype, last dim contiguous (a strided view of
+                                              the projection is fine): out = out * sigmoid(gate),
+                                              gated attention's output gate in the same launch
 
 Query head h reads kv head h // (HQ // HKV); MLA is the case HKV = HQ with D_K != D_V.
 scores = (q . k) * scale; softmax over the visible positions in fp32; out = probs @ v.
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand
-from .rounding import round_to_bf16
+from .rounding import cast_rtne, round_to_bf16
 from .runtime import interpreting
 
 BLOCK_N = 64  # KV positions per step of the walk: pinned, never chosen from a length or row count
@@ -52,13 +55,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 # the row strides must not select a specialisation: decode and verify compile the same kernel.
 @triton.jit(do_not_specialize=["s_q_row", "s_o_row"])
 def _attend_rows_kernel(
-    p_q, p_k, p_v, p_slot, p_pos, p_o,
+    p_q, p_k, p_v, p_slot, p_pos, p_o, p_g,
     s_q_row, s_q_head,  # query strides (last dim contiguous)
     s_k_slot, s_k_pos, s_k_head,
     s_v_slot, s_v_pos, s_v_head,
     s_o_row, s_o_head,
+    s_g_row, s_g_head,
     scale,
-    IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_BF16: tl.constexpr, INTERPRET: tl.constexpr, HAS_GATE: tl.constexpr,
     GROUP: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -113,14 +117,24 @@ def _attend_rows_kernel(
         b_acc = b_acc * b_rescale[:, None] + b_pv
         b_max = b_max_new
     b_out = b_acc / b_sum[:, None]  # [BLOCK_G, BLOCK_DV]
+    DTYPE: tl.constexpr = p_o.dtype.element_ty
+    m_out = m_g[:, None] & m_dv[None, :]
+    if HAS_GATE:  # out * sigmoid(gate), each rounded to the dtype as torch's two ops round
+        b_out = cast_rtne(b_out, DTYPE, INTERPRET).to(tl.float32)
+        p_g_tile = p_g + i_row * s_g_row + o_q_head[:, None] * s_g_head + o_dv[None, :]
+        b_g = tl.load(p_g_tile, mask=m_out, other=0.0).to(tl.float32)
+        b_sigmoid = cast_rtne(tl.math.div_rn(1.0, 1.0 + tl.exp(-b_g)), DTYPE, INTERPRET).to(tl.float32)
+        b_out = b_out * b_sigmoid
     p_o_tile = p_o + i_row * s_o_row + o_q_head[:, None] * s_o_head + o_dv[None, :]
-    tl.store(p_o_tile, b_out.to(p_o.dtype.element_ty), mask=m_g[:, None] & m_dv[None, :])
+    tl.store(p_o_tile, cast_rtne(b_out, DTYPE, INTERPRET) if HAS_GATE else b_out.to(DTYPE), mask=m_out)
 
 
 def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
-                row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's query over positions 0 .. row_positions[i] of slot row_slots[i] -> [R, HQ, D_V]."""
-    out = _check(query, keys, values, row_slots, row_positions, out)
+                row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's query over positions 0 .. row_positions[i] of slot row_slots[i] -> [R, HQ, D_V]
+    (times sigmoid(gate) with a gate)."""
+    out = _check(query, keys, values, row_slots, row_positions, out, gate)
     check_launchable("attend_rows", "query", query)
     n_rows, n_heads, d_k = query.shape
     kv_heads, d_v = keys.shape[2], values.shape[3]
@@ -128,13 +142,14 @@ def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
         return out
     group = n_heads // kv_heads
     _attend_rows_kernel[(n_rows, kv_heads)](
-        query, keys, values, row_slots, row_positions, out,
+        query, keys, values, row_slots, row_positions, out, gate if gate is not None else out,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1),
+        *((gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)),
         float(scale),
-        IS_BF16=query.dtype == torch.bfloat16, INTERPRET=interpreting(),
+        IS_BF16=query.dtype == torch.bfloat16, INTERPRET=interpreting(), HAS_GATE=gate is not None,
         GROUP=group, D_K=d_k, D_V=d_v,
         BLOCK_G=_block(group), BLOCK_DK=_block(d_k), BLOCK_DV=_block(d_v), BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
@@ -143,11 +158,15 @@ def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
 
 
 def attend_rows_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
-                    row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """What the CPU reference backend computes in row-invariant mode: each row alone over its prefix."""
-    out = _check(query, keys, values, row_slots, row_positions, out)
+                    row_positions: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+                    gate: torch.Tensor | None = None) -> torch.Tensor:
+    """What the CPU reference backend computes in row-invariant mode: each row alone over its prefix
+    (then GatedAttention's output gate, out * sigmoid(gate), with a gate)."""
+    out = _check(query, keys, values, row_slots, row_positions, out, gate)
     for i, (slot, pos) in enumerate(zip(row_slots.tolist(), row_positions.tolist())):
         out[i : i + 1] = _causal_one_row(query[i : i + 1].clone(), keys[slot, : pos + 1], values[slot, : pos + 1], scale)
+    if gate is not None:
+        out.copy_(out * torch.sigmoid(gate))
     return out
 
 
@@ -170,7 +189,7 @@ def _block(size: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(size))
 
 
-def _check(query, keys, values, row_slots, row_positions, out) -> torch.Tensor:
+def _check(query, keys, values, row_slots, row_positions, out, gate=None) -> torch.Tensor:
     """Validate shapes, dtypes, strides and devices; return out (allocated when None)."""
     check_operand("attend_rows", "query", query, "[rows, heads, d_k]", DTYPES)
     n_rows, n_heads, d_k = query.shape
@@ -204,8 +223,12 @@ def _check(query, keys, values, row_slots, row_positions, out) -> torch.Tensor:
             raise ValueError(f"attend_rows: out shape {list(out.shape)} != {[n_rows, n_heads, values.shape[3]]}")
         if out.dtype != query.dtype:
             raise ValueError(f"attend_rows: out dtype {out.dtype} != query dtype {query.dtype}")
-    for name, t in (("query", query), ("keys", keys), ("values", values), ("out", out)):
-        if t.numel() and t.stride(-1) != 1:
+    if gate is not None:
+        if tuple(gate.shape) != tuple(out.shape) or gate.dtype != query.dtype or gate.device != query.device:
+            raise ValueError(f"attend_rows: gate must be {list(out.shape)} {query.dtype} on {query.device}, "
+                             f"got {list(gate.shape)} {gate.dtype} on {gate.device}")
+    for name, t in (("query", query), ("keys", keys), ("values", values), ("out", out), ("gate", gate)):
+        if t is not None and t.numel() and t.stride(-1) != 1:
             raise ValueError(f"attend_rows: {name} must be contiguous in its last dim, got strides {t.stride()}")
     for name, t in (("keys", keys), ("values", values), ("row_slots", row_slots), ("row_positions", row_positions), ("out", out)):
         if t.device != query.device:

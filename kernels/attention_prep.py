@@ -6,12 +6,15 @@ value head.
                          then its output gate (hd), then the key heads, then the value heads (the
                          layer's one GEMM for q_proj | k_proj | v_proj)
     q_weight, k_weight   [hd] qkv's dtype: the zero-centred RMSNorm weights (Qwen: q_norm, k_norm)
-    cos, sin    [n, rd]  qkv's dtype: each row's rotary table (verifier.model.ops.rope_cos_sin,
-                         rotate-half layout); rd even, <= hd; rd = 0 rotates nothing
+    cos, sin    [T, rd]  qkv's dtype: the rotary tables by position (verifier.model.ops.rope_table,
+                         rotate-half layout), row r reads row positions[r]; rd even, <= hd; rd = 0
+                         rotates nothing
     keys, values [slots, length, KV, hd] qkv's dtype: the KV cache; row r's key and value go to
                          (row_slots[r], positions[r])
     row_slots, positions [n] int64
     -> query    [n, H, hd] qkv's dtype
+Caller's contract, not checked (checking would read the device tensors back): 0 <= row_slots[r] <
+slots, 0 <= positions[r] < min(length, T).
 
 The math is the torch code it replaces (`attention_prep_ref`, what the CPU reference runs): the
 zero-centred RMSNorm of kernels/norms.py per head, cast(norm(x32) * (1 + w32)); then rotate-half
@@ -19,7 +22,8 @@ rope on the first rd dims, each op rounded to the dtype as torch rounds it:
     x[:rd] * cos + rotate_half(x[:rd]) * sin,  rotate_half(y) = (-y[rd/2:], y[:rd/2])
 and the dims past rd passed through. The launch replaces about thirty (two norms, the rope's
 products, negation and concatenations, two index writes, the copies of strided slices): at batch
-one they are launch-bound, and a decode step of the 2B model has six attention layers.
+one they are launch-bound, and a decode step of the 2B model has six attention layers. Reading the
+rope tables by position saves the seven launches that would compute each step's rows of them.
 
 One program per (row, head), over query heads then key heads: a head's sum of squares is one
 tl.sum over one block of hd (next power of two) inside its program; the rotate-half partner of each
@@ -51,6 +55,7 @@ def _attention_prep_kernel(
 ):
     i_m = tl.program_id(0).to(tl.int64)  # the row
     i_h = tl.program_id(1)  # a query head (< H), else key head i_h - H
+    position = tl.load(positions + i_m)
     DTYPE: tl.constexpr = query.dtype.element_ty
     W: tl.constexpr = 2 * H * HD + 2 * KV * HD
     o_d = tl.arange(0, BLOCK_D)
@@ -74,8 +79,8 @@ def _attention_prep_kernel(
         b_yp = _normalise(b_xp, b_ss, p_w, p_w + o_partner, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
         b_yp = cast_rtne(b_yp, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
         b_half = tl.where(o_d < HALF, -b_yp, b_yp)  # rotate_half, exact
-        b_cos = tl.load(cos + i_m * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
-        b_sin = tl.load(sin + i_m * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
+        b_cos = tl.load(cos + position * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
+        b_sin = tl.load(sin + position * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
         b_a = cast_rtne(b_y * b_cos, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
         b_b = cast_rtne(b_half * b_sin, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
         b_y = tl.where(m_rot, b_a + b_b, b_y)
@@ -85,7 +90,6 @@ def _attention_prep_kernel(
     else:
         i_kv = i_h - H
         slot = tl.load(row_slots + i_m)
-        position = tl.load(positions + i_m)
         at = ((slot * length + position) * KV + i_kv) * HD  # int64: the cache can pass 2^31 elements
         tl.store(keys + at + o_d, b_out, mask=m_d)
         b_v = tl.load(p_row + 2 * H * HD + KV * HD + i_kv * HD + o_d, mask=m_d, other=0.0)
@@ -105,11 +109,11 @@ def _check(qkv, q_weight, k_weight, cos, sin, keys, values, row_slots, positions
     operand = ("qkv", qkv)
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         check_tensor(op, name, w, (head_dim,), qkv.dtype, operand)
-    rd = cos.shape[-1] if cos.dim() == 2 else -1
+    rd = cos.shape[-1] if cos.dim() == 2 and cos.shape[0] > 0 else -1
     if rd < 0 or rd % 2 or rd > head_dim:
-        raise ValueError(f"{op}: cos must be [n, rd] with rd even and <= head_dim {head_dim}, got shape {list(cos.shape)}")
+        raise ValueError(f"{op}: cos must be [T, rd], T >= 1, with rd even and <= head_dim {head_dim}, got shape {list(cos.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        check_tensor(op, name, t, (n, rd), qkv.dtype, operand, layout="[n, rd]")
+        check_tensor(op, name, t, cos.shape, qkv.dtype, operand, layout="[T, rd]")
     if keys.dim() != 4 or tuple(keys.shape[2:]) != (n_kv_heads, head_dim):
         raise ValueError(f"{op}: keys must be [slots, length, {n_kv_heads}, {head_dim}], got shape {list(keys.shape)}")
     for name, t in (("keys", keys), ("values", values)):
@@ -164,6 +168,7 @@ def attention_prep_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     query = q_and_gate.reshape(n, n_heads, 2 * hd)[..., :hd]
     query = rms_norm_ref(query.reshape(-1, hd), q_weight, eps, True).reshape(n, n_heads, hd)
     key = rms_norm_ref(key.reshape(-1, hd), k_weight, eps, True).reshape(n, n_kv_heads, hd)
+    cos, sin = cos[positions], sin[positions]  # [n, rd]
     query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
     keys[row_slots, positions] = key
     values[row_slots, positions] = value.reshape(n, n_kv_heads, hd)

@@ -79,6 +79,27 @@ def test_matches_reference(device, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_the_output_gate(device, dtype):
+    """out * sigmoid(gate) in the same launch, the gate a strided view (the projection's gate
+    columns): against the reference, and the ungated output times the gate as torch computes it."""
+    shape = SHAPES["gqa"]
+    query, keys, values, row_slots, row_positions = make_rows(shape, dtype, device, MIXED_SLOTS, MIXED_POSITIONS)
+    n, heads, d_v = query.shape[0], shape[0], shape[3]
+    g = torch.Generator().manual_seed(9)
+    projection = (3.0 * torch.randn(n, heads, 2 * d_v, generator=g)).to(dtype=dtype, device=device)
+    gate = projection[..., d_v:]  # strided rows and heads, contiguous last dim
+    got = attend_rows(query, keys, values, row_slots, row_positions, scale_of(shape), gate=gate)
+    want = attend_rows_ref(query, keys, values, row_slots, row_positions, scale_of(shape), gate=gate)
+    rtol, atol = TOLERANCE[dtype]
+    assert_close("gated attend_rows out", got, want, rtol, atol)
+    plain = launch(query, keys, values, row_slots, row_positions, scale_of(shape))
+    # bf16: the product's rounding, and the ungated output's cast (the interpreter truncates it)
+    assert_close("gated vs plain * sigmoid", got, plain * torch.sigmoid(gate), 2.0**-6 if dtype == torch.bfloat16 else 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="gate must be"):
+        attend_rows(query, keys, values, row_slots, row_positions, scale_of(shape), gate=gate[:-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_int64_indices_give_the_int32_bits(device, dtype):
     """A step's own int64 row_slots / positions (no cast launched) walk the same positions."""
     shape = next(iter(SHAPES.values()))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kernels.attention_prep import attention_prep, attention_prep_ref
+from verifier.model.ops import rope_cos_sin, rope_inv_freq, rope_table
 
 from .conftest import ROW_COUNTS
 
@@ -31,7 +32,7 @@ SLOTS, LENGTH = 3, 40
 
 
 def make(rows: int, shape, dtype, device, seed: int = 0):
-    """qkv [rows, W] (scale 2), zero-centred norm weights near 0, cos/sin of random positions, an
+    """qkv [rows, W] (scale 2), zero-centred norm weights near 0, the cos/sin tables, an
     empty cache (NaN: rows the kernel must not write stay NaN), and each row's (slot, position)."""
     h, kv, hd, rd = shape
     g = torch.Generator().manual_seed(seed)
@@ -42,8 +43,8 @@ def make(rows: int, shape, dtype, device, seed: int = 0):
     if rows > LENGTH:  # distinct (slot, position) per row: a verify batch never writes one twice
         slots, positions = torch.arange(rows) // LENGTH, torch.arange(rows) % LENGTH
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rd, 2).float() / max(rd, 1)))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
+    freqs = torch.arange(LENGTH).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)  # the tables of every cache position
     n_slots = max(SLOTS, int(slots.max()) + 1)
     cache = torch.full((n_slots, LENGTH, kv, hd), float("nan"))
     put = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
@@ -92,7 +93,7 @@ def test_rows_alone_equal_rows_in_a_batch(device, dtype):
         args = make(rows, shape, dtype, device, seed=rows)
         query, keys, values = run(attention_prep, args)
         for r in {0, rows // 2, rows - 1}:
-            alone = dict(args, **{name: args[name][r : r + 1] for name in ("qkv", "cos", "sin", "row_slots", "positions")})
+            alone = dict(args, **{name: args[name][r : r + 1] for name in ("qkv", "row_slots", "positions")})
             q1, k1, v1 = run(attention_prep, alone)
             slot, position = int(args["row_slots"][r]), int(args["positions"][r])
             assert torch.equal(q1[0], query[r]), f"{rows} rows: row {r}'s query differs alone"
@@ -106,6 +107,7 @@ def test_launcher_checks(device):
         (dict(qkv=args["qkv"][:, 1:]), "qkv must be"),
         (dict(q_weight=args["q_weight"][1:]), "q_weight must have shape"),
         (dict(cos=args["cos"][:, :3], sin=args["sin"][:, :3]), "rd even"),
+        (dict(sin=args["sin"][1:]), "sin must have shape"),
         (dict(sin=args["sin"].double()), "sin dtype"),
         (dict(keys=args["keys"][:, :, :1]), "keys must be"),
         (dict(positions=args["positions"].int()), "positions dtype"),
@@ -115,3 +117,19 @@ def test_launcher_checks(device):
     for override, message in bad:
         with pytest.raises(ValueError, match=message):
             attention_prep(**dict(args, **override))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tables' claim is about CUDA's elementwise ops")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_table_rows_are_each_positions_rope(dtype):
+    """The layer reads rope_table by position where it computed rope_cos_sin of its rows: the same
+    bits (each element is computed alone on CUDA), for rows alone and in a batch."""
+    length, rotary_dim, theta = 300, 16, 10000.0
+    cos, sin = rope_table(length, rotary_dim, theta, "cuda", dtype)
+    inv_freq = rope_inv_freq(rotary_dim, theta, "cuda")
+    for positions in ([0], [299], [5, 17, 64, 65, 128, 255, 299], list(range(length))):
+        at = torch.tensor(positions, device="cuda")
+        want_cos, want_sin = rope_cos_sin(at, inv_freq, dtype)
+        assert torch.equal(cos[at], want_cos) and torch.equal(sin[at], want_sin), f"positions {positions[:4]}..."
+    assert rope_table(length, rotary_dim, theta, "cuda", dtype)[0] is cos, "made once"

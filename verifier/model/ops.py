@@ -117,6 +117,29 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(length: int, rotary_dim: int, theta: float, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_cos_sin of every position 0 .. length - 1: cos, sin [length, 2 * ceil(rotary_dim / 2)],
+    made once per (length, rotary_dim, theta, device, dtype) and shared by the layers. Each element
+    is computed alone (an int-to-float conversion, a product, cos or sin, a cast: elementwise ops
+    on CUDA), so row p of the table holds the bits rope_cos_sin gives position p; a kernel then
+    reads its rows' entries instead of seven launches per attention layer and step.
+
+    Built outside any CUDA graph capture: inside one, its kernels would only be recorded and the
+    table would stay unwritten until a replay (a forward runs eagerly before every capture)."""
+    device = torch.device(device)
+    key = (length, rotary_dim, theta, device, dtype)
+    table = _ROPE_TABLES.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("rope_table: a table first asked for inside a CUDA graph capture; run a forward eagerly first")
+        positions = torch.arange(length, device=device)
+        table = _ROPE_TABLES[key] = rope_cos_sin(positions, rope_inv_freq(rotary_dim, theta, device), dtype)
+    return table
+
+
 def kimi_softplus(x: torch.Tensor) -> torch.Tensor:
     """The Kimi forget gate's softplus: x above 20, else log(1 + exp(x)) (not log1p)."""
     return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))

@@ -24,11 +24,14 @@ def write_kv(batch: RowBatch, state: AttentionState, keys: torch.Tensor, values:
     state.values[row_slots, positions] = values
 
 
-def attend(batch: RowBatch, state: AttentionState, queries: torch.Tensor, scale: float, *, row_invariant: bool) -> torch.Tensor:
-    """queries [rows, heads, d_k] over positions 0 .. start + r of the slot -> [rows, heads, d_v]."""
+def attend(batch: RowBatch, state: AttentionState, queries: torch.Tensor, scale: float, *, row_invariant: bool,
+           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """queries [rows, heads, d_k] over positions 0 .. start + r of the slot -> [rows, heads, d_v].
+    gate [rows, heads, d_v] (CUDA only): the output times sigmoid(gate), in the same launch."""
     if use_triton(queries):
         device = queries.device
-        return attend_rows(queries, state.keys, state.values, batch.row_slots(device), batch.positions(device), scale)
+        return attend_rows(queries, state.keys, state.values, batch.row_slots(device), batch.positions(device), scale, gate=gate)
+    assert gate is None, "the output gate is fused on CUDA only; the CPU reference applies it after attend"
     out = torch.empty(queries.shape[0], queries.shape[1], state.values.shape[-1], dtype=queries.dtype, device=queries.device)
     for slot, start, rows in batch.sequences():
         n = rows.stop - rows.start

@@ -14,7 +14,7 @@ from ..fp8 import cat_out_features
 from kernels.attention_prep import attention_prep
 from kernels.runtime import use_triton
 
-from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin, rope_inv_freq
+from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin, rope_inv_freq, rope_table
 from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
@@ -50,9 +50,10 @@ class GatedAttention:
         # Attention needs no rollback record: its cursor is the committed position.
         if use_triton(x):
             query, gate = self._project_and_write(x, batch, positions, state)
-        else:
-            query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
-            write_kv(batch, state, key, value)
+            gated = attend(batch, state, query, self.scale, row_invariant=row_invariant, gate=gate)  # the gate applied in-kernel
+            return linear(gated.reshape(x.shape[0], -1), self.w_o, self.b_o), None
+        query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
+        write_kv(batch, state, key, value)
         out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
         return each_row(self._output, out, gate, row_invariant=row_invariant), None
 
@@ -69,14 +70,15 @@ class GatedAttention:
         return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
 
     def _project_and_write(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState):
-        """_project and write_kv on CUDA: the GEMM, the rope tables, then one kernel for the norms, the
-        rope and the KV write (kernels/attention_prep.py) -> query [n, heads, hd], gate [n, heads*hd]."""
+        """_project and write_kv on CUDA: the GEMM, then one kernel for the norms, the rope (from the
+        tables of every position the cache holds) and the KV write (kernels/attention_prep.py)
+        -> query [n, heads, hd], gate [n, heads, hd] (a view of the projection)."""
         a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
         qkv = linear(x, self.w_qkv, self.b_qkv)  # [n, 2*heads*hd + 2*kv_heads*hd]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = rope_table(state.keys.shape[1], a.rotary_dim, a.rope_theta, x.device, x.dtype)  # [max_seq_len, rd]
         query = attention_prep(qkv, self.q_norm, self.k_norm, self.eps, cos, sin, state.keys, state.values,
                                batch.row_slots(x.device), positions, a.n_heads, a.n_kv_heads, hd)
-        gate = qkv[:, : 2 * a.n_heads * hd].reshape(n, a.n_heads, 2 * hd)[..., hd:].reshape(n, a.n_heads * hd)
+        gate = qkv[:, : 2 * a.n_heads * hd].view(n, a.n_heads, 2 * hd)[..., hd:]  # a view: attend reads it strided
         return query, gate
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
