@@ -60,13 +60,17 @@ def error_result(step: rpc.VerifyStep, code: grpc.StatusCode, message: str, posi
     return rpc.StepResult(status=status, session_id=step.session_id, request_id=step.request_id, position=position)
 
 
-def ok_result(step: rpc.VerifyStep, result, verified_drafts: int, logits: rpc.Logits | None = None) -> rpc.StepResult:
+def ok_result(session_id: str, request_id: str, result, verified_drafts: int, logits: rpc.Logits | None = None) -> rpc.StepResult:
     """engine.StepResult of a step that ran, with its first `verified_drafts` drafts verified (and
-    its rpc.Logits, when asked) -> rpc.StepResult. Its status is left unset: proto3 reads an unset
-    Status as code 0, OK, and copying one in costs ~1.5 us per step."""
-    out = rpc.StepResult(session_id=step.session_id, request_id=step.request_id,
-                         accepted=result.accepted, tokens=result.tokens, position=result.position,
-                         finish_reason=FINISH_REASONS[result.finish_reason], verified_drafts=verified_drafts)
+    its rpc.Logits, when asked) -> rpc.StepResult of the step's session and request ids. Fields at
+    proto3's default (status: OK, no request id, no finish reason) are left unset: they read back,
+    and go on the wire, the same; setting them costs ~0.3 us per step."""
+    out = rpc.StepResult(session_id=session_id, accepted=result.accepted, tokens=result.tokens, position=result.position,
+                         verified_drafts=verified_drafts)  # optional: set even at 0 (present means counted)
+    if request_id:
+        out.request_id = request_id
+    if result.finish_reason is not None:
+        out.finish_reason = FINISH_REASONS[result.finish_reason]
     if logits is not None:
         out.logits.CopyFrom(logits)
     return out

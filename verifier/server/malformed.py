@@ -26,11 +26,21 @@ class Malformed:
 
 
 class MalformedRequestGuard(grpc.aio.ServerInterceptor):
+    def __init__(self):
+        # method -> (the handler it wraps, the guarded handler): built once per method, not per
+        # call (the service's handlers do not change while it serves)
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(GUARDED_PREFIX) or handler.request_deserializer is None:
+        method = handler_call_details.method
+        if handler is None or not method.startswith(GUARDED_PREFIX) or handler.request_deserializer is None:
             return handler
-        return _guarded(handler, handler_call_details.method)
+        wrapped, guarded = self._guarded.get(method, (None, None))
+        if wrapped is not handler:
+            guarded = _guarded(handler, method)
+            self._guarded[method] = (handler, guarded)
+        return guarded
 
 
 async def refuse(context, method: str, bad: Malformed) -> None:

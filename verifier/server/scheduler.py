@@ -60,16 +60,19 @@ MAX_GATHER_S = 0.05
 
 class PendingStep:
     """One step from its arrival to its result. Its callers do not each hold an asyncio future: a
-    Verify call waits once for all of its steps (`on_done` counts them down), a VerifyStream waits
-    per step (`wait`); the batch answers a step by `finish`, which calls back synchronously.
-    (A future per step, gathered per call, cost a callback handle per step on the event loop.)"""
+    Verify call waits once for all of its steps (`on_done` counts them down), a VerifyStream once
+    per answer it waits for (`on_done` of the step at the head of its stream); the batch answers a
+    step by `finish`, which calls back synchronously. (A future per step, gathered per call, cost a
+    callback handle per step on the event loop.)"""
 
-    __slots__ = ("step", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "result", "waiters",
-                 "taken", "_callbacks")
+    __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "result",
+                 "waiters", "taken", "_callbacks")
 
-    def __init__(self, step: rpc.VerifyStep, session: Session | None, drafts: list[int], draft_probs: torch.Tensor | None,
-                 fingerprint: Fingerprint | None, arrived: float, result: rpc.StepResult | None = None):
+    def __init__(self, step: rpc.VerifyStep, request_id: str, session: Session | None, drafts: list[int],
+                 draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float,
+                 result: rpc.StepResult | None = None):
         self.step = step
+        self.request_id = request_id  # step.request_id, read off the wire once
         self.session = session
         self.drafts = drafts
         self.draft_probs = draft_probs  # [K, vocab] float32
@@ -96,14 +99,6 @@ class PendingStep:
 
     def forget_callers(self) -> None:
         self._callbacks = []
-
-    async def wait(self) -> rpc.StepResult:
-        """The result, for one caller (VerifyStream's steps)."""
-        if self.result is None:
-            future = asyncio.get_running_loop().create_future()
-            self.on_done(lambda: future.done() or future.set_result(None))
-            await future
-        return self.result
 
 
 class Scheduler:
@@ -143,20 +138,23 @@ class Scheduler:
     @staticmethod
     def answered(step: rpc.VerifyStep, result: rpc.StepResult) -> PendingStep:
         """A step answered without the engine (a request error, a stored result)."""
-        return PendingStep(step, None, [], None, None, 0.0, result)
+        return PendingStep(step, step.request_id, None, [], None, None, 0.0, result)
 
-    def submit(self, step: rpc.VerifyStep, session: Session, drafts: list[int], draft_probs: torch.Tensor | None,
-               fingerprint: Fingerprint | None, arrived: float, now: float) -> PendingStep:
+    def submit(self, step: rpc.VerifyStep, request_id: str, session: Session, drafts: list[int],
+               draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float, now: float) -> PendingStep:
         """Queue a step; `arrived` (perf_counter) and `now` (the session table's clock) are its request's."""
-        pending = PendingStep(step, session, drafts, draft_probs, fingerprint, arrived)
+        pending = PendingStep(step, request_id, session, drafts, draft_probs, fingerprint, arrived)
         session.busy += 1
         session.last_used = now
-        if step.request_id:
-            session.inflight[step.request_id] = pending
-        self._queue.append(pending)
+        if request_id:
+            session.inflight[request_id] = pending
+        queue = self._queue
+        queue.append(pending)
         self._queued_rows += pending.rows
-        self._awaited.discard(session.id)
-        if len(self._queue) == 1 or self._ready():  # the batcher waits for a first step, or for the batch to be whole
+        awaited = self._awaited
+        awaited.discard(session.id)
+        # the batcher waits for a first step, or for the batch to be whole (_ready, inlined: this runs per step)
+        if len(queue) == 1 or not awaited or self._queued_rows >= self.max_batch_rows or self._stopping:
             self._wakeup.set()
         return pending
 
@@ -184,15 +182,18 @@ class Scheduler:
             return
         self._queue.remove(pending)
         self._queued_rows -= pending.rows
-        self._release(pending)
+        self._release(pending, self.sessions.clock())
         pending.forget_callers()
 
-    def _release(self, pending: PendingStep) -> None:
+    @staticmethod
+    def _release(pending: PendingStep, now: float) -> None:
+        """The step no longer holds its session; `now`: the session table's clock."""
         session = pending.session
         session.busy -= 1
-        session.last_used = self.sessions.clock()
-        if session.inflight.get(pending.step.request_id) is pending:
-            del session.inflight[pending.step.request_id]
+        session.last_used = now
+        rid = pending.request_id
+        if rid and session.inflight.get(rid) is pending:
+            del session.inflight[rid]
 
     async def _batcher(self) -> None:
         while True:
@@ -213,10 +214,11 @@ class Scheduler:
             except Exception:  # an engine failure must not kill the batcher or strand callers
                 log.exception("engine step failed")
                 self._awaited = set()
+                now = self.sessions.clock()
                 for pending in batch:
                     if pending.result is None:
                         self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; "
-                                                            "see the server log", pending.session.sequence.position))
+                                                            "see the server log", pending.session.sequence.position), now)
 
     def _ready(self) -> bool:
         """The next batch may run: every awaited session has queued its step, or the batch is full."""
@@ -312,62 +314,68 @@ class Scheduler:
             if problem is None:
                 live.append(pending)
             else:
-                self._deliver(pending, problem)
+                self._deliver(pending, problem, self.sessions.clock())
         if not live:
             return
-        requested = [len(p.drafts) for p in live]
-        verified = self.policy.trim([p.session.id for p in live], requested) if self.policy is not None else requested
+        policy = self.policy
+        requested = [p.rows - 1 for p in live]
+        verified = policy.trim([p.session.id for p in live], requested) if policy is not None else requested
         requests = [_request(p, k) for p, k in zip(live, verified)]
         started = time.perf_counter()
         results, logits = await self.worker.run(_step, self.engine, requests)
         self._last_step_s = time.perf_counter() - started
-        ran = [k + 1 for k, r in zip(verified, results) if r.error is None]  # the engine refuses steps its state cannot take
-        if ran:
-            self.metrics.record_batch(sum(ran))
-        self.metrics.record_graph_captures(self.engine.graph_captures)
         max_seq_len = self.engine.pool.max_seq_len
-        now = time.perf_counter()
+        now, clock_now = time.perf_counter(), self.sessions.clock()
         store = self.sessions.store_result
-        going_on = set()
+        going_on = []
         ok_verified, ok_accepted, latencies, judged = [], [], [], []  # per OK step; judged: its session and drafts sent
         trimmed = 0
         for pending, asked, k, result, rows in zip(live, requested, verified, results, logits):
-            if result.error is not None:
-                self._deliver(pending, error_result(pending.step, STEP_ERROR_CODES[result.error.code], str(result.error), result.position))
+            if result.error is not None:  # the engine refuses steps its state cannot take
+                self._deliver(pending, error_result(pending.step, STEP_ERROR_CODES[result.error.code], str(result.error),
+                                                    result.position), clock_now)
                 continue
-            session, step = pending.session, pending.step
+            session = pending.session
             seq = session.sequence
             if seq.finish_reason is None and seq.position >= max_seq_len:
                 # no room for even a one-row step: the context is full, which ends the session
                 seq.finish_reason = result.finish_reason = LENGTH
-            answer = ok_result(step, result, k, rows)
-            if step.request_id:
-                store(session, step.request_id, pending.fingerprint, answer)
+            rid = pending.request_id
+            answer = ok_result(session.id, rid, result, k, rows)
+            if rid:
+                store(session, rid, pending.fingerprint, answer)
             ok_verified.append(k)
             ok_accepted.append(result.accepted)
             latencies.append(now - pending.arrived)
-            judged.append((session.id, asked))
-            trimmed += asked - k
-            self._deliver(pending, answer)
+            if policy is not None:
+                judged.append((session.id, asked))
+                trimmed += asked - k
+            self._deliver(pending, answer, clock_now)
             if seq.finish_reason is None:
-                going_on.add(session.id)
+                going_on.append(session)
+        if ok_verified:
+            self.metrics.record_batch(sum(ok_verified) + len(ok_verified))  # verify rows run: k + 1 per OK step
+        self.metrics.record_graph_captures(self.engine.graph_captures)
         # the batch's bookkeeping runs once the answers are on their way: the Verify calls woken
         # above are ahead of it on the event loop, so it overlaps the drafters' turnaround
         self._bookkeeping = (ok_verified, trimmed, ok_accepted, latencies, judged)
         asyncio.get_running_loop().call_soon(self.keep_books)
         self._last_answered = time.perf_counter()
-        # the next batch waits for these (still open, unfinished), minus those whose next step is queued already
-        self._awaited = {sid for sid in going_on if self.sessions.find(sid) is not None}.difference(
-            p.session.id for p in self._queue)
         if self._cut_short:
             # steps that did not fit this batch are queued: their callers (a Verify call answers
             # all its steps at once) cannot send anything before they run, so nothing is awaited
             self._awaited = set()
+        else:
+            # the next batch waits for these (still open, unfinished), minus those whose next step is queued already
+            is_live = self.sessions.is_live
+            self._awaited = {session.id for session in going_on if is_live(session)}.difference(
+                p.session.id for p in self._queue)
 
-    def _deliver(self, pending: PendingStep, result: rpc.StepResult) -> None:
-        if result.status.code != 0:
+    def _deliver(self, pending: PendingStep, result: rpc.StepResult, now: float) -> None:
+        """Answer a step that a batch took; `now`: the session table's clock."""
+        if result.HasField("status"):  # only error results set it (an unset Status reads as OK)
             self.metrics.record_error(code_name(result.status.code))
-        self._release(pending)
+        self._release(pending, now)
         if pending.result is None:
             pending.finish(result)
 
@@ -384,5 +392,7 @@ def _step(engine: Engine, requests: list[StepRequest]):
     """On the worker: one engine step, and the asked-for logits as wire bytes (the device-to-host
     copy stays off the event loop)."""
     results = engine.step(requests)
+    if not any(q.want_logits for q in requests):
+        return results, [None] * len(results)
     logits = [logits_message(r.logits) if q.want_logits and r.error is None else None for q, r in zip(requests, results)]
     return results, logits

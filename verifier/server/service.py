@@ -9,6 +9,7 @@ the server holds no such session.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -114,11 +115,13 @@ class VerifierService:
             raise
 
     async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
-        steps = request.steps
-        repeated = repeated_sessions(steps)
+        steps = list(request.steps)  # one wrapper per step, kept: each pass over the wire's list makes new ones
+        session_ids = [step.session_id for step in steps]  # read once: each read of a wire string makes a new str
+        repeated = repeated_sessions(session_ids)
         arrived, now = time.perf_counter(), self.sessions.clock()
-        tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated else self._submit(step, arrived, now)
-                   for i, step in enumerate(steps)]
+        tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated
+                   else self._submit(step, session_id, arrived, now)
+                   for i, (step, session_id) in enumerate(zip(steps, session_ids))]
         waiting = [t for t in tickets if t.result is None]
         if waiting:
             # one wait for the whole request (its steps usually finish in one batch), not one per step
@@ -143,27 +146,46 @@ class VerifierService:
 
     async def VerifyStream(self, request_iterator, context):
         # Steps are submitted as they arrive (so one stream's steps of several sessions share a
-        # batch) and answered in order.
-        tickets: asyncio.Queue = asyncio.Queue()
-        outstanding: list[PendingStep] = []
+        # batch) and answered in order: `outstanding` holds the submitted steps not yet answered
+        # to the client, oldest first. The answering loop waits on one future at a time, woken
+        # when the oldest step is answered or when reading ends (not a queue hop plus a future
+        # per step: each hop is a turn of the event loop).
+        outstanding: collections.deque[PendingStep] = collections.deque()
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future | None = None  # what the answering loop awaits, None while it runs
+        reading = True
+
+        def wake() -> None:
+            if woken is not None and not woken.done():
+                woken.set_result(None)
 
         async def read():
+            nonlocal reading
+            submit, clock = self._submit, self.sessions.clock
             try:
                 async for step in request_iterator:
                     if isinstance(step, Malformed):  # the guard leaves this stream's requests unwrapped
                         await refuse(context, _VERIFY_STREAM, step)
-                    ticket = self._submit(step, time.perf_counter(), self.sessions.clock())
+                    ticket = submit(step, step.session_id, time.perf_counter(), clock())
                     outstanding.append(ticket)
-                    tickets.put_nowait(ticket)
+                    if len(outstanding) == 1 and woken is not None:  # the answering loop waits for a step
+                        ticket.on_done(wake)
             finally:
-                tickets.put_nowait(None)
+                reading = False
+                wake()
 
-        reader = asyncio.get_running_loop().create_task(read())
+        reader = loop.create_task(read())
         try:
-            while (ticket := await tickets.get()) is not None:
-                result = await ticket.wait()
-                outstanding.remove(ticket)
-                yield result
+            while True:
+                while outstanding and outstanding[0].result is not None:
+                    yield outstanding.popleft().result
+                if not outstanding and not reading:
+                    break
+                woken = loop.create_future()
+                if outstanding:
+                    outstanding[0].on_done(wake)
+                await woken
+                woken = None
             await reader  # a broken request stream raises here
         finally:
             reader.cancel()
@@ -226,17 +248,17 @@ class VerifierService:
         self.metrics.record_error(code.name)
         return self.scheduler.answered(step, error_result(step, code, message, position))
 
-    def _submit(self, step: rpc.VerifyStep, arrived: float, now: float) -> PendingStep:
+    def _submit(self, step: rpc.VerifyStep, session_id: str, arrived: float, now: float) -> PendingStep:
         """Check the step's wire fields, find its session, answer a retry from the stored result or
-        join it to the same step in flight, else queue it. `arrived` (perf_counter) and `now` (the
-        session table's clock) are read once per request."""
+        join it to the same step in flight, else queue it. `session_id`: the step's, read once;
+        `arrived` (perf_counter) and `now` (the session table's clock) are read once per request."""
         try:
-            drafts, draft_probs = step_drafts(step, self.engine.max_k, self.vocab)
+            drafts, draft_probs = step_drafts(step, session_id, self.engine.max_k, self.vocab)
         except Invalid as exc:
             return self._refuse(step, exc.code, exc.message)
-        session = self.sessions.find(step.session_id)
+        session = self.sessions.find(session_id)
         if session is None:
-            return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(step.session_id))
+            return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session_id))
         rid = step.request_id
         fingerprint = step_fingerprint(step, drafts) if rid else None
         if rid:
@@ -249,7 +271,7 @@ class VerifierService:
                 return self.scheduler.answered(step, stored.result)
             if in_flight is not None:
                 return self.scheduler.join(in_flight)
-        return self.scheduler.submit(step, session, drafts, draft_probs, fingerprint, arrived, now)
+        return self.scheduler.submit(step, rid, session, drafts, draft_probs, fingerprint, arrived, now)
 
     async def _reap(self, timeout_s: float) -> None:
         interval = min(1.0, timeout_s / 4)

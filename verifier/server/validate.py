@@ -63,22 +63,25 @@ def open_limits(request: rpc.OpenSessionRequest) -> tuple[SamplingParams, int]:
     return sampling, request.max_new_tokens
 
 
-def step_drafts(step: rpc.VerifyStep, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor | None]:
-    """(draft ids, draft probabilities [K, vocab] or None) of a VerifyStep."""
-    if not step.session_id:
+def step_drafts(step: rpc.VerifyStep, session_id: str, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor | None]:
+    """(draft ids, draft probabilities [K, vocab] or None) of a VerifyStep whose session_id the
+    caller has read already (each read of a wire field makes a new Python object)."""
+    if not session_id:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
-    drafts = list(step.draft_ids)
-    if len(drafts) > max_k:
-        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids has {len(drafts)} ids, more than max_k {max_k}")
-    if drafts and (min(drafts) < 0 or max(drafts) >= vocab):
-        bad = _bad_ids(drafts, vocab)
-        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-    if not step.draft_probs:
+    drafts = step.draft_ids[:]  # a list; half the cost of list() on the wire's container
+    if drafts:
+        if len(drafts) > max_k:
+            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids has {len(drafts)} ids, more than max_k {max_k}")
+        if min(drafts) < 0 or max(drafts) >= vocab:
+            bad = _bad_ids(drafts, vocab)
+            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+    data = step.draft_probs
+    if not data:
         return drafts, None
     if not drafts:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "draft_probs is set but draft_ids is empty")
     try:
-        probs = draft_probs_tensor(step.draft_probs, len(drafts), vocab)
+        probs = draft_probs_tensor(data, len(drafts), vocab)
     except ValueError as exc:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     _check_probs(probs, drafts)
@@ -99,17 +102,18 @@ def _check_probs(probs: torch.Tensor, drafts: list[int]) -> None:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_probs[{r}] gives its own draft {drafts[r]} probability 0")
 
 
-def repeated_sessions(steps) -> dict[int, str]:
-    """Steps of one Verify request that name a session an earlier step named: index -> message.
-    A session appears once per Verify request (its steps depend on each other's positions)."""
-    if len({step.session_id for step in steps}) == len(steps):  # the usual case, in one pass
+def repeated_sessions(session_ids: list[str]) -> dict[int, str]:
+    """Steps of one Verify request (given by their session ids, in order) that name a session an
+    earlier step named: index -> message. A session appears once per Verify request (its steps
+    depend on each other's positions)."""
+    if len(set(session_ids)) == len(session_ids):  # the usual case, in one pass
         return {}
     first_at: dict[str, int] = {}
     repeated = {}
-    for i, step in enumerate(steps):
-        if step.session_id in first_at:
-            repeated[i] = (f"steps[{i}].session_id duplicates steps[{first_at[step.session_id]}]: "
+    for i, session_id in enumerate(session_ids):
+        if session_id in first_at:
+            repeated[i] = (f"steps[{i}].session_id duplicates steps[{first_at[session_id]}]: "
                            f"a session may appear once per Verify request")
-        elif step.session_id:
-            first_at[step.session_id] = i
+        elif session_id:
+            first_at[session_id] = i
     return repeated
