@@ -7,6 +7,8 @@ client process (so that its Python is not counted) sends plain steps in two shap
   unary:  one Verify call carrying one step of each of 64 sessions, call after call.
 Figures: server process CPU microseconds per step (every server thread: event loop, engine worker,
 gRPC core) and wall microseconds per step, medians of --repeats timed runs after a warm-up run.
+The CPU figure is read around the timed steps only (labels before "session4_steps_only_cpu" in the
+results file also counted the opening of the sessions: 64 CPU prefills, ~34 us per step there).
 Correctness first: every step must come back OK at the position it should reach.
 
     python -m bench.server_overhead [--label after] [--sessions 64] [--steps 200] [--repeats 3]
@@ -56,13 +58,15 @@ class NoOpEngine(Engine):
         return results
 
 
-async def _drive(address: str, shape: str, sessions: int, steps: int) -> float:
-    """Open `sessions`, run `steps` steps each in `shape`, close; the wall seconds of the steps."""
+async def _drive(address: str, shape: str, sessions: int, steps: int, out) -> float:
+    """Open `sessions`, run `steps` steps each in `shape`, close; the wall seconds of the steps.
+    Puts "start" on `out` once the sessions are open (the server's prefills stay out of its CPU figure)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = rpc.VerifierStub(channel)
         opened = await asyncio.gather(*(stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[1, 2, 3], max_new_tokens=10**6))
                                         for _ in range(sessions)))
         positions = {o.session_id: o.position for o in opened}
+        out.put("start")
         started = time.perf_counter()
         if shape == "stream":
             await asyncio.gather(*(_stream(stub, o.session_id, o.position, steps) for o in opened))
@@ -74,6 +78,7 @@ async def _drive(address: str, shape: str, sessions: int, steps: int) -> float:
                     assert result.status.code == 0 and result.position == positions[result.session_id] + 1, result
                     positions[result.session_id] = result.position
         elapsed = time.perf_counter() - started
+        out.put(elapsed)
         await asyncio.gather(*(stub.CloseSession(rpc.CloseSessionRequest(session_id=o.session_id)) for o in opened))
         return elapsed
 
@@ -89,7 +94,7 @@ async def _stream(stub, session_id: str, position: int, steps: int) -> None:
 
 
 def _client(address: str, shape: str, sessions: int, steps: int, out) -> None:
-    out.put(asyncio.run(_drive(address, shape, sessions, steps)))
+    asyncio.run(_drive(address, shape, sessions, steps, out))
 
 
 def measure(server: LoopbackServer, shape: str, sessions: int, steps: int) -> dict:
@@ -97,13 +102,13 @@ def measure(server: LoopbackServer, shape: str, sessions: int, steps: int) -> di
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     client = ctx.Process(target=_client, args=(server.address, shape, sessions, steps, out))
-    cpu_before = time.process_time()  # this process is the server's (the client runs in its own)
     client.start()
+    assert out.get(timeout=600) == "start"
+    cpu_before = time.process_time()  # this process is the server's (the client runs in its own)
     wall = out.get(timeout=600)
+    cpu = time.process_time() - cpu_before  # the steps only: not the opens' prefills, nor the closes
     client.join()
-    cpu = time.process_time() - cpu_before
     n = sessions * steps
-    # the CPU figure includes the opens and closes around the timed steps: a small, fixed share
     return {"server_cpu_us_per_step": cpu / n * 1e6, "wall_us_per_step": wall / n * 1e6}
 
 
