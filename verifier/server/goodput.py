@@ -69,6 +69,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+# The policy runs on the served round's critical path, once per batch, on arrays of a few hundred
+# numbers at most: what it costs is mostly the count of numpy calls (~1-3 us each whatever the
+# size), so the code below keeps that count small: one stable sort instead of a lexsort, take()
+# instead of fancy indexing, the ufuncs' own reduce/accumulate (the same arithmetic as sum, cumsum
+# and cumprod, without their Python wrappers), a table of relax ** age instead of a pow per count.
+# Every change keeps the bits: the same operations on the same numbers, in the same order.
+
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
     """Expected tokens a step with k drafts emits: 1 + sum_{j<=k} prod_{i<=j} rates[i-1]."""
@@ -79,12 +86,23 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
     return total
 
 
+def _best_first(values: np.ndarray) -> np.ndarray:
+    """Order of `values` (drafts in row-major order: session, then position) by value, highest
+    first; a stable sort, so ties keep row-major order: the lower session, then the earlier position."""
+    return (-values).argsort(kind="stable")
+
+
+def _span_costs(cost: Callable[[int], float], first: int, stop: int) -> np.ndarray:
+    """[stop - first] cost(rows) for rows = first .. stop - 1: one `span` call where the cost has one."""
+    return cost.span(first, stop) if hasattr(cost, "span") else np.array([cost(r) for r in range(first, stop)])
+
+
 def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -> list[int]:
     """Drafts to verify per session: k_s <= requested[s], chosen to maximise expected tokens per
     second. rates[s][j] is session s's acceptance rate at draft position j + 1 (at least
     requested[s] of them; a list of lists or an [S, >= max requested] array); cost(rows) > 0 is the
     step time of a batch of `rows` verify rows, never smaller for more rows (StepCost makes a
-    measured table so); a cost with a `many(rows array)` method is asked once for every candidate.
+    measured table so); a cost with a `span(first, stop)` method is asked once for every candidate.
     Ties go to more drafts (the same goodput, more information about the drafter).
 
     Vectorised (a batch of 64 sessions x 8 drafts is one sort, not a heap walk in Python): every
@@ -94,40 +112,40 @@ def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -
     row (useless drafts), two cost lookups decide it."""
     if len(requested) != len(rates):
         raise ValueError(f"trim_drafts: {len(requested)} requests but {len(rates)} rate lists")
+    base_rows = len(requested)
+    width = max(requested, default=0)
     if isinstance(rates, np.ndarray):  # the policy's case: one check for the batch, not a loop
-        asked = np.asarray(requested)
-        wrong = np.flatnonzero((asked < 0) | (asked > rates.shape[1]))
-        if len(wrong):
-            s = int(wrong[0])
+        if base_rows and (min(requested) < 0 or width > rates.shape[1]):
+            s = next(s for s, k in enumerate(requested) if not 0 <= k <= rates.shape[1])
             raise ValueError(f"trim_drafts: session {s} asks for {requested[s]} drafts with {rates.shape[1]} rates")
     else:
         for s, (k, r) in enumerate(zip(requested, rates)):
             if k < 0 or len(r) < k:
                 raise ValueError(f"trim_drafts: session {s} asks for {k} drafts with {len(r)} rates")
-    base_rows = len(requested)
-    width = max(requested, default=0)
     if width == 0:
         return [0] * base_rows
     asked = np.asarray(requested)
-    wanted = np.arange(width)[None, :] < asked[:, None]  # [S, width]: drafts sent
+    wanted = np.arange(width) < asked[:, None]  # [S, width]: drafts sent
     if isinstance(rates, np.ndarray):
-        rate = np.where(wanted, rates[:, :width], 0.0)
+        rate = rates[:, :width]  # rates past a session's drafts are never read: P_s(j) needs positions <= j only
     else:
         rate = np.zeros((base_rows, width))
         for s, r in enumerate(rates):
             rate[s, : asked[s]] = np.asarray(r[: asked[s]], dtype=np.float64)
-    value = np.cumprod(rate, axis=1)  # [S, width]: P_s(j), the j-th draft's expected tokens
+    # [drafts sent], row-major: P_s(j), the j-th draft's expected tokens (cumprod)
+    drafts = np.multiply.accumulate(rate, axis=1)[wanted]
     base_rate = base_rows / cost(base_rows)
-    if (base_rows + float(value[wanted].sum())) / cost(base_rows + 1) < base_rate:
+    if (base_rows + float(np.add.reduce(drafts))) / cost(base_rows + 1) < base_rate:
         return [0] * base_rows  # every draft together, at the price of one row, does not pay
-    session, position = np.nonzero(wanted)  # row-major: sessions ascending, positions ascending
-    order = np.lexsort((position, session, -value[session, position]))
-    tokens = base_rows + np.cumsum(value[session, position][order])
-    rows = base_rows + np.arange(1, len(order) + 1)
-    costs = cost.many(rows) if hasattr(cost, "many") else np.array([cost(int(r)) for r in rows])
-    goodput = np.concatenate(([base_rate], tokens / costs))
-    best = len(goodput) - 1 - int(np.argmax(goodput[::-1]))  # the last prefix of the largest goodput
-    return np.bincount(session[order[:best]], minlength=base_rows).tolist()
+    order = _best_first(drafts)
+    tokens = base_rows + np.add.accumulate(drafts[order])  # [drafts sent]: expected tokens of each prefix of the order
+    goodput = tokens / _span_costs(cost, base_rows + 1, base_rows + len(order) + 1)
+    best = len(goodput) - int(goodput[::-1].argmax())  # the last prefix of the largest goodput
+    if goodput[best - 1] < base_rate:
+        return [0] * base_rows  # no draft at all beats every prefix
+    if best == len(order):
+        return asked.tolist()
+    return np.bincount(wanted.nonzero()[0][order[:best]], minlength=base_rows).tolist()
 
 
 class StepCost:
@@ -142,7 +160,9 @@ class StepCost:
         # a larger bucket is never cheaper: a measured dip is timing noise, and the trim's early
         # stop relies on costs that never fall
         self.times = list(itertools.accumulate((table[r] for r in self.rows), max))
-        self._rows_array, self._times_array = np.asarray(self.rows), np.asarray(self.times)
+        # [rows[-1] + 1]: the cost of every row count the table covers (a list of graph buckets: a few
+        # thousand rows at most), so that the costs of a run of row counts are one slice
+        self._by_rows = np.array([self(r) if r else np.nan for r in range(self.rows[-1] + 1)])
 
     def __call__(self, rows: int) -> float:
         i = bisect.bisect_left(self.rows, rows)
@@ -150,11 +170,13 @@ class StepCost:
             return self.times[i]
         return self.times[-1] * rows / self.rows[-1]
 
-    def many(self, rows: np.ndarray) -> np.ndarray:
-        """__call__ for an array of row counts."""
-        i = np.searchsorted(self._rows_array, rows, side="left")
-        table = self._times_array
-        return np.where(i < len(table), table[np.minimum(i, len(table) - 1)], self.times[-1] * rows / self.rows[-1])
+    def span(self, first: int, stop: int) -> np.ndarray:
+        """[stop - first] __call__ of rows = first .. stop - 1 (first >= 1); read only (a view of the table)."""
+        last = self.rows[-1]
+        if stop <= last + 1:
+            return self._by_rows[first:stop]
+        past = np.arange(max(first, last + 1), stop)
+        return np.concatenate((self._by_rows[first:], self.times[-1] * past / last))
 
 
 class _WithTurnaround:
@@ -166,10 +188,8 @@ class _WithTurnaround:
     def __call__(self, rows: int) -> float:
         return self.cost(rows) + self.turnaround_s
 
-    def many(self, rows: np.ndarray) -> np.ndarray:
-        if hasattr(self.cost, "many"):
-            return self.cost.many(rows) + self.turnaround_s
-        return np.array([self.cost(int(r)) for r in rows]) + self.turnaround_s
+    def span(self, first: int, stop: int) -> np.ndarray:
+        return _span_costs(self.cost, first, stop) + self.turnaround_s
 
 
 @dataclass
@@ -196,9 +216,15 @@ class DecayedRates:
         position = np.arange(self.max_k)[:, None]
         reached = (position < np.minimum(verified, accepted + 1)).sum(axis=1)  # [max_k] steps per position
         taken = (position < accepted).sum(axis=1)  # [max_k]
-        for j in np.flatnonzero(reached):
-            self.drafted[j] = self.drafted[j] * self.decay + float(reached[j])
-            self.accepted[j] = self.accepted[j] * self.decay + float(taken[j])
+        self.observe_counts(reached.tolist(), taken.tolist())
+
+    def observe_counts(self, reached: Sequence[int], taken: Sequence[int]) -> None:
+        """One observation as counts per position: reached[j] steps reached position j + 1 and
+        taken[j] of them had its draft accepted. Positions no step reached keep their counts."""
+        for j, steps in enumerate(reached):
+            if steps:
+                self.drafted[j] = self.drafted[j] * self.decay + float(steps)
+                self.accepted[j] = self.accepted[j] * self.decay + float(taken[j])
 
     def rates(self, fallback: Sequence[float] | None, prior: float, weight: float = 1.0) -> list[float]:
         """Rate per position: (accepted + weight * base) / (drafted + weight), base = fallback's rate
@@ -235,10 +261,11 @@ class GoodputPolicy:
     (oracle drafts at 0.9x untrimmed on the 2B model, H200).
 
     `relax` (per batch) discounts evidence by its age, `probe_share` is what probing may cost (a
-    share of the steps, see the module docstring). The sessions' decayed counts are rows of
-    [sessions, max_k] arrays (a batch's rates and updates are a few array operations, not a Python
-    loop per session and position: the policy ran ~1 ms per batch of 64 on the H200's host); the
-    server-wide counts are a DecayedRates, observed once per batch."""
+    share of the steps, see the module docstring). The sessions' decayed counts are rows of one
+    [2, sessions, max_k] array, drafted and accepted (a batch's rates and updates are a few array
+    operations, one gather and one scatter of both counts, not a Python loop per session and
+    position: the policy ran ~1 ms per batch of 64 on the H200's host); the server-wide counts are
+    a DecayedRates, observed once per batch."""
 
     def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7,
                  relax: float = 0.98, probe_share: float = 0.02):
@@ -253,9 +280,10 @@ class GoodputPolicy:
         self.server = DecayedRates(max_k, decay)
         self.sessions: dict[str, int] = {}  # session id -> its row of the count arrays
         # row 0 stays empty: the row of sessions with no counts, so a batch's rates need no mask
-        self._drafted = np.zeros((1, max_k))  # [rows, max_k] decayed drafts that reached each position
-        self._accepted = np.zeros((1, max_k))
+        self._counts = np.zeros((2, 1, max_k))  # [drafted | accepted, rows, max_k] decayed counts by position
         self._reached_at = np.zeros((1, max_k), dtype=np.int64)  # the batch that last reached each position
+        self._positions = np.arange(max_k)  # [max_k] draft positions - 1
+        self._relax_powers = relax ** np.arange(64)  # relax ** age for ages 0, 1, ... (see _relaxed)
         self._free_rows: list[int] = []
         self.turnaround_s = 0.0  # decayed mean of the gaps between batches
         self.batch = 0  # batches trimmed so far: the clock evidence ages by
@@ -269,37 +297,60 @@ class GoodputPolicy:
     def trim(self, session_ids: Sequence[str], requested: Sequence[int]) -> list[int]:
         """Drafts to verify per session of one batch (requested[i] drafts sent by session_ids[i]):
         those worth their rows by the evidence, plus a probe when the credit allows one."""
-        self.batch += 1
+        self._next_batch()
         if not any(requested):  # plain decoding: nothing to trim
             return list(requested)
-        rows = np.array([self.sessions.get(s, 0) for s in session_ids])
+        rows = self._rows(session_ids)
         cost = _WithTurnaround(self.cost, self.turnaround_s)
-        server = np.asarray(self.server.rates(None, self.prior))  # [max_k]
-        verified = trim_drafts(requested, self._rates(rows, server), cost)
+        width = max(requested)  # rates past the longest draft are never read
+        counts, reached_at = self._gather(rows)
+        counts = counts[:, :, :width] * self._relaxed(reached_at)[:, :width]  # [2, S, width], aged
+        server = np.asarray(self.server.rates(None, self.prior)[:width])  # [width]
+        verified = trim_drafts(requested, self._rates(counts, server), cost)
         if sum(verified) == sum(requested):
             return verified
         self.probe_credit = min(self.probe_credit + self.probe_share, MAX_PROBE_CREDIT)
-        return self._probe(rows, requested, verified, cost)
+        return self._probe(counts, requested, verified, cost)
 
-    def _rates(self, rows: np.ndarray, base: np.ndarray | float) -> np.ndarray:
-        """[S, max_k] rates (accepted + base) / (drafted + 1) from each session's counts, discounted
-        by relax ** their age (row 0, no counts: `base`)."""
-        weight = self.relax ** self._age(rows)
-        return (self._accepted[rows] * weight + base) / (self._drafted[rows] * weight + 1.0)
+    @staticmethod
+    def _rates(counts: np.ndarray, base: np.ndarray | float) -> np.ndarray:
+        """[S, width] rates (accepted + base) / (drafted + 1) from aged counts [2, S, width] (row 0,
+        no counts: `base`)."""
+        return (counts[1] + base) / (counts[0] + 1.0)
 
-    def _age(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), max_k] batches since each position was last reached, the batch after it not counted
-        (evidence renewed every batch does not age)."""
-        return np.maximum(self.batch - self._reached_at[rows] - 1, 0)
+    def _next_batch(self) -> None:
+        """Advance the clock evidence ages by, with the table of relax ** age up to every age it allows
+        (counts last reached at batch >= 0 are at most batch - 1 old)."""
+        self.batch += 1
+        powers = self._relax_powers
+        if self.batch > len(powers) and powers[-1] not in (0.0, 1.0):  # 0.0: underflowed, 1.0: relax 1
+            self._relax_powers = self.relax ** np.arange(2 * self.batch)
 
-    def _probe(self, rows: np.ndarray, requested: Sequence[int], verified: list[int], cost) -> list[int]:
+    def _relaxed(self, reached_at: np.ndarray) -> np.ndarray:
+        """relax ** the age of counts last reached in batches `reached_at` [rows, max_k]: the batches
+        since, the batch after not counted (evidence renewed every batch does not age).
+
+        Looked up in a table made by the same np.power over an array, so with the bits of raising
+        each age, without pow's 15-30 ns per element; mode="clip" takes an age below 0 (reached this
+        batch) as 0, and one past the table's end as its last entry, which the powers no longer leave
+        (see _next_batch). A one-element operand is raised as before: numpy raises it by its scalar
+        path (x * x for 2), which a SIMD pow need not match. So always whole rows of max_k positions,
+        as before, never a slice: the row count alone decides which operand has one element."""
+        age = (self.batch - 1) - reached_at
+        if age.size == 1:
+            return self.relax ** np.maximum(age, 0)
+        return self._relax_powers.take(age, mode="clip")
+
+    def _probe(self, counts: np.ndarray, requested: Sequence[int], verified: list[int], cost) -> list[int]:
         """`verified` plus, when the probe credit pays for it, the trimmed drafts that fit in the
         rows costing what one more row costs (the rest of the next graph bucket), chosen by their
         value at rates whose evidence is discounted by age toward `prior`: stale positions first."""
         step_rows = len(requested) + sum(verified)
-        costs = cost.many(np.arange(step_rows + 1, len(requested) + sum(requested) + 1))  # one more row, two, ...
-        dearer = np.flatnonzero(costs > costs[0])
-        size = min(int(dearer[0]) if len(dearer) else len(costs), step_rows)
+        if self.probe_credit < 1 / step_rows:  # a probe takes a row at least, charged at least its share of the rows
+            return verified
+        costs = cost.span(step_rows + 1, len(requested) + sum(requested) + 1)  # one more row, two, ...
+        dearer = int((costs > costs[0]).argmax()) or len(costs)  # the first dearer row (0: none is)
+        size = min(dearer, step_rows)
         step = cost(step_rows)
         # rows at no less than their share of the step: the measured table may make a bucket look
         # cheaper than real rows in it are (padding rows are timed), and per-row host work grows too
@@ -308,12 +359,11 @@ class GoodputPolicy:
             return verified
         self.probe_credit -= charge
         asked, kept = np.asarray(requested), np.asarray(verified)
-        position = np.arange(int(asked.max()))[None, :]
+        position = self._positions[: max(requested)]
         trimmed = (position >= kept[:, None]) & (position < asked[:, None])  # [S, width]
-        value = np.cumprod(self._rates(rows, self.prior)[:, : position.shape[1]], axis=1)
-        session, at = np.nonzero(trimmed)
-        chosen = np.lexsort((at, session, -value[session, at]))[:size]
-        return (kept + np.bincount(session[chosen], minlength=len(asked))).tolist()
+        value = np.multiply.accumulate(self._rates(counts, self.prior), axis=1)
+        chosen = _best_first(value[trimmed])[:size]
+        return (kept + np.bincount(trimmed.nonzero()[0][chosen], minlength=len(asked))).tolist()
 
     def observe(self, session_id: str, requested: int, verified: int, accepted: int) -> None:
         """One step's outcome, as a batch of one: `requested` drafts sent, `verified` verified, `accepted` accepted."""
@@ -325,37 +375,49 @@ class GoodputPolicy:
         counts the positions it reached (the first rejected one included), its old counts there
         discounted by relax ** (their age) and decayed; the server-wide counts take the whole batch
         as one observation. A step whose drafts were all trimmed judged nothing and changes nothing."""
-        judged = [i for i, k in enumerate(verified) if k > 0]
-        if not judged:
-            return
-        for i in judged:
-            if session_ids[i] not in self.sessions:
-                self.sessions[session_ids[i]] = self._new_row()
-        rows = np.array([self.sessions[session_ids[i]] for i in judged])
-        k = np.array([verified[i] for i in judged])
-        a = np.array([accepted[i] for i in judged])
-        position = np.arange(self.max_k)[None, :]
-        reached = position < np.minimum(k, a + 1)[:, None]  # [steps, max_k]
-        kept = np.where(reached, self.decay * self.relax ** self._age(rows), 1.0)  # what old counts keep
-        self._drafted[rows] = self._drafted[rows] * kept + reached
-        self._accepted[rows] = self._accepted[rows] * kept + (position < a[:, None])
-        self._reached_at[rows] = np.where(reached, self.batch, self._reached_at[rows])
-        self.server.observe(k, a)
+        if min(verified, default=0) <= 0:  # some steps judged nothing: leave them out
+            judged = [i for i, k in enumerate(verified) if k > 0]
+            if not judged:
+                return
+            session_ids, verified, accepted = ([x[i] for i in judged] for x in (session_ids, verified, accepted))
+        if not all(map(self.sessions.__contains__, session_ids)):  # first steps judged: rows for them
+            for s in session_ids:
+                if s not in self.sessions:
+                    self.sessions[s] = self._new_row()
+        rows = self._rows(session_ids)
+        steps = np.array((verified, accepted))  # [2, steps]
+        ends = np.minimum(steps, steps[1] + 1)  # [2, steps]: positions reached (the first rejected one too), accepted
+        marks = self._positions < ends[:, :, None]  # [2, steps, max_k]: reached, accepted
+        reached = marks[0]
+        counts, reached_at = self._gather(rows)
+        np.multiply(counts, self.decay * self._relaxed(reached_at), out=counts, where=reached)  # what old counts keep
+        counts += marks
+        reached_at[reached] = self.batch
+        self._counts[:, rows] = counts
+        self._reached_at[rows] = reached_at
+        self.server.observe_counts(*np.add.reduce(marks, axis=1).tolist())  # steps per position
 
     def forget(self, session_id: str) -> None:
         row = self.sessions.pop(session_id, None)
         if row is not None:
-            self._drafted[row] = 0.0
-            self._accepted[row] = 0.0
+            self._counts[:, row] = 0.0
             self._reached_at[row] = 0
             self._free_rows.append(row)
 
+    def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the rows' counts [2, len(rows), max_k] and reached_at [len(rows), max_k] (take:
+        a fraction of fancy indexing's cost on arrays this small)."""
+        return self._counts.take(rows, axis=1), self._reached_at.take(rows, axis=0)
+
+    def _rows(self, session_ids: Sequence[str]) -> np.ndarray:
+        """[S] the sessions' rows of the count arrays (0: no counts yet)."""
+        return np.fromiter(map(self.sessions.get, session_ids, itertools.repeat(0)), np.int64, len(session_ids))
+
     def _new_row(self) -> int:
         if not self._free_rows:
-            grown = max(8, 2 * len(self._drafted))  # row 0 is never handed out
-            self._free_rows = list(range(grown - 1, len(self._drafted) - 1, -1))
-            extra = grown - len(self._drafted)
-            self._drafted = np.concatenate((self._drafted, np.zeros((extra, self.max_k))))
-            self._accepted = np.concatenate((self._accepted, np.zeros((extra, self.max_k))))
-            self._reached_at = np.concatenate((self._reached_at, np.zeros((extra, self.max_k), dtype=np.int64)))
+            held = self._reached_at.shape[0]
+            grown = max(8, 2 * held)  # row 0 is never handed out
+            self._free_rows = list(range(grown - 1, held - 1, -1))
+            self._counts = np.concatenate((self._counts, np.zeros((2, grown - held, self.max_k))), axis=1)
+            self._reached_at = np.concatenate((self._reached_at, np.zeros((grown - held, self.max_k), dtype=np.int64)))
         return self._free_rows.pop()
