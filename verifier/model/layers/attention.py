@@ -43,7 +43,6 @@ class GatedAttention:
         self.q_norm = src.take(p + "q_norm.weight", (hd,))
         self.k_norm = src.take(p + "k_norm.weight", (hd,))
         self.scale = hd**-0.5
-        self.inv_freq = rope_inv_freq(a.rotary_dim, a.rope_theta, src.device)  # [ceil(rotary_dim / 2)] fp32
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
                 mode: str = COMMIT) -> tuple[torch.Tensor, None]:
@@ -66,7 +65,7 @@ class GatedAttention:
         query = rms_norm(query, self.q_norm, self.eps, zero_centred=True)
         key = rms_norm(key.reshape(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
         value = value.reshape(n, a.n_kv_heads, hd)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(a.rotary_dim, a.rope_theta, x.device), x.dtype)
         return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
 
     def _project_and_write(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState):
