@@ -45,15 +45,42 @@ def prompt_ids(path: Path, count: int, target_dir: Path) -> list[list[int]]:
     return out
 
 
-def timed(generate_one: Callable[[list[int]], Generation], prompts: list[list[int]]) -> tuple[float, list[Generation]]:
-    """Tokens per second over every prompt after an untimed run of the first, and the generations."""
-    generate_one(prompts[0])
-    generations, seconds = [], 0.0
-    for prompt in prompts:
+class TimedProposer:
+    """A proposer's proposals, timed (wall seconds, the proposer's own device sync included): the
+    part of a round spent drafting. Passes every call through unchanged."""
+
+    def __init__(self, proposer):
+        self.proposer, self.seconds = proposer, 0.0
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        return self.propose_with_probs(context, k)[0]
+
+    def propose_with_probs(self, context: list[int], k: int):
         start = time.perf_counter()
-        generations.append(generate_one(prompt))
-        seconds += time.perf_counter() - start
-    return round(sum(len(g.tokens) for g in generations) / seconds, 2), generations
+        try:
+            return self.proposer.propose_with_probs(context, k)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+class Timed:
+    """One mode's timed generations: tokens/s, and per round (step) its wall ms and the ms spent
+    drafting (the rest: the step itself, through the service or the engine, and the loop)."""
+
+    def __init__(self, generate_one: Callable[[list[int]], Generation], prompts: list[list[int]],
+                 proposer: TimedProposer | None = None):
+        generate_one(prompts[0])  # untimed: start-up, compilation, captures
+        drafted_before = proposer.seconds if proposer is not None else 0.0
+        self.generations, seconds = [], 0.0
+        for prompt in prompts:
+            start = time.perf_counter()
+            self.generations.append(generate_one(prompt))
+            seconds += time.perf_counter() - start
+        rounds = sum(len(g.accepted_per_step) for g in self.generations)
+        drafting = proposer.seconds - drafted_before if proposer is not None else 0.0
+        self.tokens_per_s = round(sum(len(g.tokens) for g in self.generations) / seconds, 2)
+        self.ms_per_round = round(seconds / rounds * 1e3, 3)
+        self.drafting_ms_per_round = round(drafting / rounds * 1e3, 3)
 
 
 def acceptance(generations: list[Generation]) -> float:
@@ -71,29 +98,36 @@ def remote_drafter(target: Path, draft: Path, prompts_path: Path, count: int, ne
     try:
         with VerifierClient(server.address, timeout_s=120.0) as client:
             info = client.model_info()
-            proposer = ModelProposer.from_dir(draft, info.vocab_size, info.max_context, device=draft_device)
+            proposer = TimedProposer(ModelProposer.from_dir(draft, info.vocab_size, info.max_context, device=draft_device))
             progress(f"remote drafter: {len(prompts)} prompts x {new_tokens} tokens, plain over the server")
-            plain_rate, plain = timed(lambda p: remote_generate(client, None, prompt_ids=p, max_new_tokens=new_tokens,
-                                                                k=0, info=info), prompts)
+            plain = Timed(lambda p: remote_generate(client, None, prompt_ids=p, max_new_tokens=new_tokens, k=0, info=info),
+                          prompts)
             progress(f"remote drafter: the model drafter at K={k} on {draft_device}")
-            model_rate, model = timed(lambda p: remote_generate(client, proposer, prompt_ids=p, max_new_tokens=new_tokens,
-                                                                k=k, info=info), prompts)
+            model = Timed(lambda p: remote_generate(client, proposer, prompt_ids=p, max_new_tokens=new_tokens, k=k, info=info),
+                          prompts, proposer)
     finally:
         server.stop()
     progress("remote drafter: the same pair in process")
     engine = Engine(load_model(target, device, getattr(torch, dtype)), 1, longest, max_k=k)
-    local_proposer = ModelProposer.from_dir(draft, engine.vocab_size, engine.pool.max_seq_len, device=draft_device)
-    local_plain_rate, local_plain = timed(lambda p: local_generate(engine, p, new_tokens), prompts)
-    local_model_rate, local_model = timed(lambda p: local_generate(engine, p, new_tokens, proposer=local_proposer, k=k),
-                                          prompts)
-    streams = [[g.tokens for g in run] for run in (plain, model, local_plain, local_model)]
-    remote_speedup, local_speedup = round(model_rate / plain_rate, 3), round(local_model_rate / local_plain_rate, 3)
+    local_proposer = TimedProposer(ModelProposer.from_dir(draft, engine.vocab_size, engine.pool.max_seq_len,
+                                                          device=draft_device))
+    local_plain = Timed(lambda p: local_generate(engine, p, new_tokens), prompts)
+    local_model = Timed(lambda p: local_generate(engine, p, new_tokens, proposer=local_proposer, k=k), prompts, local_proposer)
+    runs = {"remote_plain": plain, "remote_model": model, "inprocess_plain": local_plain, "inprocess_model": local_model}
+    streams = [[g.tokens for g in run.generations] for run in runs.values()]
+    remote_speedup = round(model.tokens_per_s / plain.tokens_per_s, 3)
+    local_speedup = round(local_model.tokens_per_s / local_plain.tokens_per_s, 3)
     return {
         "k": k, "prompts": len(prompts), "max_new_tokens": new_tokens, "target": str(target), "draft": str(draft),
         "draft_device": draft_device,
-        "plain_tokens_per_s": plain_rate, "remote_model_tokens_per_s": model_rate, "remote_model_speedup": remote_speedup,
-        "inprocess_plain_tokens_per_s": local_plain_rate, "inprocess_model_tokens_per_s": local_model_rate,
+        "plain_tokens_per_s": plain.tokens_per_s, "remote_model_tokens_per_s": model.tokens_per_s,
+        "remote_model_speedup": remote_speedup,
+        "inprocess_plain_tokens_per_s": local_plain.tokens_per_s, "inprocess_model_tokens_per_s": local_model.tokens_per_s,
         "inprocess_model_speedup": local_speedup, "remote_over_inprocess_speedup": round(remote_speedup / local_speedup, 3),
-        "remote_mean_acceptance_length": acceptance(model), "inprocess_mean_acceptance_length": acceptance(local_model),
+        "remote_mean_acceptance_length": acceptance(model.generations),
+        "inprocess_mean_acceptance_length": acceptance(local_model.generations),
+        # where a round goes: its wall ms, and of it the ms drafting (the rest is the step and the loop)
+        "ms_per_round": {name: run.ms_per_round for name, run in runs.items()},
+        "drafting_ms_per_round": {name: run.drafting_ms_per_round for name, run in runs.items() if name.endswith("model")},
         "streams_equal": all(s == streams[0] for s in streams),
     }
