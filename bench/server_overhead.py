@@ -8,7 +8,7 @@ client process (so that its Python is not counted) sends plain steps in two shap
 Figures: server process CPU microseconds per step (every server thread: event loop, engine worker,
 gRPC core) and wall microseconds per step, medians of --repeats timed runs after a warm-up run.
 The CPU figure is read around the timed steps only (labels before "session4_steps_only_cpu" in the
-results file also counted the opening of the sessions: 64 CPU prefills, ~34 us per step there).
+results file also counted the opening of the sessions: 64 CPU prefills).
 Correctness first: every step must come back OK at the position it should reach.
 
     python -m bench.server_overhead [--label after] [--sessions 64] [--steps 200] [--repeats 3]

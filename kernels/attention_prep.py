@@ -162,14 +162,27 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 def attention_prep_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                        sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
                        positions: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The torch code the kernel replaces (GatedAttention's projection split, norms, rope, KV write)."""
+    """The torch code the kernel replaces: project_heads_ref at each row's rope, then the KV write."""
+    query, key, value = project_heads_ref(qkv, q_weight, k_weight, eps, cos[positions], sin[positions],
+                                          n_heads, n_kv_heads, head_dim)
+    keys[row_slots, positions] = key
+    values[row_slots, positions] = value
+    return query
+
+
+def project_heads_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GatedAttention's projection -> heads, in torch (the CPU reference backend's code): qkv [n, W]
+    as the module docstring lays it out, cos, sin [n, rd] of each row's position -> the normed and
+    rotated query [n, H, hd] and key [n, KV, hd], and the value [n, KV, hd]."""
     n, hd = qkv.shape[0], head_dim
     q_and_gate, key, value = qkv.split((2 * n_heads * hd, n_kv_heads * hd, n_kv_heads * hd), dim=1)
     query = q_and_gate.reshape(n, n_heads, 2 * hd)[..., :hd]
     query = rms_norm_ref(query.reshape(-1, hd), q_weight, eps, True).reshape(n, n_heads, hd)
     key = rms_norm_ref(key.reshape(-1, hd), k_weight, eps, True).reshape(n, n_kv_heads, hd)
-    cos, sin = cos[positions], sin[positions]  # [n, rd]
-    query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
-    keys[row_slots, positions] = key
-    values[row_slots, positions] = value.reshape(n, n_kv_heads, hd)
-    return query
+    return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value.reshape(n, n_kv_heads, hd)
+
+
+def output_gate(qkv: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """The output gate's columns of qkv [n, W]: a view [n, H, hd] (attend_rows reads it strided)."""
+    return qkv[:, : 2 * n_heads * head_dim].view(qkv.shape[0], n_heads, 2 * head_dim)[..., head_dim:]

@@ -115,10 +115,15 @@ def mask_limits(params: list[SamplingParams], vocab: int, device: torch.device |
     """Each row's top-k [R] int64 (0: off) and top-p [R] fp32 (1: off) on `device`, None where no
     row uses that mask: what keep_thresholds reads. Made once outside a CUDA graph, they let a
     capture take the thresholds without a copy from the host inside it."""
-    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    top_k = _top_ks(params, vocab)
     k = torch.tensor(top_k, dtype=torch.int64).to(device) if any(top_k) else None
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device) if any(p.top_p < 1.0 for p in params) else None
     return k, top_p
+
+
+def _top_ks(params: list[SamplingParams], vocab: int) -> list[int]:
+    """Each row's top-k, 0 where it removes nothing (off, or not below the vocabulary)."""
+    return [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
 
 
 def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams],
@@ -139,8 +144,7 @@ def keep_thresholds(scaled: torch.Tensor, params: list[SamplingParams],
     k, top_p = mask_limits(params, vocab, scaled.device) if limits is None else limits  # [R] each, or None
     threshold = scaled.new_full((rows,), float("-inf"))
     if k is not None:
-        largest_k = max(p.top_k if p.top_k and p.top_k < vocab else 0 for p in params)
-        largest = torch.topk(scaled, largest_k, dim=-1).values  # [R, max k] descending
+        largest = torch.topk(scaled, max(_top_ks(params, vocab)), dim=-1).values  # [R, max k] descending
         kth = largest.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
         threshold = torch.where(k > 0, kth, threshold)
     if top_p is not None:

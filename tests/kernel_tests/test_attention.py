@@ -95,6 +95,10 @@ def test_the_output_gate(device, dtype):
     plain = launch(query, keys, values, row_slots, row_positions, scale_of(shape))
     # bf16: the product's rounding, and the ungated output's cast (the interpreter truncates it)
     assert_close("gated vs plain * sigmoid", got, plain * torch.sigmoid(gate), 2.0**-6 if dtype == torch.bfloat16 else 1e-6, 1e-6)
+    for r in (0, n // 2, n - 1):  # row invariance of the gated output: a row alone gets its bits in the batch
+        alone = attend_rows(query[r : r + 1], keys, values, row_slots[r : r + 1], row_positions[r : r + 1], scale_of(shape),
+                            gate=gate[r : r + 1])
+        assert torch.equal(alone[0], got[r]), f"row {r}'s gated output differs alone"
     with pytest.raises(ValueError, match="gate must be"):
         attend_rows(query, keys, values, row_slots, row_positions, scale_of(shape), gate=gate[:-1])
 

@@ -127,7 +127,7 @@ def test_rope_table_rows_are_each_positions_rope(dtype):
     bits (each element is computed alone on CUDA), for rows alone and in a batch."""
     length, rotary_dim, theta = 300, 16, 10000.0
     cos, sin = rope_table(length, rotary_dim, theta, "cuda", dtype)
-    inv_freq = rope_inv_freq(rotary_dim, theta, "cuda")
+    inv_freq = rope_inv_freq(rotary_dim, theta, torch.device("cuda"))
     for positions in ([0], [299], [5, 17, 64, 65, 128, 255, 299], list(range(length))):
         at = torch.tensor(positions, device="cuda")
         want_cos, want_sin = rope_cos_sin(at, inv_freq, dtype)

@@ -22,11 +22,12 @@ of the plumbing) is dequantized per call, giving the bits of the dequantized-at-
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from kernels import linear as linear_kernel
-from kernels.attention_prep import apply_partial_rope  # noqa: F401 (the layers' rope; the kernel's reference)
 from kernels import linear_fp8, moe, norms
 from kernels.runtime import pick, use_triton
 
@@ -104,18 +105,12 @@ def l2norm(x: torch.Tensor, form: str) -> torch.Tensor:
     return _rowwise(norms.l2norm, norms.l2norm_ref, x, form)
 
 
-_INV_FREQS: dict[tuple, torch.Tensor] = {}
-
-
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """inv_freq [ceil(rotary_dim / 2)] fp32: theta^(-2i / rotary_dim), exactly as transformers builds
     it; made once per (rotary_dim, theta, device) and shared (the same ops give the same bits every
     time, so a step need not launch them)."""
-    device = torch.device(device)
-    key = (rotary_dim, theta, device)
-    if key not in _INV_FREQS:
-        _INV_FREQS[key] = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim))
-    return _INV_FREQS[key]
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim))
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,8 @@ sampling (the device path of verifier/sampling.choose_rows: the same kernel and 
 
 Catching up. Between two proposals the verifier's answer arrives: the drafts it kept, then a bonus.
 The drafter's sync would restore the boundary of the first rejected draft and consume the new
-tokens through the engine's runner (host packing, two replays, a clone): on the H200 that sync
-cost more wall time than the chain itself (bench/README.md). So a chain can begin with the
+tokens through the engine's runner (host packing, two more replays, a clone): host work above the
+GPU work of a small draft model, as the drafting itself was. So a chain can begin with the
 catch-up, in the same replay, before its first choice:
     RESTORE_BONUS  boundary j of the last proposal back into the slot, then the bonus consumed
                    (drafts[j] was rejected: the slot had consumed drafts[0 .. k-2]);
@@ -200,12 +200,20 @@ class DraftChain:
         inputs = self._catch_inputs[n]
         inputs.tokens.copy_(self._control[_NEW_TOKENS : _NEW_TOKENS + n])
         torch.add(self._catch_start, self._row_offsets[:n], out=inputs.positions)
-        batch = RowBatch(slots=(slot,), starts=(catch_start,), counts=(n,))
+        self._consume(slot, catch_start, inputs, self._keep_caught[n], self._caught_logits[:n])
+        self._logits[0].copy_(self._caught_logits[n - 1])
+
+    def _consume(self, slot: int, start: int, inputs: StepInputs, kept: torch.Tensor, logits_out: torch.Tensor) -> None:
+        """inputs' rows (one sequence of `slot`, from position `start`; the host value for the
+        batch's host fields) through the decode path: a verify writing logits_out [rows, vocab],
+        then the rollback keeping kept [1] int32 rows, as the engine's own consume does."""
+        batch = RowBatch(slots=(slot,), starts=(start,), counts=(inputs.rows,))
         batch.attach(self.device, inputs.batch_tensors())
         record = VerifyRecord(WOA, batch)
-        self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, self._caught_logits[:n])
-        apply_rollback(self.pool, record, self._keep_caught[n])
-        self._logits[0].copy_(self._caught_logits[n - 1])
+        self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, logits_out)
+        apply_rollback(self.pool, record, kept)
+        # a batch read under another device key would be built from its host fields: stale positions in a graph
+        assert len(batch._on_device) == 1, f"the chain's batch was read on more than one device key: {list(batch._on_device)}"
 
     def _run(self, k: int, slot: int, inputs: StepInputs, kept: torch.Tensor, start: int) -> None:
         """The chain's body (module docstring). `start` is p on the host, for the host fields of the
@@ -219,13 +227,7 @@ class DraftChain:
                 break  # the last draft is consumed only if the verifier keeps it
             self._save(i, slot)
             inputs.tokens.copy_(choice)
-            batch = RowBatch(slots=(slot,), starts=(start + i,), counts=(1,))
-            batch.attach(self.device, inputs.batch_tensors())
-            record = VerifyRecord(WOA, batch)
-            self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, self._logits)
-            apply_rollback(self.pool, record, kept)
-            # a batch read under another device key would be built from its host fields: stale positions in a graph
-            assert len(batch._on_device) == 1, f"the chain's batch was read on more than one device key: {list(batch._on_device)}"
+            self._consume(slot, start + i, inputs, kept, self._logits)
 
     def _save(self, i: int, slot: int) -> None:
         for layer, conv, recurrent in zip(self._layers, self._saved_conv, self._saved_recurrent):
@@ -235,14 +237,14 @@ class DraftChain:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # one eager run of the longest chain after each catch-up first, in the scratch slot: it
-        # compiles every kernel outside a capture; keeping no row, it commits nothing (the scratch
-        # slot's state stays zero)
+        # one eager run of each catch-up's consume and of the longest chain first, in the scratch
+        # slot: it compiles every kernel outside a capture; keeping no row, it commits nothing (the
+        # scratch slot's state stays zero)
         scratch = self.pool.scratch_slot
         keep_none = torch.zeros(1, dtype=torch.int32, device=self.device)
-        for kind in self.catch_ups:
-            self._catch_up_scratch(kind, scratch)
-            self._run(self.max_k, scratch, _sequence_inputs(scratch, 1, self.device), keep_none, 0)
+        for n in (1, 2):
+            self._consume(scratch, 0, _sequence_inputs(scratch, n, self.device), keep_none, self._caught_logits[:n])
+        self._run(self.max_k, scratch, _sequence_inputs(scratch, 1, self.device), keep_none, 0)
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.graph_pool_handle()  # one replays at a time and keeps nothing in its temporaries
         for kind in self.catch_ups:
@@ -253,18 +255,6 @@ class DraftChain:
                     self._run(k, self.slot, self._inputs, self._keep_row, 0)
                 self._graphs[kind, k] = graph
                 self.captures += 1
-
-    def _catch_up_scratch(self, kind: str, scratch: int) -> None:
-        """A catch-up's kernels compiled in the scratch slot, committing nothing (the warm-up's)."""
-        if kind == NONE:
-            return
-        n = CATCH_UP_TOKENS[kind]
-        inputs = _sequence_inputs(scratch, n, self.device)
-        batch = RowBatch(slots=(scratch,), starts=(0,), counts=(n,))
-        batch.attach(self.device, inputs.batch_tensors())
-        record = VerifyRecord(WOA, batch)
-        self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, self._caught_logits[:n])
-        apply_rollback(self.pool, record, torch.zeros(1, dtype=torch.int32, device=self.device))
 
 
 def _sequence_inputs(slot: int, rows: int, device: torch.device) -> StepInputs:

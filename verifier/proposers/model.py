@@ -20,8 +20,8 @@ that prefix plus some of the drafter's own drafts) and holds the logits that pre
      so they are settled by the sync that precedes it (asserted). When the context is the last
      one plus the verifier's answer (kept drafts, then the bonus) that sync runs inside the same
      replay: the restore and the one- or two-row consume are the chain's first nodes, so a
-     steady proposal is one copy in, one replay and one copy out (draft_chain.py, "Catching up"). Rejection-sampled drafts, and
-     more than CHAIN_MAX_K, take the loop above.
+     steady proposal is one copy in, one replay and one copy out (draft_chain.py, "Catching up").
+     Rejection-sampled drafts, and more than CHAIN_MAX_K, take the loop above.
 The context is prefilled only when the drafter starts (or when the context is not an extension of
 what it consumed: a new sequence), so a step costs about k one-row forwards. That prefill takes all
 but the context's last token, which is decoded, as the verifier prefills a prompt and decodes its

@@ -11,10 +11,10 @@ import torch
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..fp8 import cat_out_features
-from kernels.attention_prep import attention_prep
+from kernels.attention_prep import attention_prep, output_gate, project_heads_ref
 from kernels.runtime import use_triton
 
-from ..ops import apply_partial_rope, each_row, linear, rms_norm, rope_cos_sin, rope_inv_freq, rope_table
+from ..ops import each_row, linear, rope_cos_sin, rope_inv_freq, rope_table
 from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
@@ -33,7 +33,6 @@ class GatedAttention:
         w_v = src.take(p + "v_proj.weight", (a.n_kv_heads * hd, H))
         # q | k | v in one GEMM (one launch reads the three weights; columns are independent sums)
         self.w_qkv = cat_out_features(w_q, w_k, w_v)
-        self.qkv_splits = (2 * a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd)
         self.w_o = src.take(p + "o_proj.weight", (H, a.n_heads * hd))
         self.b_qkv = self.b_o = None
         if a.bias:
@@ -59,26 +58,21 @@ class GatedAttention:
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [n, H], positions [n] -> query [n, heads, hd], key, value [n, kv_heads, hd], gate [n, heads*hd]."""
         a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
-        q_and_gate, key, value = linear(x, self.w_qkv, self.b_qkv).split(self.qkv_splits, dim=1)
-        q_and_gate = q_and_gate.reshape(n, a.n_heads, 2 * hd)
-        query, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(n, a.n_heads * hd)
-        query = rms_norm(query, self.q_norm, self.eps, zero_centred=True)
-        key = rms_norm(key.reshape(n, a.n_kv_heads, hd), self.k_norm, self.eps, zero_centred=True)
-        value = value.reshape(n, a.n_kv_heads, hd)
+        qkv = linear(x, self.w_qkv, self.b_qkv)  # [n, 2*heads*hd + 2*kv_heads*hd]
         cos, sin = rope_cos_sin(positions, rope_inv_freq(a.rotary_dim, a.rope_theta, x.device), x.dtype)
-        return apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin), value, gate
+        query, key, value = project_heads_ref(qkv, self.q_norm, self.k_norm, self.eps, cos, sin, a.n_heads, a.n_kv_heads, hd)
+        return query, key, value, output_gate(qkv, a.n_heads, hd).reshape(n, a.n_heads * hd)
 
     def _project_and_write(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState):
         """_project and write_kv on CUDA: the GEMM, then one kernel for the norms, the rope (from the
         tables of every position the cache holds) and the KV write (kernels/attention_prep.py)
         -> query [n, heads, hd], gate [n, heads, hd] (a view of the projection)."""
-        a, n, hd = self.cfg, x.shape[0], self.cfg.head_dim
+        a, hd = self.cfg, self.cfg.head_dim
         qkv = linear(x, self.w_qkv, self.b_qkv)  # [n, 2*heads*hd + 2*kv_heads*hd]
         cos, sin = rope_table(state.keys.shape[1], a.rotary_dim, a.rope_theta, x.device, x.dtype)  # [max_seq_len, rd]
         query = attention_prep(qkv, self.q_norm, self.k_norm, self.eps, cos, sin, state.keys, state.values,
                                batch.row_slots(x.device), positions, a.n_heads, a.n_kv_heads, hd)
-        gate = qkv[:, : 2 * a.n_heads * hd].view(n, a.n_heads, 2 * hd)[..., hd:]  # a view: attend reads it strided
-        return query, gate
+        return query, output_gate(qkv, a.n_heads, hd)
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """out [n, heads, hd], gate [n, heads*hd] -> [n, H]."""
