@@ -23,7 +23,7 @@ written once to a temporary directory by its writer; tiny = bench.load's tiny ch
 remote drafter (--remote-target/--remote-draft, the shipped pair): held-out prompts one session at a
 time, as `python -m drafter generate` runs them (drafter.loop.generate over a VerifyStream): plain,
 then the model drafter at K in this process on --draft-device; and the same pair in process
-(verifier.generate), plain and speculative. Each mode runs the first prompt once untimed.
+(verifier.generate), plain and speculative. Each mode runs every prompt once untimed first.
 
 Writes OUT/serve_<date>.json and prints a short table last; progress goes to stderr. Exit 1 when a
 stream differs from plain decoding or a step failed, 2 on bad options.
@@ -186,6 +186,10 @@ def service_run(config: ServeConfig, address: str, client: VerifierClient, plan:
                                          "p50_ms", "p99_ms", "max_ms", "errors", "errors_by_code", "partial")},
         "engine_batches": served["engine_batches"], "rows_per_batch_mean": served["rows_per_batch_mean"],
         "batches_per_s": round(served["engine_batches"] / figures["wall_s"], 2) if figures["wall_s"] else None,
+        # a round's time: wall over batches; of it, the engine step and a step's time on the server
+        # (arrival to result); the rest is gRPC, the network and the drafter processes
+        "ms_per_batch": round(figures["wall_s"] * 1000 / served["engine_batches"], 3) if served["engine_batches"] else None,
+        "engine_ms_per_batch": served["engine_ms_per_batch"], "server_latency_mean_ms": served["server_latency_mean_ms"],
         "mean_acceptance_length": served["mean_acceptance_length"],
         "graph_captures": None if None in captures else captures[1] - captures[0],
         "trimmed_drafts": None if None in trimmed else trimmed[1] - trimmed[0],

@@ -171,13 +171,14 @@ class Stats:
     errors: int
     graph_captures: int  # CUDA graphs the server's engine captured, startup included
     trimmed_drafts: int  # drafts sent but not verified (goodput-aware K)
+    engine_seconds: float  # wall time of the server's engine steps (0.0 from a server before the field)
 
     @classmethod
     def from_proto(cls, m) -> "Stats":
         return cls(m.engine_steps, m.steps, m.rows, m.drafts, m.draft_tokens, m.accepted_tokens,
                    tuple(m.drafted_per_position), tuple(m.accepted_per_position), m.mean_acceptance_length,
                    Histogram.from_proto(m.rows_per_batch), Histogram.from_proto(m.step_latency_ms),
-                   m.open_sessions, m.free_slots, m.errors, m.graph_captures, m.trimmed_drafts)
+                   m.open_sessions, m.free_slots, m.errors, m.graph_captures, m.trimmed_drafts, m.engine_seconds)
 
 
 def logits_array(m) -> np.ndarray:

@@ -4,8 +4,12 @@ Held-out prompts, greedy, one session at a time as `python -m drafter generate` 
 (drafter.loop.generate over a VerifyStream to a `python -m verifier serve` subprocess with the
 server's defaults): plain decoding, then the model drafter at K in this process (on draft_device).
 Then the same pair in this process (verifier.generate on one engine), plain and speculative. Each
-mode first runs the first prompt untimed, so start-up, Triton compilation and graph capture stay
-out of the timed part. Greedy streams of all four modes must be equal, token for token.
+mode first runs every prompt once untimed, so start-up, Triton compilation and graph capture stay
+out of the timed part. (Every prompt, not the first alone: a prompt of a new length compiles
+kernels for the prefill, on the server and in the drafter. Warmed on the first prompt alone, the
+plain mode, which runs first, paid the server's compilations for the model mode: on the H200,
+plain ran at 491-513 tokens/s against 652 warm, and the model drafter looked 1.5-1.8x plain where
+warm it is 1.5-1.6x: `remote_warmup_2026-11-30.json`.) Greedy streams of all four modes must be equal, token for token.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class Timed:
 
     def __init__(self, generate_one: Callable[[list[int]], Generation], prompts: list[list[int]],
                  proposer: TimedProposer | None = None):
-        generate_one(prompts[0])  # untimed: start-up, compilation, captures
+        for prompt in prompts:  # untimed: start-up, captures, and every prompt's own compilations
+            generate_one(prompt)
         drafted_before = proposer.seconds if proposer is not None else 0.0
         self.generations, seconds = [], 0.0
         for prompt in prompts:

@@ -50,8 +50,13 @@ def server_figures(before, after) -> dict:
     """From two GetStats snapshots (drafter.messages.Stats): what the run did on the server."""
     batches = after.engine_steps - before.engine_steps
     counts = [b - a for a, b in zip(before.rows_per_batch.counts, after.rows_per_batch.counts)]
+    latency, answered = after.step_latency_ms, after.step_latency_ms.count - before.step_latency_ms.count
     return {
         "engine_batches": batches,
+        # where a round goes on the server: the engine step on its thread, and a step's time from
+        # its request's arrival to its result (gathering, the step, conversions; not gRPC's own)
+        "engine_ms_per_batch": round((after.engine_seconds - before.engine_seconds) * 1000 / batches, 3) if batches else None,
+        "server_latency_mean_ms": round((latency.sum - before.step_latency_ms.sum) / answered, 3) if answered else None,
         "server_steps": after.steps - before.steps,
         "server_errors": after.errors - before.errors,
         "rows_per_batch_mean": round((after.rows - before.rows) / batches, 3) if batches else 0.0,

@@ -33,5 +33,7 @@ def test_draft_counts_by_position():
     assert (stats.steps, stats.drafts, stats.draft_tokens, stats.accepted_tokens, stats.trimmed_drafts) == (4, 3, 6, 4, 5)
     assert list(stats.drafted_per_position) == [3, 2, 1]  # position 1: three steps reached it; 3: one
     assert list(stats.accepted_per_position) == [2, 2, 0]
-    metrics.record_batch(9)
+    metrics.record_batch(9, 0.25)
     assert stats.rows_per_batch.count == 0 and metrics.stats().rows_per_batch.count == 1
+    metrics.record_batch(3, 0.5)
+    assert metrics.stats().engine_seconds == 0.75

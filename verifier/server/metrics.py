@@ -51,6 +51,8 @@ class Metrics:
         self.max_k = max_k
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.engine_steps = Counter("verifier_engine_steps", "engine batches run", registry=r)
+        self.engine_seconds = Counter("verifier_engine_seconds", "wall time of the engine steps, on the engine's thread",
+                                      registry=r)
         self.steps = Counter("verifier_steps", "session steps verified (OK results)", registry=r)
         self.rows = Counter("verifier_rows", "verify rows run", registry=r)
         self.drafts = Counter("verifier_drafts", "steps that carried at least one draft", registry=r)
@@ -80,8 +82,10 @@ class Metrics:
         self.open_sessions.set_function(lambda: len(table))
         self.free_slots.set_function(lambda: table.free_slots)
 
-    def record_batch(self, rows: int) -> None:
+    def record_batch(self, rows: int, seconds: float) -> None:
+        """An engine batch of `rows` verify rows that took `seconds` on the engine's thread."""
         self.engine_steps.inc()
+        self.engine_seconds.inc(seconds)
         self.rows.inc(rows)
         self.rows_per_batch.observe(rows)
 
@@ -147,13 +151,18 @@ class Metrics:
             free_slots=_gauge(self.free_slots),
             graph_captures=_value(self.graph_captures),
             trimmed_drafts=_value(self.trimmed_drafts),
+            engine_seconds=_total(self.engine_seconds),
             errors=sum(int(s.value) for m in self.errors.collect() for s in m.samples if s.name.endswith("_total")),
         )
 
 
-def _value(counter) -> int:
+def _total(counter) -> float:
     (metric,) = counter.collect()
-    return int(next(s.value for s in metric.samples if s.name.endswith("_total")))
+    return next(s.value for s in metric.samples if s.name.endswith("_total"))
+
+
+def _value(counter) -> int:
+    return int(_total(counter))
 
 
 def _gauge(gauge) -> int:

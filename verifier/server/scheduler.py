@@ -354,7 +354,7 @@ class Scheduler:
             if seq.finish_reason is None:
                 going_on.append(session)
         if ok_verified:
-            self.metrics.record_batch(sum(ok_verified) + len(ok_verified))  # verify rows run: k + 1 per OK step
+            self.metrics.record_batch(sum(ok_verified) + len(ok_verified), self._last_step_s)  # rows run: k + 1 per OK step
         self.metrics.record_graph_captures(self.engine.graph_captures)
         # the batch's bookkeeping runs once the answers are on their way: the Verify calls woken
         # above are ahead of it on the event loop, so it overlaps the drafters' turnaround

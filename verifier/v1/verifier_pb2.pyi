@@ -192,7 +192,7 @@ class Histogram(_message.Message):
     def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ["engine_steps", "steps", "rows", "drafts", "draft_tokens", "accepted_tokens", "drafted_per_position", "accepted_per_position", "mean_acceptance_length", "rows_per_batch", "step_latency_ms", "open_sessions", "free_slots", "errors", "graph_captures", "trimmed_drafts"]
+    __slots__ = ["engine_steps", "steps", "rows", "drafts", "draft_tokens", "accepted_tokens", "drafted_per_position", "accepted_per_position", "mean_acceptance_length", "rows_per_batch", "step_latency_ms", "open_sessions", "free_slots", "errors", "graph_captures", "trimmed_drafts", "engine_seconds"]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class Stats(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_CAPTURES_FIELD_NUMBER: _ClassVar[int]
     TRIMMED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_steps: int
     steps: int
     rows: int
@@ -225,4 +226,5 @@ class Stats(_message.Message):
     errors: int
     graph_captures: int
     trimmed_drafts: int
-    def __init__(self, engine_steps: _Optional[int] = ..., steps: _Optional[int] = ..., rows: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., rows_per_batch: _Optional[_Union[Histogram, _Mapping]] = ..., step_latency_ms: _Optional[_Union[Histogram, _Mapping]] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., errors: _Optional[int] = ..., graph_captures: _Optional[int] = ..., trimmed_drafts: _Optional[int] = ...) -> None: ...
+    engine_seconds: float
+    def __init__(self, engine_steps: _Optional[int] = ..., steps: _Optional[int] = ..., rows: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., rows_per_batch: _Optional[_Union[Histogram, _Mapping]] = ..., step_latency_ms: _Optional[_Union[Histogram, _Mapping]] = ..., open_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., errors: _Optional[int] = ..., graph_captures: _Optional[int] = ..., trimmed_drafts: _Optional[int] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
