@@ -12,9 +12,10 @@ written once to a temporary directory by its writer; tiny = bench.load's tiny ch
            each prompt's plain stream: the reference of every comparison below, and the oracle's drafts.
   service  a `python -m verifier serve` subprocess and the same prompts as --sessions sessions from
            --processes drafter processes (bench/load/drafters.py), each driving its sessions through
-           drafter/fleet.py (one Verify call per round). Every process runs --warmup-steps rounds,
-           then all start their --steps timed rounds at once. Runs: plain (K = 0); plain from twice
-           the processes (when the two agree, the load generator is not the bottleneck); random
+           drafter/fleet.py (one request per round, on one VerifyRounds stream). Every process runs
+           --warmup-steps rounds, then all start their --steps timed rounds at once. Runs: plain
+           (K = 0); plain from twice the processes (when the two agree, the load generator is not the
+           bottleneck); plain with a Verify call per round (what the stream saves); random
            drafts K; oracle drafts K (the plain continuation); and oracle drafts untrimmed on a second
            server, started with --no-goodput beside the first. With --pairs N each ratio (random vs
            plain, oracle trimmed vs untrimmed) is measured N - 1 more times as back-to-back pairs,
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 
 from bench.load import processes, reference, report, workload
-from bench.load.drafters import FLEET
+from bench.load.drafters import FLEET, FLEET_VERIFY
 from bench.load.progress import StepProgress, say
 from bench.load.server import REPO, ServerProcess
 from bench.machine import device_name
@@ -158,7 +159,8 @@ def engine_alone(config: ServeConfig, model_dir: Path, plan: workload.Plan) -> t
 
 
 def service_run(config: ServeConfig, address: str, client: VerifierClient, plan: workload.Plan, n_processes: int,
-                streams: dict[int, tuple[list[int], str]], scratch: Path, label: str, at_start=None) -> dict:
+                streams: dict[int, tuple[list[int], str]], scratch: Path, label: str, at_start=None,
+                transport: str = FLEET) -> dict:
     """One fleet run of every session; figures of its timed rounds and its comparison with `streams`."""
     snapshots = {}
 
@@ -170,7 +172,7 @@ def service_run(config: ServeConfig, address: str, client: VerifierClient, plan:
     references = {i: tokens for i, (tokens, _) in streams.items()} if plan.drafter == "oracle" else None
     say(f"{label}: {config.sessions} sessions from {n_processes} processes", TAG)
     with StepProgress(address, config.sessions * plan.steps, label, tag=TAG):
-        workers = processes.run_drafters(address, plan, processes.shares(config.sessions, n_processes), FLEET,
+        workers = processes.run_drafters(address, plan, processes.shares(config.sessions, n_processes), transport,
                                          time.time() + config.time_limit_s, scratch, references=references,
                                          warmup_rounds=config.warmup_steps, at_start=start)
     after = client.stats()
@@ -181,7 +183,7 @@ def service_run(config: ServeConfig, address: str, client: VerifierClient, plan:
     captures = [getattr(s, "graph_captures", None) for s in (before, after)]
     trimmed = [getattr(s, "trimmed_drafts", None) for s in (before, after)]
     return {
-        "processes": n_processes, "drafter": plan.drafter, "k": 0 if plan.drafter == "none" else plan.k,
+        "processes": n_processes, "transport": transport, "drafter": plan.drafter, "k": 0 if plan.drafter == "none" else plan.k,
         **{key: figures[key] for key in ("steps", "rounds", "tokens", "wall_s", "tokens_per_s", "tokens_per_step",
                                          "p50_ms", "p99_ms", "max_ms", "errors", "errors_by_code", "partial")},
         "engine_batches": served["engine_batches"], "rows_per_batch_mean": served["rows_per_batch_mean"],
@@ -238,14 +240,16 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
         # the engine alone while the servers idle: they share the device, never its time
         engine_figures, streams = engine_alone(config, model_dir, plan)
 
-        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None, trimmed: bool = True) -> dict:
+        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None, trimmed: bool = True,
+                transport: str = FLEET) -> dict:
             address, caller = (server.address, client) if trimmed else (untrimmed.address, untrimmed_client)
             return service_run(config, address, caller, dataclasses.replace(plan, drafter=drafter), n_processes,
-                               streams, scratch, f"{name} {label}", at_start)
+                               streams, scratch, f"{name} {label}", at_start, transport)
 
         oracle = f"oracle K={config.k}"
         runs["plain"] = run("plain", at_start=lambda: rss.setdefault("before", server.rss_mib()))
         runs["plain_more_processes"] = run(f"plain, {more} processes", n_processes=more)
+        runs["plain_verify_calls"] = run("plain, a Verify call per round", transport=FLEET_VERIFY)
         runs["random"] = run(f"random K={config.k}", "random")
         runs["oracle"] = run(oracle, "oracle")
         if with_goodput_off:
@@ -277,7 +281,8 @@ def _add_pair(ratios: list[float], drafts: dict | None, baseline: dict | None) -
 
 def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss: dict[str, float],
                   with_goodput_off: bool, pairs: dict[str, list[float]]) -> dict:
-    plain, load_runs = runs["plain"], [runs[key] for key in ("plain", "plain_more_processes", "random", "oracle")]
+    plain = runs["plain"]
+    load_runs = [runs[key] for key in ("plain", "plain_more_processes", "plain_verify_calls", "random", "oracle")]
     captures = [r["graph_captures"] for r in load_runs]
     return {
         "sessions": config.sessions,
@@ -295,6 +300,8 @@ def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss:
         "errors": sum(r["errors"] for r in _all_runs(runs)),
         "processes": config.processes,
         "service_tokens_per_s_more_processes": runs["plain_more_processes"]["tokens_per_s"],
+        # the drafters' rounds as Verify calls instead of VerifyRounds messages: what the stream saves
+        "service_tokens_per_s_verify_calls": runs["plain_verify_calls"]["tokens_per_s"],
         "goodput_flag": with_goodput_off,
         "engine": engine, "runs": runs,
     }

@@ -42,6 +42,8 @@ from verifier.server.testing import LoopbackServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "qwen3_5_text"  # only its config and prefill are used: steps never run the model
+SHAPES = ("stream", "unary", "unary_x4", "rounds_x4")
+CALLERS = 4
 
 
 class NoOpEngine(Engine):
@@ -70,17 +72,39 @@ async def _drive(address: str, shape: str, sessions: int, steps: int, out) -> fl
         started = time.perf_counter()
         if shape == "stream":
             await asyncio.gather(*(_stream(stub, o.session_id, o.position, steps) for o in opened))
-        else:
+        elif shape == "unary":
             for _ in range(steps):
-                response = await stub.Verify(rpc.VerifyRequest(steps=[
-                    rpc.VerifyStep(session_id=sid, expected_position=p) for sid, p in positions.items()]))
-                for result in response.results:
-                    assert result.status.code == 0 and result.position == positions[result.session_id] + 1, result
-                    positions[result.session_id] = result.position
+                _check(positions, await stub.Verify(_round(positions, positions)))
+        else:  # unary_x4, rounds_x4: four callers of a quarter of the sessions each, as bench.serve's four drafters
+            ids = list(positions)
+            quarters = [ids[i::CALLERS] for i in range(CALLERS)]
+            if shape == "unary_x4":
+                async def caller(mine):
+                    for _ in range(steps):
+                        _check(positions, await stub.Verify(_round(positions, mine)))
+            else:
+                async def caller(mine):
+                    call = stub.VerifyRounds()
+                    for _ in range(steps):
+                        await call.write(_round(positions, mine))
+                        _check(positions, await call.read())
+                    await call.done_writing()
+            await asyncio.gather(*(caller(mine) for mine in quarters))
         elapsed = time.perf_counter() - started
         out.put(elapsed)
         await asyncio.gather(*(stub.CloseSession(rpc.CloseSessionRequest(session_id=o.session_id)) for o in opened))
         return elapsed
+
+
+def _round(positions: dict[str, int], sessions) -> rpc.VerifyRequest:
+    """One plain step of each of `sessions`."""
+    return rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=sid, expected_position=positions[sid]) for sid in sessions])
+
+
+def _check(positions: dict[str, int], response: rpc.VerifyResponse) -> None:
+    for result in response.results:
+        assert result.status.code == 0 and result.position == positions[result.session_id] + 1, result
+        positions[result.session_id] = result.position
 
 
 async def _stream(stub, session_id: str, position: int, steps: int) -> None:
@@ -125,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         with LoopbackServer(model_dir, engine_class=NoOpEngine, n_slots=args.sessions, max_seq_len=args.steps * 2 + 64,
                             max_k=0) as server:
             figures = {}
-            for shape in ("stream", "unary"):
+            for shape in SHAPES:
                 measure(server, shape, args.sessions, max(10, args.steps // 10))  # warm-up
                 runs = [measure(server, shape, args.sessions, args.steps) for _ in range(args.repeats)]
                 figures[shape] = {key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}

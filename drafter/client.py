@@ -28,9 +28,9 @@ from . import retry
 from .aio_client import AsyncStepStream, AsyncVerifierClient
 from .channel import ClientChannel, call_error, stream_ended_error, stream_silent_error
 from .messages import ModelInfo, Session, Stats, Step, StepOutcome, VerifierError, open_request
-from .retry import Call, Decisions, Plan, RetryPolicy, StreamStep, Wait
+from .retry import Call, Decisions, Plan, RetryPolicy, Wait
 
-__all__ = ["VerifierClient", "StepStream", "AsyncVerifierClient", "AsyncStepStream", "RetryPolicy", "VerifierError",
+__all__ = ["VerifierClient", "StepStream", "RoundStream", "AsyncVerifierClient", "AsyncStepStream", "RetryPolicy", "VerifierError",
            "SamplingParams", "Session", "Step", "StepOutcome", "ModelInfo", "Stats"]
 
 
@@ -93,6 +93,10 @@ class VerifierClient(ClientChannel):
         """A VerifyStream for one drafter: `stream.step(step)` sends a step and returns its outcome."""
         return StepStream(self)
 
+    def verify_rounds(self) -> "RoundStream":
+        """A VerifyRounds stream for a drafter of many sessions: `rounds.verify(steps)` is `verify`."""
+        return RoundStream(self)
+
     def close_session(self, session_id: str) -> bool:
         """Free the session's slot; False when it was unknown or already closed (idempotent)."""
         return self._call("CloseSession", rpc.CloseSessionRequest(session_id=session_id)).closed
@@ -104,16 +108,18 @@ class VerifierClient(ClientChannel):
 _CLOSE = object()  # ends the request iterator: the client is done writing
 
 
-class StepStream:
-    """One drafter's VerifyStream, blocking. Results come in the order steps go, and each step waits
-    for its result, so `step()` is a plain call. A broken stream (UNAVAILABLE, or no result within the
-    client's timeout) is reopened and the step resent with the same request id."""
+class _MessageStream:
+    """One bidirectional stream of `method`, blocking: each request waits for its reply, which comes
+    in the order requests go. A broken stream (UNAVAILABLE, or no reply within the client's
+    timeout) is dropped, so that the next request reopens it."""
+
+    method = ""
 
     def __init__(self, client: VerifierClient):
         self._client = client
         self._call = None
 
-    def __enter__(self) -> "StepStream":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -122,9 +128,9 @@ class StepStream:
     def _open(self) -> None:
         requests: queue.Queue = queue.Queue()
         results: queue.Queue = queue.Queue()
-        call = self._client._stub.VerifyStream(iter(requests.get, _CLOSE), metadata=self._client.connection.metadata)
+        call = getattr(self._client._stub, self.method)(iter(requests.get, _CLOSE), metadata=self._client.connection.metadata)
 
-        def read() -> None:  # a thread, so that waiting for a result can time out
+        def read() -> None:  # a thread, so that waiting for a reply can time out
             try:
                 for result in call:
                     results.put(result)
@@ -132,7 +138,7 @@ class StepStream:
             except grpc.RpcError as err:
                 results.put(err)
 
-        threading.Thread(target=read, daemon=True, name="verify-stream-reader").start()
+        threading.Thread(target=read, daemon=True, name=f"{self.method}-reader").start()
         self._call, self._requests, self._results = call, requests, results
 
     def _reset(self) -> None:
@@ -141,12 +147,12 @@ class StepStream:
             self._call.cancel()
             self._call = None
 
-    def _exchange(self, send: StreamStep):
-        """One try of a step on the stream (opened first if need be): its rpc.StepResult, or a
+    def _exchange(self, request):
+        """One try of a request on the stream (opened first if need be): its reply, or a
         VerifierError after which the broken stream is dropped, so that a resend reopens it."""
         if self._call is None:
             self._open()
-        self._requests.put(send.request)
+        self._requests.put(request)
         try:
             got = self._results.get(timeout=self._client.timeout_s)
         except queue.Empty:
@@ -159,12 +165,31 @@ class StepStream:
             self._reset()
         return got
 
-    def step(self, step: Step) -> StepOutcome:
-        """Send one step and return its outcome; a non-OK status raises VerifierError."""
-        return carry_out(retry.stream_step(self._client.retry, step), self._exchange)
-
     def close(self) -> None:
-        """Half-close the stream: the server ends it once it has answered every step."""
+        """Half-close the stream: the server ends it once it has answered every request."""
         if self._call is not None:
             self._requests.put(_CLOSE)
             self._call = None
+
+
+class StepStream(_MessageStream):
+    """One drafter's VerifyStream: `step()` is a plain call. A step on a broken stream is resent with
+    the same request id on a new one."""
+
+    method = "VerifyStream"
+
+    def step(self, step: Step) -> StepOutcome:
+        """Send one step and return its outcome; a non-OK status raises VerifierError."""
+        return carry_out(retry.stream_step(self._client.retry, step), lambda send: self._exchange(send.request))
+
+
+class RoundStream(_MessageStream):
+    """A multi-session drafter's VerifyRounds: `verify(steps)` is VerifierClient.verify over one stream
+    (one call's setup for every round, where Verify pays it each round). Retries are Verify's: a
+    round on a broken stream is resent with the same request ids on a new one; steps with a
+    retryable status are resent alone."""
+
+    method = "VerifyRounds"
+
+    def verify(self, steps: list[Step]) -> list[StepOutcome]:
+        return carry_out(retry.verify(self._client.retry, steps), lambda call: self._exchange(call.request))

@@ -1,9 +1,12 @@
-"""Many sessions from one client, one Verify call per round for all of them.
+"""Many sessions from one client, one request per round for all of them.
 
-A drafter process that serves many sequences sends ONE Verify per round carrying the step of every
-unfinished session (steps of distinct sessions, answered as one engine batch: DESIGN.md section 8),
-so its per-step gRPC and protobuf work scales with processes, not with sessions. Each session is the
-one generation loop, drafter.loop.DraftLoop (next_step / advance); retries are the client's own
+A drafter process that serves many sequences sends ONE VerifyRequest per round carrying the step of
+every unfinished session (steps of distinct sessions, answered as one engine batch: DESIGN.md
+section 8), so its per-step gRPC and protobuf work scales with processes, not with sessions. The
+blocking fleet sends its rounds on one VerifyRounds stream (a call's setup once, not every round),
+falling back to a Verify call per round on a server without it; the asyncio fleet sends Verify calls.
+Each session is the one generation loop, drafter.loop.DraftLoop (next_step / advance); retries are
+the client's own
 (`verify` resends a step with a retryable status, alone, under its request id: drafter/retry.py).
 
 Lanes. A fleet has `lanes` places for one session each. A free lane asks the workload for a job
@@ -20,7 +23,7 @@ where the opens and closes of one round run concurrently.
     class Workload:
         def next_job(self, lane): return Job(16, prompt_ids=[1, 2, 3], proposer=NgramProposer(), k=4)
         def ended(self, report): print(report.lane, report.generation.tokens, report.error)
-    fleet = run_fleet(client, Workload(), lanes=32)   # fleet.rounds: one Round per Verify call
+    fleet = run_fleet(client, Workload(), lanes=32)   # fleet.rounds: one Round per round's request
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+
+import grpc
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -86,7 +91,7 @@ class Ended:
 @dataclass(frozen=True)
 class Round:
     index: int
-    seconds: float  # the Verify call, its retries included
+    seconds: float  # the round's request (VerifyRounds message or Verify call), its retries included
     steps: int  # steps sent (one per unfinished session)
     tokens: int  # emitted by the round's OK steps
 
@@ -175,7 +180,7 @@ class Fleet:
             yield from self._end(finished_at_open)
 
     def _round(self):
-        """One Verify call with the next step of every live session; settle each outcome on its own."""
+        """One request with the next step of every live session; settle each outcome on its own."""
         ending: list[tuple[int, Exception | None, bool]] = []
         sent: list[tuple[int, Step]] = []
         for lane, state in self._live.items():
@@ -227,7 +232,7 @@ class Fleet:
 
 
 def _checked(outcome: StepOutcome | VerifierError) -> StepOutcome:
-    if isinstance(outcome, VerifierError):  # the whole Verify call failed: every step of the round did
+    if isinstance(outcome, VerifierError):  # the whole request failed: every step of the round did
         raise outcome
     return outcome
 
@@ -235,13 +240,38 @@ def _checked(outcome: StepOutcome | VerifierError) -> StepOutcome:
 # -- the transports ---------------------------------------------------------------------------
 
 
-def _blocking(client: VerifierClient, action):
-    """Carry out one action with blocking calls; VerifierErrors come back as answers."""
-    if isinstance(action, VerifyRound):
-        return _caught(client.verify, list(action.steps))
-    if isinstance(action, OpenSessions):
-        return [_caught(lambda job=job: client.open_session(**job.open_arguments())) for job in action.jobs]
-    return [_caught(client.close_session, session_id) for session_id in action.session_ids]
+class _Blocking:
+    """Carries out actions with blocking calls; VerifierErrors come back as answers. Rounds go on one
+    VerifyRounds stream (a Verify call per round pays a call's setup on the server every round: on
+    a loopback server with no model, ~0.4 ms a call), or as Verify calls with `rounds_stream` off
+    or when the server does not serve VerifyRounds (UNIMPLEMENTED: a server from before it)."""
+
+    def __init__(self, client: VerifierClient, rounds_stream: bool):
+        self.client = client
+        self.rounds = client.verify_rounds() if rounds_stream else None
+
+    def __call__(self, action):
+        client = self.client
+        if isinstance(action, VerifyRound):
+            return _caught(self._verify, list(action.steps))
+        if isinstance(action, OpenSessions):
+            return [_caught(lambda job=job: client.open_session(**job.open_arguments())) for job in action.jobs]
+        return [_caught(client.close_session, session_id) for session_id in action.session_ids]
+
+    def _verify(self, steps: list[Step]) -> list[StepOutcome]:
+        if self.rounds is not None:
+            try:
+                return self.rounds.verify(steps)
+            except VerifierError as err:
+                if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("the server does not serve VerifyRounds; one Verify call per round from now on")
+                self.rounds = None
+        return self.client.verify(steps)
+
+    def close(self) -> None:
+        if self.rounds is not None:
+            self.rounds.close()
 
 
 def _caught(call, *args) -> object:
@@ -268,14 +298,20 @@ async def _acaught(call) -> object:
 
 
 def run_fleet(client: VerifierClient, workload: Workload, lanes: int, *, info: ModelInfo | None = None,
-              deadline: float | None = None, on_round: Callable[[Round], None] | None = None) -> Fleet:
+              deadline: float | None = None, on_round: Callable[[Round], None] | None = None,
+              rounds_stream: bool = True) -> Fleet:
     """Run the workload's jobs on `lanes` sessions at a time through a blocking client; the Fleet
-    returned holds the rounds and the close errors. Sessions still open on any way out are closed."""
+    returned holds the rounds and the close errors. Sessions still open on any way out are closed.
+    `rounds_stream`: the rounds go on one VerifyRounds stream (else one Verify call each)."""
     fleet = Fleet(workload, lanes, info or client.model_info(), deadline, on_round)
+    transport = _Blocking(client, rounds_stream)
     try:
-        carry_out(fleet.decisions(), lambda action: _blocking(client, action))
+        carry_out(fleet.decisions(), transport)
     finally:
-        _blocking(client, CloseSessions(fleet.open_session_ids()))
+        try:
+            transport(CloseSessions(fleet.open_session_ids()))
+        finally:
+            transport.close()
     return fleet
 
 

@@ -34,7 +34,7 @@ def test_short_load_run_has_no_errors_no_mismatches_and_gives_slots_back(tmp_pat
     assert result["generations"] > 8
     assert result["compared_tokens"] >= result["tokens"]
     assert result["engine_batches"] < result["steps"]  # the server batched steps of several sessions
-    # one Verify call per round per process, each carrying a step of every session of that process
+    # one request per round per process, each carrying a step of every session of that process
     # (a finished generation reopens between rounds, so every session steps every round)
     assert result["rounds"] == 2 * 20
     written = json.loads(Path(result["path"]).read_text())

@@ -36,7 +36,7 @@ def test_exports_are_the_generated_code():
     pool = descriptor_pool.Default()
     assert pool.FindFileByName("verifier/v1/verifier.proto").package == "verifier.v1"
     assert {method.name for method in pool.FindServiceByName(rpc.SERVICE_NAME).methods} == {
-        "GetModelInfo", "OpenSession", "Verify", "VerifyStream", "CloseSession", "GetStats"}
+        "GetModelInfo", "OpenSession", "Verify", "VerifyStream", "VerifyRounds", "CloseSession", "GetStats"}
 
 
 def test_messages_round_trip():
@@ -71,6 +71,11 @@ class _Echo:
         async for step in steps:
             yield rpc.StepResult(session_id=step.session_id, position=step.expected_position + 1)
 
+    async def VerifyRounds(self, requests, context):
+        async for request in requests:
+            yield rpc.VerifyResponse(results=[rpc.StepResult(session_id=s.session_id, accepted=len(s.draft_ids))
+                                              for s in request.steps])
+
     async def CloseSession(self, request, context):
         return rpc.CloseSessionResponse(closed=False)
 
@@ -97,6 +102,8 @@ def test_every_method_kind_over_loopback():
                 steps = [rpc.VerifyStep(session_id=str(i), expected_position=i) for i in range(3)]
                 got = [(r.session_id, r.position) async for r in stub.VerifyStream(iter(steps))]
                 assert got == [("0", 1), ("1", 2), ("2", 3)]
+                rounds = [rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id="a", draft_ids=[1] * k)]) for k in (2, 0, 1)]
+                assert [r.results[0].accepted async for r in stub.VerifyRounds(iter(rounds))] == [2, 0, 1]
         finally:
             await server.stop(None)
 
@@ -114,7 +121,7 @@ class _SyncEcho:
     def OpenSession(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
 
-    Verify = CloseSession = GetStats = OpenSession
+    Verify = VerifyRounds = CloseSession = GetStats = OpenSession
 
 
 def test_sync_server_and_stub():

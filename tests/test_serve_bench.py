@@ -46,9 +46,12 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     assert model["graph_captures_during_load"] in (0, None)  # no graphs on the CPU
     assert model["rss_before_mib"] > 0 and model["rss_after_mib"] > 0
     runs = model["runs"]
-    for name, processes in (("plain", PROCESSES), ("plain_more_processes", 2 * PROCESSES), ("random", PROCESSES)):
+    assert runs["plain"]["transport"] == "fleet" and runs["plain_verify_calls"]["transport"] == "fleet-verify"
+    assert model["service_tokens_per_s_verify_calls"] > 0
+    for name, processes in (("plain", PROCESSES), ("plain_more_processes", 2 * PROCESSES), ("plain_verify_calls", PROCESSES),
+                            ("random", PROCESSES)):
         run = runs[name]
-        # every session took its timed steps, one Verify call per round per process
+        # every session took its timed steps, one request per round per process
         assert run["steps"] == SESSIONS * STEPS and run["rounds"] == processes * STEPS, name
         assert run["processes"] == processes and run["compared_generations"] == SESSIONS and run["mismatches"] == 0
         assert 0 < run["p50_ms"] <= run["p99_ms"]

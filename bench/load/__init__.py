@@ -4,8 +4,9 @@
 
 One `python -m verifier serve` subprocess (or --server HOST:PORT); several drafter processes
 (drafters.py), each running many concurrent sessions with the one generation loop
-(drafter.loop.DraftLoop): by default through drafter/fleet.py, one Verify call per round for all of
-a process's sessions (--transport stream|unary: per session, as issue 8 measured); every session's
+(drafter.loop.DraftLoop): by default through drafter/fleet.py, one request per round for all of
+a process's sessions on a VerifyRounds stream (--transport fleet-verify: a Verify call per round;
+stream|unary: per session, as issue 8 measured); every session's
 token stream is then compared with plain decoding of the same prompt on a separate engine
 (reference.py). Writes load_<date>.json. bench.serve reuses these parts.
 

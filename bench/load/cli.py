@@ -16,11 +16,11 @@ from drafter.loop import STREAM, UNARY
 from bench.machine import device_name
 
 from . import processes, reference, report, workload
-from .drafters import FLEET
+from .drafters import FLEET, FLEET_VERIFY
 from .progress import StepProgress, say
 from .server import ServerProcess
 
-TRANSPORTS = (FLEET, STREAM, UNARY)
+TRANSPORTS = (FLEET, FLEET_VERIFY, STREAM, UNARY)
 LOAD_DRAFTERS = ("ngram", "random", "mixed", "none")  # the oracle needs plain streams first: bench.serve has them
 
 # A tiny hybrid model (3 Gated DeltaNet layers, 1 attention layer, byte-sized vocabulary) so the
@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the server and plain decoding run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the served weights' dtype")
     p.add_argument("--transport", default=FLEET, choices=TRANSPORTS,
-                   help="fleet: one Verify call per round for all of a process's sessions (drafter/fleet.py); "
+                   help="fleet: one request per round for all of a process's sessions, on one VerifyRounds stream "
+                        "(drafter/fleet.py); fleet-verify: the same as one Verify call per round; "
                         "stream / unary: per session, a VerifyStream or one Verify call per step")
     p.add_argument("--no-goodput", dest="goodput", action="store_false",
                    help="start the server with --no-goodput: every draft verified, so accepted prefixes of every length "

@@ -5,8 +5,9 @@ session is closed. A failure ends that session only, never the others.
     python -m bench.load.drafters CONFIG.json OUT.json
 
 Transports. fleet (the default): drafter.fleet drives every session of the process from one
-blocking client, one Verify call per round carrying every unfinished session's step, as a real
-multi-session drafter does. stream / unary: per session, its own asyncio task on one grpc.aio
+blocking client, one request per round carrying every unfinished session's step on one
+VerifyRounds stream, as a real multi-session drafter does; fleet-verify: the same with one Verify
+call per round (the fleet before VerifyRounds). stream / unary: per session, its own asyncio task on one grpc.aio
 channel, over a VerifyStream or one Verify call per step (the drafters of issue 8).
 
 CONFIG: {"address", "plan" (workload.Plan), "sessions": [indices], "deadline" (time.time()),
@@ -35,6 +36,8 @@ from drafter.messages import VerifierError
 from . import workload
 
 FLEET = "fleet"
+FLEET_VERIFY = "fleet-verify"
+FLEETS = (FLEET, FLEET_VERIFY)
 # No retries: every non-OK status counts as an error. A generous deadline: under load on a small
 # CPU a step may wait behind many others.
 NO_RETRIES, CALL_TIMEOUT_S = RetryPolicy(attempts=1), 120.0
@@ -68,7 +71,7 @@ def new_record(plan: workload.Plan, index: int, generation: int) -> dict:
             "finish_reason": None, "error": None}
 
 
-# -- fleet: one Verify call per round for every session of the process --------------------------
+# -- fleet: one request per round for every session of the process ----------------------------
 
 
 class PlanSessions:
@@ -140,7 +143,8 @@ def run_as_fleet(config: dict, plan: workload.Plan, references: dict[int, list[i
     start = StartLine(config.get("warmup_rounds", 0), tally)
     sessions = PlanSessions(plan, config["sessions"], references, tally)
     with VerifierClient(config["address"], timeout_s=CALL_TIMEOUT_S, retry=NO_RETRIES) as client:
-        run_fleet(client, sessions, len(config["sessions"]), deadline=config["deadline"], on_round=start.on_round)
+        run_fleet(client, sessions, len(config["sessions"]), deadline=config["deadline"], on_round=start.on_round,
+                  rounds_stream=config["transport"] == FLEET)
     tally.cut_by_deadline = sessions.cut_by_deadline()
     start.cross()  # sessions that ended before the warm-up did: the parent still waits for this line
 
@@ -202,7 +206,7 @@ def run(config: dict) -> dict:
     plan = workload.Plan.from_json(config["plan"])
     references = {int(s): tokens for s, tokens in config.get("references", {}).items()} or None
     tally = Tally()
-    if config["transport"] == FLEET:
+    if config["transport"] in FLEETS:
         run_as_fleet(config, plan, references, tally)
     elif config.get("warmup_rounds") or references:
         raise ValueError("warmup_rounds and references are for the fleet transport")

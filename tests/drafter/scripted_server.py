@@ -87,6 +87,13 @@ class ScriptedVerifier:
             self._maybe_drop("VerifyStream", context)
             yield result
 
+    def VerifyRounds(self, requests, context):
+        for request in requests:
+            self._record("VerifyRounds", request, context)
+            response = rpc.VerifyResponse(results=[self._run(s) for s in request.steps])
+            self._maybe_drop("VerifyRounds", context)
+            yield response
+
     def CloseSession(self, request, context):
         self._record("CloseSession", request, context)
         with self.lock:
@@ -103,7 +110,7 @@ class ScriptedVerifier:
         """(method, the request ids it carried) for every call and every stream message, in order:
         what two clients' tries are compared by."""
         def ids(method, request):
-            if method == "Verify":
+            if method in ("Verify", "VerifyRounds"):
                 return tuple(step.request_id for step in request.steps)
             return (request.request_id,) if method in ("OpenSession", "VerifyStream") else ()
         return [(method, ids(method, request)) for method, _, request in self.calls]
@@ -112,8 +119,8 @@ class ScriptedVerifier:
 class ScriptedServer:
     """Context manager: serves a ScriptedVerifier on a free loopback port (`.address`)."""
 
-    def __init__(self):
-        self.verifier = ScriptedVerifier()
+    def __init__(self, verifier: ScriptedVerifier | None = None):
+        self.verifier = verifier if verifier is not None else ScriptedVerifier()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         self._server.add_generic_rpc_handlers([rpc.servicer_handler(self.verifier)])
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"

@@ -13,7 +13,7 @@ from drafter.client import AsyncVerifierClient, RetryPolicy, Step, VerifierClien
 from drafter.retry import Call, Plan, StreamStep, Wait
 from verifier import rpc
 
-from scripted_server import ScriptedServer
+from scripted_server import ScriptedServer, ScriptedVerifier
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.01)
 
@@ -107,6 +107,54 @@ def test_a_broken_stream_is_reopened_and_the_step_resent(server):
     ids = [s.request_id for s in server.verifier.requests_of("VerifyStream")]
     assert len(ids) == 4 and ids[1] == ids[2] and len(set(ids)) == 3
     assert server.verifier.sessions[session.id] == 8
+
+
+def test_a_broken_rounds_stream_is_reopened_and_the_round_resent(server):
+    with _client(server) as client:
+        a = client.open_session([1], max_new_tokens=16)
+        b = client.open_session([1, 2], max_new_tokens=16)
+        with client.verify_rounds() as rounds:
+            first = rounds.verify([Step(a.id, 1, (3,)), Step(b.id, 2, ())])
+            server.verifier.fail_next["VerifyRounds"] = 1  # the second round runs, its reply is lost
+            second = rounds.verify([Step(a.id, first[0].position, (4, 5)), Step(b.id, first[1].position, (6,))])
+            server.verifier.step_status["retry-me"] = grpc.StatusCode.UNAVAILABLE
+            third = rounds.verify([Step(a.id, second[0].position, (), request_id="retry-me")])
+    assert [o.position for o in first] == [3, 3] and [o.position for o in second] == [6, 5] and third[0].position == 7
+    sent = [[s.request_id for s in r.steps] for r in server.verifier.requests_of("VerifyRounds")]
+    # the lost round resent whole with the same ids on a new stream; the retryable step resent alone
+    assert len(sent) == 5 and sent[1] == sent[2] and sent[3] == sent[4] == ["retry-me"]
+    assert (server.verifier.sessions[a.id], server.verifier.sessions[b.id]) == (7, 5)  # each round advanced once
+
+
+class NoRoundsVerifier(ScriptedVerifier):
+    """A server from before VerifyRounds: the method is refused as a server without it refuses it."""
+
+    def VerifyRounds(self, requests, context):
+        self._record("VerifyRounds", None, context)
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # a generator, as the stream's handler must be
+
+
+def test_a_fleet_falls_back_to_verify_calls_when_the_server_has_no_rounds_stream():
+    from drafter.fleet import Job, run_fleet
+
+    class Two:
+        def __init__(self):
+            # the scripted model never finishes a session: each job is cut after 3 steps
+            self.jobs, self.reports = [Job(8, prompt_ids=[1, 2], max_steps=3), Job(8, prompt_ids=[3], max_steps=3)], []
+
+        def next_job(self, lane):
+            return self.jobs.pop() if self.jobs else None
+
+        def ended(self, report):
+            self.reports.append(report)
+
+    with ScriptedServer(NoRoundsVerifier()) as server, _client(server) as client:
+        workload = Two()
+        fleet = run_fleet(client, workload, lanes=2)
+    assert len(workload.reports) == 2 and all(r.error is None and r.cut and len(r.generation.tokens) == 4 for r in workload.reports)
+    methods = [m for m, _, _ in server.verifier.calls if m.startswith("Verify")]
+    assert methods == ["VerifyRounds"] + ["Verify"] * len(fleet.rounds)  # refused once, then every round a call
 
 
 def test_close_session_is_idempotent_and_stats_convert(server):

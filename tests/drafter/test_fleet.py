@@ -1,6 +1,7 @@
 """The fleet driver (drafter/fleet.py) against a real verifier on loopback: many sessions from one
-client, one Verify call per round carrying every unfinished session's step; every stream equals plain
-decoding token for token (and logit row for logit row where asked); a bad session fails alone."""
+client, one request per round (a VerifyRounds message or a Verify call) carrying every unfinished
+session's step; every stream equals plain decoding token for token (and logit row for logit row
+where asked); a bad session fails alone."""
 
 import asyncio
 import time
@@ -41,15 +42,29 @@ class Jobs:
 
 
 class CountingClient(VerifierClient):
-    """Counts Verify calls and the steps each carried."""
+    """Counts the rounds' requests (Verify calls, VerifyRounds messages) and the steps each carried."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls: list[list[str]] = []  # per Verify call: its steps' session ids
+        self.calls: list[list[str]] = []  # per request: its steps' session ids
+        self.methods: list[str] = []  # per request: how it went
 
     def verify(self, steps):
         self.calls.append([s.session_id for s in steps])
+        self.methods.append("Verify")
         return super().verify(steps)
+
+    def verify_rounds(self):
+        rounds = super().verify_rounds()
+        send = rounds.verify
+
+        def verify(steps):
+            self.calls.append([s.session_id for s in steps])
+            self.methods.append("VerifyRounds")
+            return send(steps)
+
+        rounds.verify = verify
+        return rounds
 
 
 def prompt_for(vocab: int, length: int, seed: int) -> list[int]:
@@ -71,13 +86,16 @@ def mixed_jobs(target, n: int) -> tuple[list[Job], list]:
     return jobs, expected
 
 
-def test_every_session_streams_its_plain_tokens_with_one_verify_call_per_round(server, target):
+@pytest.mark.parametrize("rounds_stream", [True, False], ids=["VerifyRounds", "Verify"])
+def test_every_session_streams_its_plain_tokens_with_one_request_per_round(server, target, rounds_stream):
     jobs, expected = mixed_jobs(target, 7)
     workload = Jobs(jobs)
     with CountingClient(server.address, timeout_s=60) as client:
         before = client.stats()
-        fleet = run_fleet(client, workload, lanes=4)  # 7 jobs on 4 lanes: freed lanes open new sessions
+        # 7 jobs on 4 lanes: freed lanes open new sessions
+        fleet = run_fleet(client, workload, lanes=4, rounds_stream=rounds_stream)
         after = client.stats()
+    assert client.methods == ["VerifyRounds" if rounds_stream else "Verify"] * len(fleet.rounds)
     assert sorted(workload.reports) == list(range(7))
     for i, plain in enumerate(expected):
         report = workload.reports[i]
@@ -86,7 +104,7 @@ def test_every_session_streams_its_plain_tokens_with_one_verify_call_per_round(s
         assert report.generation.finish_reason == plain.finish_reason
         if jobs[i].return_logits:
             assert np.array_equal(report.generation.logits, plain.logits.numpy()), f"job {i}: logit rows differ"
-    # one Verify call per round, each carrying one step of every live session, never a session twice
+    # one request per round, each carrying one step of every live session, never a session twice
     assert len(client.calls) == len(fleet.rounds)
     assert [len(c) for c in client.calls] == [r.steps for r in fleet.rounds]
     assert all(len(set(c)) == len(c) for c in client.calls)

@@ -166,9 +166,10 @@ def test_malformed_messages(channel, stub, plain_decode, payload):
             call = channel.unary_unary(f"/{rpc.SERVICE_NAME}/{method}")  # no serializer: raw bytes go out
             error = rpc_error(call, payload, timeout=10)
             assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL), (method, error)
-        stream = channel.stream_stream(f"/{rpc.SERVICE_NAME}/VerifyStream")
-        error = rpc_error(lambda: list(stream(iter([payload]), timeout=10)))
-        assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL), error
+        for method in ("VerifyStream", "VerifyRounds"):
+            stream = channel.stream_stream(f"/{rpc.SERVICE_NAME}/{method}")
+            error = rpc_error(lambda: list(stream(iter([payload]), timeout=10)))
+            assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL), (method, error)
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert stub.GetModelInfo(rpc.GetModelInfoRequest(), timeout=10).vocab_size == VOCAB

@@ -101,7 +101,8 @@ def test_deadline_after_hand_off_keeps_the_result_for_a_retry(gated, closed_gate
     stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
 
 
-def test_step_withdrawn_while_queued_changes_nothing(gated, closed_gate, plain):
+@pytest.mark.parametrize("via", ["Verify", "VerifyRounds"])
+def test_step_withdrawn_while_queued_changes_nothing(gated, closed_gate, plain, via):
     server, engine, stub = gated
     engine.gate.set()
     a, b = open_session(stub, [1, 2], 20), open_session(stub, [3, 4], 20)
@@ -109,7 +110,11 @@ def test_step_withdrawn_while_queued_changes_nothing(gated, closed_gate, plain):
     engine.entered.clear()
     busy, busy_out = _in_thread(verify_one, stub, a.session_id, a.position)  # holds the engine
     assert engine.entered.wait(10)
-    error = rpc_error(stub.Verify, rpc.VerifyRequest(steps=[step(b.session_id, b.position, [5], request_id="b1")]), timeout=0.3)
+    request = rpc.VerifyRequest(steps=[step(b.session_id, b.position, [5], request_id="b1")])
+    if via == "Verify":
+        error = rpc_error(stub.Verify, request, timeout=0.3)
+    else:  # the stream's caller goes away with its request queued
+        error = rpc_error(lambda: list(stub.VerifyRounds(iter([request]), timeout=0.3)))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_until(lambda: _queued(server) == 0)  # the queued step left with its caller
     engine.gate.set()

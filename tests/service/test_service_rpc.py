@@ -109,6 +109,32 @@ def test_stream_retry_is_idempotent_too(stub, plain):
     stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
 
 
+def test_verify_rounds_answers_each_request_as_verify_does_in_order(stub, plain):
+    expected = plain(PROMPT, 20)
+    a, b = open_session(stub, PROMPT, 20), open_session(stub, PROMPT, 20)
+    rounds = [rpc.VerifyRequest(steps=[step(a.session_id, a.position, expected.tokens[1:3], request_id="a1"),
+                                       step(b.session_id, b.position, [], request_id="b1")]),
+              # the second round is sent before the first is answered: a's step runs from where a1 leaves it
+              rpc.VerifyRequest(steps=[step(a.session_id, a.position + 3, [], request_id="a2")]),
+              # one step per session in a request, as Verify: b's second step is refused, its first runs
+              rpc.VerifyRequest(steps=[step(b.session_id, b.position + 1, []), step(b.session_id, b.position + 1, [])]),
+              # a retry of a1 (same id, same content): its stored result, and the session does not move
+              rpc.VerifyRequest(steps=[step(a.session_id, a.position, expected.tokens[1:3], request_id="a1")])]
+    before = stub.GetStats(rpc.GetStatsRequest())
+    responses = list(stub.VerifyRounds(iter(rounds), timeout=30))
+    assert [[r.session_id for r in response.results] for response in responses] == [[a.session_id, b.session_id],
+                                                                                     [a.session_id], [b.session_id] * 2, [a.session_id]]
+    first, second, repeated, retried = responses
+    assert [list(r.tokens) for r in first.results] == [expected.tokens[1:4], expected.tokens[1:2]]
+    assert list(second.results[0].tokens) == expected.tokens[4:5] and second.results[0].position == a.position + 4
+    assert [code_of(r) for r in repeated.results] == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
+    assert list(repeated.results[0].tokens) == expected.tokens[2:3]
+    assert retried.results[0].SerializeToString() == first.results[0].SerializeToString()
+    assert stub.GetStats(rpc.GetStatsRequest()).steps - before.steps == 4  # a1, b1, a2, b2: the retry ran nothing
+    for opened in (a, b):
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
+
+
 def test_open_session_retry_returns_the_same_session(stub):
     before = stub.GetStats(rpc.GetStatsRequest())
     first = open_session(stub, PROMPT, 5, request_id="open-once")

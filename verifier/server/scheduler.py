@@ -1,6 +1,6 @@
-"""The scheduler: steps from every Verify and VerifyStream call wait in one queue; a batcher task
-takes everything waiting (up to max_batch_rows verify rows, each session at most once) and runs
-ONE engine step for it on the worker thread, then the next.
+"""The scheduler: steps from every Verify, VerifyStream and VerifyRounds call wait in one queue; a
+batcher task takes everything waiting (up to max_batch_rows verify rows, each session at most once)
+and runs ONE engine step for it on the worker thread, then the next.
 
 Gathering: while a batch runs, the next one gathers (the engine runs on the worker thread, steps
 keep arriving on the event loop). When the engine is free, the batch waits for the sessions of the
@@ -99,6 +99,10 @@ class PendingStep:
 
     def forget_callers(self) -> None:
         self._callbacks = []
+
+    def withdraw(self, scheduler: "Scheduler") -> None:
+        """Its caller went away (as RequestAnswer.withdraw, for the stream that answers either)."""
+        scheduler.withdraw(self)
 
 
 class Scheduler:

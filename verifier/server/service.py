@@ -1,7 +1,7 @@
 """The Verifier servicer: request checks, sessions, and the hand-off of steps to the scheduler.
 
-Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Verify and
-VerifyStream errors are per step (StepResult.status) and the call itself succeeds, so one bad
+Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Verify,
+VerifyStream and VerifyRounds errors are per step (StepResult.status) and the call itself succeeds, so one bad
 step never fails the others. An error result's position is the session's current position, 0 when
 the server holds no such session.
 """
@@ -31,6 +31,49 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 
 _VERIFY_STREAM = f"/{rpc.SERVICE_NAME}/VerifyStream"
+_VERIFY_ROUNDS = f"/{rpc.SERVICE_NAME}/VerifyRounds"
+
+
+class RequestAnswer:
+    """A VerifyRequest's steps from submission to its VerifyResponse: `result` is the response once
+    every step is answered (None before), `on_done(callback)` calls back then (at once if it is).
+    The steps count down to it (not a future per step, gathered)."""
+
+    __slots__ = ("tickets", "left", "result", "_callbacks")
+
+    def __init__(self, tickets: list[PendingStep]):
+        self.tickets = tickets
+        self.result: rpc.VerifyResponse | None = None
+        self._callbacks: list = []
+        waiting = [t for t in tickets if t.result is None]
+        self.left = len(waiting)
+        if not waiting:
+            self._answer()
+        for ticket in waiting:
+            ticket.on_done(self._one_answered)
+
+    def _one_answered(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self._answer()
+
+    def _answer(self) -> None:
+        self.result = rpc.VerifyResponse(results=[t.result for t in self.tickets])
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_done(self, callback) -> None:
+        if self.result is not None:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def withdraw(self, scheduler: Scheduler) -> None:
+        """Its caller went away: its steps still queued leave the queue (scheduler.withdraw)."""
+        for ticket in self.tickets:
+            if ticket.result is None:
+                scheduler.withdraw(ticket)
 
 
 class VerifierService:
@@ -115,42 +158,36 @@ class VerifierService:
             raise
 
     async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
-        steps = list(request.steps)  # one wrapper per step, kept: each pass over the wire's list makes new ones
-        session_ids = [step.session_id for step in steps]  # read once: each read of a wire string makes a new str
-        repeated = repeated_sessions(session_ids)
-        arrived, now = time.perf_counter(), self.sessions.clock()
-        tickets = [self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated
-                   else self._submit(step, session_id, arrived, now)
-                   for i, (step, session_id) in enumerate(zip(steps, session_ids))]
-        waiting = [t for t in tickets if t.result is None]
-        if waiting:
+        answer = self._submit_request(request)
+        if answer.result is None:
             # one wait for the whole request (its steps usually finish in one batch), not one per step
-            all_answered = asyncio.get_running_loop().create_future()
-            left = len(waiting)
-
-            def one_answered() -> None:
-                nonlocal left
-                left -= 1
-                if left == 0 and not all_answered.done():
-                    all_answered.set_result(None)
-
-            for ticket in waiting:
-                ticket.on_done(one_answered)
+            answered = asyncio.get_running_loop().create_future()
+            answer.on_done(lambda: answered.done() or answered.set_result(None))
             try:
-                await all_answered
+                await answered
             except asyncio.CancelledError:
-                for ticket in waiting:
-                    self.scheduler.withdraw(ticket)
+                answer.withdraw(self.scheduler)
                 raise
-        return rpc.VerifyResponse(results=[t.result for t in tickets])
+        return answer.result
 
     async def VerifyStream(self, request_iterator, context):
-        # Steps are submitted as they arrive (so one stream's steps of several sessions share a
-        # batch) and answered in order: `outstanding` holds the submitted steps not yet answered
-        # to the client, oldest first. The answering loop waits on one future at a time, woken
-        # when the oldest step is answered or when reading ends (not a queue hop plus a future
-        # per step: each hop is a turn of the event loop).
-        outstanding: collections.deque[PendingStep] = collections.deque()
+        clock = self.sessions.clock
+        submit = lambda step: self._submit(step, step.session_id, time.perf_counter(), clock())  # noqa: E731
+        async for result in self._answer_in_order(request_iterator, context, _VERIFY_STREAM, submit):
+            yield result
+
+    async def VerifyRounds(self, request_iterator, context):
+        async for response in self._answer_in_order(request_iterator, context, _VERIFY_ROUNDS, self._submit_request):
+            yield response
+
+    async def _answer_in_order(self, request_iterator, context, method: str, submit):
+        """A stream's answers: each request is submitted as it arrives (so one stream's requests
+        share batches with everyone's) and answered in order. `submit(request)` -> a PendingStep
+        (VerifyStream) or a RequestAnswer (VerifyRounds): `.result` once answered, `.on_done`.
+        `outstanding` holds those not yet answered to the client, oldest first; the answering loop
+        waits on one future at a time, woken when the oldest is answered or when reading ends (not
+        a queue hop plus a future per request: each hop is a turn of the event loop)."""
+        outstanding: collections.deque = collections.deque()
         loop = asyncio.get_running_loop()
         woken: asyncio.Future | None = None  # what the answering loop awaits, None while it runs
         reading = True
@@ -161,14 +198,13 @@ class VerifierService:
 
         async def read():
             nonlocal reading
-            submit, clock = self._submit, self.sessions.clock
             try:
-                async for step in request_iterator:
-                    if isinstance(step, Malformed):  # the guard leaves this stream's requests unwrapped
-                        await refuse(context, _VERIFY_STREAM, step)
-                    ticket = submit(step, step.session_id, time.perf_counter(), clock())
+                async for request in request_iterator:
+                    if isinstance(request, Malformed):  # the guard leaves stream requests unwrapped
+                        await refuse(context, method, request)
+                    ticket = submit(request)
                     outstanding.append(ticket)
-                    if len(outstanding) == 1 and woken is not None:  # the answering loop waits for a step
+                    if len(outstanding) == 1 and woken is not None:  # the answering loop waits for it
                         ticket.on_done(wake)
             finally:
                 reading = False
@@ -190,7 +226,7 @@ class VerifierService:
         finally:
             reader.cancel()
             for ticket in outstanding:
-                self.scheduler.withdraw(ticket)
+                ticket.withdraw(self.scheduler)
 
     async def CloseSession(self, request: rpc.CloseSessionRequest, context) -> rpc.CloseSessionResponse:
         # A step the engine runs now completes and is answered; the slot's release queues behind it.
@@ -239,6 +275,16 @@ class VerifierService:
         if task.cancelled() or task.exception() is not None:
             return
         self._end(task.result().session_id, "closed: its OpenSession call was cancelled")
+
+    def _submit_request(self, request: rpc.VerifyRequest) -> "RequestAnswer":
+        """A VerifyRequest's steps submitted (or answered at once), as one answer to wait for."""
+        steps = list(request.steps)  # one wrapper per step, kept: each pass over the wire's list makes new ones
+        session_ids = [step.session_id for step in steps]  # read once: each read of a wire string makes a new str
+        repeated = repeated_sessions(session_ids)
+        arrived, now = time.perf_counter(), self.sessions.clock()
+        return RequestAnswer([self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated
+                              else self._submit(step, session_id, arrived, now)
+                              for i, (step, session_id) in enumerate(zip(steps, session_ids))])
 
     def _refuse(self, step: rpc.VerifyStep, code: grpc.StatusCode, message: str, session: Session | None = None) -> PendingStep:
         """Answer a step without the engine, at its session's position (0 without a live session)."""

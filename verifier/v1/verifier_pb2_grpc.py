@@ -34,6 +34,11 @@ class VerifierStub(object):
                 request_serializer=verifier_dot_v1_dot_verifier__pb2.VerifyStep.SerializeToString,
                 response_deserializer=verifier_dot_v1_dot_verifier__pb2.StepResult.FromString,
                 )
+        self.VerifyRounds = channel.stream_stream(
+                '/verifier.v1.Verifier/VerifyRounds',
+                request_serializer=verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+                )
         self.CloseSession = channel.unary_unary(
                 '/verifier.v1.Verifier/CloseSession',
                 request_serializer=verifier_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
@@ -78,6 +83,15 @@ class VerifierServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyRounds(self, request_iterator, context):
+        """A multi-session drafter's rounds as a bidirectional stream: each VerifyRequest is answered as
+        Verify answers it (one result per step, in order, errors per step), responses in the order of
+        the requests. One stream costs a call's setup once, where a Verify per round pays it every round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Free the session's slot. Idempotent: closing an unknown or closed session is OK (closed = false).
         """
@@ -114,6 +128,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.VerifyStream,
                     request_deserializer=verifier_dot_v1_dot_verifier__pb2.VerifyStep.FromString,
                     response_serializer=verifier_dot_v1_dot_verifier__pb2.StepResult.SerializeToString,
+            ),
+            'VerifyRounds': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyRounds,
+                    request_deserializer=verifier_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=verifier_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -200,6 +219,23 @@ class Verifier(object):
         return grpc.experimental.stream_stream(request_iterator, target, '/verifier.v1.Verifier/VerifyStream',
             verifier_dot_v1_dot_verifier__pb2.VerifyStep.SerializeToString,
             verifier_dot_v1_dot_verifier__pb2.StepResult.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def VerifyRounds(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/verifier.v1.Verifier/VerifyRounds',
+            verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
