@@ -9,7 +9,8 @@ out of the timed part. (Every prompt, not the first alone: a prompt of a new len
 kernels for the prefill, on the server and in the drafter. Warmed on the first prompt alone, the
 plain mode, which runs first, paid the server's compilations for the model mode: on the H200,
 plain ran at 491-513 tokens/s against 652 warm, and the model drafter looked 1.5-1.8x plain where
-warm it is 1.5-1.6x: `remote_warmup_2026-11-30.json`.) Greedy streams of all four modes must be equal, token for token.
+warm it is 1.5-1.6x: `remote_warmup_2026-11-30.json`.) Greedy streams of all four modes must be
+equal, token for token.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 grpc.aio turns an exception raised by a request deserializer into UNKNOWN ("Unexpected
 DecodeError"), which a client cannot tell from a server bug. This interceptor wraps our service's
 deserializers so that a DecodeError becomes a `Malformed` marker, and the method answers it with
-INVALID_ARGUMENT naming the message type before the servicer sees it. VerifyStream is the exception:
-wrapping its request and response iterators costs two async-generator hops per step on the
-server's hot path, so its requests pass through with the Malformed markers in them and the
-servicer refuses the first one (`refuse`, the same answer)."""
+INVALID_ARGUMENT naming the message type before the servicer sees it. The bidirectional streams
+(VerifyStream, VerifyRounds) are the exception: wrapping their request and response iterators
+costs two async-generator hops per message on the server's hot path, so their requests pass
+through with the Malformed markers in them and the servicer refuses the first one (`refuse`, the
+same answer)."""
 
 from __future__ import annotations
 

@@ -58,19 +58,44 @@ GATHER_MARGIN = 1.5
 MAX_GATHER_S = 0.05
 
 
-class PendingStep:
-    """One step from its arrival to its result. Its callers do not each hold an asyncio future: a
-    Verify call waits once for all of its steps (`on_done` counts them down), a VerifyStream once
-    per answer it waits for (`on_done` of the step at the head of its stream); the batch answers a
-    step by `finish`, which calls back synchronously. (A future per step, gathered per call, cost a
-    callback handle per step on the event loop.)"""
+class Answer:
+    """What a caller waits for without an asyncio future of its own: `result` once answered (None
+    before); `on_done(callback)` calls back then (at once if it is); `finish(result)` answers and
+    calls back synchronously. (A future per step, gathered per call, cost a callback handle per
+    step on the event loop.)"""
 
-    __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "result",
-                 "waiters", "taken", "_callbacks")
+    __slots__ = ("result", "_callbacks")
+
+    def __init__(self, result=None):
+        self.result = result
+        self._callbacks: list = []
+
+    def on_done(self, callback) -> None:
+        """callback() once answered (at once if it is)."""
+        if self.result is not None:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def finish(self, result) -> None:
+        self.result = result
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+class PendingStep(Answer):
+    """One step from its arrival to its result (an rpc.StepResult). A Verify call or a VerifyRounds
+    request waits once for all of its steps (service.RequestAnswer counts them down), a VerifyStream
+    for the step at the head of its stream; the batch answers a step by `finish`."""
+
+    __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "waiters",
+                 "taken")
 
     def __init__(self, step: rpc.VerifyStep, request_id: str, session: Session | None, drafts: list[int],
                  draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float,
                  result: rpc.StepResult | None = None):
+        super().__init__(result)
         self.step = step
         self.request_id = request_id  # step.request_id, read off the wire once
         self.session = session
@@ -79,29 +104,15 @@ class PendingStep:
         self.fingerprint = fingerprint  # with a request id: what a retry must repeat
         self.arrived = arrived  # time.perf_counter() when its request arrived
         self.rows = len(drafts) + 1  # verify rows it asks for
-        self.result = result  # rpc.StepResult once answered
         self.waiters = 1  # callers awaiting this step (an in-flight retry joins the original)
         self.taken = result is not None  # handed to a batch (or answered at once): it completes whatever its callers do
-        self._callbacks: list = []
-
-    def on_done(self, callback) -> None:
-        """callback() once the step is answered (at once if it is)."""
-        if self.result is not None:
-            callback()
-        else:
-            self._callbacks.append(callback)
-
-    def finish(self, result: rpc.StepResult) -> None:
-        self.result = result
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 
     def forget_callers(self) -> None:
         self._callbacks = []
 
     def withdraw(self, scheduler: "Scheduler") -> None:
-        """Its caller went away (as RequestAnswer.withdraw, for the stream that answers either)."""
+        """Its caller went away: scheduler.withdraw (a stream withdraws a PendingStep or a
+        RequestAnswer alike)."""
         scheduler.withdraw(self)
 
 

@@ -1,7 +1,7 @@
 """The Verifier servicer: request checks, sessions, and the hand-off of steps to the scheduler.
 
-Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Verify,
-VerifyStream and VerifyRounds errors are per step (StepResult.status) and the call itself succeeds, so one bad
+Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Verify, VerifyStream
+and VerifyRounds errors are per step (StepResult.status) and the call itself succeeds, so one bad
 step never fails the others. An error result's position is the session's current position, 0 when
 the server holds no such session.
 """
@@ -23,7 +23,7 @@ from .goodput import GoodputPolicy, StepCost
 from .malformed import Malformed, refuse
 from .metrics import Metrics
 from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fingerprint
-from .scheduler import PendingStep, Scheduler
+from .scheduler import Answer, PendingStep, Scheduler
 from .sessions import Session, SessionTable
 from .validate import Invalid, open_limits, open_prompt, repeated_sessions, step_drafts
 from .worker import Worker
@@ -34,17 +34,15 @@ _VERIFY_STREAM = f"/{rpc.SERVICE_NAME}/VerifyStream"
 _VERIFY_ROUNDS = f"/{rpc.SERVICE_NAME}/VerifyRounds"
 
 
-class RequestAnswer:
-    """A VerifyRequest's steps from submission to its VerifyResponse: `result` is the response once
-    every step is answered (None before), `on_done(callback)` calls back then (at once if it is).
-    The steps count down to it (not a future per step, gathered)."""
+class RequestAnswer(Answer):
+    """A VerifyRequest's steps from submission to its VerifyResponse (`result` once every step is
+    answered). The steps count down to it (not a future per step, gathered)."""
 
-    __slots__ = ("tickets", "left", "result", "_callbacks")
+    __slots__ = ("tickets", "left")
 
     def __init__(self, tickets: list[PendingStep]):
+        super().__init__()
         self.tickets = tickets
-        self.result: rpc.VerifyResponse | None = None
-        self._callbacks: list = []
         waiting = [t for t in tickets if t.result is None]
         self.left = len(waiting)
         if not waiting:
@@ -58,16 +56,7 @@ class RequestAnswer:
             self._answer()
 
     def _answer(self) -> None:
-        self.result = rpc.VerifyResponse(results=[t.result for t in self.tickets])
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def on_done(self, callback) -> None:
-        if self.result is not None:
-            callback()
-        else:
-            self._callbacks.append(callback)
+        self.finish(rpc.VerifyResponse(results=[t.result for t in self.tickets]))
 
     def withdraw(self, scheduler: Scheduler) -> None:
         """Its caller went away: its steps still queued leave the queue (scheduler.withdraw)."""
@@ -170,6 +159,8 @@ class VerifierService:
                 raise
         return answer.result
 
+    # The two streams are async generator functions of their own (grpc.aio runs any other handler
+    # as a sync one), each one hop over the shared _answer_in_order.
     async def VerifyStream(self, request_iterator, context):
         clock = self.sessions.clock
         submit = lambda step: self._submit(step, step.session_id, time.perf_counter(), clock())  # noqa: E731
