@@ -380,7 +380,8 @@ def table(result: dict) -> str:
         lines.append(f"remote drafter K={remote['k']}: plain {remote['plain_tokens_per_s']} tok/s, model drafter "
                      f"{remote['remote_model_tokens_per_s']} tok/s ({remote['remote_model_speedup']}x); in process "
                      f"{remote['inprocess_model_speedup']}x; streams equal: {remote['streams_equal']}; ms per round "
-                     f"{remote['ms_per_round']}, of it drafting {remote['drafting_ms_per_round']}")
+                     f"{remote['ms_per_round']}, of it drafting {remote['drafting_ms_per_round']}, the server's engine "
+                     f"{remote['server_engine_ms_per_round']}, the server's step latency {remote['server_latency_ms_per_round']}")
     return "\n".join(lines)
 
 

@@ -32,7 +32,9 @@ rule 5), so a row's bits are the same whether it is decoded alone, verified amon
 folded at rollback. A program owns (sequence, head, BLOCK_V columns): it loads the slot's
 [D_K, BLOCK_V] state tile once, keeps it in fp32 registers and walks the rows in order. The sums
 over D_K are tl.sum over the full tile (D_K up to 256, no split), whose order is fixed by the tile
-shape, num_warps and the tile's register layout, all chosen from (D_K, D_V) only. No pointer is
+shape, num_warps and the tile's register layout, all chosen from (D_K, D_V) only. A row's
+inputs are loaded while the row before it is applied (`_load_stash_row`), so a K-row walk pays one
+memory latency, not K. No pointer is
 specialised on its alignment, so the layouts the compiler picks for the [D_K, BLOCK_V] loads and
 stores do not vary with where a tensor starts and are alike in every variant (verify with or
 without snapshots, fold). FMA contraction is off. Row counts are read from cu_rows / consumed
@@ -112,14 +114,15 @@ def _state_tile(i_v, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr
 
 
 @triton.jit
-def _apply_stash_row(b_s, p_key, p_value, p_decay, p_beta, o_k, o_v, o_decay, m_k, m_v):
-    """Load one row's key, value, decay and beta of one head (each pointer at that row and head's
-    first channel) and apply them to the state tile b_s: the step verify and fold share."""
+def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, o_decay, m_k, m_v):
+    """One row's key [BLOCK_K], value [BLOCK_V], decay [BLOCK_K] and beta (scalar) of one head (each
+    pointer at that row and head's first channel). The walks below load row t + 1 while row t is
+    applied (the last row loads itself again, unused), so no row waits for its own loads."""
     b_k = tl.load(p_key + o_k, mask=m_k, other=0.0)
     b_v = tl.load(p_value + o_v, mask=m_v, other=0.0)
     b_decay = tl.load(p_decay + o_decay, mask=m_k, other=0.0)
     b_beta = tl.load(p_beta)
-    return _update_state(b_s, b_k, b_v, b_decay, b_beta)
+    return b_k, b_v, b_decay, b_beta
 
 
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
@@ -156,16 +159,27 @@ def _delta_rule_kernel(
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
 
+    # row t's inputs were loaded during row t - 1 (prefetch): the same values reach _update_state
+    # in the same order, so the bits are a walk's that loads each row when it applies it
+    i_rh = i_bos * H + i_h  # row 0's head
+    b_k, b_v, b_decay, b_beta = _load_stash_row(key + i_rh * D_K, value + i_rh * D_V, decay + i_rh * DECAY_K, beta + i_rh,
+                                                o_k, o_v, o_decay, m_k, m_v)
+    if not FOLD:
+        b_q = tl.load(query + i_rh * D_K + o_k, mask=m_k, other=0.0)
     for i_t in range(0, i_rows):
-        i_row = i_bos + i_t  # int64
-        i_rh = i_row * H + i_h  # this row's head
-        b_s = _apply_stash_row(b_s, key + i_rh * D_K, value + i_rh * D_V, decay + i_rh * DECAY_K, beta + i_rh,
-                               o_k, o_v, o_decay, m_k, m_v)
+        i_next = i_rh + H  # the next row's head
+        i_load = tl.where(i_t + 1 < i_rows, i_next, i_rh)  # past the last row: itself again
+        n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_load * D_K, value + i_load * D_V, decay + i_load * DECAY_K,
+                                                    beta + i_load, o_k, o_v, o_decay, m_k, m_v)
+        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
         if not FOLD:
-            b_q = tl.load(query + i_rh * D_K + o_k, mask=m_k, other=0.0)
+            n_q = tl.load(query + i_load * D_K + o_k, mask=m_k, other=0.0)
             tl.store(out + i_rh * D_V + o_v, _read_state(b_s, b_q), mask=m_v)
             if STORE_SNAPSHOTS:
                 tl.store(snapshots + i_rh * (D_K * D_V) + o_s, b_s, mask=m_s)
+            b_q = n_q
+        b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
+        i_rh = i_next
 
     if FOLD:
         tl.store(p_state, b_s, mask=m_s)

@@ -31,7 +31,7 @@ keep_state_snapshots (S, L * H, cdiv(D_K * D_V, BLOCK)). Block sizes and num_war
 one-layer kernels', chosen from the layer shapes alone.
 
 Bits. fold_states runs delta_rule_fold's program on each layer: delta_rule's config for (D_K, D_V),
-its `_state_tile` and `_apply_stash_row` (hence `_update_state`), num_stages 1, FMA contraction
+its `_state_tile`, `_load_stash_row` and `_update_state`, num_stages 1, FMA contraction
 off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
 specialised on alignment) carry none, so the compiler lays the [BLOCK_K, BLOCK_V] state tile and
 its sums over D_K out as it does there: the float instructions are delta_rule_fold's, only the
@@ -46,7 +46,7 @@ import triton.language as tl
 
 from . import delta_rule, short_conv
 from .checks import check_launchable, check_ragged, check_tensor
-from .delta_rule import _apply_stash_row, _state_tile
+from .delta_rule import _load_stash_row, _state_tile, _update_state
 from .runtime import interpreting
 from .short_conv import _shift_window
 from .snapshots import BLOCK as SNAPSHOT_BLOCK
@@ -127,10 +127,15 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     o_k, o_v, m_k, m_v, m_s, o_s, o_decay = _state_tile(i_v, D_K, D_V, DECAY_K, BLOCK_K, BLOCK_V)
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
+    # as delta_rule's walk: row t + 1 is loaded while row t is applied
+    b_k, b_v, b_decay, b_beta = _load_stash_row(key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay,
+                                                beta + i_bos * s_beta, o_k, o_v, o_decay, m_k, m_v)
     for i_t in range(0, i_rows):
-        i_row = i_bos + i_t  # int64
-        b_s = _apply_stash_row(b_s, key + i_row * s_key, value + i_row * s_value, decay + i_row * s_decay,
-                               beta + i_row * s_beta, o_k, o_v, o_decay, m_k, m_v)
+        i_row = i_bos + tl.where(i_t + 1 < i_rows, i_t + 1, i_t)  # int64: the next row (the last: itself again)
+        n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_row * s_key, value + i_row * s_value, decay + i_row * s_decay,
+                                                    beta + i_row * s_beta, o_k, o_v, o_decay, m_k, m_v)
+        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
+        b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
     tl.store(p_state, b_s, mask=m_s)
 
 

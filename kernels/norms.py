@@ -96,7 +96,7 @@ def _load_row_block(p_x, p_r, o_c, m_c, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.co
 @triton.jit
 def _row_norm_kernel(
     x, gate, weight, out, residual, total,
-    D, eps,
+    D, eps, gate_group, gate_group_stride,
     FORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -107,7 +107,8 @@ def _row_norm_kernel(
     DTYPE: tl.constexpr = out.dtype.element_ty
     p_x = x + i_m * D
     p_r = residual + i_m * D
-    p_g = gate + i_m * D
+    # the gate's row i_m: row i_m % G of group i_m // G (G = 1 and a stride of D: rows stacked densely)
+    p_g = gate + (i_m // gate_group) * gate_group_stride + (i_m % gate_group) * D
     p_out = out + i_m * D
     p_total = total + i_m * D
     o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -152,6 +153,22 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
+def _grouped_gate(op: str, gate: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A gate [M / G, G, D] whose G rows of D are dense and whose groups may be strided (GDN's z: a
+    column slice of the input projection's output, [rows, heads, d_v]) -> (the gate, G, the groups'
+    stride), read in place when every row starts 16-byte aligned, else made dense: (copy, 1, D).
+    Whichever it is follows from the model's shapes, the same for every row count (see _aligned)."""
+    m, d = x.shape
+    if gate.shape[0] * gate.shape[1] != m or gate.shape[2] != d:
+        raise ValueError(f"{op}: gate must be [M / G, G, D] with M = {m} rows of D = {d}, got shape {list(gate.shape)}")
+    check_tensor(op, "gate", gate, gate.shape, x.dtype, ("x", x))
+    size = gate.element_size()
+    dense_rows = gate.stride(2) == 1 and (gate.shape[1] == 1 or gate.stride(1) == d)
+    if dense_rows and gate.data_ptr() % ALIGN == 0 and (gate.stride(0) * size) % ALIGN == 0 and (d * size) % ALIGN == 0:
+        return gate, gate.shape[1], gate.stride(0)
+    return _aligned(gate.reshape(m, d)), 1, d
+
+
 def _launch(
     op: str,
     form: tl.constexpr,
@@ -170,7 +187,10 @@ def _launch(
     m, d = x.shape
     if d == 0:
         raise ValueError(f"{op}: x has no columns (shape {list(x.shape)})")
-    if gate is not None:
+    gate_group, gate_group_stride = 1, d
+    if gate is not None and gate.dim() == 3:
+        gate, gate_group, gate_group_stride = _grouped_gate(op, gate, x)
+    elif gate is not None:
         check_tensor(op, "gate", gate, (m, d), x.dtype, ("x", x))
         gate = _aligned(gate)
     if weight is not None:
@@ -195,7 +215,7 @@ def _launch(
     _row_norm_kernel[(m,)](
         x, gate if gate is not None else x, weight if weight is not None else x, out,
         residual if residual is not None else x, total if total is not None else out,
-        d, eps,
+        d, eps, gate_group, gate_group_stride,
         FORM=form.value,
         HAS_RESIDUAL=residual is not None,
         BLOCK_D=block_d,
@@ -248,7 +268,8 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, D], gate [M, D], weight [D] -> [M, D] in x's dtype: cast(w * cast(norm(x32)) * silu(gate32))."""
+    """x [M, D], gate [M, D] (or [M / G, G, D] with strided groups: _grouped_gate), weight [D] -> [M, D]
+    in x's dtype: cast(w * cast(norm(x32)) * silu(gate32))."""
     return _launch("silu_gated_rms_norm", RMS_SILU_GATED, x, gate, weight, eps, out, DTYPES)
 
 
@@ -256,6 +277,7 @@ def silu_gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.T
     dtype = x.dtype
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    gate = gate.reshape(x.shape)  # a grouped gate [M / G, G, D] as its M rows
     return _into(out, ((weight * normed) * F.silu(gate.float())).to(dtype))
 
 

@@ -1,7 +1,9 @@
 """The short causal conv of GDN and KDA over a ragged batch, and its window update (rollback, commit).
 
     window     [n_slots, C, W-1]  inputs' dtype: per slot, the raw inputs before the slot's next row
-    inputs     [R, C]             fp32 or bf16: raw conv inputs, the rows of all sequences stacked
+    inputs     [R, C]             fp32 or bf16: raw conv inputs, the rows of all sequences stacked;
+                                  each row's channels dense, rows at any stride (a column slice of
+                                  the layer's input projection is read in place, not copied)
     weight     [C, W]             inputs' dtype: depthwise taps, weight[:, W-1] multiplies the current row
     seq_slots  [S]                int32: each sequence's slot in the pool (distinct slots, but
                                   padding sequences with no rows / nothing consumed may share one)
@@ -22,9 +24,11 @@ consumed[s] = 0 leaves the window alone (it is not even rewritten): graph bucket
 sequences that keep nothing (verifier/model/padding.py). conv_rows walks no row of a sequence with
 none, so padding sequences cost a program that loads two ints.
 
-Row invariance: one program per (sequence, channel block) walks its rows in order; a row's W
-taps are read from the window or the inputs by position and combined in the same order whatever
-the number of rows. BLOCK_C and num_warps depend only on C. fp32 contraction into FMA is turned off
+Row invariance: one program per (sequence, channel block) takes its rows in tiles of
+ROWS_PER_TILE (all rows of a verify at K <= 15 in one tile, so one memory round trip rather than
+one per row; a decode, one row per sequence, takes one-row tiles); every element of a tile is computed on its own, its W taps read from the window or
+the inputs by position and combined in the same order whatever the number of rows or the tile
+shape. fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
 bf16 rounding is done with integer ops (`round_to_bf16`, through `_round_to`), so the interpreter, which truncates on
 fp32 -> bf16 casts, and the GPU give the same bits.
@@ -50,8 +54,30 @@ NUM_WARPS = 4
 
 
 def _block_c(channels: int) -> int:
-    """Channels per program: at most 256 (a conv_dim of 8192 gives 32 programs per sequence)."""
+    """Channels per program of the window updates: at most 256 (a conv_dim of 8192 gives 32 programs
+    per sequence)."""
     return min(256, triton.next_power_of_2(channels))
+
+
+# conv_rows' tile in a step with more rows than sequences (a verify): ROWS_PER_TILE rows (K <= 15
+# in one pass) x at most 128 channels. A step of one row per sequence (a decode) takes tiles of
+# one row x 256 channels: a 16-row tile there would compute 15 masked rows (on the H200, 3.6 us
+# a layer against 2.0 for the shipped target). Which tile a launch takes changes no bit: every
+# element is computed on its own (module docstring), which the row-invariance tests check.
+ROWS_PER_TILE = 16
+
+
+def _conv_tile(rows: int, n_seqs: int, channels: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C) of conv_rows for a step of `rows` rows in `n_seqs` sequences."""
+    if rows <= n_seqs:
+        return 1, min(256, triton.next_power_of_2(channels))
+    return ROWS_PER_TILE, min(128, triton.next_power_of_2(channels))
+
+
+def _row_strided(inputs: torch.Tensor) -> torch.Tensor:
+    """inputs [R, C] with each row's channels dense and rows at any stride, as they are (a column
+    slice of a projection's output), else a dense copy: the kernels take the row stride."""
+    return inputs if inputs.shape[1] <= 1 or inputs.stride(1) == 1 else inputs.contiguous()
 
 
 @triton.jit
@@ -74,36 +100,58 @@ def _program_sequence(seq_slots, cu_rows, C: tl.constexpr, BLOCK_C: tl.constexpr
 
 
 @triton.jit
+def _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_row, W: tl.constexpr,
+               IS_BF16: tl.constexpr):
+    """conv + SiLU of the elements at sequence positions o_pos (each element's row t: seq[t .. t+W-1]
+    is its window) and channels o_c, o_pos and o_c broadcasting to the tile's shape (a row of
+    [BLOCK_C], or [BLOCK_T, 1] against [1, BLOCK_C]); m_c masks the channels, m_row the tile. Tap j
+    of row t is seq[t + j]: window column t + j while t + j < W-1, else input row t + j - (W-1)."""
+    b_acc = None
+    for j in tl.static_range(W):
+        o_tap = o_pos + j
+        m_win = m_row & (o_tap < W - 1)
+        m_inp = m_row & (o_tap >= W - 1)
+        b_win = tl.load(p_window + o_tap, mask=m_win, other=0.0)
+        b_inp = tl.load(inputs + (i_bos + o_tap - (W - 1)) * i_row_stride + o_c, mask=m_inp, other=0.0)
+        b_x = tl.where(m_win, b_win, b_inp).to(tl.float32)
+        b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
+        b_prod = _round_to(b_x * b_w, IS_BF16)
+        if j == 0:
+            b_acc = b_prod
+        else:
+            b_acc = _round_to(b_acc + b_prod, IS_BF16)
+    return _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16)  # SiLU in fp32
+
+
+@triton.jit
 def _conv_rows_kernel(
-    window, inputs, weight, seq_slots, cu_rows, out,
+    window, inputs, weight, seq_slots, cu_rows, out, i_row_stride,
     C: tl.constexpr,
     W: tl.constexpr,
     IS_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     i_bos = i_bos.to(tl.int64)
     p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, tap 0
-
-    for i_t in range(0, i_rows):
-        # tap j of row t is seq[t + j]: window column t + j while t + j < W-1, else input row t + j - (W-1)
-        b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(W):
-            o_pos = tl.zeros([BLOCK_C], dtype=tl.int32) + i_t + j  # [BLOCK_C] (a tensor, also in the interpreter)
-            m_win = m_c & (o_pos < W - 1)
-            m_inp = m_c & (o_pos >= W - 1)
-            b_win = tl.load(p_window + o_pos, mask=m_win, other=0.0)
-            b_inp = tl.load(inputs + (i_bos + o_pos - (W - 1)) * C + o_c, mask=m_inp, other=0.0)
-            b_x = tl.where(m_win, b_win, b_inp).to(tl.float32)
-            b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-            b_prod = _round_to(b_x * b_w, IS_BF16)
-            if j == 0:
-                b_acc = b_prod
-            else:
-                b_acc = _round_to(b_acc + b_prod, IS_BF16)
-        b_out = _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16)  # SiLU in fp32
-        tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
+    if BLOCK_T == 1:
+        # a decode's tile: one row of channels at a time
+        for i_t in range(0, i_rows):
+            o_pos = tl.zeros([BLOCK_C], dtype=tl.int32) + i_t  # [BLOCK_C] (a tensor, also in the interpreter)
+            b_out = _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_c, W, IS_BF16)
+            tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
+    else:
+        # BLOCK_T rows at a time, each element on its own (module docstring): one memory round trip
+        # for the taps of all the tile's rows rather than one per row
+        o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T]
+        for i_t0 in range(0, i_rows, BLOCK_T):
+            o_row = i_t0 + o_t  # [BLOCK_T] rows within the sequence
+            m_row = (o_row < i_rows)[:, None] & m_c[None, :]  # [BLOCK_T, BLOCK_C]
+            b_out = _conv_silu(p_window[None, :], inputs, weight, i_row_stride, i_bos, o_row[:, None], o_c[None, :],
+                               m_c[None, :], m_row, W, IS_BF16)
+            tl.store(out + (i_bos + o_row[:, None]) * C + o_c[None, :], b_out.to(out.dtype.element_ty), mask=m_row)
 
 
 @triton.jit
@@ -129,7 +177,7 @@ def _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C:
 
 @triton.jit
 def _next_window_kernel(
-    window, inputs, seq_slots, cu_rows, consumed,
+    window, inputs, seq_slots, cu_rows, consumed, i_row_stride,
     C: tl.constexpr,
     W: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -141,7 +189,7 @@ def _next_window_kernel(
     if i_n == 0:
         # a padding sequence (graph buckets): its window is neither read nor written
         return
-    _shift_window(window, inputs, C, i_slot, i_bos, i_n, o_c, m_c, C, W, BLOCK_W)
+    _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C, W, BLOCK_W)
 
 
 def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
@@ -171,10 +219,11 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     n_seqs = seq_slots.shape[0]
     if n_seqs == 0 or rows == 0:
         return out
-    block_c = _block_c(channels)
+    block_t, block_c = _conv_tile(rows, n_seqs, channels)
+    inputs = _row_strided(inputs)
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
-        window, inputs.contiguous(), weight.contiguous(), seq_slots, cu_rows, out,
-        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_C=block_c,
+        window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0),
+        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_T=block_t, BLOCK_C=block_c,
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,
     )
     return out
@@ -193,8 +242,9 @@ def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Ten
     if n_seqs == 0:
         return
     block_c = _block_c(channels)
+    inputs = _row_strided(inputs)
     _next_window_kernel[(n_seqs, triton.cdiv(channels, block_c))](
-        window, inputs.contiguous(), seq_slots, cu_rows, consumed,
+        window, inputs, seq_slots, cu_rows, consumed, inputs.stride(0),
         C=channels, W=keep + 1, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(keep),
         num_warps=NUM_WARPS, num_stages=1,
     )

@@ -81,6 +81,9 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     assert set(remote["ms_per_round"]) == {"remote_plain", "remote_model", "inprocess_plain", "inprocess_model"}
     for mode in ("remote_model", "inprocess_model"):  # drafting is a part of a round, never more
         assert 0 < remote["drafting_ms_per_round"][mode] < remote["ms_per_round"][mode], (mode, remote)
+    for mode in ("remote_plain", "remote_model"):  # the server's engine step is within its step's latency, within the round
+        engine, latency = remote["server_engine_ms_per_round"][mode], remote["server_latency_ms_per_round"][mode]
+        assert 0 < engine <= latency < remote["ms_per_round"][mode], (mode, remote)
     # the draft model is the target itself: in process every draft is accepted; the server (goodput on,
     # as a user starts it) may verify fewer drafts than were sent, never more
     assert remote["inprocess_mean_acceptance_length"] == K + 1

@@ -24,6 +24,7 @@ import torch
 from drafter.bench import load_prompts
 from drafter.client import VerifierClient
 from drafter.loop import generate as remote_generate
+from drafter.messages import Stats
 from verifier.engine import Engine
 from verifier.generate import generate as local_generate
 from verifier.generation import Generation, mean_acceptance_length
@@ -32,6 +33,7 @@ from verifier.proposers import ModelProposer
 from verifier.server.config import ServerConfig
 from verifier.tokenizer import TextTokenizer
 
+from .report import server_figures
 from .server import ServerProcess
 
 
@@ -70,13 +72,16 @@ class TimedProposer:
 
 class Timed:
     """One mode's timed generations: tokens/s, and per round (step) its wall ms and the ms spent
-    drafting (the rest: the step itself, through the service or the engine, and the loop)."""
+    drafting (the rest: the step itself, through the service or the engine, and the loop). With
+    `server_stats` (a served mode: the client's GetStats), also the server's side of a round: the
+    engine step on its thread, and a step's time from its request's arrival to its result."""
 
     def __init__(self, generate_one: Callable[[list[int]], Generation], prompts: list[list[int]],
-                 proposer: TimedProposer | None = None):
+                 proposer: TimedProposer | None = None, server_stats: Callable[[], Stats] | None = None):
         for prompt in prompts:  # untimed: start-up, captures, and every prompt's own compilations
             generate_one(prompt)
         drafted_before = proposer.seconds if proposer is not None else 0.0
+        stats_before = server_stats() if server_stats is not None else None
         self.generations, seconds = [], 0.0
         for prompt in prompts:
             start = time.perf_counter()
@@ -87,6 +92,7 @@ class Timed:
         self.tokens_per_s = round(sum(len(g.tokens) for g in self.generations) / seconds, 2)
         self.ms_per_round = round(seconds / rounds * 1e3, 3)
         self.drafting_ms_per_round = round(drafting / rounds * 1e3, 3)
+        self.server = server_figures(stats_before, server_stats()) if server_stats is not None else None
 
 
 def acceptance(generations: list[Generation]) -> float:
@@ -107,10 +113,10 @@ def remote_drafter(target: Path, draft: Path, prompts_path: Path, count: int, ne
             proposer = TimedProposer(ModelProposer.from_dir(draft, info.vocab_size, info.max_context, device=draft_device))
             progress(f"remote drafter: {len(prompts)} prompts x {new_tokens} tokens, plain over the server")
             plain = Timed(lambda p: remote_generate(client, None, prompt_ids=p, max_new_tokens=new_tokens, k=0, info=info),
-                          prompts)
+                          prompts, server_stats=client.stats)
             progress(f"remote drafter: the model drafter at K={k} on {draft_device}")
             model = Timed(lambda p: remote_generate(client, proposer, prompt_ids=p, max_new_tokens=new_tokens, k=k, info=info),
-                          prompts, proposer)
+                          prompts, proposer, server_stats=client.stats)
     finally:
         server.stop()
     progress("remote drafter: the same pair in process")
@@ -135,5 +141,9 @@ def remote_drafter(target: Path, draft: Path, prompts_path: Path, count: int, ne
         # where a round goes: its wall ms, and of it the ms drafting (the rest is the step and the loop)
         "ms_per_round": {name: run.ms_per_round for name, run in runs.items()},
         "drafting_ms_per_round": {name: run.drafting_ms_per_round for name, run in runs.items() if name.endswith("model")},
+        # the served modes' rounds on the server: its engine step (one per round: one session) and a
+        # step from its request's arrival to its result; the rest of a round is gRPC and the client
+        "server_engine_ms_per_round": {name: run.server["engine_ms_per_batch"] for name, run in runs.items() if run.server},
+        "server_latency_ms_per_round": {name: run.server["server_latency_mean_ms"] for name, run in runs.items() if run.server},
         "streams_equal": all(s == streams[0] for s in streams),
     }

@@ -176,6 +176,25 @@ def test_strided_inputs(device, name):
     assert torch.equal(got, want), f"{name}: strided inputs differ from contiguous ones"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "misaligned"])
+def test_grouped_gate(device, dtype, offset):
+    """A gate [rows, heads, d] sliced from a wider buffer (GDN's z, rows strided) is read where it
+    lies (or, off a 16-byte boundary, made dense) and gives the dense gate's bits, for one row and
+    for many, and the reference takes the same shape."""
+    heads, d = 3, 32
+    for rows in (1, 9):
+        x, _, weight = make_inputs(rows * heads, d, dtype, device, seed=8)
+        wide = 2.0 * torch.randn(rows, 200, generator=torch.Generator().manual_seed(9)).to(device, dtype)
+        gate = wide[:, 16 + offset : 16 + offset + heads * d].view(rows, heads, d)  # rows 200 elements apart
+        assert not gate.is_contiguous() or rows == 1
+        want = norms.silu_gated_rms_norm(x, gate.reshape(rows * heads, d).contiguous(), weight, EPS)
+        assert torch.equal(norms.silu_gated_rms_norm(x, gate, weight, EPS), want), f"rows {rows}"
+        assert torch.equal(norms.silu_gated_rms_norm_ref(x, gate, weight, EPS),
+                           norms.silu_gated_rms_norm_ref(x, gate.reshape(rows * heads, d), weight, EPS))
+    _raises("gate must be \\[M / G, G, D\\]", norms.silu_gated_rms_norm, x, gate[:, :2], weight, EPS)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_misaligned_inputs(device, name):
     """Inputs starting off a 16-byte boundary (a one-row slice of a wider buffer, as decode may

@@ -99,6 +99,26 @@ def test_conv_rows_batch_invariant(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_strided_rows_read_in_place(dtype, device):
+    """Inputs whose rows are strided (a column slice of a wider projection output, as a layer
+    hands them over) give the bits of the same rows made dense, in conv_rows and next_window."""
+    counts, slots = [1, 5, 18], [3, 0, 5]  # 18 rows: past one tile
+    window, dense, weight = make(sum(counts), 37, 4, dtype, device, seed=6)
+    wide = torch.full((sum(counts), 37 + 11), float("nan"), dtype=dtype, device=device)
+    wide[:, 3 : 3 + 37] = dense
+    strided = wide[:, 3 : 3 + 37]  # rows 48 elements apart, each row's 37 channels dense
+    assert strided.stride() == (48, 1) and not strided.is_contiguous()
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    want = conv_rows(window, dense, weight, seq_slots, cu_rows)
+    assert torch.equal(conv_rows(window, strided, weight, seq_slots, cu_rows), want)
+    consumed = torch.tensor([1, 3, 18], dtype=torch.int32, device=device)
+    got, expected = window.clone(), window.clone()
+    next_window(got, strided, seq_slots, cu_rows, consumed)
+    next_window(expected, dense, seq_slots, cu_rows, consumed)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("width", [2, 3, 4], ids=lambda w: f"W{w}")
 def test_next_window_matches_ref(dtype, width, device):
     counts, slots = [1, 5, 2, 9], [3, 0, 5, 1]

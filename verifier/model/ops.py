@@ -91,8 +91,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN output norm: cast(w * cast(norm(x32)) * silu(gate32)); weight not zero-centred."""
-    return _rowwise(norms.silu_gated_rms_norm, norms.silu_gated_rms_norm_ref, x, gate, weight, eps)
+    """GDN output norm of x, gate [rows, heads, d]: cast(w * cast(norm(x32)) * silu(gate32)); weight
+    not zero-centred. The gate (z, a column slice of the input projection: its rows strided) goes
+    to the kernel as it is, where flattening it to [rows * heads, d] would copy it in every step of
+    more than one row."""
+    rows, heads, d = x.shape
+    return pick(norms.silu_gated_rms_norm, norms.silu_gated_rms_norm_ref, x)(x.reshape(rows * heads, d), gate, weight,
+                                                                           eps).reshape(x.shape)
 
 
 def sigmoid_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
