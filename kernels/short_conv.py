@@ -26,7 +26,7 @@ none, so padding sequences cost a program that loads two ints.
 
 Row invariance: one program per (sequence, channel block) takes its rows in tiles of
 ROWS_PER_TILE (all rows of a verify at K <= 15 in one tile, so one memory round trip rather than
-one per row; a decode, one row per sequence, takes one-row tiles); every element of a tile is computed on its own, its W taps read from the window or
+one per row; a sequence of one row, a decode's, takes a one-row tile); every element of a tile is computed on its own, its W taps read from the window or
 the inputs by position and combined in the same order whatever the number of rows or the tile
 shape. fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
@@ -59,19 +59,16 @@ def _block_c(channels: int) -> int:
     return min(256, triton.next_power_of_2(channels))
 
 
-# conv_rows' tile in a step with more rows than sequences (a verify): ROWS_PER_TILE rows (K <= 15
-# in one pass) x at most 128 channels. A step of one row per sequence (a decode) takes tiles of
-# one row x 256 channels: a 16-row tile there would compute 15 masked rows (on the H200, 3.6 us
-# a layer against 2.0 for the shipped target). Which tile a launch takes changes no bit: every
-# element is computed on its own (module docstring), which the row-invariance tests check.
+# conv_rows' tile: at most 128 channels, and for a sequence of more than one row (a verify)
+# ROWS_PER_TILE rows (K <= 15 in one pass); a sequence of one row (a decode) takes one-row tiles, a
+# branch on the device (its row count lives there), since a 16-row tile would compute 15 masked
+# rows. Which branch a sequence takes changes no bit: every element is computed on its own (module
+# docstring), which the row-invariance tests check.
 ROWS_PER_TILE = 16
 
 
-def _conv_tile(rows: int, n_seqs: int, channels: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_C) of conv_rows for a step of `rows` rows in `n_seqs` sequences."""
-    if rows <= n_seqs:
-        return 1, min(256, triton.next_power_of_2(channels))
-    return ROWS_PER_TILE, min(128, triton.next_power_of_2(channels))
+def _conv_block_c(channels: int) -> int:
+    return min(128, triton.next_power_of_2(channels))
 
 
 def _row_strided(inputs: torch.Tensor) -> torch.Tensor:
@@ -136,12 +133,11 @@ def _conv_rows_kernel(
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     i_bos = i_bos.to(tl.int64)
     p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, tap 0
-    if BLOCK_T == 1:
-        # a decode's tile: one row of channels at a time
-        for i_t in range(0, i_rows):
-            o_pos = tl.zeros([BLOCK_C], dtype=tl.int32) + i_t  # [BLOCK_C] (a tensor, also in the interpreter)
-            b_out = _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_c, W, IS_BF16)
-            tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
+    if i_rows == 1:
+        # a decode's row: one row of channels
+        o_pos = tl.zeros([BLOCK_C], dtype=tl.int32)  # [BLOCK_C] (a tensor, also in the interpreter)
+        b_out = _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_c, W, IS_BF16)
+        tl.store(out + i_bos * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
     else:
         # BLOCK_T rows at a time, each element on its own (module docstring): one memory round trip
         # for the taps of all the tile's rows rather than one per row
@@ -219,11 +215,11 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     n_seqs = seq_slots.shape[0]
     if n_seqs == 0 or rows == 0:
         return out
-    block_t, block_c = _conv_tile(rows, n_seqs, channels)
+    block_c = _conv_block_c(channels)
     inputs = _row_strided(inputs)
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
         window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0),
-        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_T=block_t, BLOCK_C=block_c,
+        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_T=ROWS_PER_TILE, BLOCK_C=block_c,
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,
     )
     return out
