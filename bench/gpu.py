@@ -201,6 +201,36 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
     return out
 
 
+def step_timeline(engine: Engine, seqs: list, k: int, steps: int = 10) -> dict:
+    """Where a graphed engine step's wall time goes (the step step_ms times, under the profiler):
+    per step its wall ms, the ms the GPU was busy (the union of the step's kernels and copies on the
+    device timeline) and the span from the first to the last of them. wall - busy is host work and
+    the gaps between graph nodes; the profiler itself adds a little to the wall."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.vocab_size
+
+    def one():
+        engine.step([StepRequest(s, [(s.pending + 1 + i) % vocab for i in range(k)]) for s in seqs])
+
+    one()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            one()
+        sync()
+        wall = time.perf_counter() - start
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, reach = 0.0, float("-inf")  # us: the union of the intervals, walked in start order
+    for first, last in spans:
+        busy += max(0.0, last - max(first, reach))
+        reach = max(reach, last)
+    return {"wall_ms": wall / steps * 1e3, "device_busy_ms": busy / steps / 1e3,
+            "device_span_ms": (spans[-1][1] - spans[0][0]) / steps / 1e3 if spans else 0.0, "device_events": len(spans)}
+
+
 def kernel_breakdown(model, k: int) -> list[dict]:
     """Device time per kernel name for one eager verify of K+1 rows (graphs replay the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
@@ -297,6 +327,14 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
         batch[str(n)] = {"decode_ms": step_ms(engine, one, 0, max(5, steps // 3)), "verify8_ms": step_ms(engine, one, 8, max(5, steps // 3))}
         print(f"[{name}] batch {n}: {batch[str(n)]}", flush=True)
     result["batch"] = batch
+    for s in one:
+        engine.close(s)
+    try:  # the batch-1 decode and K = 8 steps as timed above, split into GPU-busy time and the rest
+        one = open_sequences(engine, 1)
+        result["step_timeline"] = {f"k{k}": step_timeline(engine, one, k) for k in (0, 8)}
+        print(f"[{name}] step timeline: {result['step_timeline']}", flush=True)
+    except Exception as exc:
+        result["step_timeline_error"] = f"{type(exc).__name__}: {exc}"
     result["rollback"] = rollback_figures(model, 8, steps)
     print(f"[{name}] rollback: {result['rollback']}", flush=True)
     result["graphed"] = engine.runner.graphed
