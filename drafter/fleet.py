@@ -31,10 +31,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-import grpc
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
+
+import grpc
 
 from verifier.generation import Generation
 from verifier.params import SamplingParams
