@@ -7,7 +7,9 @@ checkpoint): HBM floor (bytes one decode step must read / measured copy bandwidt
 batch 1, verify ms for K = 1, 2, 4, 8, 16 at batch 1, decode and K = 8 verify at batch 8 and 64,
 rollback (write-on-accept fold and snapshot copy), bitwise equality of verify rows with serial
 decode at that size (checked before anything is timed), and HF transformers (with FLA kernels
-when importable) for a decode step and an 8-token forward. Writes DIR/gpu_<date>.json.
+when importable) for a decode step and an 8-token forward. For the first model also the batch-1
+decode and K = 8 steps with programmatic dependent launch and without it, timed in turns (`pdl`).
+Writes DIR/gpu_<date>.json.
 """
 
 from __future__ import annotations
@@ -232,6 +234,41 @@ def step_timeline(engine: Engine, seqs: list, k: int, steps: int = 10) -> dict:
             "device_span_ms": (spans[-1][1] - spans[0][0]) / steps / 1e3 if spans else 0.0, "device_events": len(spans)}
 
 
+def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
+    """The batch-1 decode and K = 8 steps with programmatic dependent launch (kernels/dependent_launch.py)
+    and without it: two engines, one captured under each setting, timed in turns in this process (this
+    host's drift between runs is larger than the difference). Medians of the alternations' medians."""
+    import os
+
+    from kernels import dependent_launch
+
+    before = os.environ.get("VERIFIER_PDL")
+    engines = {}
+    try:
+        for on in (True, False):
+            os.environ["VERIFIER_PDL"] = "1" if on else "0"
+            dependent_launch._options.cache_clear()  # a per-process switch, read again for this engine's captures
+            # every timed or warm-up step advances the sequence one position (rejected_step)
+            engine = Engine(model, 1, PROMPT_LEN + 2 * alternations * (steps + 3) + 16, max_k=8, graph_rows=(1, 9))
+            engine.warm_up()
+            engines[on] = (engine, open_sequences(engine, 1))
+    finally:
+        if before is None:
+            os.environ.pop("VERIFIER_PDL", None)
+        else:
+            os.environ["VERIFIER_PDL"] = before
+        dependent_launch._options.cache_clear()
+    runs = {f"{name}_{tag}": [] for name in ("decode", "verify8") for tag in ("pdl", "no_pdl")}
+    for _ in range(alternations):
+        for on, tag in ((True, "pdl"), (False, "no_pdl")):
+            engine, seqs = engines[on]
+            runs[f"decode_{tag}"].append(step_ms(engine, seqs, 0, steps))
+            runs[f"verify8_{tag}"].append(step_ms(engine, seqs, 8, steps))
+    out = {f"{key}_ms": statistics.median(values) for key, values in runs.items()}
+    out["runs_ms"] = runs
+    return out
+
+
 def kernel_breakdown(model, k: int) -> list[dict]:
     """Device time per kernel name for one eager verify of K+1 rows (graphs replay the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
@@ -298,7 +335,8 @@ def hf_figures(path: Path, repeats: int) -> dict:
     return {"fla": fla_version, "hf_decode_ms": decode, "hf_verify8_ms": statistics.median(forward8), "hf_verify8_rows_equal_serial": equal}
 
 
-def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: int, workdir: Path, with_hf: bool = True) -> dict:
+def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: int, workdir: Path, with_hf: bool = True,
+                with_pdl: bool = False) -> dict:
     path = workdir / name
     t0 = time.perf_counter()
     build_checkpoint(family, fields, path)
@@ -336,6 +374,9 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
         print(f"[{name}] step timeline: {result['step_timeline']}", flush=True)
     except Exception as exc:
         result["step_timeline_error"] = f"{type(exc).__name__}: {exc}"
+    if with_pdl:  # one model's A/B is enough: PDL changes no kernel's work
+        result["pdl"] = pdl_figures(model, steps)
+        print(f"[{name}] PDL on and off: { {k: v for k, v in result['pdl'].items() if k != 'runs_ms'} }", flush=True)
     result["rollback"] = rollback_figures(model, 8, steps)
     print(f"[{name}] rollback: {result['rollback']}", flush=True)
     result["graphed"] = engine.runner.graphed
@@ -394,7 +435,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             family, fields = MODELS[name]
-            out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp), not args.no_hf)
+            out["models"][name] = bench_model(name, family, fields, bandwidth, args.steps, Path(tmp), not args.no_hf, name == first_name)
             for key in ("model_params", "hbm_floor_ms", "decode_ms", "verify_ms", "batch", "rollback", "hf_decode_ms", "hf_verify8_ms",
                         "bitexact_rows_equal", "bitexact_rows_total", "graphed"):
                 out[key] = out["models"][first_name].get(key)

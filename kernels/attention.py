@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand
+from .dependent_launch import after_previous, launch_options
 from .rounding import cast_rtne, round_to_bf16
 from .runtime import interpreting
 
@@ -65,7 +66,9 @@ def _attend_rows_kernel(
     IS_BF16: tl.constexpr, INTERPRET: tl.constexpr, HAS_GATE: tl.constexpr,
     GROUP: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_row = tl.program_id(0).to(tl.int64)
     i_kv_head = tl.program_id(1)
     i_slot = tl.load(p_slot + i_row).to(tl.int64)
@@ -152,7 +155,7 @@ def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
         IS_BF16=query.dtype == torch.bfloat16, INTERPRET=interpreting(), HAS_GATE=gate is not None,
         GROUP=group, D_K=d_k, D_V=d_v,
         BLOCK_G=_block(group), BLOCK_DK=_block(d_k), BLOCK_DV=_block(d_v), BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(query.device),
     )
     return out
 

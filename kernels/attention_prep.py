@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .norms import MAX_BLOCK_D, RMS_ZERO_CENTRED, _aligned, _normalise, rms_norm_ref
 from .rounding import cast_rtne
 from .runtime import interpreting
@@ -52,7 +53,9 @@ def _attention_prep_kernel(
     eps, length,
     H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
     BLOCK_D: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row
     i_h = tl.program_id(1)  # a query head (< H), else key head i_h - H
     position = tl.load(positions + i_m)
@@ -139,7 +142,7 @@ def attention_prep(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
         eps, keys.shape[1],
         H=n_heads, KV=n_kv_heads, HD=head_dim, RD=cos.shape[1],
         BLOCK_D=block_d, EMULATE_BF16_RTNE=interpreting(),
-        num_warps=min(4, max(1, block_d // 128)), num_stages=1, enable_fp_fusion=False,
+        num_warps=min(4, max(1, block_d // 128)), num_stages=1, enable_fp_fusion=False, **launch_options(qkv.device),
     )
     return query
 

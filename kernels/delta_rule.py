@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
+from .dependent_launch import after_previous, launch_options
 
 MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
 
@@ -139,7 +140,9 @@ def _delta_rule_kernel(
     BLOCK_V: tl.constexpr,
     FOLD: tl.constexpr,  # False: verify (rows of cu_rows, store out); True: fold (first consumed rows, store state)
     STORE_SNAPSHOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -221,7 +224,7 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
         seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
         FOLD=fold, STORE_SNAPSHOTS=snapshots is not None,
-        num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
 
 

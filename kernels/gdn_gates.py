@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -53,7 +54,9 @@ def _gdn_gates_kernel(
     HV: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row
     o_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] value heads
     m_h = o_h < HV
@@ -100,7 +103,7 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: to
         b, a, A_log.contiguous(), dt_bias.contiguous(), out[0], out[1],
         b.stride(0), a.stride(0),
         HV=hv, BLOCK_H=triton.next_power_of_2(hv), EMULATE_BF16_RTNE=interpreting(),
-        num_warps=1, num_stages=1, enable_fp_fusion=False,
+        num_warps=1, num_stages=1, enable_fp_fusion=False, **launch_options(b.device),
     )
     return out
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .norms import ALIGN, L2_RSQRT, MAX_BLOCK_D, _aligned, _normalise, l2norm_ref
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -42,7 +43,9 @@ def _gdn_heads_kernel(
     q_scale,
     HK: tl.constexpr, R: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row
     i_g = tl.program_id(1)  # the key head
     HV: tl.constexpr = HK * R
@@ -115,7 +118,7 @@ def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v
         d_k**0.5,  # passed as fp32: the reference divides by the python float cast to fp32
         HK=n_k_heads, R=r, D_K=d_k, D_V=d_v,
         BLOCK_R=block_r, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-        num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
+        num_warps=num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(mixed.device),
     )
     return out
 

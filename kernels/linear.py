@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -159,7 +160,9 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)  # which range of K (0 without a split)
@@ -210,8 +213,10 @@ def _reduce_splits_kernel(
     INTERPRET: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[m, n-block] = cast(sum over s = 0, 1, .. SPLIT_K-1 of partial[s, m, n-block] (+ bias))."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # one row per program: rows never share a sum
     i_n = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,11 +294,12 @@ def linear(
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **launch_options(x.device),
     )
     if cfg.SPLIT_K > 1:
         _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+            **launch_options(x.device),
         )
     return out
 

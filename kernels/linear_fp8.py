@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .linear import (BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref,
                      split_bounds, tile_for_rows)
 from .rounding import cast_rtne
@@ -105,7 +106,9 @@ def _linear_fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)  # which range of K (0 without a split)
@@ -228,11 +231,12 @@ def linear_fp8(
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **launch_options(x.device),
     )
     if cfg.SPLIT_K > 1:
         _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+            **launch_options(x.device),
         )
     return out
 

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dependent_launch import after_previous, launch_options
 from .linear import _dot_rows_apart
 from .linear_fp8 import BlockScales, dequantize_tile
 from .rounding import cast_rtne
@@ -187,7 +188,9 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, T: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M)  # o_p, m_p: [BLOCK_M]
     if i_e >= E:
         return
@@ -236,7 +239,9 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M)  # o_p, m_p: [BLOCK_M]
     if i_e >= E:
         return
@@ -267,7 +272,9 @@ def _grouped_down_kernel(
 def _combine_kernel(
     expert_out, expert_ids, expert_weights, out,
     H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_r = tl.program_id(0).to(tl.int64)  # the row
     i_h = tl.program_id(1)
     o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T] slots
@@ -314,14 +321,15 @@ def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: t
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0)
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, sorted_ids, order, w_gate, w_up, hidden, *hidden_fp8,
-        H=h, I=i, T=t, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
+        H=h, I=i, T=t, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, sorted_ids, order, w_down, expert_out, *down_fp8,
-        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
+        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags, **launch_options(x.device),
     )
     _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
         expert_out, expert_ids, expert_weights, out,
         H=h, T=t, BLOCK_T=triton.next_power_of_2(t), INTERPRET=interpreting(), BLOCK_H=cfg.BLOCK_H, num_warps=cfg.num_warps,
+        **launch_options(x.device),
     )
     return out

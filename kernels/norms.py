@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -102,7 +103,9 @@ def _row_norm_kernel(
     BLOCK_D: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row; int64: rows * D can pass 2^31
     DTYPE: tl.constexpr = out.dtype.element_ty
     p_x = x + i_m * D
@@ -221,7 +224,7 @@ def _launch(
         BLOCK_D=block_d,
         N_BLOCKS=n_blocks,
         EMULATE_BF16_RTNE=interpreting(),
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(x.device),
     )
     return out if residual is None else (total, out)
 

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable
+from .dependent_launch import after_previous, launch_options
 
 BLOCK_V = 1024  # ids per step of the walk
 NUM_WARPS = 4
@@ -62,7 +63,8 @@ _U_SHIFT, _U_SCALE = tl.constexpr(64 - U_BITS), tl.constexpr(2.0 ** -U_BITS)
 
 
 @triton.jit
-def _argmax_rows_kernel(p_logits, p_out, V, s_row, BLOCK_V: tl.constexpr):
+def _argmax_rows_kernel(p_logits, p_out, V, s_row, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_row = tl.program_id(0).to(tl.int64)
     o_v = tl.arange(0, BLOCK_V)
     p_row = p_logits + i_row * s_row
@@ -120,7 +122,8 @@ def _gumbel(b_u):
 
 @triton.jit(do_not_specialize=["V", "s_row"])
 def _coupled_choice_kernel(p_logits, p_temperature, p_seed, p_position, p_threshold, p_out, V, s_row,
-                           HAS_THRESHOLD: tl.constexpr, BLOCK_V: tl.constexpr):
+                           HAS_THRESHOLD: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_row = tl.program_id(0).to(tl.int64)
     o_v = tl.arange(0, BLOCK_V)
     p_row = p_logits + i_row * s_row
@@ -148,7 +151,8 @@ def _coupled_choice_kernel(p_logits, p_temperature, p_seed, p_position, p_thresh
 
 
 @triton.jit(do_not_specialize=["V"])
-def _gumbel_rows_kernel(p_seed, p_position, p_u, p_g, V, BLOCK_V: tl.constexpr):
+def _gumbel_rows_kernel(p_seed, p_position, p_u, p_g, V, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_row = tl.program_id(0).to(tl.int64)
     o_v = tl.arange(0, BLOCK_V)
     b_key = _row_key(tl.load(p_seed + i_row), tl.load(p_position + i_row))
@@ -161,7 +165,8 @@ def _gumbel_rows_kernel(p_seed, p_position, p_u, p_g, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _cumsum_rows_kernel(p_x, p_out, V, s_row, BLOCK_V: tl.constexpr):
+def _cumsum_rows_kernel(p_x, p_out, V, s_row, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_row = tl.program_id(0).to(tl.int64)
     o_v = tl.arange(0, BLOCK_V)
     p_in, p_row = p_x + i_row * s_row, p_out + i_row * s_row
@@ -181,7 +186,8 @@ def cumsum_rows(x: torch.Tensor) -> torch.Tensor:
     check_launchable("cumsum_rows", "x", x)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel():
-        _cumsum_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+        _cumsum_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+                                           **launch_options(x.device))
     return out
 
 
@@ -199,7 +205,8 @@ def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _argmax_rows_kernel[(rows,)](logits, out, vocab, logits.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+        _argmax_rows_kernel[(rows,)](logits, out, vocab, logits.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+                                     **launch_options(logits.device))
     return out
 
 
@@ -221,7 +228,8 @@ def coupled_choice(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch
     if rows:
         threshold = keep_threshold if keep_threshold is not None else temperature  # unread without a threshold
         _coupled_choice_kernel[(rows,)](logits, temperature, seeds, positions, threshold, out, vocab, logits.stride(0),
-                                        HAS_THRESHOLD=keep_threshold is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+                                        HAS_THRESHOLD=keep_threshold is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+                                        **launch_options(logits.device))
     return out
 
 
@@ -243,7 +251,8 @@ def gumbel_rows(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> tup
     u = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     g = torch.empty_like(u)
     if seeds.shape[0] and vocab:
-        _gumbel_rows_kernel[(seeds.shape[0],)](seeds, positions, u, g, vocab, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+        _gumbel_rows_kernel[(seeds.shape[0],)](seeds, positions, u, g, vocab, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+                                               **launch_options(seeds.device))
     return u, g
 
 

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_ragged, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .rounding import round_to_bf16
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -128,7 +129,9 @@ def _conv_rows_kernel(
     IS_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     i_bos = i_bos.to(tl.int64)
@@ -178,7 +181,9 @@ def _next_window_kernel(
     W: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_bos = i_bos.to(tl.int64)
     i_n = tl.load(consumed + i_s).to(tl.int64)
@@ -220,7 +225,7 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
         window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0),
         C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_T=ROWS_PER_TILE, BLOCK_C=block_c,
-        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
     )
     return out
 
@@ -242,7 +247,7 @@ def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Ten
     _next_window_kernel[(n_seqs, triton.cdiv(channels, block_c))](
         window, inputs, seq_slots, cu_rows, consumed, inputs.stride(0),
         C=channels, W=keep + 1, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(keep),
-        num_warps=NUM_WARPS, num_stages=1,
+        num_warps=NUM_WARPS, num_stages=1, **launch_options(inputs.device),
     )
 
 

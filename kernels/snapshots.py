@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
+from .dependent_launch import after_previous, launch_options
 
 BLOCK = 1024  # fp32 values per program: a 128 x 128 head is 16 programs
 NUM_WARPS = 4
@@ -34,7 +35,8 @@ def _copy_head_block(src, dst, i_b, HEAD: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)  # a head of the slot
     i_b = tl.program_id(2)  # a block of that head's D_K * D_V values
@@ -73,7 +75,7 @@ def keep_snapshots(state: torch.Tensor, snapshots: torch.Tensor, seq_slots: torc
     if n_seqs == 0 or snapshots.shape[0] == 0:
         return
     _keep_snapshots_kernel[(n_seqs, heads, triton.cdiv(head, BLOCK))](
-        state, snapshots, seq_slots, cu_rows, kept, HEAD=head, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        state, snapshots, seq_slots, cu_rows, kept, HEAD=head, BLOCK=BLOCK, num_warps=NUM_WARPS, **launch_options(state.device),
     )
 
 

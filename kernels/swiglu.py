@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
+from .dependent_launch import after_previous, launch_options
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -32,7 +33,8 @@ MAX_BLOCK_I = 1024  # columns per program: an intermediate of 6144 runs 6 progra
 
 
 @triton.jit(do_not_specialize=["s_row"])
-def _silu_mul_kernel(gate_up, out, s_row, I, BLOCK_I: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+def _silu_mul_kernel(gate_up, out, s_row, I, BLOCK_I: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row; int64: rows * 2I can pass 2^31
     i_c = tl.program_id(1)
     DTYPE: tl.constexpr = out.dtype.element_ty
@@ -77,7 +79,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int, out: torch.Tensor | None 
     _silu_mul_kernel[(n, triton.cdiv(intermediate, block_i))](
         gate_up, out, gate_up.stride(0), intermediate,
         BLOCK_I=block_i, EMULATE_BF16_RTNE=interpreting(),
-        num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
+        num_warps=num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(gate_up.device),
     )
     return out
 

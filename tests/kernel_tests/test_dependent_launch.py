@@ -1,0 +1,81 @@
+"""kernels/dependent_launch.py: programmatic dependent launch is on only where it can run (a CUDA
+device of compute capability 9.0 or newer, not the interpreter, not switched off by VERIFIER_PDL=0),
+and on the GPU a CUDA graph of dependent kernels launched with it gives torch.equal what the same
+graph gives without it (each kernel waits for the one before; a kernel two back is covered too)."""
+
+import pytest
+import torch
+
+from kernels import dependent_launch
+from kernels.dependent_launch import launch_options
+from kernels.linear import linear
+from kernels.norms import add_rms_norm
+from kernels.runtime import interpreting
+
+
+def test_off_on_the_cpu():
+    assert launch_options(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.skipif(not interpreting(), reason="checks the interpreter's options")
+def test_off_under_the_interpreter():
+    assert launch_options(torch.device("cpu"))["PDL"] is False
+
+
+@pytest.fixture
+def pdl_switch(monkeypatch):
+    """Set VERIFIER_PDL for the test's launches (the per-device choice is cached: cleared around)."""
+    def switch(on: bool) -> None:
+        monkeypatch.setenv("VERIFIER_PDL", "1" if on else "0")
+        dependent_launch._options.cache_clear()
+    yield switch
+    monkeypatch.undo()
+    dependent_launch._options.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_switch_and_capability(pdl_switch):
+    device = torch.device("cuda", torch.cuda.current_device())
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    pdl_switch(True)
+    assert launch_options(device)["PDL"] is hopper
+    assert launch_options(device).get("launch_pdl", False) is hopper
+    pdl_switch(False)
+    assert launch_options(device) == {"PDL": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_of_dependent_kernels_equals_without_pdl(pdl_switch):
+    """A model's residual stream, every launch a Triton kernel with PDL: add-and-norm (it reads the
+    stream, written two kernels back, and the GEMM before it), then a GEMM. The graph's output with
+    PDL is the output without it, bit for bit, replay after replay."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, layers = 512, 12
+    x = torch.randn(3, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    weights = [(torch.randn(hidden, hidden, device="cuda", generator=g) / hidden**0.5).to(torch.bfloat16) for _ in range(layers)]
+    norm_w = torch.randn(hidden, device="cuda", generator=g).to(torch.bfloat16)
+
+    def body(inp: torch.Tensor) -> torch.Tensor:
+        stream, update = inp, torch.zeros_like(inp)
+        for w in weights:
+            stream, normed = add_rms_norm(update, stream, norm_w, 1e-6, False)
+            update = linear(normed, w)
+        return stream + update
+
+    outputs = {}
+    for on in (False, True):
+        pdl_switch(on)
+        static = x.clone()
+        body(static)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body(static)
+        replays = []
+        for _ in range(3):
+            graph.replay()
+            replays.append(out.clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(r, replays[0]) for r in replays), f"PDL {on}: replays differ"
+        outputs[on] = replays[0]
+    assert torch.equal(outputs[True], outputs[False])
