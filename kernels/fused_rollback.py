@@ -23,7 +23,8 @@ program reads its layer's row and casts the addresses to typed pointers. Nothing
 step where the addresses hold still: a CUDA graph bucket makes its RecurrentLayers once, after
 capturing its verify, whose replays write the same addresses, and its rollback graph reads that
 table in every replay (the table must then outlive the graph). The table is built by a host to
-device copy, so never inside a capture. The Triton interpreter (TRITON_INTERPRET=1, CPU tensors)
+device copy, so never inside a capture: a RecurrentLayers made inside one takes its table from a
+TableStore allocated before it, and writes it by `fill_table()` after the capture. The Triton interpreter (TRITON_INTERPRET=1, CPU tensors)
 runs the kernels on the host addresses.
 
 Grids: next_windows (S, L * cdiv(C, BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
@@ -47,6 +48,7 @@ import triton.language as tl
 from . import delta_rule, short_conv
 from .checks import check_launchable, check_ragged, check_tensor
 from .delta_rule import _load_stash_row, _state_tile, _update_state
+from .dependent_launch import after_previous, launch_options
 from .runtime import interpreting
 from .short_conv import _shift_window
 from .snapshots import BLOCK as SNAPSHOT_BLOCK
@@ -83,7 +85,9 @@ def _next_windows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
     C_BLOCKS: tl.constexpr,  # cdiv(C, BLOCK_C): programs per layer and sequence
+    PDL: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
     i_layer = tl.program_id(1) // C_BLOCKS
     i_c = tl.program_id(1) % C_BLOCKS
@@ -102,7 +106,8 @@ def _next_windows_kernel(
 
 @triton.jit
 def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
-                        DECAY_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                        DECAY_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
     i_layer = tl.program_id(1) // H
     i_h = tl.program_id(1) % H
@@ -140,7 +145,9 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
 
 
 @triton.jit
-def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+                                 PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
     i_layer = tl.program_id(1) // H
     i_h = tl.program_id(1) % H
@@ -168,7 +175,11 @@ class RecurrentLayers:
 
     def __init__(self, windows: list[torch.Tensor], states: list[torch.Tensor], conv_inputs: list[torch.Tensor],
                  keys: list[torch.Tensor], values: list[torch.Tensor], decays: list[torch.Tensor], betas: list[torch.Tensor],
-                 snapshots: list[torch.Tensor] | None = None):
+                 snapshots: list[torch.Tensor] | None = None, store: TableStore | None = None):
+        """store: made inside a CUDA graph capture (the draft chain's, which captures its verifies
+        and rollbacks in one graph): the table is rows of the store, allocated before the capture,
+        and written by `fill_table()` once the capture has ended; the addresses it will hold are
+        read now."""
         op = "RecurrentLayers"
         per_layer = dict(windows=windows, states=states, conv_inputs=conv_inputs, keys=keys, values=values, decays=decays,
                          betas=betas, **({} if snapshots is None else dict(snapshots=snapshots)))
@@ -207,9 +218,24 @@ class RecurrentLayers:
         self.windows, self.states, self.conv_inputs = windows, states, conv_inputs
         self.keys, self.values, self.decays, self.betas, self.snapshots = keys, values, decays, betas, snapshots
         self.n_layers = n_layers
-        self.table = self._table() if first.is_cuda or interpreting() else None
+        self.table = None  # where no Triton kernel can launch
+        if first.is_cuda or interpreting():
+            self._host_table = self._table_rows()  # [L][N_FIELDS] addresses and strides
+            if store is not None:
+                self.table = store.take(n_layers, first.device)
+            else:
+                self.fill_table()
 
-    def _table(self) -> torch.Tensor:
+    def fill_table(self) -> None:
+        """Write the pointer table: a host to device copy, so never inside a CUDA graph capture
+        (the module docstring)."""
+        rows = torch.tensor(self._host_table, dtype=torch.int64)
+        if self.table is None:
+            self.table = rows.to(self.states[0].device)
+        else:
+            self.table.copy_(rows)
+
+    def _table_rows(self) -> list[list[int]]:
         rows = []
         for l in range(self.n_layers):
             entries = dict(window=self.windows[l], conv_inputs=self.conv_inputs[l], state=self.states[l], key=self.keys[l],
@@ -223,8 +249,26 @@ class RecurrentLayers:
                 else:
                     row.append(entries[field].data_ptr())
             rows.append(row)
-        # a host to device copy: never inside a CUDA graph capture (the module docstring)
-        return torch.tensor(rows, dtype=torch.int64).to(self.states[0].device)
+        return rows
+
+
+class TableStore:
+    """Room for pointer tables, allocated before a CUDA graph capture that makes RecurrentLayers:
+    memory allocated inside a capture belongs to the graph's pool, where another graph of that pool
+    may write its scratch, and a table must hold still from the capture to the last replay.
+    `take(L)` hands out the next L rows [L, N_FIELDS]; whoever keeps the graph keeps the store."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.buffer = torch.empty((rows, len(FIELDS)), dtype=torch.int64, device=device)
+        self.used = 0
+
+    def take(self, n_layers: int, device: torch.device) -> torch.Tensor:
+        if self.used + n_layers > self.buffer.shape[0]:
+            raise ValueError(f"TableStore: {n_layers} more layers' rows asked with {self.buffer.shape[0] - self.used} left")
+        if torch.device(device) != self.buffer.device:
+            raise ValueError(f"TableStore: rows on {self.buffer.device} asked for layers on {device}")
+        self.used += n_layers
+        return self.buffer[self.used - n_layers : self.used]
 
 
 def _check_rows(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
@@ -262,7 +306,7 @@ def next_windows(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torc
         layers.table, seq_slots, cu_rows, kept,
         C=layers.channels, W=layers.width, CONV_DTYPE=_CONV_DTYPES[layers.conv_dtype], BLOCK_C=block_c,
         BLOCK_W=triton.next_power_of_2(layers.width - 1), C_BLOCKS=c_blocks,
-        num_warps=short_conv.NUM_WARPS, num_stages=1,
+        num_warps=short_conv.NUM_WARPS, num_stages=1, **launch_options(kept.device),
     )
 
 
@@ -276,7 +320,7 @@ def fold_states(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch
     _fold_states_kernel[(n_seqs, layers.n_layers * layers.heads, triton.cdiv(layers.d_v, cfg.BLOCK_V))](
         layers.table, seq_slots, cu_rows, kept,
         H=layers.heads, D_K=layers.d_k, D_V=layers.d_v, DECAY_K=layers.decay_k, BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
-        num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(kept.device),
     )
 
 
@@ -291,7 +335,7 @@ def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_ro
     head = layers.d_k * layers.d_v
     _keep_state_snapshots_kernel[(n_seqs, layers.n_layers * layers.heads, triton.cdiv(head, SNAPSHOT_BLOCK))](
         layers.table, seq_slots, cu_rows, kept, H=layers.heads, HEAD=head, BLOCK=SNAPSHOT_BLOCK,
-        num_warps=SNAPSHOT_NUM_WARPS,
+        num_warps=SNAPSHOT_NUM_WARPS, **launch_options(kept.device),
     )
 
 

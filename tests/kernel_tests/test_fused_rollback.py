@@ -184,3 +184,35 @@ def test_layers_reject_bad_tensors(device):
     no_snapshots = as_layers(dict(t, snapshots=None))
     with pytest.raises(ValueError, match="no snapshots"):
         keep_state_snapshots(no_snapshots, seq_slots, cu_rows, kept_counts(1, device))
+
+
+def test_table_from_a_store_is_written_by_fill_table(device):
+    """Layers made with a TableStore (inside a graph capture) take its next rows and write nothing
+    until fill_table; then the rows equal the table made at once (the same tensors), a launch
+    through them rolls back as per layer, and a store refuses more rows than it holds."""
+    t = make_layers("gdn", SHAPES[0], torch.bfloat16, device)
+    store = fused_rollback.TableStore(2 * N_LAYERS + 1, torch.device(device))
+    store.buffer.fill_(-1)  # what a capture leaves there: anything
+    ours = copy_of(t)
+    first = RecurrentLayers(ours["windows"], ours["states"], ours["conv_inputs"], ours["keys"], ours["values"],
+                            ours["decays"], ours["betas"], store=store)
+    second = RecurrentLayers(ours["windows"], ours["states"], ours["conv_inputs"], ours["keys"], ours["values"],
+                             ours["decays"], ours["betas"], store=store)
+    assert first.table.data_ptr() == store.buffer.data_ptr() and second.table.data_ptr() == store.buffer[N_LAYERS].data_ptr()
+    assert (store.buffer == -1).all(), "a table from a store is written by fill_table only"
+    first.fill_table()
+    at_once = RecurrentLayers(ours["windows"], ours["states"], ours["conv_inputs"], ours["keys"], ours["values"],
+                              ours["decays"], ours["betas"])
+    assert torch.equal(first.table, at_once.table)
+    assert (second.table == -1).all()
+    theirs = copy_of(t)
+    seq_slots, cu_rows = delta.ragged(COUNTS, SLOTS, device)
+    kept = kept_counts(K + 1, device)
+    per_layer(theirs, seq_slots, cu_rows, kept, False)
+    fused(first, seq_slots, cu_rows, kept, False)
+    for name in ("windows", "states"):
+        for l, (got, want) in enumerate(zip(ours[name], theirs[name])):
+            assert torch.equal(got, want), f"{name}[{l}] through the store's table"
+    with pytest.raises(ValueError, match="TableStore: 3 more layers' rows asked with 1 left"):
+        as_store = dict(ours, store=store)
+        RecurrentLayers(**{k: v for k, v in as_store.items() if k != "snapshots"})

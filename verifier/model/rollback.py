@@ -10,9 +10,9 @@ records a LayerRecord over all rows of the batch (each sequence's rows 0..K in o
 Rollback runs for every sequence of the batch at once. With the record's RollbackPlan it runs for
 every recurrent layer at once too: per group of alike layers (one group per recurrent kind), one
 launch for all conv windows and one for all recurrent states (kernels/fused_rollback.py), whose
-pointer table the plan builds; a CUDA graph bucket builds its plan once. Without a plan (a caller
-that captures its verify and rollback in one graph, where no table can be built: the draft chain)
-it is one conv-window and one fold (or snapshot copy) launch per layer. Both give the same bits.
+pointer table the plan builds; a CUDA graph bucket builds its plan once, and a caller that captures
+its verify and rollback in one graph (the draft chain) writes the table after the capture. Without
+a plan it is one conv-window and one fold (or snapshot copy) launch per layer. Both give the same bits.
 Attention needs no record: its cursor is the committed position, and KV rows past it are
 overwritten before anything reads them.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import delta_rule, short_conv, snapshots
-from kernels.fused_rollback import (RecurrentLayers, fold_states, fold_states_ref, keep_state_snapshots,
+from kernels.fused_rollback import (RecurrentLayers, TableStore, fold_states, fold_states_ref, keep_state_snapshots,
                                     keep_state_snapshots_ref, next_windows, next_windows_ref)
 from kernels.runtime import pick
 
@@ -82,9 +82,9 @@ def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: to
         fold(state.recurrent, record.keys, record.values, record.decays, record.betas, seq_slots, cu_rows, kept)
 
 
-def recurrent_groups(pool: SlotPool, record: VerifyRecord) -> list[RecurrentLayers]:
+def recurrent_groups(pool: SlotPool, record: VerifyRecord, store: TableStore | None = None) -> list[RecurrentLayers]:
     """The record's recurrent layers with their slot state, in layer order, grouped by shape: one
-    group per recurrent kind (the layers of a kind share one config)."""
+    group per recurrent kind (the layers of a kind share one config). store: see RollbackPlan."""
     groups: dict[tuple, list[tuple[RecurrentState, LayerRecord]]] = {}
     for index, layer_record in record.layers.items():
         state = pool.layers[index]
@@ -94,7 +94,8 @@ def recurrent_groups(pool: SlotPool, record: VerifyRecord) -> list[RecurrentLaye
     return [
         RecurrentLayers([s.conv for s, _ in layers], [s.recurrent for s, _ in layers], [r.conv_inputs for _, r in layers],
                         [r.keys for _, r in layers], [r.values for _, r in layers], [r.decays for _, r in layers],
-                        [r.betas for _, r in layers], None if layers[0][1].snapshots is None else [r.snapshots for _, r in layers])
+                        [r.betas for _, r in layers], None if layers[0][1].snapshots is None else [r.snapshots for _, r in layers],
+                        store=store)
         for layers in groups.values()
     ]
 
@@ -103,12 +104,19 @@ class RollbackPlan:
     """The rollback of one verify record over all its recurrent layers: per group of alike layers,
     one launch for their conv windows and one for their recurrent states (a fold in WOA mode, a
     snapshot copy in snapshot mode). Making it builds the groups' pointer tables (a host to device
-    copy): outside any CUDA graph capture, once per record (a graph bucket: once)."""
+    copy): outside any CUDA graph capture, once per record (a graph bucket: once). Inside a capture
+    whose graph holds the verify and its rollback (the draft chain's), make it with a TableStore
+    allocated before the capture, and call fill_tables() once the capture has ended."""
 
-    def __init__(self, pool: SlotPool, record: VerifyRecord):
+    def __init__(self, pool: SlotPool, record: VerifyRecord, store: TableStore | None = None):
         self.batch = record.batch
-        self.groups = recurrent_groups(pool, record)
+        self.groups = recurrent_groups(pool, record, store)
         self.device = self.groups[0].states[0].device if self.groups else None
+
+    def fill_tables(self) -> None:
+        """Write the tables of a plan made with a TableStore (after the capture that made it)."""
+        for group in self.groups:
+            group.fill_table()
 
     @property
     def tables(self) -> list[torch.Tensor]:

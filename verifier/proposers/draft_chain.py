@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fused_rollback import TableStore
 from kernels.runtime import pick
 from kernels.sampling import argmax_rows, argmax_rows_ref, coupled_choice
 
 from ..model import RowBatch
-from ..model.rollback import WOA, VerifyRecord, apply_rollback
+from ..model.rollback import WOA, RollbackPlan, VerifyRecord, apply_rollback
 from ..model.state import RecurrentState, SlotPool
 from ..model.step_inputs import StepInputs
 from ..params import SamplingParams
@@ -136,6 +137,10 @@ class DraftChain:
         self.captures = 0  # chain graphs captured since construction
         self.catch_ups = (NONE, BONUS, TWO) + ((RESTORE_BONUS,) if boundaries else ())
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        # the rollback pointer tables each graph reads, allocated before its capture (kept as long as the graph)
+        self._tables: dict[tuple[str, int], TableStore] = {}
+        self._capture_plans: list[RollbackPlan] | None = None  # during a capture: its plans, tables unwritten
+        self._capture_store: TableStore | None = None
         if graphed:
             self._capture_all()
 
@@ -192,10 +197,10 @@ class DraftChain:
         (as `_run`'s start)."""
         if kind == NONE:
             return
-        if kind == RESTORE_BONUS:
+        if kind == RESTORE_BONUS:  # the boundary's rows gathered straight into the slot: one launch per state
             for layer, conv, recurrent in zip(self._layers, self._saved_conv, self._saved_recurrent):
-                layer.conv[slot].copy_(conv.index_select(0, self._restore_index)[0])
-                layer.recurrent[slot].copy_(recurrent.index_select(0, self._restore_index)[0])
+                torch.index_select(conv, 0, self._restore_index, out=layer.conv[slot : slot + 1])
+                torch.index_select(recurrent, 0, self._restore_index, out=layer.recurrent[slot : slot + 1])
         n = CATCH_UP_TOKENS[kind]
         inputs = self._catch_inputs[n]
         inputs.tokens.copy_(self._control[_NEW_TOKENS : _NEW_TOKENS + n])
@@ -211,7 +216,12 @@ class DraftChain:
         batch.attach(self.device, inputs.batch_tensors())
         record = VerifyRecord(WOA, batch)
         self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, logits_out)
-        apply_rollback(self.pool, record, kept)
+        # every recurrent layer's window in one launch and state in another, as the engine's graph
+        # buckets roll back; in a capture the tables are written when it ends (_capture_all)
+        plan = RollbackPlan(self.pool, record, self._capture_store)
+        if self._capture_plans is not None:
+            self._capture_plans.append(plan)
+        apply_rollback(self.pool, record, kept, plan)
         # a batch read under another device key would be built from its host fields: stale positions in a graph
         assert len(batch._on_device) == 1, f"the chain's batch was read on more than one device key: {list(batch._on_device)}"
 
@@ -230,10 +240,9 @@ class DraftChain:
             self._consume(slot, start + i, inputs, kept, self._logits)
 
     def _save(self, i: int, slot: int) -> None:
-        for layer, conv, recurrent in zip(self._layers, self._saved_conv, self._saved_recurrent):
-            conv[i].copy_(layer.conv[slot])
-            recurrent[i].copy_(layer.recurrent[slot])
-        self._saved_logits[i].copy_(self._logits[0])
+        destinations = [conv[i] for conv in self._saved_conv] + [recurrent[i] for recurrent in self._saved_recurrent]
+        sources = [layer.conv[slot] for layer in self._layers] + [layer.recurrent[slot] for layer in self._layers]
+        _copy_tensors(destinations + [self._saved_logits[i]], sources + [self._logits[0]])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -250,11 +259,32 @@ class DraftChain:
         for kind in self.catch_ups:
             for k in range(1, self.max_k + 1):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=memory):
-                    self._catch_up(kind, self.slot, 0)
-                    self._run(k, self.slot, self._inputs, self._keep_row, 0)
+                # a consume per catch-up and per draft but the last, each a table row per recurrent layer
+                self._capture_store = TableStore((1 + k - 1) * len(self._layers), self.device)
+                self._capture_plans = []
+                try:
+                    with torch.cuda.graph(graph, pool=memory):
+                        self._catch_up(kind, self.slot, 0)
+                        self._run(k, self.slot, self._inputs, self._keep_row, 0)
+                    for plan in self._capture_plans:
+                        plan.fill_tables()
+                    self._tables[kind, k] = self._capture_store
+                finally:
+                    self._capture_plans, self._capture_store = None, None
                 self._graphs[kind, k] = graph
                 self.captures += 1
+
+
+def _copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """destinations[i].copy_(sources[i]) for every i, in one multi-tensor launch per dtype (a graph
+    node per copy was a tenth of a proposal's kernels)."""
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for destination, source in zip(destinations, sources, strict=True):
+        pair = by_dtype.setdefault(destination.dtype, ([], []))
+        pair[0].append(destination)
+        pair[1].append(source)
+    for group_destinations, group_sources in by_dtype.values():
+        torch._foreach_copy_(group_destinations, group_sources)
 
 
 def _sequence_inputs(slot: int, rows: int, device: torch.device) -> StepInputs:
