@@ -1,15 +1,19 @@
 """The goodput policy as a pure function (verifier/server/goodput.py): optimal against brute force,
 and the three regimes the service relies on (useless drafts trimmed away, good drafts kept, rows
-that fill a graph bucket taken because they are free)."""
+that fill a graph bucket taken because they are free); the plain-Python path of small batches equal
+to the vectorised one, bit for bit."""
 
 from __future__ import annotations
 
 import itertools
 import random
 
+import numpy as np
 import pytest
 
-from verifier.server.goodput import MAX_TURNAROUND_S, DecayedRates, GoodputPolicy, StepCost, expected_tokens, trim_drafts
+from verifier.server import goodput as goodput_module
+from verifier.server.goodput import (MAX_TURNAROUND_S, DecayedRates, GoodputPolicy, StepCost, _add_reduce,
+                                     _trim_drafts_few, expected_tokens, trim_drafts)
 
 
 def goodput(ks, rates, cost):
@@ -202,3 +206,158 @@ def test_the_turnaround_between_batches_buys_draft_rows():
     assert policy.trim(ids, [1] * 64) == [1] * 64  # 64 / 20 ms < 64 * 1.3 / 24 ms
     policy.observe_turnaround(5.0)  # an idle server: counted as MAX_TURNAROUND_S at most
     assert policy.turnaround_s <= 0.9 * 0.010 + 0.1 * MAX_TURNAROUND_S + 1e-12
+
+
+# --- small batches: the plain-Python path (SMALL_BATCH) against the vectorised one, bit for bit ---
+
+def test_add_reduce_has_the_bits_of_numpys_sum():
+    rng = np.random.default_rng(0)
+    for n in list(range(300)) + [1000, 1025]:
+        values = (rng.random(n) * 10.0 ** rng.integers(-8, 8, n)).tolist()  # magnitudes where the order shows
+        assert _add_reduce(values) == float(np.add.reduce(np.array(values, dtype=np.float64))), n
+
+
+def _random_cost(rng):
+    if rng.random() < 0.2:
+        per_row = rng.choice([0.0, 1e-5, rng.random() * 1e-3])
+        return lambda rows: 4e-4 + per_row * rows  # a cost without span
+    buckets = sorted(rng.sample(range(1, 40), rng.randint(1, 6)))
+    flat = rng.random() < 0.5  # two buckets of one cost: equal goodputs, the last prefix's tie-break
+    return StepCost({r: 4e-4 + (0.0 if flat and i < 2 else rng.random() * 2e-4) + 1e-5 * r
+                     for i, r in enumerate(buckets)})
+
+
+def _near_tie(requested, rates, rng):
+    """A step cost under which two prefixes of the best-first drafts have goodputs within an ulp or
+    two of each other: which one wins shows the last bit of the tokens' sums."""
+    drafts = sorted((p for k, r in zip(requested, rates) for p in itertools.accumulate(r[:k], lambda a, b: a * b)),
+                    reverse=True)
+    if len(drafts) < 2:
+        return _random_cost(rng)
+    base = len(requested)
+    n, m = sorted(rng.sample(range(1, len(drafts) + 1), 2))
+    tokens = base + np.add.accumulate(np.array(drafts))  # [prefix] as trim_drafts sums them
+    dearer = 1e-3 * float(tokens[m - 1] / tokens[n - 1])
+    return StepCost({base + n: 1e-3, base + m: dearer, base + len(drafts) + 1: 1.0})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_trim_drafts_few_is_trim_drafts(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        sessions, width = rng.randint(1, 6), rng.randint(1, 12)
+        requested = [rng.randint(0, width) for _ in range(sessions)]
+        if not any(requested):
+            continue
+        levels = [0.0, 1.0, 0.5, rng.random()]  # few levels: ties between drafts and between prefixes
+        rates = [[rng.choice(levels) if rng.random() < 0.5 else rng.random() for _ in range(width)]
+                 for _ in range(sessions)]
+        cost = _near_tie(requested, rates, rng) if rng.random() < 0.5 else _random_cost(rng)
+        assert _trim_drafts_few(requested, rates, cost) == trim_drafts(requested, np.array(rates), cost)
+
+
+def _same_state(a: GoodputPolicy, b: GoodputPolicy) -> None:
+    assert a.sessions == b.sessions and a._free_rows == b._free_rows and a.batch == b.batch
+    assert a.probe_credit == b.probe_credit and a.turnaround_s == b.turnaround_s
+    assert np.array_equal(a._counts, b._counts) and np.array_equal(a._reached_at, b._reached_at)
+    assert a.server.drafted == b.server.drafted and a.server.accepted == b.server.accepted
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_small_batch_path_is_the_vectorised_path_bit_for_bit(seed, monkeypatch):
+    """Two policies, one forced onto the plain-Python path for every batch size, one onto the
+    vectorised path, through the same random turnarounds, trims, observations and forgotten
+    sessions: the same returns, the same numbers trimmed and sorted, the same state after every call."""
+    rng = random.Random(seed)
+    if seed % 2:  # relax ** age nudged off numpy's pow in the table: then the lone element (raised by
+        # numpy's scalar path, see GoodputPolicy._relaxed) and the table differ on any host
+        tabulate = GoodputPolicy._tabulate_relax
+
+        def nudged(policy, ages):
+            tabulate(policy, ages)
+            policy._relax_powers = policy._relax_powers * (1 - 2.0 ** -30)
+            policy._relax_list = policy._relax_powers.tolist()
+
+        monkeypatch.setattr(GoodputPolicy, "_tabulate_relax", nudged)
+
+    # the numbers each path's trim is given (rates) and each path sorts (the drafts' values, the
+    # probe's): seen bit for bit, not only through the choices they lead to
+    seen = {"few": [], "vectorised": []}
+
+    def recording(name, path, numbers):
+        function = getattr(goodput_module, name)
+
+        def record(*args):
+            seen[path].append(np.array(args[numbers], dtype=np.float64))
+            return function(*args)
+        monkeypatch.setattr(goodput_module, name, record)
+
+    recording("_trim_drafts_few", "few", 1)
+    recording("_best_first_few", "few", 0)
+    recording("trim_drafts", "vectorised", 1)
+    recording("_best_first", "vectorised", 0)
+
+    def on_both(call):
+        monkeypatch.setattr(goodput_module, "SMALL_BATCH", 1 << 30)
+        got = call(few)
+        monkeypatch.setattr(goodput_module, "SMALL_BATCH", 0)
+        want = call(vectorised)
+        assert got == want
+        _same_state(few, vectorised)
+        assert len(seen["few"]) == len(seen["vectorised"])
+        assert all(map(np.array_equal, seen["few"], seen["vectorised"]))
+        for numbers in seen.values():
+            numbers.clear()
+        return got
+
+    for case in range(12):
+        max_k = rng.choice([1, 1, 2, 3, 4, 8, 9, 12])
+        options = dict(decay=rng.choice([0.9, 0.5, 1.0]), prior=rng.choice([0.7, 0.0, 1.0, rng.random()]),
+                       relax=rng.choice([0.98, 0.9, 0.1, 1e-3, 1.0]), probe_share=rng.choice([0.02, 0.3, 0.0]))
+        cost = _random_cost(rng)
+        few, vectorised = (GoodputPolicy(max_k, cost, **options) for _ in range(2))
+        pool = [f"s{i}" for i in range(6)]
+        accept = {s: rng.choice([0.0, 1.0, 0.5, rng.random()]) for s in pool}  # each drafter's acceptance
+        # how often each session steps: some rarely, so that the age of its counts passes the power
+        # table's end (64 ages at first; 130 for relax 1e-3, whose powers underflow there)
+        active = {s: rng.choice([1.0, 0.3, 0.005]) for s in pool}
+        for _ in range(600 if case == 0 else rng.randint(1, 150)):
+            roll = rng.random()
+            if roll < 0.1:
+                gap = rng.choice([0.0, 1e-3, rng.random() * 0.03])
+                on_both(lambda p: p.observe_turnaround(gap))
+                continue
+            if roll < 0.15:
+                gone = rng.choice(pool)
+                on_both(lambda p: p.forget(gone))
+                continue
+            if roll < 0.2:
+                pool.append(f"s{len(accept)}")
+                accept[pool[-1]], active[pool[-1]] = rng.choice([0.0, 1.0, rng.random()]), rng.choice([1.0, 0.3])
+            ids = [s for s in pool if rng.random() < active[s]][: rng.choice([1, 1, 1, 2, 2, 3, 5])]
+            ids = rng.sample(ids, len(ids)) or [rng.choice(pool)]
+            requested = [rng.randint(0, max_k) for _ in ids]
+            if rng.random() < 0.85:
+                verified = on_both(lambda p: p.trim(ids, requested))
+            else:  # observed without a trim (observe's own calls; a session observed twice in a batch)
+                verified = [rng.randint(0, k) for k in requested]
+            accepted = []
+            for s, k in zip(ids, verified):
+                streak = 0
+                while streak < k and rng.random() < accept[s]:
+                    streak += 1
+                accepted.append(streak)
+            if len(ids) == 1 and rng.random() < 0.3:
+                on_both(lambda p: p.observe(ids[0], requested[0], verified[0], accepted[0]))
+            else:
+                on_both(lambda p: p.observe_batch(ids, requested, verified, accepted))
+
+
+@pytest.mark.parametrize("small", [0, 1 << 30])
+def test_small_batches_refuse_what_the_vectorised_path_refuses(small, monkeypatch):
+    monkeypatch.setattr(goodput_module, "SMALL_BATCH", small)
+    policy = GoodputPolicy(max_k=2, cost=linear_cost(0.1))
+    with pytest.raises(ValueError, match="session 0 asks for 3 drafts with 2 rates"):
+        policy.trim(["a"], [3])
+    with pytest.raises(ValueError, match="session 1 asks for -1 drafts with 2 rates"):
+        policy.trim(["a", "b"], [2, -1])
