@@ -22,6 +22,7 @@ from kernels.sampling import argmax_rows
 
 from .acceptance import accept
 from .model import HybridModel, RowBatch
+from .model.device_scope import on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS
 from .model.padding import check_graph_rows
 from .model.rollback import ROLLBACK_MODES, WOA
@@ -102,6 +103,7 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @on_model_device
     def warm_up(self) -> None:
         """Capture every graph bucket for the engine's rollback mode now, before the first step, so
         that serving never captures (nothing to do when eager); and on CUDA compile the kernels that
@@ -125,12 +127,14 @@ class Engine:
         """The largest bucket's rows (a step with more runs eagerly); None when not graphed."""
         return self.runner.max_graph_rows
 
+    @on_model_device
     def step_costs(self) -> dict[int, float]:
         """Seconds per step (verify + rollback) by bucket rows, timed now on the scratch slot: every
         bucket through its graphs, or eagerly (the CPU) the smallest buckets within ~0.5 s
         (StepRunner.step_costs). Real slots are not touched."""
         return self.runner.step_costs(self.rollback_mode)
 
+    @on_model_device
     def open(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None) -> Sequence:
         """Admit a slot, prefill the prompt, choose the first token (it becomes the pending token).
         The caller has checked its arguments: a non-empty prompt of vocabulary ids that leaves room
@@ -152,6 +156,7 @@ class Engine:
             seq.finish_reason = LENGTH
         return seq
 
+    @on_model_device
     def close(self, seq: Sequence) -> None:
         self.pool.release(seq.slot)
 
@@ -166,6 +171,7 @@ class Engine:
         if seq.position + len(drafts) + 1 > self.pool.max_seq_len:
             raise StepError("out_of_range", f"{len(drafts) + 1} rows from position {seq.position} pass max_seq_len {self.pool.max_seq_len}")
 
+    @on_model_device
     def step(self, requests: list[StepRequest]) -> list[StepResult]:
         """One engine step over many sequences; a request its sequence's state refuses gets its
         StepError, the others run."""

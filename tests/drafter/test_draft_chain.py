@@ -212,3 +212,25 @@ def test_chained_proposals_run_no_eager_forward(shipped_draft):
             runner.verify = verify
             assert len(calls) == forwards_per_proposal * (step + 1), f"draft_chain={chain}: {len(calls)} forwards"
             context = context + drafts[:2] + [(drafts[2] + 1) % vocab]  # d3 rejected: the next sync restores
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_drafter_on_another_gpu_than_the_current_one():
+    """A drafter on cuda:1 while cuda:0 is current (a verifier's GPU beside it; Triton launches on the
+    current device, which failed before the proposer made its own current): the drafts and logits of
+    the same drafter on cuda:0, bit for bit, through a stream of acceptances and rejections."""
+    if not (SHIPPED_DRAFT / "config.json").exists():
+        pytest.skip("no shipped draft model in this checkout")
+    torch.cuda.set_device(0)
+    drafters = [ModelProposer(load_model(SHIPPED_DRAFT, f"cuda:{i}", torch.bfloat16), 8192, GPU_CONTEXT) for i in (0, 1)]
+    assert all(d.chain is not None and d.chain.graphed for d in drafters)
+    rng = random.Random(5)
+    context = _gpu_prompt(8192)
+    for proposal in range(40):
+        k = rng.randint(1, CHAIN_MAX_K)
+        first, second = (d.propose(context, k) for d in drafters)
+        assert first == second, f"proposal {proposal}: drafts differ across GPUs"
+        context = context + first[: rng.randint(0, k)] + [rng.randrange(8192)]
+        assert torch.equal(drafters[0].sync(context).cpu(), drafters[1].sync(context).cpu()), f"proposal {proposal}: logits"
+    assert torch.cuda.current_device() == 0, "the proposer left the current device as it found it"

@@ -56,6 +56,7 @@ import torch
 
 from ..engine import Engine
 from ..model import HybridModel, RowBatch, load_config, load_model
+from ..model.device_scope import device_scope, on_model_device
 from ..model.rollback import WOA
 from ..model.state import RecurrentState
 from ..params import STREAM_DRAFT, SamplingParams
@@ -99,7 +100,8 @@ class ModelProposer:
         self._chain_start: int | None = None  # where the last chained proposal started (its boundaries are the snapshots)
         self.prefills = 0  # how many times the whole context was prefilled (tests: only at the start)
         self.rows = 0  # rows consumed by decode-path forwards after the prefills
-        self.chain = self._draft_chain(draft_chain, min(CHAIN_MAX_K, max_context))
+        with device_scope(model.device):  # the chain's eager run and captures (verifier/model/device_scope.py)
+            self.chain = self._draft_chain(draft_chain, min(CHAIN_MAX_K, max_context))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, vocab_size: int, max_context: int, sampling: SamplingParams = SamplingParams(),
@@ -133,6 +135,7 @@ class ModelProposer:
     def propose(self, context: list[int], k: int) -> list[int]:
         return self.propose_with_probs(context, k)[0]
 
+    @on_model_device
     def propose_with_probs(self, context: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
         """Up to k drafts after `context`, and their distributions q [len, vocab] float32 when the
         session samples in rejection mode (else None: the drafts are deterministic given the logits)."""
@@ -213,6 +216,7 @@ class ModelProposer:
 
     # -- keeping in step ---------------------------------------------------------------------
 
+    @on_model_device
     def sync(self, context: list[int]) -> torch.Tensor:
         """Bring the slot to `context` consumed; return the logits [vocab] predicting the next token
         (with a draft chain possibly a view of its buffers: valid until the next proposal)."""
