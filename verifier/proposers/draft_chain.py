@@ -53,6 +53,7 @@ from kernels.runtime import pick
 from kernels.sampling import argmax_rows, argmax_rows_ref, coupled_choice
 
 from ..model import RowBatch
+from ..model.graphs import collector_paused
 from ..model.rollback import WOA, RollbackPlan, VerifyRecord, apply_rollback
 from ..model.state import RecurrentState, SlotPool
 from ..model.step_inputs import StepInputs
@@ -263,7 +264,7 @@ class DraftChain:
                 self._capture_store = TableStore((1 + k - 1) * len(self._layers), self.device)
                 self._capture_plans = []
                 try:
-                    with torch.cuda.graph(graph, pool=memory):
+                    with collector_paused(), torch.cuda.graph(graph, pool=memory):  # (graphs.py: why)
                         self._catch_up(kind, self.slot, 0)
                         self._run(k, self.slot, self._inputs, self._keep_row, 0)
                     for plan in self._capture_plans:
