@@ -59,6 +59,7 @@ from .snapshots import _copy_head_block, keep_snapshots_ref
 FIELDS = ("window", "conv_inputs", "conv_inputs_row_stride", "state", "key", "key_row_stride", "value", "value_row_stride",
           "decay", "decay_row_stride", "beta", "beta_row_stride", "snapshots")
 N_FIELDS = tl.constexpr(len(FIELDS))
+_ALIGNED_ROWS = 2  # table rows of 13 int64 (104 bytes): every second row starts 16-byte aligned (208 = 13 * 16)
 WINDOW, CONV_INPUTS, CONV_INPUTS_ROW_STRIDE, STATE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[:4])
 KEY, KEY_ROW_STRIDE, VALUE, VALUE_ROW_STRIDE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[4:8])
 DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:])
@@ -256,19 +257,23 @@ class TableStore:
     """Room for pointer tables, allocated before a CUDA graph capture that makes RecurrentLayers:
     memory allocated inside a capture belongs to the graph's pool, where another graph of that pool
     may write its scratch, and a table must hold still from the capture to the last replay.
-    `take(L)` hands out the next L rows [L, N_FIELDS]; whoever keeps the graph keeps the store."""
+    `take(L)` hands out the next L rows [L, N_FIELDS], starting 16-byte aligned as a table of its
+    own is (Triton specialises a pointer on its alignment: an unaligned table would compile another
+    kernel, inside the capture); whoever keeps the graph keeps the store. `rows`: the layers' rows
+    all takes will ask for (each take may skip one more row to align)."""
 
     def __init__(self, rows: int, device: torch.device):
-        self.buffer = torch.empty((rows, len(FIELDS)), dtype=torch.int64, device=device)
+        self.buffer = torch.empty((2 * rows, len(FIELDS)), dtype=torch.int64, device=device)
         self.used = 0
 
     def take(self, n_layers: int, device: torch.device) -> torch.Tensor:
-        if self.used + n_layers > self.buffer.shape[0]:
-            raise ValueError(f"TableStore: {n_layers} more layers' rows asked with {self.buffer.shape[0] - self.used} left")
+        start = self.used + self.used % _ALIGNED_ROWS  # an aligned row: a multiple of _ALIGNED_ROWS (2)
+        if start + n_layers > self.buffer.shape[0]:
+            raise ValueError(f"TableStore: {n_layers} more layers' rows asked with {self.buffer.shape[0] - start} left")
         if torch.device(device) != self.buffer.device:
             raise ValueError(f"TableStore: rows on {self.buffer.device} asked for layers on {device}")
-        self.used += n_layers
-        return self.buffer[self.used - n_layers : self.used]
+        self.used = start + n_layers
+        return self.buffer[start : self.used]
 
 
 def _check_rows(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
