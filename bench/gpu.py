@@ -18,6 +18,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import dependent_launch
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
 from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
@@ -238,10 +240,6 @@ def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
     """The batch-1 decode and K = 8 steps with programmatic dependent launch (kernels/dependent_launch.py)
     and without it: two engines, one captured under each setting, timed in turns in this process (this
     host's drift between runs is larger than the difference). Medians of the alternations' medians."""
-    import os
-
-    from kernels import dependent_launch
-
     before = os.environ.get("VERIFIER_PDL")
     engines = {}
     try:

@@ -361,3 +361,22 @@ def test_small_batches_refuse_what_the_vectorised_path_refuses(small, monkeypatc
         policy.trim(["a"], [3])
     with pytest.raises(ValueError, match="session 1 asks for -1 drafts with 2 rates"):
         policy.trim(["a", "b"], [2, -1])
+
+
+def test_policy_bench_writes_both_paths(tmp_path):
+    """bench.goodput_policy: per shape, the served and the vectorised path's per-call figures, and
+    SMALL_BATCH restored after."""
+    import json
+
+    from bench import goodput_policy
+    from verifier.server import goodput
+
+    limit = goodput.SMALL_BATCH
+    assert goodput_policy.main(["--out", str(tmp_path), "--calls", "3"]) == 0
+    assert goodput.SMALL_BATCH == limit
+    (path,) = tmp_path.glob("goodput_policy_*.json")
+    report = json.loads(path.read_text())
+    assert report["small_batch"] == limit and report["device"] and report["date"]
+    for shape in ("1_sessions_k4", "64_sessions_k4"):
+        for label in ("as_served", "vectorised"):
+            assert report["microseconds_per_call"][shape][label]["trim_us"] > 0

@@ -10,16 +10,6 @@ from kernels import dependent_launch
 from kernels.dependent_launch import launch_options
 from kernels.linear import linear
 from kernels.norms import add_rms_norm
-from kernels.runtime import interpreting
-
-
-def test_off_on_the_cpu():
-    assert launch_options(torch.device("cpu")) == {"PDL": False}
-
-
-@pytest.mark.skipif(not interpreting(), reason="checks the interpreter's options")
-def test_off_under_the_interpreter():
-    assert launch_options(torch.device("cpu"))["PDL"] is False
 
 
 @pytest.fixture
@@ -31,6 +21,21 @@ def pdl_switch(monkeypatch):
     yield switch
     monkeypatch.undo()
     dependent_launch._options.cache_clear()
+
+
+def test_off_on_the_cpu():
+    assert launch_options(torch.device("cpu")) == {"PDL": False}
+
+
+def test_off_under_the_interpreter_and_when_switched_off(monkeypatch, pdl_switch):
+    """A CUDA device (named, not touched) gets PDL off under the interpreter and with VERIFIER_PDL=0:
+    neither asks the device anything."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert launch_options(cuda) == {"PDL": False}
+    monkeypatch.delenv("TRITON_INTERPRET")
+    pdl_switch(False)
+    assert launch_options(cuda) == {"PDL": False}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -16,9 +16,13 @@ import torch
 
 
 def device_scope(device: torch.device | str):
-    """A context in which `device` is the current CUDA device (a no-op for the CPU)."""
+    """A context in which `device` is the current CUDA device: nothing to do for the CPU, for "cuda"
+    without an index, or when it is current already (an engine step's usual case: no device switch
+    and back on the hot path)."""
     device = torch.device(device)
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def on_model_device(method):

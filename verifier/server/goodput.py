@@ -79,7 +79,8 @@ import numpy as np
 # A batch of at most SMALL_BATCH sessions (a remote drafter alone: the latency-critical case) is
 # trimmed and observed in plain Python (GoodputPolicy._trim_few with _trim_drafts_few, _observe_few):
 # at one session numpy's per-call overhead is nearly all the cost, while plain Python's grows with
-# every draft. Per batch, vectorised -> plain, max_k 8, CPython 3.11 and numpy 2.4 on the dev host:
+# every draft. Per batch, vectorised -> plain, max_k 8, CPython 3.11 and numpy 2.4 on the dev host
+# (`python -m bench.goodput_policy`, goodput_policy_2026-12-01.json has a run of them):
 # one session of 4 drafts, trim 44 -> 16 us and observe_batch 25 -> 8 us (8 drafts: 46 -> 24, 24 -> 8);
 # two sessions, 48 -> 28 and 26 -> 13 us (8 drafts: 58 -> 42); three, 38 -> 29 (8 drafts: 61 -> 51)
 # and 26 -> 17 us; four of 8 drafts, trim 61 -> 63 us. So 2: a clear gain at any K.
