@@ -9,6 +9,10 @@ rollback (write-on-accept fold and snapshot copy), bitwise equality of verify ro
 decode at that size (checked before anything is timed), and HF transformers (with FLA kernels
 when importable) for a decode step and an 8-token forward. For the first model also the batch-1
 decode and K = 8 steps with programmatic dependent launch and without it, timed in turns (`pdl`).
+Per model a `gemm` section (bench/gemm.py's `model_gemm`): on each distinct [N, K] weight the engine
+multiplies through kernels.linear (the model's own, named by layer and attribute), for M = 1, 9, 72,
+576 rows our GEMM and cuBLAS (ms, TFLOP/s, their ratio, our tile), each shape's rows first checked
+bitwise row-invariant; a shape that fails, or a model whose bitexact gate is red, gets no timing.
 Writes DIR/gpu_<date>.json.
 """
 
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gemm import model_gemm
 from kernels import dependent_launch
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
@@ -35,6 +40,7 @@ from verifier.params import SamplingParams
 
 PROMPT_LEN = 64
 KS = (1, 2, 4, 8, 16)
+GEMM_REPEATS = 10  # graph replays (of 20 launches) per GEMM figure: the section's GPU time stays a few seconds per model
 
 DENSE_2B = dict(  # the issue's Qwen3.5-style ~2B checkpoint
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
@@ -81,7 +87,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), 10)
-    del src, dst
     return 2 * (2 << 30) / (ms / 1e3)
 
 
@@ -327,7 +332,7 @@ def hf_figures(path: Path, repeats: int) -> dict:
         c = prefill()
         serial = torch.stack([model(input_ids=drafts[:, i : i + 1], past_key_values=c, use_cache=True).logits[0, -1].float() for i in range(8)])
     equal = sum(int(torch.equal(a, b)) for a, b in zip(rows8, serial))
-    del model
+    model = None  # freed before the cache is emptied (prefill's closure holds the name too)
     gc.collect()
     torch.cuda.empty_cache()
     return {"fla": fla_version, "hf_decode_ms": decode, "hf_verify8_ms": statistics.median(forward8), "hf_verify8_rows_equal_serial": equal}
@@ -386,6 +391,13 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
               f"{result['kernel_breakdown_k8']['device_ms']:.2f} ms; top {result['kernel_breakdown_k8']['top'][:6]}", flush=True)
     except Exception as exc:
         result["kernel_breakdown_error"] = f"{type(exc).__name__}: {exc}"
+    try:  # our GEMM against cuBLAS on this model's weights; no timing where a gate is red
+        red = None if equal == total else f"the model's bitexact gate is red: {equal}/{total} verify rows equal serial decode"
+        result["gemm"] = model_gemm(model, GEMM_REPEATS, untimed=red)
+        print(f"[{name}] gemm: {len(result['gemm']['shapes'])} weight shapes, all row-invariant {result['gemm']['all_row_invariant']}; "
+              f"skipped {result['gemm']['skipped']}", flush=True)
+    except Exception as exc:
+        result["gemm_error"] = f"{type(exc).__name__}: {exc}"
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()

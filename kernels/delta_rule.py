@@ -20,11 +20,19 @@ Per row, per head, with S the state [D_K, D_V] (`_update_state`, `_read_state`):
     out = sum_k S[k, :] * query[k]
 
 delta_rule_verify walks each sequence's rows from its slot's committed state and writes out (and
-snapshots); it never writes `state` (write-on-accept). delta_rule_fold applies each sequence's
-first consumed[s] rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA
-rollback, and prefill's commit with consumed = all rows. A sequence with no rows (verify) or
-nothing consumed (fold) returns before it reads or writes its slot: graph buckets pad a step with
-such sequences (verifier/model/padding.py), and hundreds of them then cost nothing.
+snapshots). It writes `state` for one kind of sequence only: one of exactly one row (a decode)
+commits that row at once, because a step always consumes a sequence's first row (the pending
+token), so a one-row sequence's row is accepted before it is verified; a sequence of more rows
+leaves `state` alone (write-on-accept). delta_rule_fold applies each sequence's first consumed[s]
+rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA rollback, and prefill's
+commit with consumed = all rows; a one-row sequence has nothing left to fold. Why: at 64 decoding
+sequences of the 2B model the state is 2.4 GB, and a verify that only read it followed by a fold
+that read and wrote it again moved it three times; now a decode moves it twice (read, write).
+A sequence with no rows (verify) or nothing consumed (fold) returns before it reads or writes its
+slot: graph buckets pad a step with such sequences (verifier/model/padding.py), and hundreds of
+them then cost nothing. Padding sequences sit in the scratch slot (`scratch_slot`, the pool's
+last), which a one-row verify never writes either: padding sequences may share it, and it stays
+zero.
 
 Bits: one kernel, `_delta_rule_kernel`, serves both launchers (constexpr flags pick what is
 stored), and every row goes through the one `@triton.jit` `_update_state` (DESIGN.md section 6
@@ -129,9 +137,10 @@ def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, o_decay, m_k, m_v
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
 
 
-@triton.jit(do_not_specialize_on_alignment=_NO_ALIGNMENT)
+# scratch_slot is not specialised on either: its value (the pool's size, or -1) must not pick another compiled kernel
+@triton.jit(do_not_specialize=["scratch_slot"], do_not_specialize_on_alignment=_NO_ALIGNMENT)
 def _delta_rule_kernel(
-    state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots,
+    state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, scratch_slot,
     H: tl.constexpr,
     D_K: tl.constexpr,
     D_V: tl.constexpr,
@@ -148,12 +157,12 @@ def _delta_rule_kernel(
     i_v = tl.program_id(2)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
+    i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     if FOLD:
-        i_rows = tl.load(consumed + i_s)
-    else:
-        i_rows = tl.load(cu_rows + i_s + 1) - i_bos
+        # a one-row sequence's verify committed its row: nothing is left to fold
+        i_rows = tl.where(i_rows == 1, 0, tl.load(consumed + i_s))
     if i_rows == 0:
-        # a padding sequence (graph buckets): no state tile is read, nothing is stored
+        # a padding sequence (graph buckets), or a fold with nothing to do: no state tile is read, nothing is stored
         return
     i_bos = i_bos.to(tl.int64)
 
@@ -186,6 +195,9 @@ def _delta_rule_kernel(
 
     if FOLD:
         tl.store(p_state, b_s, mask=m_s)
+    elif (i_rows == 1) & (i_slot != scratch_slot):
+        # a one-row verify: its row is consumed whatever is accepted (the module docstring)
+        tl.store(p_state, b_s, mask=m_s)
 
 
 def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
@@ -213,7 +225,8 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     check_ragged(op, seq_slots, cu_rows, on_state)
 
 
-def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool) -> None:
+def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool,
+            scratch_slot: int | None) -> None:
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
@@ -222,6 +235,7 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
     _delta_rule_kernel[grid](
         state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),
         seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
+        -1 if scratch_slot is None else scratch_slot,
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
         FOLD=fold, STORE_SNAPSHOTS=snapshots is not None,
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
@@ -230,10 +244,12 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
 
 def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
-                      snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      scratch_slot: int | None = None) -> torch.Tensor:
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
-    [R, H, D_V] fp32. state is only read. snapshots, if given, receives the state after each row.
-    out: an optional contiguous [R, H, D_V] fp32 buffer to write into; it is returned."""
+    [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
+    in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
+    row. out: an optional contiguous [R, H, D_V] fp32 buffer to write into; it is returned."""
     op = "delta_rule_verify"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     rows, heads, d_k = key.shape
@@ -248,20 +264,21 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
-    _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False)
+    _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False,
+            scratch_slot=scratch_slot)
     return out
 
 
 def delta_rule_fold(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                     seq_slots: torch.Tensor, cu_rows: torch.Tensor, consumed: torch.Tensor) -> None:
     """In place: state[seq_slots[s]] advanced by the first consumed[s] rows of sequence s, with the
-    update verify applies (consumed[s] = 0: state[seq_slots[s]] untouched). consumed[s] in
-    0 .. rows of s is not checked (that would sync)."""
+    update verify applies (consumed[s] = 0, or s of one row, which its verify committed:
+    state[seq_slots[s]] untouched). consumed[s] in 0 .. rows of s is not checked (that would sync)."""
     op = "delta_rule_fold"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     check_tensor(op, "consumed", consumed, seq_slots.shape, torch.int32, ("state", state), layout="[S]")
     # query and out are never touched in a fold: key and value stand in for them
-    _launch(state, key, key, value, decay, beta, seq_slots, cu_rows, consumed, value, None, fold=True)
+    _launch(state, key, key, value, decay, beta, seq_slots, cu_rows, consumed, value, None, fold=True, scratch_slot=None)
 
 
 def update_state(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -280,8 +297,10 @@ def read_state(state: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 
 def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
-                          snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state."""
+                          snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                          scratch_slot: int | None = None) -> torch.Tensor:
+    """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state; a
+    one-row sequence outside scratch_slot commits its row."""
     rows, heads, d_v = value.shape
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
@@ -293,6 +312,8 @@ def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.T
             out[i] = read_state(s_state, query[i])
             if snapshots is not None:
                 snapshots[i] = s_state
+        if bounds[s + 1] - bounds[s] == 1 and slot != scratch_slot:
+            state[slot] = s_state
     return out
 
 
@@ -301,7 +322,7 @@ def delta_rule_fold_ref(state: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """delta_rule_fold in torch: WOA rollback's loop over the stash rows 0 .. consumed[s]-1."""
     bounds = cu_rows.tolist()
     for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):
-        if n == 0:  # a padding sequence: its slot is not touched
+        if n == 0 or bounds[s + 1] - bounds[s] == 1:  # a padding sequence, or one whose verify committed its row
             continue
         s_state = state[slot]
         for i in range(bounds[s], bounds[s] + n):

@@ -115,9 +115,10 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     i_v = tl.program_id(2)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
-    i_rows = tl.load(kept + i_s)
+    # a one-row sequence's verify committed its row (delta_rule.py): nothing is left to fold
+    i_rows = tl.where(tl.load(cu_rows + i_s + 1) - i_bos == 1, 0, tl.load(kept + i_s))
     if i_rows == 0:
-        # a padding sequence (graph buckets): no state tile is read, nothing is stored
+        # a padding sequence (graph buckets), or nothing to fold: no state tile is read, nothing is stored
         return
     i_bos = i_bos.to(tl.int64)
     state = _pointer(table, i_layer, STATE, tl.float32)
@@ -154,10 +155,11 @@ def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexp
     i_h = tl.program_id(1) % H
     i_b = tl.program_id(2)  # a block of the head's HEAD = D_K * D_V values
     i_kept = tl.load(kept + i_s)
-    if i_kept == 0:
+    i_bos = tl.load(cu_rows + i_s)
+    if (i_kept == 0) | (tl.load(cu_rows + i_s + 1) - i_bos == 1):  # padding; a one-row verify committed its row
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
-    i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
+    i_row = (i_bos + i_kept - 1).to(tl.int64)
     state = _pointer(table, i_layer, STATE, tl.float32)
     snapshot = _pointer(table, i_layer, SNAPSHOTS, tl.float32)
     _copy_head_block(snapshot + (i_row * H + i_h) * HEAD, state + (i_slot * H + i_h) * HEAD, i_b, HEAD, BLOCK)
@@ -317,7 +319,8 @@ def next_windows(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torc
 
 def fold_states(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
     """In place, every layer l: states[l][slot] advanced by the first kept[s] stash rows of s, with
-    the update verify applies (delta_rule_fold on each layer). kept[s] = 0 leaves the slot alone."""
+    the update verify applies (delta_rule_fold on each layer). kept[s] = 0, or s of one row (its
+    verify committed it), leaves the slot alone."""
     n_seqs = _check_launch("fold_states", layers, seq_slots, cu_rows, kept)
     if n_seqs == 0:
         return
@@ -330,7 +333,8 @@ def fold_states(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch
 
 
 def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
-    """In place, every layer l: states[l][slot] = snapshots[l][cu_rows[s] + kept[s] - 1] where kept[s] > 0."""
+    """In place, every layer l: states[l][slot] = snapshots[l][cu_rows[s] + kept[s] - 1] where kept[s] > 0
+    and s has more than one row (a one-row verify committed its row, which is that snapshot)."""
     op = "keep_state_snapshots"
     n_seqs = _check_launch(op, layers, seq_slots, cu_rows, kept)
     if layers.snapshots is None:

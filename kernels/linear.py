@@ -70,10 +70,17 @@ class LinearConfig(NamedTuple):
     BLOCK_M: int = BLOCK_M
 
 
-# (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), largest first.
-# Chosen by timing candidate tiles on the H200 at M = 576 on the 2B model's shapes; bench/gemm.py
-# times the result against cuBLAS (bench/results/gemm_2026-11-30.json: 0.66-0.87 of it at M = 576).
-ROW_TILES = ((128, (128, 128, 64, 8, 3)), (32, (64, 128, 64, 4, 3)))
+# (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, the tile for
+# weights of at least WIDE_N features or None: the same), largest first.
+# 128 rows on: timed on the H200 at M = 576 on the 2B model's shapes; bench/gemm.py times the result
+# against cuBLAS (bench/results/gemm_2026-11-30.json: 0.66-0.87 of it at M = 576). 32 to 127 rows
+# (64 decoding sequences, a few verifies): 64 features a tile, so that a 2048-wide output projection
+# runs 32 tiles x its split of K, not 16, on 132 SMs; at M = 64 this tile took the 2B model's GEMMs
+# from 1.61 to 1.34 ms a step by the per-shape times (bench/results/linear_tiles_2026-12-01.json, eleven tiles on six shapes,
+# every one bitwise the pinned tile's output). Weights of at least WIDE_N features (an LM head) have
+# tiles enough, and keep 128 features a tile there (208 against 246 us at M = 96 in that file).
+ROW_TILES = ((128, (128, 128, 64, 8, 3), None), (32, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3)))
+WIDE_N = 32768
 
 
 TARGET_PROGRAMS = 256  # split narrow weights until about this many programs run (~2 per H200 SM)
@@ -123,8 +130,9 @@ def tile_for_rows(cfg: LinearConfig, n: int, m: int, dtype: torch.dtype) -> Line
     the bounds are computed from cfg (see `linear`)."""
     if dtype != torch.bfloat16:
         return cfg
-    for min_rows, (block_m, block_n, block_k, num_warps, num_stages) in ROW_TILES:
+    for min_rows, tile, wide_tile in ROW_TILES:
         if m >= min_rows:
+            block_m, block_n, block_k, num_warps, num_stages = wide_tile if wide_tile and n >= WIDE_N else tile
             return cfg._replace(BLOCK_M=block_m, BLOCK_N=max(16, min(block_n, triton.next_power_of_2(n))), BLOCK_K=min(block_k, cfg.BLOCK_K),
                                 num_warps=num_warps, num_stages=num_stages)
     return cfg

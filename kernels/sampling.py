@@ -13,6 +13,16 @@ comparing them with each row's argmax, and copying K+1 rows of a 150k vocabulary
 that (5.5 MB at K = 8) costs more than the rest of the step's host work. A maximum is exact
 whatever the order, so the answer equals torch.argmax's; NaN counts as larger than every number
 (as in torch) and the first NaN wins.
+It runs in two stages, because one program walking a whole 150k row is latency-bound (on the
+H200: ~4.7 us for one row, ~140 us for 64 rows on 64 of 132 SMs, for data that takes ~10 us to read):
+    stage one, grid (R, C): program (r, c) takes ids [c * CHUNK_V, (c + 1) * CHUNK_V) of row r and
+        writes the chunk's best (its first NaN, else its maximum and the lowest id reaching it)
+        to partials [R, C] fp32 (NaN for a chunk holding one) and [R, C] int32 ids
+    stage two, grid (R,): program r combines its row's C partials: the lowest NaN id if any
+        chunk had one, else the largest value and the lowest id among the chunks reaching it.
+Chunk boundaries depend on V alone (C = cdiv(V, CHUNK_V)), and a maximum with ties to the lowest
+id is the same whatever order the candidates meet in, so a row's answer is exact and never depends
+on how many rows share the launch (DESIGN.md section 6, rules 1 and 8).
 
 coupled_choice: argmax over the kept ids of logits / T + g(seed, position, id) (DESIGN.md
 section 7), g a Gumbel value from a counter-based hash, so any row's noise is computed where it
@@ -29,9 +39,10 @@ kernel and the reference compute the same u bit for bit and logits / T correctly
 (so the same ids are masked); g differs only by the logarithm's rounding (a few ulps), so the
 chosen ids agree except where two candidates' scores lie within that rounding.
 
-Both kernels walk a row in BLOCK_V blocks from id 0 upward, keeping per lane the best value and
-the first id holding it, then reduce the lanes with ties to the lowest id (DESIGN.md section 6,
-rule 8): a row's answer never depends on how many rows share the launch.
+Both kernels walk their ids (argmax: a chunk; coupled_choice: the whole row) in BLOCK_V blocks
+upward, keeping per lane the best value and the first id holding it, then reduce the lanes with
+ties to the lowest id (DESIGN.md section 6, rule 8): a row's answer never depends on how many rows
+share the launch.
 
 cumsum_rows: each row's running sum (top-p's mass before each id, verifier.sampling). torch's CUDA
 cumsum is not row-invariant: a lone row takes a device-wide scan (whose float association also
@@ -51,6 +62,13 @@ from .checks import check_launchable
 from .dependent_launch import after_previous, launch_options
 
 BLOCK_V = 1024  # ids per step of the walk
+# argmax_rows' stage-one chunk (ids per program). At V = 151936 it gives C = 38 programs per row:
+# one row spreads over 38 SMs (each reading 16 KB of fp32 in 4 steps) instead of walking 150k ids
+# on one, and a 64-row batch is 2432 programs, enough to fill 132 SMs several times over; at 576
+# rows it is 21888 programs, still short ones (2048 would give 75 per row but 43776 at 576 rows,
+# and 8192 only 19 per row). A constant, so the chunks depend on V alone, never on the row count;
+# read at each call, so a test may set a smaller one to cover many chunks under the interpreter.
+CHUNK_V = 4096
 NUM_WARPS = 4
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -63,28 +81,54 @@ _U_SHIFT, _U_SCALE = tl.constexpr(64 - U_BITS), tl.constexpr(2.0 ** -U_BITS)
 
 
 @triton.jit
-def _argmax_rows_kernel(p_logits, p_out, V, s_row, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+def _argmax_chunks_kernel(p_logits, p_val, p_id, V, s_row, C, CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Stage one: program (r, c) -> partials [r, c]: chunk c's first NaN (value NaN), else its
+    maximum and the lowest id reaching it (an all -inf chunk: its first id)."""
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_row = tl.program_id(0).to(tl.int64)
+    i_chunk = tl.program_id(1)
     o_v = tl.arange(0, BLOCK_V)
     p_row = p_logits + i_row * s_row
     b_best = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per lane: the largest number seen
     b_id = tl.full([BLOCK_V], NO_ID, tl.int32)  # per lane: the first id holding it
     b_nan = tl.full([BLOCK_V], NO_ID, tl.int32)  # per lane: the first NaN's id
-    for v0 in range(0, V, BLOCK_V):
-        o_id = v0 + o_v
+    for v0 in range(0, CHUNK_V, BLOCK_V):
+        o_id = i_chunk * CHUNK_V + v0 + o_v
         m_id = o_id < V
         b_x = tl.load(p_row + o_id, mask=m_id, other=float("-inf")).to(tl.float32)
         m_nan = b_x != b_x
         b_nan = tl.minimum(b_nan, tl.where(m_nan, o_id, NO_ID))
         # ids only grow within a lane: a later id replaces only a strictly larger number, and a
-        # lane's first valid id seeds it (so an all -inf row answers 0, as torch does)
+        # lane's first valid id seeds it (so an all -inf chunk answers its first id)
         m_take = m_id & ~m_nan & ((b_x > b_best) | (b_id == NO_ID))
         b_best = tl.where(m_take, b_x, b_best)
         b_id = tl.where(m_take, o_id, b_id)
     b_max = tl.max(b_best, axis=0)
-    b_first = tl.min(tl.where(b_best == b_max, b_id, NO_ID), axis=0)
+    b_first = tl.min(tl.where(b_best == b_max, b_id, NO_ID), axis=0)  # lanes past V hold NO_ID
     b_first_nan = tl.min(b_nan, axis=0)
+    m_has_nan = b_first_nan < NO_ID
+    i_partial = i_row * C + i_chunk
+    tl.store(p_val + i_partial, tl.where(m_has_nan, float("nan"), b_max))
+    tl.store(p_id + i_partial, tl.where(m_has_nan, b_first_nan, b_first))
+
+
+@triton.jit
+def _argmax_combine_kernel(p_val, p_id, p_out, C, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """Stage two: program r -> out[r] from partials [r, :C] (BLOCK_C >= C, a power of two)."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_row = tl.program_id(0).to(tl.int64)
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    b_val = tl.load(p_val + i_row * C + o_c, mask=m_c, other=float("-inf"))
+    b_id = tl.load(p_id + i_row * C + o_c, mask=m_c, other=NO_ID)
+    m_nan = b_val != b_val
+    # a NaN chunk's id is its first NaN, and chunks hold increasing ids: the lowest is the row's first NaN
+    b_first_nan = tl.min(tl.where(m_nan, b_id, NO_ID), axis=0)
+    m_num = m_c & ~m_nan  # the chunks' maxima (NaN kept out of the max, padding out of the ties)
+    b_max = tl.max(tl.where(m_num, b_val, float("-inf")), axis=0)
+    # an all -inf row: every chunk holds -inf = b_max with its first id, and chunk 0's is id 0
+    b_first = tl.min(tl.where(m_num & (b_val == b_max), b_id, NO_ID), axis=0)
     b_choice = tl.where(b_first_nan < NO_ID, b_first_nan, b_first)
     tl.store(p_out + i_row, b_choice.to(tl.int64))
 
@@ -205,8 +249,17 @@ def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _argmax_rows_kernel[(rows,)](logits, out, vocab, logits.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
-                                     **launch_options(logits.device))
+        if CHUNK_V < 1 or CHUNK_V & (CHUNK_V - 1):
+            raise ValueError(f"argmax_rows: CHUNK_V {CHUNK_V} is not a power of two")
+        chunks = triton.cdiv(vocab, CHUNK_V)
+        # [rows, chunks]: each chunk's best value (NaN if it holds one) and its id
+        val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+        options = launch_options(logits.device)
+        _argmax_chunks_kernel[(rows, chunks)](logits, val, ids, vocab, logits.stride(0), chunks, CHUNK_V=CHUNK_V,
+                                              BLOCK_V=min(BLOCK_V, CHUNK_V), num_warps=NUM_WARPS, **options)
+        _argmax_combine_kernel[(rows,)](val, ids, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1,
+                                        **options)
     return out
 
 

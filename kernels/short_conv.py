@@ -30,8 +30,11 @@ one per row; a sequence of one row, a decode's, takes a one-row tile); every ele
 the inputs by position and combined in the same order whatever the number of rows or the tile
 shape. fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
-bf16 rounding is done with integer ops (`round_to_bf16`, through `_round_to`), so the interpreter, which truncates on
-fp32 -> bf16 casts, and the GPU give the same bits.
+bf16 rounding (`_round_to`) is the GPU's fp32 -> bf16 cast, which rounds to nearest even; under the
+interpreter, which truncates on that cast, it is done with integer ops (`round_to_bf16`), which give
+the same bf16 value. The kernel is bound by instructions, not memory (a verify's tile is a few
+hundred KB), so each tap is one load, from the window or the inputs by a per-element pointer, and
+each rounding one cast rather than the integer ops' seven.
 
 The SiLU is x / (1 + exp(-x)) in fp32, as torch computes it; exp differs by an ulp or so between
 torch (CPU SIMD or scalar), numpy (the interpreter) and the GPU, so outputs match the reference
@@ -49,6 +52,7 @@ import triton.language as tl
 from .checks import check_launchable, check_operand, check_ragged, check_tensor
 from .dependent_launch import after_previous, launch_options
 from .rounding import round_to_bf16
+from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
 NUM_WARPS = 4
@@ -79,9 +83,13 @@ def _row_strided(inputs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _round_to(b_x, IS_BF16: tl.constexpr):
+def _round_to(b_x, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 b_x -> the nearest bf16 value (ties to even), held in fp32, where the inputs are bf16."""
     if IS_BF16:
-        b_x = round_to_bf16(b_x)
+        if INTERPRET:
+            b_x = round_to_bf16(b_x)
+        else:
+            b_x = b_x.to(tl.bfloat16).to(tl.float32)
     return b_x
 
 
@@ -99,26 +107,24 @@ def _program_sequence(seq_slots, cu_rows, C: tl.constexpr, BLOCK_C: tl.constexpr
 
 @triton.jit
 def _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_row, W: tl.constexpr,
-               IS_BF16: tl.constexpr):
+               IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """conv + SiLU of the elements at sequence positions o_pos (each element's row t: seq[t .. t+W-1]
     is its window) and channels o_c, o_pos and o_c broadcasting to the tile's shape (a row of
     [BLOCK_C], or [BLOCK_T, 1] against [1, BLOCK_C]); m_c masks the channels, m_row the tile. Tap j
     of row t is seq[t + j]: window column t + j while t + j < W-1, else input row t + j - (W-1)."""
     b_acc = None
+    p_inputs = inputs + (i_bos + o_pos - (W - 1)) * i_row_stride + o_c  # input row t - (W-1): tap 0's, if it is an input
     for j in tl.static_range(W):
         o_tap = o_pos + j
-        m_win = m_row & (o_tap < W - 1)
-        m_inp = m_row & (o_tap >= W - 1)
-        b_win = tl.load(p_window + o_tap, mask=m_win, other=0.0)
-        b_inp = tl.load(inputs + (i_bos + o_tap - (W - 1)) * i_row_stride + o_c, mask=m_inp, other=0.0)
-        b_x = tl.where(m_win, b_win, b_inp).to(tl.float32)
+        p_tap = tl.where(o_tap < W - 1, p_window + o_tap, p_inputs + j * i_row_stride)
+        b_x = tl.load(p_tap, mask=m_row, other=0.0).to(tl.float32)
         b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-        b_prod = _round_to(b_x * b_w, IS_BF16)
+        b_prod = _round_to(b_x * b_w, IS_BF16, INTERPRET)
         if j == 0:
             b_acc = b_prod
         else:
-            b_acc = _round_to(b_acc + b_prod, IS_BF16)
-    return _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16)  # SiLU in fp32
+            b_acc = _round_to(b_acc + b_prod, IS_BF16, INTERPRET)
+    return _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16, INTERPRET)  # SiLU in fp32
 
 
 @triton.jit
@@ -127,6 +133,7 @@ def _conv_rows_kernel(
     C: tl.constexpr,
     W: tl.constexpr,
     IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
@@ -139,7 +146,7 @@ def _conv_rows_kernel(
     if i_rows == 1:
         # a decode's row: one row of channels
         o_pos = tl.zeros([BLOCK_C], dtype=tl.int32)  # [BLOCK_C] (a tensor, also in the interpreter)
-        b_out = _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_c, W, IS_BF16)
+        b_out = _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_c, W, IS_BF16, INTERPRET)
         tl.store(out + i_bos * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
     else:
         # BLOCK_T rows at a time, each element on its own (module docstring): one memory round trip
@@ -149,7 +156,7 @@ def _conv_rows_kernel(
             o_row = i_t0 + o_t  # [BLOCK_T] rows within the sequence
             m_row = (o_row < i_rows)[:, None] & m_c[None, :]  # [BLOCK_T, BLOCK_C]
             b_out = _conv_silu(p_window[None, :], inputs, weight, i_row_stride, i_bos, o_row[:, None], o_c[None, :],
-                               m_c[None, :], m_row, W, IS_BF16)
+                               m_c[None, :], m_row, W, IS_BF16, INTERPRET)
             tl.store(out + (i_bos + o_row[:, None]) * C + o_c[None, :], b_out.to(out.dtype.element_ty), mask=m_row)
 
 
@@ -224,7 +231,8 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     inputs = _row_strided(inputs)
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
         window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0),
-        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, BLOCK_T=ROWS_PER_TILE, BLOCK_C=block_c,
+        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_T=ROWS_PER_TILE,
+        BLOCK_C=block_c,
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
     )
     return out

@@ -7,10 +7,11 @@ last kept row.
     cu_rows    [S+1]                   int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
     kept       [S]                     int32: 0 <= kept[s] <= rows of s
 
-state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] for every s with kept[s] > 0; a sequence
-with kept[s] = 0 (a padding sequence of a graph bucket, verifier/model/padding.py) neither reads
-nor writes anything, so padding sequences may share one slot and cost nothing. A copy: the bits
-are the snapshot's.
+state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] for every s with kept[s] > 0 and more
+than one row; a sequence with kept[s] = 0 (a padding sequence of a graph bucket,
+verifier/model/padding.py) neither reads nor writes anything, so padding sequences may share one
+slot and cost nothing; nor does one of one row, whose verify committed that row, bitwise its
+snapshot (kernels/delta_rule.py). A copy: the bits are the snapshot's.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.
     i_h = tl.program_id(1)  # a head of the slot
     i_b = tl.program_id(2)  # a block of that head's D_K * D_V values
     i_kept = tl.load(kept + i_s)
-    if i_kept == 0:
+    i_bos = tl.load(cu_rows + i_s)
+    if (i_kept == 0) | (tl.load(cu_rows + i_s + 1) - i_bos == 1):  # padding; a one-row verify committed its row
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
-    i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
+    i_row = (i_bos + i_kept - 1).to(tl.int64)
     n_heads = tl.num_programs(1)
     _copy_head_block(snapshots + (i_row * n_heads + i_h) * HEAD, state + (i_slot * n_heads + i_h) * HEAD, i_b, HEAD, BLOCK)
 
@@ -64,8 +66,8 @@ def _check(op: str, state: torch.Tensor, snapshots: torch.Tensor, seq_slots: tor
 
 def keep_snapshots(state: torch.Tensor, snapshots: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                    kept: torch.Tensor) -> None:
-    """In place: state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] where kept[s] > 0.
-    kept[s] in 0 .. rows of s is not checked (that would sync)."""
+    """In place: state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] where kept[s] > 0 and s
+    has more than one row. kept[s] in 0 .. rows of s is not checked (that would sync)."""
     op = "keep_snapshots"
     _check(op, state, snapshots, seq_slots, cu_rows, kept)
     check_launchable(op, "state", state)
@@ -85,5 +87,5 @@ def keep_snapshots_ref(state: torch.Tensor, snapshots: torch.Tensor, seq_slots: 
     _check("keep_snapshots_ref", state, snapshots, seq_slots, cu_rows, kept)
     bounds = cu_rows.tolist()
     for s, (slot, n) in enumerate(zip(seq_slots.tolist(), kept.tolist())):
-        if n > 0:
+        if n > 0 and bounds[s + 1] - bounds[s] > 1:
             state[slot] = snapshots[bounds[s] + n - 1]

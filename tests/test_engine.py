@@ -126,3 +126,27 @@ def test_open_asserts_its_arguments_and_holds_no_slot_after(model):
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_step_failing_midway_loses_its_sequences_clearly(model, monkeypatch):
+    """A failure after the verify (a bug or a device fault, never bad input) leaves the step's
+    sequences unusable with a clear error, since a decode's verify has already committed its row's
+    recurrent state; a sequence outside the step keeps decoding as serial decode does."""
+    engine = _engine(model, n_slots=3)
+    decoding = engine.open([5, 6, 7], SamplingParams(), 10, eos_ids=())
+    drafting = engine.open([8, 9], SamplingParams(), 10, eos_ids=())
+    other = engine.open([5, 6, 7], SamplingParams(), 10, eos_ids=())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("acceptance broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("verifier.engine.accept", broken)
+        with pytest.raises(RuntimeError, match="acceptance broke"):
+            engine.step([StepRequest(decoding, []), StepRequest(drafting, [1, 2])])
+    results = engine.step([StepRequest(decoding, []), StepRequest(drafting, [1]), StepRequest(other, [])])
+    for result in results[:2]:
+        assert result.error.code == "failed_precondition" and "engine step failed midway" in str(result.error)
+    assert results[2].error is None
+    serial = serial_run(_engine(model, n_slots=1), [5, 6, 7], 10)
+    assert results[2].tokens == serial.tokens[1:2]

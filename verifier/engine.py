@@ -52,6 +52,9 @@ class Sequence:
     emitted: int = 1  # tokens emitted so far, the first one (chosen from the prompt) included
     finish_reason: str | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] the first token came from (model's device)
+    # an engine step failed midway with this sequence in it: a decode's verify commits its row's
+    # recurrent state (kernels/delta_rule.py), so the state may be past the position; it steps no more
+    lost: bool = False
 
     @property
     def finished(self) -> bool:
@@ -168,6 +171,9 @@ class Engine:
             f"draft_probs has shape {list(request.draft_probs.shape)}, expected [{len(drafts)}, {self.vocab_size}]"
         if seq.finished:
             raise StepError("failed_precondition", f"the sequence has finished ({seq.finish_reason})")
+        if seq.lost:
+            raise StepError("failed_precondition", "an engine step failed midway with this sequence in it, so its state "
+                                                   "is no longer known to match its position: open a new sequence")
         if seq.position + len(drafts) + 1 > self.pool.max_seq_len:
             raise StepError("out_of_range", f"{len(drafts) + 1} rows from position {seq.position} pass max_seq_len {self.pool.max_seq_len}")
 
@@ -201,7 +207,19 @@ class Engine:
             counts=tuple(len(r.drafts) + 1 for r in requests),
         )
         tokens = torch.tensor([t for r in requests for t in (r.sequence.pending, *r.drafts)], dtype=torch.int64)
-        logits, verified = self.runner.verify(tokens, batch, self.rollback_mode)
+        self.model.check_rows(tokens, batch, self.pool)  # a caller bug: asserted before any state changes
+        try:
+            return self._verify_accept_rollback(requests, sequences, batch, tokens)
+        except BaseException:
+            # the verify may have committed one-row sequences' rows and the rollback may not have run:
+            # no sequence of the step is known to be consistent (a bug or a device fault, not bad input)
+            for seq in sequences:
+                seq.lost = True
+            raise
+
+    def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], batch: RowBatch,
+                                tokens: torch.Tensor) -> list[StepResult]:
+        logits, verified = self.runner.verify(tokens, batch, self.rollback_mode, checked=True)
         # one copy for every result that wants its rows (a graph's next replay overwrites `logits`);
         # each result then holds a view of it
         kept_logits = logits.clone() if any(r.want_logits for r in requests) else None

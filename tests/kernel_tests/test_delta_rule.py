@@ -55,10 +55,11 @@ def make(rows: int, heads: int, d_k: int, d_v: int, kind: str, device, seed: int
     return {name: x.to(device) for name, x in t.items()}
 
 
-def verify(t, seq_slots, cu_rows, snapshots=None, out=None, state=None, rows=slice(None)):
-    """delta_rule_verify on t's rows `rows` (from t's state unless `state` is given)."""
-    return delta_rule_verify(t["state"] if state is None else state, t["query"][rows], t["key"][rows], t["value"][rows],
-                             t["decay"][rows], t["beta"][rows], seq_slots, cu_rows, snapshots, out)
+def verify(t, seq_slots, cu_rows, snapshots=None, out=None, state=None, rows=slice(None), scratch_slot=None):
+    """delta_rule_verify on t's rows `rows` from `state`, which its one-row sequences commit to
+    (state None: a copy of t's, so t's state stays as made)."""
+    return delta_rule_verify(t["state"].clone() if state is None else state, t["query"][rows], t["key"][rows], t["value"][rows],
+                             t["decay"][rows], t["beta"][rows], seq_slots, cu_rows, snapshots, out, scratch_slot=scratch_slot)
 
 
 def fold(t, state, seq_slots, cu_rows, consumed: list[int], rows=slice(None)):
@@ -72,22 +73,43 @@ KINDS = ["gdn", "kda"]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_verify_matches_ref(kind, shape, device):
-    """Several sequences of different lengths (one empty: a padding sequence) in one launch."""
+    """Several sequences of different lengths (one empty: a padding sequence) in one launch; the
+    one-row sequence (slot 3) commits its row, bitwise its snapshot; no other slot is written."""
     counts, slots = [1, 4, 0, 9, 2], [3, 0, 2, 4, 1]
     heads, d_k, d_v = shape
     t = make(sum(counts), heads, d_k, d_v, kind, device)
     seq_slots, cu_rows = ragged(counts, slots, device)
-    before = t["state"].clone()
+    state, want_state = t["state"].clone(), t["state"].clone()
     out = nan_like(torch.empty(sum(counts), heads, d_v, device=device))
     snapshots = nan_like(torch.empty(sum(counts), heads, d_k, d_v, device=device))
-    got = verify(t, seq_slots, cu_rows, snapshots, out)
+    got = verify(t, seq_slots, cu_rows, snapshots, out, state=state)
     want_snapshots = torch.empty_like(snapshots)
-    want = delta_rule_verify_ref(t["state"], t["query"], t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows,
+    want = delta_rule_verify_ref(want_state, t["query"], t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows,
                                  want_snapshots)
     assert got is out
     assert_close(f"verify out {kind}", got, want, RTOL, ATOL)  # fails on NaN: every row written
     assert_close(f"verify snapshots {kind}", snapshots, want_snapshots, RTOL, ATOL)
-    assert torch.equal(t["state"], before), "verify wrote the committed state"
+    assert_close(f"verify state {kind}", state, want_state, RTOL, ATOL)
+    assert torch.equal(state[3], snapshots[0]), "the one-row sequence did not commit its row"
+    for slot in (0, 1, 2, 4):
+        assert torch.equal(state[slot], t["state"][slot]), f"verify wrote slot {slot}, of a sequence of {counts[slots.index(slot)]} rows"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_row_verify_leaves_the_scratch_slot(kind, device):
+    """Padding sequences in the scratch slot (one row or none) write nothing there, while a real
+    one-row sequence in the same launch commits its row; and a one-row sequence is not folded."""
+    counts, slots, scratch = [1, 1, 1, 0], [0, 4, 4, 4], 4
+    t = make(sum(counts), 2, 16, 40, kind, device, seed=9)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    state = t["state"].clone()
+    snapshots = torch.empty(sum(counts), 2, 16, 40, device=device)
+    verify(t, seq_slots, cu_rows, snapshots, state=state, scratch_slot=scratch)
+    assert torch.equal(state[scratch], t["state"][scratch]), "a padding sequence wrote the scratch slot"
+    assert torch.equal(state[0], snapshots[0]), "the real one-row sequence did not commit its row"
+    committed = state.clone()
+    fold(t, state, seq_slots, cu_rows, [1, 1, 1, 0])
+    assert torch.equal(state, committed), "a fold applied a one-row sequence's row a second time"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -103,6 +125,8 @@ def test_fold_matches_ref(kind, shape, device):
                         torch.tensor(consumed, dtype=torch.int32, device=device))
     assert_close(f"fold state {kind}", got, want, RTOL, ATOL)
     assert torch.equal(got[2], t["state"][2]), "a slot outside the batch was written"
+    assert torch.equal(got[3], t["state"][3]), "a one-row sequence was folded (its verify commits its row)"
+    assert not torch.equal(got[1], t["state"][1]), "a two-row sequence keeping one row was not folded"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -2,7 +2,7 @@
 layer by layer, torch.equal what the one-layer launchers give (short_conv.next_window,
 delta_rule.delta_rule_fold, snapshots.keep_snapshots), for GDN and KDA decays, fp32 and bf16 conv
 windows, kept counts 0 .. K+1 in a padded batch (padding sequences sharing the scratch slot keep
-nothing and write nothing), records whose rows are strided (as a layer's conv inputs are: a
+nothing and write nothing; a one-row sequence's state, which its verify committed, is left alone), records whose rows are strided (as a layer's conv inputs are: a
 column block of its input projection's output). The references agree: exactly for the copies,
 to fp32 rounding for the fold (tolerance of test_delta_rule.py). One table serves many steps
 when the tensors keep their addresses (a graph bucket's use).
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import fused_rollback
-from kernels.delta_rule import delta_rule_fold
+from kernels.delta_rule import delta_rule_fold, delta_rule_verify
 from kernels.fused_rollback import RecurrentLayers, fold_states, keep_state_snapshots, next_windows
 from kernels.short_conv import next_window
 from kernels.snapshots import keep_snapshots
@@ -121,6 +121,10 @@ def test_fused_equals_per_layer(kind, conv_dtype, snapshot_mode, device):
                     f"{name}[{l}]: a slot outside the step, or the scratch slot, was written"
                 if first == 0:
                     assert torch.equal(got[3], start[3]), f"{name}[{l}]: a sequence keeping nothing was written"
+                if name == "states":  # slot 0's one row was committed by its verify (kernels/delta_rule.py)
+                    assert torch.equal(got[0], start[0]), f"states[{l}]: a one-row sequence's state was rolled back"
+                else:
+                    assert not torch.equal(got[0], start[0]), f"windows[{l}]: a one-row sequence's window did not move"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=delta.shape_id)
@@ -147,19 +151,26 @@ def test_fused_matches_ref(kind, shape, device):
 
 
 @pytest.mark.parametrize("kind", delta.KINDS)
-def test_fused_fold_of_k_rows_equals_k_folds_of_one(kind, device):
+def test_fused_fold_of_k_rows_equals_k_steps_of_one(kind, device):
     """The recurrent contract through the fused fold: the first sequence's K+1 rows folded at
-    once give the state that K+1 one-row steps (each with its own table) reach, bitwise."""
+    once give the state that K+1 one-row steps reach, bitwise. A one-row step commits its row in
+    its verify (delta_rule_verify) and its fold, through a table of its own, leaves the state."""
     t = make_layers(kind, SHAPES[0], torch.float32, device, seed=2, with_snapshots=False)
     seq_slots, cu_rows = delta.ragged(COUNTS, SLOTS, device)
     whole, stepped = copy_of(t), copy_of(t)
     fold_states(as_layers(whole), seq_slots, cu_rows, kept_counts(K + 1, device))
+    one_slots, one_cu = delta.ragged([1], [SLOTS[0]], device)
     for r in range(K + 1):
         row = slice(r, r + 1)  # the first sequence's row r alone
         one = dict(stepped, conv_inputs=[x[row] for x in t["conv_inputs"]], keys=[x[row] for x in t["keys"]],
                    values=[x[row] for x in t["values"]], decays=[x[row] for x in t["decays"]], betas=[x[row] for x in t["betas"]])
-        one_slots, one_cu = delta.ragged([1], [SLOTS[0]], device)
+        before = [state.clone() for state in stepped["states"]]
         fold_states(as_layers(one), one_slots, one_cu, torch.ones(1, dtype=torch.int32, device=device))
+        assert all(torch.equal(a, b) for a, b in zip(before, stepped["states"])), "a one-row sequence was folded"
+        for l in range(N_LAYERS):  # the verify's commit (queries: any; its outputs are not looked at)
+            delta_rule_verify(stepped["states"][l], one["keys"][l].contiguous(), one["keys"][l].contiguous(),
+                              one["values"][l].contiguous(), one["decays"][l].contiguous(), one["betas"][l].contiguous(),
+                              one_slots, one_cu)
     for l in range(N_LAYERS):
         assert torch.equal(whole["states"][l][SLOTS[0]], stepped["states"][l][SLOTS[0]]), f"states[{l}]"
 

@@ -17,8 +17,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
-from kernels.linear import BLOCK_M, LinearConfig, linear, linear_config, linear_ref, tile_for_rows
+from kernels import linear as linear_module
+from kernels.linear import BLOCK_M, WIDE_N, LinearConfig, linear, linear_config, linear_ref, tile_for_rows
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -194,12 +196,16 @@ def test_narrow_bf16_weights_split_k():
 TILE_ROW_COUNTS = [1, 15, 16, 17, 31, 32, 33, 64, 127, 128, 129]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["tiles", "wide-tiles"])
 @pytest.mark.parametrize("shape", [(136, 40), (1024, 48), (256, 520)], ids=lambda s: "K{}-N{}".format(*s))
-def test_row_invariance_across_tiles(device, shape):
+def test_row_invariance_across_tiles(device, shape, wide, monkeypatch):
     """bf16 batches take wider tiles from ROW_TILES' row counts on (the K walk unchanged): a row's
     bits are the same alone, in a batch of any size, and sliced at any offset. (1024, 48) splits K
-    (narrow weight, many K steps); (136, 40) has a ragged last K block; (256, 520) several N tiles."""
+    (narrow weight, many K steps); (136, 40) has a ragged last K block; (256, 520) several N tiles.
+    wide: every weight counts as wide (WIDE_N lowered), so 32 to 127 rows take the wide tile."""
     k, n = shape
+    if wide:
+        monkeypatch.setattr(linear_module, "WIDE_N", 1)
     counts = TILE_ROW_COUNTS + ([576, 1024] if device == "cuda" else [])
     x, w, b = make(max(counts), k, n, torch.bfloat16, True, device)
     assert (linear_config(n, k, torch.bfloat16).SPLIT_K > 1) == (shape == (1024, 48))
@@ -221,4 +227,6 @@ def test_tiles_by_rows_keep_the_k_walk():
             tile = tile_for_rows(pinned, n, m, torch.bfloat16)
             assert tile.SPLIT_K == pinned.SPLIT_K and pinned.BLOCK_K % tile.BLOCK_K == 0
             assert tile.BLOCK_M == (16 if m < 32 else 64 if m < 128 else 128)
+            if 32 <= m < 128:  # an LM head's features are tiles enough at 128 a tile; narrower weights take 64
+                assert tile.BLOCK_N == min(128 if n >= WIDE_N else 64, max(16, triton.next_power_of_2(n)))
         assert tile_for_rows(linear_config(n, k, torch.float32), n, 1024, torch.float32) == linear_config(n, k, torch.float32)

@@ -1,11 +1,13 @@
-"""kernels/sampling.py: the row argmax equals torch.argmax (ties and NaNs to the first), row by row;
+"""kernels/sampling.py: the row argmax equals torch.argmax (ties and NaNs to the first), row by row
+and across the chunks of its first stage;
 coupled_choice and its counter-based Gumbel noise against the torch reference, and the device path
 of coupled sampling (verifier.sampling.choose_rows, keep_threshold) as the engine uses it."""
 
 import pytest
 import torch
 
-from kernels.sampling import (BLOCK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice, cumsum_rows,
+import kernels.sampling
+from kernels.sampling import (BLOCK_V, CHUNK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice, cumsum_rows,
                               coupled_choice_ref, gumbel_rows, gumbel_rows_ref)
 from verifier.sampling import SamplingParams, choose, choose_rows, keep_threshold, keep_thresholds, masked_logits
 
@@ -60,6 +62,112 @@ def test_out_buffer_and_checks(device):
         argmax_rows(logits[0])
     with pytest.raises(ValueError, match="int64"):
         argmax_rows(logits, out=torch.empty(3, dtype=torch.int32, device=device))
+
+
+# --- argmax_rows across chunks: stage one's partials and stage two's combine --------------------
+
+@pytest.fixture(params=[256, CHUNK_V], ids=lambda c: f"chunk{c}")
+def chunk(request, monkeypatch):
+    """The chunk size argmax_rows runs with: the production one (several steps of BLOCK_V per
+    chunk), and a small one (one step) so that the interpreter covers many chunks per row."""
+    monkeypatch.setattr(kernels.sampling, "CHUNK_V", request.param)
+    return request.param
+
+
+def _assert_argmax(logits: torch.Tensor, want: list[int] | None = None) -> None:
+    """argmax_rows equals torch.argmax (and `want`, where given), every row of out written."""
+    out = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    got, ref = argmax_rows(logits, out=out).tolist(), torch.argmax(logits, dim=-1).tolist()
+    bad = [(r, g, w) for r, (g, w) in enumerate(zip(got, ref)) if g != w]
+    assert not bad, f"(row, got, torch.argmax) for {len(bad)} rows: {bad[:8]}"
+    if want is not None:
+        assert got == want
+
+
+def test_ties_straddling_chunks_go_to_the_lowest_id(device, chunk):
+    vocab = 3 * chunk + 5
+    logits = torch.randn(6, vocab, device=device)
+    logits[0, [chunk - 1, chunk]] = 9.0  # the last id of chunk 0 against the first of chunk 1
+    logits[1, [chunk + 3, 2 * chunk + 1, vocab - 1]] = 9.0  # nothing in chunk 0; chunk 1 wins
+    logits[2, [5, chunk + 2]] = float("inf")  # +inf in two chunks, a lower lane in the later one
+    logits[3, [2 * chunk + 7, 3 * chunk]] = 9.0  # chunks 2 and 3 (the partial one)
+    logits[4] = 1.0  # one value everywhere: every chunk ties
+    logits[5, [chunk + 1, 3 * chunk + 2]] = 9.0
+    logits[5, 3 * chunk + 4] = 9.5  # a strictly larger value after the ties, in the last chunk
+    _assert_argmax(logits, [chunk - 1, chunk + 3, 5, 2 * chunk + 7, 0, 3 * chunk + 4])
+
+
+def test_maximum_in_the_last_partial_chunk(device, chunk):
+    vocab = 2 * chunk + 3  # the last chunk holds 3 ids
+    logits = torch.randn(3, vocab, device=device)
+    logits[0, vocab - 1] = 10.0
+    logits[1, 2 * chunk] = 10.0
+    logits[2, vocab - 1] = float("inf")
+    _assert_argmax(logits, [vocab - 1, 2 * chunk, vocab - 1])
+
+
+def test_nan_across_chunks(device, chunk):
+    """NaN beats every number, +inf included, whichever chunk holds them; the first NaN wins."""
+    vocab = 4 * chunk + 9
+    logits = torch.randn(5, vocab, device=device)
+    logits[0, 3] = float("inf")
+    logits[0, 2 * chunk + 5] = float("nan")  # a later chunk's NaN against an earlier +inf
+    logits[1, [chunk + 8, 3 * chunk + 1]] = float("nan")  # NaN in two chunks: the first
+    logits[2, [3 * chunk + 2, 2 * chunk + 9, 2 * chunk + 4]] = float("nan")  # a chunk's lowest, not its lane's
+    logits[3, vocab - 1] = float("nan")  # in the last partial chunk
+    logits[3, 0] = float("inf")
+    logits[4] = float("nan")  # every chunk NaN
+    _assert_argmax(logits, [2 * chunk + 5, chunk + 8, 2 * chunk + 4, vocab - 1, 0])
+
+
+def test_all_minus_inf_rows(device, chunk):
+    """Rows of -inf answer 0 (torch.argmax's answer), however many chunks; -inf and NaN: the NaN."""
+    vocab = 3 * chunk + 11
+    logits = torch.full((4, vocab), float("-inf"), device=device)
+    logits[1, 2 * chunk + 3] = -1e30  # the one number, in a later chunk
+    logits[2, 3 * chunk + 10] = float("nan")
+    logits[3, chunk] = torch.finfo(torch.float32).min
+    _assert_argmax(logits, [0, 2 * chunk + 3, 3 * chunk + 10, chunk])
+    _assert_argmax(logits[:1, : chunk + 1], [0])  # one id in the second chunk
+
+
+@pytest.mark.parametrize("span", ["1", "7", "chunk-1", "chunk", "chunk+1", "2chunk+129"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vocab_sizes_against_torch(device, chunk, span, dtype):
+    """Random rows at vocabularies below, at and past a chunk (the last chunk partial or whole),
+    with planted ties, +-inf and NaNs, against torch.argmax."""
+    vocab = {"1": 1, "7": 7, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1, "2chunk+129": 2 * chunk + 129}[span]
+    gen = torch.Generator().manual_seed(vocab)
+    # small integers: each row's maximum recurs, usually in several chunks
+    logits = torch.randint(-40, 6, (8, vocab), generator=gen).float()
+    logits[1] = torch.randn(vocab, generator=gen)
+    specials = torch.rand(8, vocab, generator=gen)
+    logits[4:6] = torch.where(specials[4:6] < 0.002, float("inf"), logits[4:6])
+    logits[6:8] = torch.where(specials[6:8] < 0.001, float("nan"), logits[6:8])
+    logits[7] = torch.where(specials[7] < 0.5, float("-inf"), logits[7])
+    logits = logits.to(dtype).to(device)
+    _assert_argmax(logits)
+    assert torch.equal(argmax_rows(logits), argmax_rows_ref(logits))
+
+
+def test_row_invariant_across_chunks(device, monkeypatch):
+    """Several chunks per row: each row's answer alone, in batches of every size, and strided."""
+    monkeypatch.setattr(kernels.sampling, "CHUNK_V", 128)
+    vocab = 2 * 128 + 17
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randint(-20, 3, (64, vocab + 8), generator=gen).float().to(device)
+    logits = big[:, :vocab]  # rows strided past the vocabulary
+    full = argmax_rows(logits)  # ROW_COUNTS' largest, 64
+    assert torch.equal(full, argmax_rows_ref(logits))
+    for n in [n for n in ROW_COUNTS if n < 64]:
+        assert torch.equal(argmax_rows(logits[:n]), full[:n]), n
+    assert torch.equal(argmax_rows(logits[63:]), full[63:])  # the last row alone
+
+
+def test_chunk_must_be_a_power_of_two(device, monkeypatch):
+    monkeypatch.setattr(kernels.sampling, "CHUNK_V", 3000)
+    with pytest.raises(ValueError, match="power of two"):
+        argmax_rows(torch.randn(2, 50, device=device))
 
 
 # --- coupled sampling: the noise ---------------------------------------------------------------

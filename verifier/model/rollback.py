@@ -1,7 +1,10 @@
 """What a verify forward leaves behind for rollback, and the rollback itself (DESIGN.md section 4).
 
-Verify never writes a slot's committed conv window or recurrent state. Per recurrent layer it
-records a LayerRecord over all rows of the batch (each sequence's rows 0..K in order):
+Verify never writes a slot's committed conv window, nor the recurrent state of a sequence of more
+than one row; a one-row sequence (a decode) commits its row's state in the verify itself, since
+every step consumes a sequence's first row, and rollback leaves that state alone (a decode then
+reads and writes the state once, where a verify and a fold moved it three times). Per recurrent
+layer it records a LayerRecord over all rows of the batch (each sequence's rows 0..K in order):
   both modes: the raw conv inputs [rows, conv_dim] (rollback re-slices the window);
   snapshot:   the recurrent state after each row [rows, heads, d_k, d_v] (rollback copies row a's);
   write-on-accept (WOA): the stash of what each row's update consumes: key [rows, heads, d_k],
@@ -16,8 +19,8 @@ a plan it is one conv-window and one fold (or snapshot copy) launch per layer. B
 Attention needs no record: its cursor is the committed position, and KV rows past it are
 overwritten before anything reads them.
 
-Per sequence, recurrent layer and verify of K+1 rows (S = heads * d_k * d_v * 4 bytes of state;
-g = 1 for GDN, d_k for KDA):
+Per sequence, recurrent layer and verify of K+1 >= 2 rows (S = heads * d_k * d_v * 4 bytes of
+state; g = 1 for GDN, d_k for KDA; a decode, K = 0, reads S and writes S, in both modes):
   snapshot: verify reads S and writes (K+1) * S; rollback reads S and writes S.
   WOA:      verify reads S and writes (K+1) * heads * (d_k + d_v + g + 1) * 4 bytes of stash;
             the fold reads (a+1) stash rows, reads S and writes S.

@@ -63,11 +63,13 @@ class StepRunner:
         if self.graphs is not None:
             self.graphs.capture(mode)
 
-    def verify(self, tokens: torch.Tensor, batch: RowBatch, mode: str) -> tuple[torch.Tensor, Verified]:
+    def verify(self, tokens: torch.Tensor, batch: RowBatch, mode: str, checked: bool = False) -> tuple[torch.Tensor, Verified]:
         """tokens [rows] int64 on the host (per sequence its pending token, then its drafts) ->
         (logits [rows, vocab] fp32, what `rollback` needs). The logits may live in a graph's output:
-        valid until the next verify, so copy what must outlive it."""
-        self.model.check_rows(tokens, batch, self.pool)
+        valid until the next verify, so copy what must outlive it. checked: the caller has run
+        model.check_rows on these rows already."""
+        if not checked:
+            self.model.check_rows(tokens, batch, self.pool)
         shape = smallest_bucket(self.shapes, batch.n_rows)
         if self.graphs is not None and shape is not None:
             logits, bucket = self.graphs.verify(tokens, batch, shape, mode)

@@ -8,7 +8,8 @@ Per layer (n_slots + 1 slots: the last one, `scratch_slot`, is never admitted):
       recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness).
 
 The scratch slot holds the padding rows of a graph bucket (verifier/model/padding.py): they write
-its KV and are never kept, so its conv window and recurrent state stay zero.
+its KV and are never kept, so its conv window and recurrent state stay zero (a one-row verify,
+which commits its row in any other slot, leaves this one alone).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class AttentionState:
 class RecurrentState:
     conv: torch.Tensor
     recurrent: torch.Tensor
+
+    @property
+    def scratch_slot(self) -> int:
+        """The pool's scratch slot (its last), which a one-row verify never commits to (kernels/delta_rule.py)."""
+        return self.recurrent.shape[0] - 1
 
 
 class PoolFullError(RuntimeError):

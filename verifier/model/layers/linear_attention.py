@@ -3,8 +3,9 @@ the layer's forward around it (`DeltaRuleMixer`).
 
 Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their torch
 references, which walk each sequence row by row, serve the CPU. Verify (SNAPSHOT or WOA mode)
-only reads a slot's committed conv window and recurrent state and leaves a LayerRecord for
-rollback; prefill (COMMIT) applies the same record at once.
+reads a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback;
+it writes the recurrent state of a one-row sequence only, whose row every step consumes
+(kernels/delta_rule.py). Prefill (COMMIT) applies the same record at once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
         heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
         snapshots = torch.empty(key.shape[0], heads, d_k, d_v, dtype=torch.float32, device=device)
     verify = pick(delta_rule.delta_rule_verify, delta_rule.delta_rule_verify_ref, state.recurrent)
-    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots)
+    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, scratch_slot=state.scratch_slot)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if mode == COMMIT:
         commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
