@@ -3,7 +3,9 @@
     x       [M, K]  fp32 or bf16: M rows (a decode or verify batch: 1 to 64+), K input features
     weight  [N, K]  x's dtype (nn.Linear layout, rows are output features; N up to ~152k for an LM head)
     bias    [N]     x's dtype, or None
-    out     [M, N]  x's dtype: x @ weight^T (+ bias), accumulated in fp32, cast once
+    out     [M, N]  x's dtype: x @ weight^T (+ bias), accumulated in fp32, cast once; or fp32 for
+                    bf16 x: the same bf16 value widened (exact), which .float() of the bf16 output
+                    gives, without that output and the pass that converts it (an LM head's logits)
 
 Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks its
 range of K from the start upward in BLOCK_K steps, accumulating tl.dot products in one fp32
@@ -59,6 +61,7 @@ from .runtime import interpreting
 
 BLOCK_M = 16  # rows per tile, fixed: tl.dot's smallest M, enough for a decode row or a 16-row verify
 DTYPES = (torch.float32, torch.bfloat16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 class LinearConfig(NamedTuple):
@@ -208,7 +211,7 @@ def _linear_kernel(
     if HAS_BIAS:
         b_bias = tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
         b_acc += b_bias[None, :]
-    b_out = cast_rtne(b_acc, out.dtype.element_ty, INTERPRET)
+    b_out = cast_rtne(b_acc, x.dtype.element_ty, INTERPRET).to(out.dtype.element_ty)  # rounded to x's dtype, then widened if out is fp32
     p_out = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
     tl.store(p_out, b_out, mask=m_m[:, None] & m_n[None, :])
 
@@ -221,6 +224,7 @@ def _reduce_splits_kernel(
     INTERPRET: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROUND_TO: tl.constexpr,  # x's dtype: the sum is rounded to it, then stored in out's (widened if fp32)
     PDL: tl.constexpr,
 ):
     """out[m, n-block] = cast(sum over s = 0, 1, .. SPLIT_K-1 of partial[s, m, n-block] (+ bias))."""
@@ -234,7 +238,7 @@ def _reduce_splits_kernel(
         b_acc += tl.load(partial + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)
     if HAS_BIAS:
         b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
-    b_out = cast_rtne(b_acc, out.dtype.element_ty, INTERPRET)
+    b_out = cast_rtne(b_acc, ROUND_TO, INTERPRET).to(out.dtype.element_ty)
     tl.store(out + i_m * stride_om + o_n, b_out, mask=m_n)
 
 
@@ -256,7 +260,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if bias is not None:
         check_tensor(op, "bias", bias, (n,), x.dtype, ("x", x), layout="[N]")
     if out is not None:
-        check_tensor(op, "out", out, (x.shape[0], n), x.dtype, ("x", x), layout="[M, N]")
+        # fp32 out for bf16 x: the bf16 products widened (the module docstring)
+        widened = x.dtype == torch.bfloat16 and out.dtype == torch.float32
+        check_tensor(op, "out", out, (x.shape[0], n), out.dtype if widened else x.dtype, ("x", x), layout="[M, N]")
         check_contiguous(op, "out", out, along="N")
 
 
@@ -270,8 +276,8 @@ def linear(
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
-    out: an optional [M, N] buffer to write into (rows may be strided, features contiguous); it is
-    returned. Rows of x may be strided (a slice of a larger buffer); features are made contiguous.
+    out: an optional [M, N] buffer to write into (rows may be strided, features contiguous), in x's
+    dtype or, for bf16 x, fp32 (the bf16 result widened); it is returned. Rows of x may be strided (a slice of a larger buffer); features are made contiguous.
     config: overrides the pinned linear_config and its tiles by row count (bench/linear_configs.py
     measures candidates with it): that one config then runs every M.
     """
@@ -306,8 +312,8 @@ def linear(
     )
     if cfg.SPLIT_K > 1:
         _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
-            partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
-            **launch_options(x.device),
+            partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N,
+            ROUND_TO=_TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
         )
     return out
 

@@ -24,17 +24,17 @@ consumed[s] = 0 leaves the window alone (it is not even rewritten): graph bucket
 sequences that keep nothing (verifier/model/padding.py). conv_rows walks no row of a sequence with
 none, so padding sequences cost a program that loads two ints.
 
-Row invariance: one program per (sequence, channel block) takes its rows in tiles of
-ROWS_PER_TILE (all rows of a verify at K <= 15 in one tile, so one memory round trip rather than
-one per row; a sequence of one row, a decode's, takes a one-row tile); every element of a tile is computed on its own, its W taps read from the window or
-the inputs by position and combined in the same order whatever the number of rows or the tile
-shape. fp32 contraction into FMA is turned off
+Row invariance: one program per (sequence, channel block) walks the sequence's rows in order,
+holding the W-1 inputs before the current row in registers (W <= MAX_WIDTH), so each input row is
+read once and row t + 1 is loaded while row t is computed; every element is computed on its own,
+its W taps combined in the same order whatever the number of rows. (The kernel before this one
+took a verify's rows in 16-row tiles and read every input row once per tap: on the H200, 64
+sequences of 9 rows took 44 us, L1-bound at 25% occupancy, per Nsight Compute,
+bench/results/ncu_2026-12-01.json.) fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
 bf16 rounding (`_round_to`) is the GPU's fp32 -> bf16 cast, which rounds to nearest even; under the
 interpreter, which truncates on that cast, it is done with integer ops (`round_to_bf16`), which give
-the same bf16 value. The kernel is bound by instructions, not memory (a verify's tile is a few
-hundred KB), so each tap is one load, from the window or the inputs by a per-element pointer, and
-each rounding one cast rather than the integer ops' seven.
+the same bf16 value.
 
 The SiLU is x / (1 + exp(-x)) in fp32, as torch computes it; exp differs by an ulp or so between
 torch (CPU SIMD or scalar), numpy (the interpreter) and the GPU, so outputs match the reference
@@ -64,16 +64,14 @@ def _block_c(channels: int) -> int:
     return min(256, triton.next_power_of_2(channels))
 
 
-# conv_rows' tile: at most 128 channels, and for a sequence of more than one row (a verify)
-# ROWS_PER_TILE rows (K <= 15 in one pass); a sequence of one row (a decode) takes one-row tiles, a
-# branch on the device (its row count lives there), since a 16-row tile would compute 15 masked
-# rows. Which branch a sequence takes changes no bit: every element is computed on its own (module
-# docstring), which the row-invariance tests check.
-ROWS_PER_TILE = 16
+# conv_rows: channels per program, and its warps (a 128-channel row is 4 channels a thread). Each
+# program walks its sequence's rows in order, so every input row is read once.
+CONV_BLOCK_C, CONV_NUM_WARPS = 128, 1
+MAX_WIDTH = 4  # conv_rows keeps the W-1 inputs before a row in registers: at most three
 
 
 def _conv_block_c(channels: int) -> int:
-    return min(128, triton.next_power_of_2(channels))
+    return min(CONV_BLOCK_C, triton.next_power_of_2(channels))
 
 
 def _row_strided(inputs: torch.Tensor) -> torch.Tensor:
@@ -106,25 +104,35 @@ def _program_sequence(seq_slots, cu_rows, C: tl.constexpr, BLOCK_C: tl.constexpr
 
 
 @triton.jit
-def _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_row, W: tl.constexpr,
-               IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """conv + SiLU of the elements at sequence positions o_pos (each element's row t: seq[t .. t+W-1]
-    is its window) and channels o_c, o_pos and o_c broadcasting to the tile's shape (a row of
-    [BLOCK_C], or [BLOCK_T, 1] against [1, BLOCK_C]); m_c masks the channels, m_row the tile. Tap j
-    of row t is seq[t + j]: window column t + j while t + j < W-1, else input row t + j - (W-1)."""
-    b_acc = None
-    p_inputs = inputs + (i_bos + o_pos - (W - 1)) * i_row_stride + o_c  # input row t - (W-1): tap 0's, if it is an input
-    for j in tl.static_range(W):
-        o_tap = o_pos + j
-        p_tap = tl.where(o_tap < W - 1, p_window + o_tap, p_inputs + j * i_row_stride)
-        b_x = tl.load(p_tap, mask=m_row, other=0.0).to(tl.float32)
-        b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-        b_prod = _round_to(b_x * b_w, IS_BF16, INTERPRET)
-        if j == 0:
-            b_acc = b_prod
-        else:
-            b_acc = _round_to(b_acc + b_prod, IS_BF16, INTERPRET)
-    return _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16, INTERPRET)  # SiLU in fp32
+def _earlier(BACK: tl.constexpr, b_x3, b_x2, b_x1, b_x0):
+    """Of a row's inputs seq[t-3], seq[t-2], seq[t-1], seq[t], the one BACK rows before t."""
+    if BACK == 3:
+        return b_x3
+    elif BACK == 2:
+        return b_x2
+    elif BACK == 1:
+        return b_x1
+    else:
+        return b_x0
+
+
+@triton.jit
+def _window_column(p_window, m_c, BACK: tl.constexpr, W: tl.constexpr):
+    """seq[-BACK] [BLOCK_C] fp32: the window's column W-1-BACK (its newest is W-2); 0 where the
+    window is narrower (never used then)."""
+    if BACK <= W - 1:
+        return tl.load(p_window + (W - 1 - BACK), mask=m_c, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(p_window.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _tap_weight(weight, o_c, m_c, BACK: tl.constexpr, W: tl.constexpr):
+    """weight[:, W-1-BACK] [BLOCK_C] fp32: the tap that multiplies the input BACK rows back; 0 past W."""
+    if BACK <= W - 1:
+        return tl.load(weight + o_c * W + (W - 1 - BACK), mask=m_c, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(o_c.shape, dtype=tl.float32)
 
 
 @triton.jit
@@ -134,30 +142,39 @@ def _conv_rows_kernel(
     W: tl.constexpr,
     IS_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
+    if i_rows == 0:
+        # a padding sequence with no rows (graph buckets): nothing to read or write
+        return
     i_bos = i_bos.to(tl.int64)
-    p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, tap 0
-    if i_rows == 1:
-        # a decode's row: one row of channels
-        o_pos = tl.zeros([BLOCK_C], dtype=tl.int32)  # [BLOCK_C] (a tensor, also in the interpreter)
-        b_out = _conv_silu(p_window, inputs, weight, i_row_stride, i_bos, o_pos, o_c, m_c, m_c, W, IS_BF16, INTERPRET)
-        tl.store(out + i_bos * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
-    else:
-        # BLOCK_T rows at a time, each element on its own (module docstring): one memory round trip
-        # for the taps of all the tile's rows rather than one per row
-        o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T]
-        for i_t0 in range(0, i_rows, BLOCK_T):
-            o_row = i_t0 + o_t  # [BLOCK_T] rows within the sequence
-            m_row = (o_row < i_rows)[:, None] & m_c[None, :]  # [BLOCK_T, BLOCK_C]
-            b_out = _conv_silu(p_window[None, :], inputs, weight, i_row_stride, i_bos, o_row[:, None], o_c[None, :],
-                               m_c[None, :], m_row, W, IS_BF16, INTERPRET)
-            tl.store(out + (i_bos + o_row[:, None]) * C + o_c[None, :], b_out.to(out.dtype.element_ty), mask=m_row)
+    p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, column 0
+    # seq[t-3], seq[t-2], seq[t-1] of row t = 0: the window's columns (seq = window ++ inputs)
+    b_x3 = _window_column(p_window, m_c, 3, W)
+    b_x2 = _window_column(p_window, m_c, 2, W)
+    b_x1 = _window_column(p_window, m_c, 1, W)
+    b_w3 = _tap_weight(weight, o_c, m_c, 3, W)
+    b_w2 = _tap_weight(weight, o_c, m_c, 2, W)
+    b_w1 = _tap_weight(weight, o_c, m_c, 1, W)
+    b_w0 = _tap_weight(weight, o_c, m_c, 0, W)
+    p_row = inputs + i_bos * i_row_stride + o_c  # [BLOCK_C]: row t's channels
+    b_x0 = tl.load(p_row, mask=m_c, other=0.0).to(tl.float32)
+    for i_t in range(0, i_rows):
+        # row t + 1 is loaded while row t is computed (the last row loads itself again, unused)
+        b_next = tl.load(p_row + tl.where(i_t + 1 < i_rows, i_row_stride, 0), mask=m_c, other=0.0).to(tl.float32)
+        # taps left to right (j = 0 first: the input W-1 rows back), each product and sum rounded
+        b_acc = _round_to(_earlier(W - 1, b_x3, b_x2, b_x1, b_x0) * _earlier(W - 1, b_w3, b_w2, b_w1, b_w0), IS_BF16, INTERPRET)
+        for j in tl.static_range(1, W):
+            b_prod = _earlier(W - 1 - j, b_x3, b_x2, b_x1, b_x0) * _earlier(W - 1 - j, b_w3, b_w2, b_w1, b_w0)
+            b_acc = _round_to(b_acc + _round_to(b_prod, IS_BF16, INTERPRET), IS_BF16, INTERPRET)
+        b_out = _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16, INTERPRET)  # SiLU in fp32
+        tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
+        b_x3, b_x2, b_x1, b_x0 = b_x2, b_x1, b_x0, b_next
+        p_row += i_row_stride  # past the last row it is never read
 
 
 @triton.jit
@@ -220,6 +237,8 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     _check(op, window, inputs, seq_slots, cu_rows)
     rows, channels = inputs.shape
     check_tensor(op, "weight", weight, (channels, window.shape[2] + 1), inputs.dtype, ("inputs", inputs), layout="[C, W]")
+    if weight.shape[1] > MAX_WIDTH:
+        raise ValueError(f"{op}: a conv of width {weight.shape[1]}; the kernel holds at most {MAX_WIDTH - 1} earlier rows")
     if out is None:
         out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
     else:
@@ -231,9 +250,8 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     inputs = _row_strided(inputs)
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
         window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0),
-        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_T=ROWS_PER_TILE,
-        BLOCK_C=block_c,
-        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
+        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_C=block_c,
+        num_warps=CONV_NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
     )
     return out
 

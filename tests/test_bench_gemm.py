@@ -97,9 +97,10 @@ def traced_forward(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.T
     def record(store, weight):
         store.setdefault((weight.data_ptr(), tuple(weight.shape)), weight)
 
-    def kernel_linear(x, weight, bias=None):
+    def kernel_linear(x, weight, bias=None, out=None):
         record(plain, weight)
-        return F.linear(x, weight, bias)
+        result = F.linear(x, weight, bias)
+        return result if out is None else out.copy_(result)  # the LM head's fp32 logits (ops.head_logits)
 
     def kernel_linear_fp8(x, data, scales, bias=None):
         record(fp8, data)

@@ -230,3 +230,18 @@ def test_tiles_by_rows_keep_the_k_walk():
             if 32 <= m < 128:  # an LM head's features are tiles enough at 128 a tile; narrower weights take 64
                 assert tile.BLOCK_N == min(128 if n >= WIDE_N else 64, max(16, triton.next_power_of_2(n)))
         assert tile_for_rows(linear_config(n, k, torch.float32), n, 1024, torch.float32) == linear_config(n, k, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(136, 40), (1024, 48)], ids=lambda s: "K{}-N{}".format(*s))
+def test_fp32_out_is_the_bf16_product_widened(device, shape):
+    """bf16 x into an fp32 out (an LM head's logits): bitwise the bf16 output widened, on the whole-K
+    path and the split-K path (1024, 48), at row counts on both sides of a tile boundary; fp32 x
+    into a bf16 out is refused."""
+    k, n = shape
+    x, w, b = make(40, k, n, torch.bfloat16, True, device)
+    for rows in (1, 33, 40):
+        out = nan_like(torch.empty(rows, n, dtype=torch.float32, device=device))
+        assert linear(x[:rows], w, b, out=out) is out
+        assert torch.equal(out, linear(x[:rows], w, b).float()), f"{rows} rows"
+    with pytest.raises(ValueError, match="out"):
+        linear(x.float(), w.float(), out=torch.empty(40, n, dtype=torch.bfloat16, device=device))

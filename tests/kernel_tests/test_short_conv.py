@@ -167,3 +167,6 @@ def test_launchers_reject_bad_tensors(device):
         conv_rows(window, inputs, weight, seq_slots, cu_rows.long())
     with pytest.raises(ValueError, match="consumed"):
         next_window(window, inputs, seq_slots, cu_rows, torch.ones(2, dtype=torch.int32, device=device))
+    wide_window, wide_inputs, wide_weight = make(3, 8, 5, torch.float32, device)
+    with pytest.raises(ValueError, match="a conv of width 5; the kernel holds at most 3 earlier rows"):
+        conv_rows(wide_window, wide_inputs, wide_weight, seq_slots, cu_rows)

@@ -20,7 +20,7 @@ from .layers.kda import KimiDeltaAttention
 from .layers.mla import LatentAttention
 from .layers.mlp import DenseMLP, MoE
 
-from .ops import add_rms_norm, each_row, linear, rms_norm
+from .ops import add_rms_norm, each_row, head_logits, rms_norm
 from .rollback import COMMIT, WOA, VerifyRecord, rollback
 from .rows import RowBatch
 from .state import SlotPool
@@ -119,20 +119,10 @@ class HybridModel:
             h, x = each_row(lambda a, b: self._add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
         if last_only:
             x = x[[o - 1 for o in batch.offsets[1:]]]
-        if logits_out is not None:
-            return logits_out.copy_(each_row(self._head, x, row_invariant=row_invariant))
-        return each_row(self._logits, x, row_invariant=row_invariant)
+        return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)
-
-    def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden rows [rows, H] -> logits [rows, vocab] in the model's dtype."""
-        return linear(normed, self.lm_head)
-
-    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden rows [rows, H] -> logits [rows, vocab] fp32."""
-        return self._head(normed).float()
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
         """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.

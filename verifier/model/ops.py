@@ -62,6 +62,19 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def head_logits(x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None = None, *, row_invariant: bool) -> torch.Tensor:
+    """Final-normed rows x [rows, H] through the LM head weight [vocab, H] -> fp32 logits [rows,
+    vocab], into out when given: the head's output in x's dtype, widened. On CUDA, with a plain
+    weight, one GEMM writes them so (kernels/linear.py: the bits of .float() of its output, without
+    that output and the pass that widens it: 0.25 ms of a 64 x 9-row verify of the 2B model)."""
+    if use_triton(x) and isinstance(weight, torch.Tensor):
+        if out is None:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        return linear_kernel.linear(x, weight, out=out)
+    logits = each_row(lambda rows: linear(rows, weight).float(), x, row_invariant=row_invariant)
+    return logits if out is None else out.copy_(logits)
+
+
 def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
     """A MoE layer's routed experts (kernels/moe.py): x [rows, H], ids and fp32 routing weights
     [rows, top_k]; stacked expert weights [E, I, H], [E, I, H], [E, H, I], all tensors in x's
