@@ -11,7 +11,9 @@
     cu_rows    [S+1]                   int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1; cu_rows[0] = 0
     consumed   [S]                     int32: fold only, 0 <= consumed[s] <= rows of s
     snapshots  [R, H, D_K, D_V]        fp32: verify's optional state after each row (snapshot mode)
-    out        [R, H, D_V]             fp32
+    out        [R, H, D_V]             fp32, or bf16: each value rounded once to nearest even (what
+                                       .to(torch.bfloat16) of the fp32 output gives; the models' layers
+                                       take it in their activation dtype, so no cast launches after it)
 
 Per row, per head, with S the state [D_K, D_V] (`_update_state`, `_read_state`):
     S = S * decay[:, None]
@@ -67,6 +69,8 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
 from .dependent_launch import after_previous, launch_options
+from .rounding import cast_rtne
+from .runtime import interpreting
 
 MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
 
@@ -149,6 +153,7 @@ def _delta_rule_kernel(
     BLOCK_V: tl.constexpr,
     FOLD: tl.constexpr,  # False: verify (rows of cu_rows, store out); True: fold (first consumed rows, store state)
     STORE_SNAPSHOTS: tl.constexpr,
+    INTERPRET: tl.constexpr,  # the interpreter truncates fp32 -> bf16: out is rounded on the bits first there
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
@@ -186,7 +191,8 @@ def _delta_rule_kernel(
         b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
         if not FOLD:
             n_q = tl.load(query + i_load * D_K + o_k, mask=m_k, other=0.0)
-            tl.store(out + i_rh * D_V + o_v, _read_state(b_s, b_q), mask=m_v)
+            b_out = cast_rtne(_read_state(b_s, b_q), out.dtype.element_ty, INTERPRET)  # fp32, or rounded to bf16
+            tl.store(out + i_rh * D_V + o_v, b_out, mask=m_v)
             if STORE_SNAPSHOTS:
                 tl.store(snapshots + i_rh * (D_K * D_V) + o_s, b_s, mask=m_s)
             b_q = n_q
@@ -237,7 +243,7 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
         seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
         -1 if scratch_slot is None else scratch_slot,
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
-        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None,
+        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
 
@@ -249,7 +255,7 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
     [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
     in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
-    row. out: an optional contiguous [R, H, D_V] fp32 buffer to write into; it is returned."""
+    row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned."""
     op = "delta_rule_verify"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     rows, heads, d_k = key.shape
@@ -257,7 +263,8 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     on_state = ("state", state)
     check_tensor(op, "query", query, (rows, heads, d_k), torch.float32, on_state, layout="[R, H, D_K]")
     if out is not None:
-        check_tensor(op, "out", out, (rows, heads, d_v), torch.float32, on_state, layout="[R, H, D_V]", contiguous=True)
+        out_dtype = torch.bfloat16 if out.dtype == torch.bfloat16 else torch.float32
+        check_tensor(op, "out", out, (rows, heads, d_v), out_dtype, on_state, layout="[R, H, D_V]", contiguous=True)
     if snapshots is not None:
         check_tensor(op, "snapshots", snapshots, (rows, heads, d_k, d_v), torch.float32, on_state,
                      layout="[R, H, D_K, D_V]", contiguous=True)

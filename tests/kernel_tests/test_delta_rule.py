@@ -256,3 +256,19 @@ def test_launchers_reject_bad_tensors(device):
     with pytest.raises(ValueError, match="consumed"):
         delta_rule_fold(t["state"], t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows,
                         torch.ones(2, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_out_is_the_fp32_out_rounded(kind, device):
+    """out in bf16 (the layers' activation dtype) holds each fp32 output rounded to nearest even,
+    bitwise what .to(torch.bfloat16) of the fp32 output gives (the interpreter rounds on the bits)."""
+    counts, slots = [3, 1, 5], [1, 3, 0]
+    t = make(sum(counts), 2, 16, 40, kind, device, seed=10)
+    t["value"] = t["value"] * 300  # outputs of many magnitudes, so that truncating would differ from rounding
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    wide = verify(t, seq_slots, cu_rows)
+    narrow = torch.empty(wide.shape, dtype=torch.bfloat16, device=device)
+    assert verify(t, seq_slots, cu_rows, out=narrow) is narrow
+    assert torch.equal(narrow, wide.to(torch.bfloat16))
+    assert not torch.equal(narrow, (wide.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)), \
+        "the data does not tell rounding from truncation"

@@ -67,8 +67,8 @@ class GatedDeltaNet(DeltaRuleMixer):
         return split(mixed, g.n_k_heads, g.n_v_heads, g.d_k, g.d_v)
 
     def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """fp32 recurrence output [n, Hv, d_v], z [n, Hv, d_v] -> [n, H]."""
-        normed = silu_gated_rms_norm(out.to(z.dtype), z, self.norm_w, self.eps)
+        """Recurrence output [n, Hv, d_v] and z [n, Hv, d_v], both in the activation dtype -> [n, H]."""
+        normed = silu_gated_rms_norm(out, z, self.norm_w, self.eps)
         return linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out)
 
 

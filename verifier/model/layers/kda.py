@@ -63,6 +63,6 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return l2norm(q, "div") * (1 / c.head_dim**0.5), l2norm(k, "div"), v
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """fp32 recurrence output [n, heads, D], output gate [n, heads, D] -> [n, H]."""
-        normed = sigmoid_gated_rms_norm(out.to(gate.dtype), gate, self.o_norm, self.eps)
+        """Recurrence output [n, heads, D] and output gate [n, heads, D], both in the activation dtype -> [n, H]."""
+        normed = sigmoid_gated_rms_norm(out, gate, self.o_norm, self.eps)
         return linear(normed.reshape(out.shape[0], self.cfg.proj_dim), self.w_o)

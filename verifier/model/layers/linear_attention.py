@@ -30,7 +30,7 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
                   mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
     """conv_inputs [rows, conv_dim] raw; split_heads maps conv outputs [n, conv_dim] to fp32 query, key
     [n, heads, d_k] and value [n, heads, d_v]; decay [rows, heads, 1 or d_k] = exp(g); beta [rows, heads]
-    -> (fp32 outputs [rows, heads, d_v], the layer's record). COMMIT also applies the record."""
+    -> (outputs [rows, heads, d_v] in conv_inputs' dtype, the layer's record). COMMIT also applies the record."""
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
@@ -41,7 +41,10 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
         heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
         snapshots = torch.empty(key.shape[0], heads, d_k, d_v, dtype=torch.float32, device=device)
     verify = pick(delta_rule.delta_rule_verify, delta_rule.delta_rule_verify_ref, state.recurrent)
-    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, scratch_slot=state.scratch_slot)
+    # the outputs in the activation dtype, rounded once in the kernel: the layer's output norm takes
+    # them so, and a cast after the recurrence would be one more launch per layer
+    out = torch.empty(value.shape, dtype=conv_inputs.dtype, device=device)
+    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out, scratch_slot=state.scratch_slot)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if mode == COMMIT:
         commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
@@ -52,7 +55,7 @@ class DeltaRuleMixer:
     """A GDN or KDA layer's forward: project every row, mix each sequence's rows (conv and delta
     rule), then the output of every row. A subclass sets `conv_w` [conv_dim, W] and defines
     `_project` (x [n, H] -> raw conv inputs [n, conv_dim], output gate, decay, beta), `_split_heads`
-    (see Heads) and `_output` (fp32 outputs [n, heads, d_v], output gate -> [n, H])."""
+    (see Heads) and `_output` (outputs [n, heads, d_v] in the activation dtype, output gate -> [n, H])."""
 
     conv_w: torch.Tensor
 
