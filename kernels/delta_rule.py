@@ -138,6 +138,14 @@ def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, o_decay, m_k, m_v
     return b_k, b_v, b_decay, b_beta
 
 
+@triton.jit
+def _rows_to_fold(cu_rows, kept, i_s):
+    """How many of sequence i_s's rows a rollback still applies to its committed state: kept[i_s],
+    or 0 for a sequence of one row, whose verify committed it (the module docstring). The one rule
+    every state rollback follows: the fold here and in fused_rollback, the snapshot copies."""
+    return tl.where(tl.load(cu_rows + i_s + 1) - tl.load(cu_rows + i_s) == 1, 0, tl.load(kept + i_s))
+
+
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
 
 
@@ -162,10 +170,10 @@ def _delta_rule_kernel(
     i_v = tl.program_id(2)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
-    i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     if FOLD:
-        # a one-row sequence's verify committed its row: nothing is left to fold
-        i_rows = tl.where(i_rows == 1, 0, tl.load(consumed + i_s))
+        i_rows = _rows_to_fold(cu_rows, consumed, i_s)
+    else:
+        i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     if i_rows == 0:
         # a padding sequence (graph buckets), or a fold with nothing to do: no state tile is read, nothing is stored
         return

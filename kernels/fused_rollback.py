@@ -47,8 +47,9 @@ import triton.language as tl
 
 from . import delta_rule, short_conv
 from .checks import check_launchable, check_ragged, check_tensor
-from .delta_rule import _load_stash_row, _state_tile, _update_state
+from .delta_rule import _load_stash_row, _rows_to_fold, _state_tile, _update_state
 from .dependent_launch import after_previous, launch_options
+from .rounding import TL_DTYPES
 from .runtime import interpreting
 from .short_conv import _shift_window
 from .snapshots import BLOCK as SNAPSHOT_BLOCK
@@ -115,8 +116,7 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     i_v = tl.program_id(2)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
-    # a one-row sequence's verify committed its row (delta_rule.py): nothing is left to fold
-    i_rows = tl.where(tl.load(cu_rows + i_s + 1) - i_bos == 1, 0, tl.load(kept + i_s))
+    i_rows = _rows_to_fold(cu_rows, kept, i_s)
     if i_rows == 0:
         # a padding sequence (graph buckets), or nothing to fold: no state tile is read, nothing is stored
         return
@@ -154,18 +154,14 @@ def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexp
     i_layer = tl.program_id(1) // H
     i_h = tl.program_id(1) % H
     i_b = tl.program_id(2)  # a block of the head's HEAD = D_K * D_V values
-    i_kept = tl.load(kept + i_s)
-    i_bos = tl.load(cu_rows + i_s)
-    if (i_kept == 0) | (tl.load(cu_rows + i_s + 1) - i_bos == 1):  # padding; a one-row verify committed its row
+    i_kept = _rows_to_fold(cu_rows, kept, i_s)
+    if i_kept == 0:  # padding, or one row, which its verify committed
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
-    i_row = (i_bos + i_kept - 1).to(tl.int64)
+    i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
     state = _pointer(table, i_layer, STATE, tl.float32)
     snapshot = _pointer(table, i_layer, SNAPSHOTS, tl.float32)
     _copy_head_block(snapshot + (i_row * H + i_h) * HEAD, state + (i_slot * H + i_h) * HEAD, i_b, HEAD, BLOCK)
-
-
-_CONV_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 class RecurrentLayers:
@@ -195,8 +191,8 @@ class RecurrentLayers:
             raise ValueError(f"{op}: states[0] must be [n_slots, H, D_K, D_V], windows[0] [n_slots, C, W-1 >= 1], keys[0] "
                              f"[R, H, D_K], decays[0] [R, H, DECAY_K]; got {list(first.shape)}, {list(window.shape)}, "
                              f"{list(keys[0].shape)}, {list(decays[0].shape)}")
-        if window.dtype not in _CONV_DTYPES:
-            raise ValueError(f"{op}: windows[0] dtype {window.dtype} is not one of {tuple(_CONV_DTYPES)}")
+        if window.dtype not in TL_DTYPES:
+            raise ValueError(f"{op}: windows[0] dtype {window.dtype} is not one of {tuple(TL_DTYPES)}")
         n_slots, self.heads, self.d_k, self.d_v = first.shape
         _, self.channels, keep = window.shape
         self.width, self.conv_dtype = keep + 1, window.dtype
@@ -311,7 +307,7 @@ def next_windows(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torc
     c_blocks = triton.cdiv(layers.channels, block_c)
     _next_windows_kernel[(n_seqs, layers.n_layers * c_blocks)](
         layers.table, seq_slots, cu_rows, kept,
-        C=layers.channels, W=layers.width, CONV_DTYPE=_CONV_DTYPES[layers.conv_dtype], BLOCK_C=block_c,
+        C=layers.channels, W=layers.width, CONV_DTYPE=TL_DTYPES[layers.conv_dtype], BLOCK_C=block_c,
         BLOCK_W=triton.next_power_of_2(layers.width - 1), C_BLOCKS=c_blocks,
         num_warps=short_conv.NUM_WARPS, num_stages=1, **launch_options(kept.device),
     )

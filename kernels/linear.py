@@ -56,12 +56,11 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .rounding import cast_rtne
+from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
 
 BLOCK_M = 16  # rows per tile, fixed: tl.dot's smallest M, enough for a decode row or a 16-row verify
 DTYPES = (torch.float32, torch.bfloat16)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 class LinearConfig(NamedTuple):
@@ -313,7 +312,7 @@ def linear(
     if cfg.SPLIT_K > 1:
         _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N,
-            ROUND_TO=_TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
+            ROUND_TO=TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
         )
     return out
 

@@ -53,9 +53,9 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .linear import (_TL_DTYPES, BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref,
+from .linear import (BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref,
                      split_bounds, tile_for_rows)
-from .rounding import cast_rtne
+from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -236,7 +236,7 @@ def linear_fp8(
     if cfg.SPLIT_K > 1:
         _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N,
-            ROUND_TO=_TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
+            ROUND_TO=TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
         )
     return out
 

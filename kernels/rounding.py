@@ -4,8 +4,12 @@ A GPU's fp32 -> bf16 cast rounds to nearest even; Triton's interpreter truncates
 bits first gives the same bf16 value on both, after which the cast itself is exact.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+# the Triton dtype of each float dtype the kernels take (cast_rtne's DTYPE, a kernel's dtype constexpr)
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit

@@ -33,8 +33,8 @@ sequences of 9 rows took 44 us, L1-bound at 25% occupancy, per Nsight Compute,
 bench/results/ncu_2026-12-01.json.) fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
 bf16 rounding (`_round_to`) is the GPU's fp32 -> bf16 cast, which rounds to nearest even; under the
-interpreter, which truncates on that cast, it is done with integer ops (`round_to_bf16`), which give
-the same bf16 value.
+interpreter, which truncates on that cast, it is done with integer ops first (`rounding.cast_rtne`),
+which give the same bf16 value.
 
 The SiLU is x / (1 + exp(-x)) in fp32, as torch computes it; exp differs by an ulp or so between
 torch (CPU SIMD or scalar), numpy (the interpreter) and the GPU, so outputs match the reference
@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_ragged, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .rounding import round_to_bf16
+from .rounding import cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -84,10 +84,7 @@ def _row_strided(inputs: torch.Tensor) -> torch.Tensor:
 def _round_to(b_x, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 b_x -> the nearest bf16 value (ties to even), held in fp32, where the inputs are bf16."""
     if IS_BF16:
-        if INTERPRET:
-            b_x = round_to_bf16(b_x)
-        else:
-            b_x = b_x.to(tl.bfloat16).to(tl.float32)
+        b_x = cast_rtne(b_x, tl.bfloat16, INTERPRET).to(tl.float32)
     return b_x
 
 

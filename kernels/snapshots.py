@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
+from .delta_rule import _rows_to_fold
 from .dependent_launch import after_previous, launch_options
 
 BLOCK = 1024  # fp32 values per program: a 128 x 128 head is 16 programs
@@ -41,12 +42,11 @@ def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)  # a head of the slot
     i_b = tl.program_id(2)  # a block of that head's D_K * D_V values
-    i_kept = tl.load(kept + i_s)
-    i_bos = tl.load(cu_rows + i_s)
-    if (i_kept == 0) | (tl.load(cu_rows + i_s + 1) - i_bos == 1):  # padding; a one-row verify committed its row
+    i_kept = _rows_to_fold(cu_rows, kept, i_s)
+    if i_kept == 0:  # padding, or one row, which its verify committed
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
-    i_row = (i_bos + i_kept - 1).to(tl.int64)
+    i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
     n_heads = tl.num_programs(1)
     _copy_head_block(snapshots + (i_row * n_heads + i_h) * HEAD, state + (i_slot * n_heads + i_h) * HEAD, i_b, HEAD, BLOCK)
 
