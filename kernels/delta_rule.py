@@ -23,13 +23,10 @@ Per row, per head, with S the state [D_K, D_V] (`_update_state`, `_read_state`):
 
 delta_rule_verify walks each sequence's rows from its slot's committed state and writes out (and
 snapshots). It writes `state` for one kind of sequence only: one of exactly one row (a decode)
-commits that row at once, because a step always consumes a sequence's first row (the pending
-token), so a one-row sequence's row is accepted before it is verified; a sequence of more rows
+commits that row at once (kernels/one_row_commit.py: the rule, and why); a sequence of more rows
 leaves `state` alone (write-on-accept). delta_rule_fold applies each sequence's first consumed[s]
 rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA rollback, and prefill's
-commit with consumed = all rows; a one-row sequence has nothing left to fold. Why: at 64 decoding
-sequences of the 2B model the state is 2.4 GB, and a verify that only read it followed by a fold
-that read and wrote it again moved it three times; now a decode moves it twice (read, write).
+commit with consumed = all rows; a one-row sequence has nothing left to fold.
 A sequence with no rows (verify) or nothing consumed (fold) returns before it reads or writes its
 slot: graph buckets pad a step with such sequences (verifier/model/padding.py), and hundreds of
 them then cost nothing. Padding sequences sit in the scratch slot (`scratch_slot`, the pool's
@@ -69,6 +66,7 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
 from .dependent_launch import after_previous, launch_options
+from .one_row_commit import commits, rows_to_roll
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -91,11 +89,14 @@ def delta_rule_config(d_k: int, d_v: int) -> DeltaRuleConfig:
 
 
 @triton.jit
-def _update_state(b_s, b_k, b_v, b_decay, b_beta):
+def _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K: tl.constexpr):
     """Apply one row to a state tile: b_s [BLOCK_K, BLOCK_V] fp32, b_k [BLOCK_K], b_v [BLOCK_V],
-    b_decay [BLOCK_K] (GDN: its head's scalar broadcast), b_beta scalar -> the new b_s.
+    b_decay [BLOCK_K] (KDA) or a scalar (GDN, DECAY_K 1: its head's one decay), b_beta scalar -> the new b_s.
     Mirrors the reference `update_state` below; the one function decode, verify and fold apply a row with."""
-    b_s = b_s * b_decay[:, None]
+    if DECAY_K == 1:
+        b_s = b_s * b_decay  # the same products as a broadcast [BLOCK_K] of it, without its registers
+    else:
+        b_s = b_s * b_decay[:, None]
     b_recalled = tl.sum(b_s * b_k[:, None], axis=0)  # [BLOCK_V]
     b_delta = (b_v - b_recalled) * b_beta  # [BLOCK_V]
     return b_s + b_k[:, None] * b_delta[None, :]
@@ -108,42 +109,35 @@ def _read_state(b_s, b_q):
 
 
 @triton.jit
-def _state_tile(i_v, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_V: tl.constexpr):
+def _state_tile(i_v, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """A program's [BLOCK_K, BLOCK_V] tile of one head's state (value block i_v) -> key offsets o_k
     [BLOCK_K], value offsets o_v [BLOCK_V], their masks m_k, m_v, the tile's mask m_s and offsets
-    o_s within the head's [D_K, D_V] state, and the decay offsets o_decay [BLOCK_K] within a row's head."""
+    o_s within the head's [D_K, D_V] state."""
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K] key channels
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value channels
     m_k = o_k < D_K
     m_v = o_v < D_V
     m_s = m_k[:, None] & m_v[None, :]
     o_s = o_k[:, None] * D_V + o_v[None, :]  # [BLOCK_K, BLOCK_V] within one head's state
-    if DECAY_K == 1:
-        o_decay = o_k * 0  # GDN: every lane reads the head's one decay
-    else:
-        o_decay = o_k
-    return o_k, o_v, m_k, m_v, m_s, o_s, o_decay
+    return o_k, o_v, m_k, m_v, m_s, o_s
 
 
 @triton.jit
-def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, o_decay, m_k, m_v):
-    """One row's key [BLOCK_K], value [BLOCK_V], decay [BLOCK_K] and beta (scalar) of one head (each
+def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K: tl.constexpr):
+    """One row's key [BLOCK_K], value [BLOCK_V], decay ([BLOCK_K], or GDN's scalar) and beta (scalar) of one head (each
     pointer at that row and head's first channel). The walks below load row t + 1 while row t is
     applied (the last row loads itself again, unused), so no row waits for its own loads."""
     b_k = tl.load(p_key + o_k, mask=m_k, other=0.0)
     b_v = tl.load(p_value + o_v, mask=m_v, other=0.0)
-    b_decay = tl.load(p_decay + o_decay, mask=m_k, other=0.0)
+    if DECAY_K == 1:
+        # a scalar: its [BLOCK_K] broadcast (and the next row's) held registers that cost occupancy
+        # (H200, 2B GDN shape, 64 sequences x 9 rows: 154 -> 129 us, the same bits;
+        # bench/results/delta_rule_variants_2026-12-01.json)
+        b_decay = tl.load(p_decay)
+    else:
+        b_decay = tl.load(p_decay + o_k, mask=m_k, other=0.0)
     b_beta = tl.load(p_beta)
     return b_k, b_v, b_decay, b_beta
-
-
-@triton.jit
-def _rows_to_fold(cu_rows, kept, i_s):
-    """How many of sequence i_s's rows a rollback still applies to its committed state: kept[i_s],
-    or 0 for a sequence of one row, whose verify committed it (the module docstring). The one rule
-    every state rollback follows: the fold here and in fused_rollback, the snapshot copies."""
-    return tl.where(tl.load(cu_rows + i_s + 1) - tl.load(cu_rows + i_s) == 1, 0, tl.load(kept + i_s))
 
 
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
@@ -171,7 +165,7 @@ def _delta_rule_kernel(
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
     if FOLD:
-        i_rows = _rows_to_fold(cu_rows, consumed, i_s)
+        i_rows = rows_to_roll(cu_rows, consumed, i_s)
     else:
         i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     if i_rows == 0:
@@ -179,7 +173,7 @@ def _delta_rule_kernel(
         return
     i_bos = i_bos.to(tl.int64)
 
-    o_k, o_v, m_k, m_v, m_s, o_s, o_decay = _state_tile(i_v, D_K, D_V, DECAY_K, BLOCK_K, BLOCK_V)
+    o_k, o_v, m_k, m_v, m_s, o_s = _state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
 
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
@@ -188,15 +182,15 @@ def _delta_rule_kernel(
     # in the same order, so the bits are a walk's that loads each row when it applies it
     i_rh = i_bos * H + i_h  # row 0's head
     b_k, b_v, b_decay, b_beta = _load_stash_row(key + i_rh * D_K, value + i_rh * D_V, decay + i_rh * DECAY_K, beta + i_rh,
-                                                o_k, o_v, o_decay, m_k, m_v)
+                                                o_k, o_v, m_k, m_v, DECAY_K)
     if not FOLD:
         b_q = tl.load(query + i_rh * D_K + o_k, mask=m_k, other=0.0)
     for i_t in range(0, i_rows):
         i_next = i_rh + H  # the next row's head
         i_load = tl.where(i_t + 1 < i_rows, i_next, i_rh)  # past the last row: itself again
         n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_load * D_K, value + i_load * D_V, decay + i_load * DECAY_K,
-                                                    beta + i_load, o_k, o_v, o_decay, m_k, m_v)
-        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
+                                                    beta + i_load, o_k, o_v, m_k, m_v, DECAY_K)
+        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
         if not FOLD:
             n_q = tl.load(query + i_load * D_K + o_k, mask=m_k, other=0.0)
             b_out = cast_rtne(_read_state(b_s, b_q), out.dtype.element_ty, INTERPRET)  # fp32, or rounded to bf16
@@ -209,8 +203,7 @@ def _delta_rule_kernel(
 
     if FOLD:
         tl.store(p_state, b_s, mask=m_s)
-    elif (i_rows == 1) & (i_slot != scratch_slot):
-        # a one-row verify: its row is consumed whatever is accepted (the module docstring)
+    elif commits(i_rows, i_slot, scratch_slot):  # a one-row verify: kernels/one_row_commit.py
         tl.store(p_state, b_s, mask=m_s)
 
 

@@ -47,8 +47,9 @@ import triton.language as tl
 
 from . import delta_rule, short_conv
 from .checks import check_launchable, check_ragged, check_tensor
-from .delta_rule import _load_stash_row, _rows_to_fold, _state_tile, _update_state
+from .delta_rule import _load_stash_row, _state_tile, _update_state
 from .dependent_launch import after_previous, launch_options
+from .one_row_commit import rows_to_roll
 from .rounding import TL_DTYPES
 from .runtime import interpreting
 from .short_conv import _shift_window
@@ -93,9 +94,9 @@ def _next_windows_kernel(
     i_s = tl.program_id(0)
     i_layer = tl.program_id(1) // C_BLOCKS
     i_c = tl.program_id(1) % C_BLOCKS
-    i_n = tl.load(kept + i_s).to(tl.int64)
+    i_n = rows_to_roll(cu_rows, kept, i_s).to(tl.int64)
     if i_n == 0:
-        # a padding sequence (graph buckets): its windows are neither read nor written
+        # a padding sequence (graph buckets), or one row, which conv_rows committed: not read nor written
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s).to(tl.int64)
@@ -116,7 +117,7 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     i_v = tl.program_id(2)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
-    i_rows = _rows_to_fold(cu_rows, kept, i_s)
+    i_rows = rows_to_roll(cu_rows, kept, i_s)
     if i_rows == 0:
         # a padding sequence (graph buckets), or nothing to fold: no state tile is read, nothing is stored
         return
@@ -131,17 +132,17 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     s_decay = _field(table, i_layer, DECAY_ROW_STRIDE)
     s_beta = _field(table, i_layer, BETA_ROW_STRIDE)
 
-    o_k, o_v, m_k, m_v, m_s, o_s, o_decay = _state_tile(i_v, D_K, D_V, DECAY_K, BLOCK_K, BLOCK_V)
+    o_k, o_v, m_k, m_v, m_s, o_s = _state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
     # as delta_rule's walk: row t + 1 is loaded while row t is applied
     b_k, b_v, b_decay, b_beta = _load_stash_row(key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay,
-                                                beta + i_bos * s_beta, o_k, o_v, o_decay, m_k, m_v)
+                                                beta + i_bos * s_beta, o_k, o_v, m_k, m_v, DECAY_K)
     for i_t in range(0, i_rows):
         i_row = i_bos + tl.where(i_t + 1 < i_rows, i_t + 1, i_t)  # int64: the next row (the last: itself again)
         n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_row * s_key, value + i_row * s_value, decay + i_row * s_decay,
-                                                    beta + i_row * s_beta, o_k, o_v, o_decay, m_k, m_v)
-        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta)
+                                                    beta + i_row * s_beta, o_k, o_v, m_k, m_v, DECAY_K)
+        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
         b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
     tl.store(p_state, b_s, mask=m_s)
 
@@ -154,7 +155,7 @@ def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexp
     i_layer = tl.program_id(1) // H
     i_h = tl.program_id(1) % H
     i_b = tl.program_id(2)  # a block of the head's HEAD = D_K * D_V values
-    i_kept = _rows_to_fold(cu_rows, kept, i_s)
+    i_kept = rows_to_roll(cu_rows, kept, i_s)
     if i_kept == 0:  # padding, or one row, which its verify committed
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)

@@ -244,6 +244,42 @@ def _reduce_splits_kernel(
 REDUCE_BLOCK_N = 1024
 
 
+class SplitSums(NamedTuple):
+    """A split-K product before its reduce (`linear(..., defer_split=True)`): what
+    `_reduce_splits_kernel` would add up, for a consumer that adds it up itself the same way
+    (kernels/norms.py's add_rms_norm: one launch fewer per projection).
+
+    partial [SPLIT_K, M, N] fp32: the splits' sums, in split order; bias [N] or None; dtype: what
+    the finished sum rounds to (x's dtype). The finished rows are partial[0] + partial[1] + ...
+    in ascending order, + bias, rounded once to dtype."""
+
+    partial: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partial.shape[1:]
+
+    def finish(self) -> torch.Tensor:
+        """The reduce: [M, N] in dtype, bitwise what linear() without defer_split returns."""
+        _, m, n = self.partial.shape
+        out = torch.empty((m, n), dtype=self.dtype, device=self.partial.device)
+        _reduce(self, out)
+        return out
+
+
+def _reduce(sums: SplitSums, out: torch.Tensor) -> None:
+    m, n = sums.shape
+    if m == 0 or n == 0:
+        return
+    _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+        sums.partial, sums.bias if sums.bias is not None else out, out, m, n, out.stride(0),
+        HAS_BIAS=sums.bias is not None, INTERPRET=interpreting(), SPLIT_K=sums.partial.shape[0], BLOCK_N=REDUCE_BLOCK_N,
+        ROUND_TO=TL_DTYPES[sums.dtype], num_warps=4, **launch_options(out.device),
+    )
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
     op = "linear"
     check_operand(op, "x", x, "[M, K]", DTYPES)
@@ -272,13 +308,17 @@ def linear(
     out: torch.Tensor | None = None,
     *,
     config: LinearConfig | None = None,
-) -> torch.Tensor:
+    defer_split: bool = False,
+) -> torch.Tensor | SplitSums:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
     out: an optional [M, N] buffer to write into (rows may be strided, features contiguous), in x's
     dtype or, for bf16 x, fp32 (the bf16 result widened); it is returned. Rows of x may be strided (a slice of a larger buffer); features are made contiguous.
     config: overrides the pinned linear_config and its tiles by row count (bench/linear_configs.py
     measures candidates with it): that one config then runs every M.
+    defer_split: where the weight's K is split (SPLIT_K > 1, a function of its shape), return the
+    splits' sums (SplitSums) for the caller to finish instead of launching the reduce; out must
+    then be None.
     """
     _check(x, weight, bias, out)
     m, k = x.shape
@@ -287,20 +327,24 @@ def linear(
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
+    if defer_split and out is not None:
+        raise ValueError("linear: defer_split returns the split sums; it takes no out buffer")
     pinned = config or linear_config(n, k, x.dtype)
     cfg = tile_for_rows(pinned, n, m, x.dtype) if config is None else pinned
+    deferred = defer_split and cfg.SPLIT_K > 1
+    if out is None and not deferred:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return SplitSums(torch.zeros((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device), bias, x.dtype) if deferred else out
     # [SPLIT_K, M, N] fp32 partial sums when K is split (else unused)
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_kernel[grid](
-        x, weight, bias if bias is not None else x, out, partial,
+        # deferred: x stands in for out (never stored), so the launch compiles to the kernel linear() runs undeferred
+        x, weight, bias if bias is not None else x, out if out is not None else x, partial,
         m, n, k, split_bounds(k, pinned),
-        x.stride(0), weight.stride(0), out.stride(0),
+        x.stride(0), weight.stride(0), out.stride(0) if out is not None else n,
         **flags,
         IS_FP32=x.dtype == torch.float32,
         BLOCK_M=cfg.BLOCK_M,
@@ -310,10 +354,10 @@ def linear(
         num_stages=cfg.num_stages, **launch_options(x.device),
     )
     if cfg.SPLIT_K > 1:
-        _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
-            partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N,
-            ROUND_TO=TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
-        )
+        sums = SplitSums(partial, bias, x.dtype)
+        if deferred:
+            return sums
+        _reduce(sums, out)
     return out
 
 

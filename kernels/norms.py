@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
+from .linear import SplitSums
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -85,21 +86,41 @@ def _normalise(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: t
 
 
 @triton.jit
-def _load_row_block(p_x, p_r, o_c, m_c, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+def _load_residual(p_r, p_split, split_stride, p_split_bias, o_c, m_c, SPLIT_K: tl.constexpr, HAS_SPLIT_BIAS: tl.constexpr,
+                   DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """One block of the residual, fp32: loaded, or (SPLIT_K > 1) finished from a split-K GEMM's
+    sums as kernels/linear.py's _reduce_splits_kernel finishes them: split 0, + each next split in
+    ascending order, + bias, rounded once to DTYPE (the bits of the tensor that reduce would store)."""
+    if SPLIT_K > 1:
+        b_r = tl.load(p_split + o_c, mask=m_c, other=0.0)
+        for i_s in tl.static_range(1, SPLIT_K):
+            b_r += tl.load(p_split + i_s * split_stride + o_c, mask=m_c, other=0.0)
+        if HAS_SPLIT_BIAS:
+            b_r += tl.load(p_split_bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+        return cast_rtne(b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
+    return tl.load(p_r + o_c, mask=m_c, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_row_block(p_x, p_r, p_split, split_stride, p_split_bias, o_c, m_c, HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+                    HAS_SPLIT_BIAS: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
     """One block of the row to normalise, fp32: x, or x + residual rounded to DTYPE (torch's add)."""
     b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        b_r = tl.load(p_r + o_c, mask=m_c, other=0.0).to(tl.float32)
+        b_r = _load_residual(p_r, p_split, split_stride, p_split_bias, o_c, m_c, SPLIT_K, HAS_SPLIT_BIAS, DTYPE, EMULATE_BF16_RTNE)
         b_x = cast_rtne(b_x + b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
     return b_x
 
 
-@triton.jit
+# split_stride is not specialised: its value (M * D) must not pick another compiled kernel
+@triton.jit(do_not_specialize=["split_stride"])
 def _row_norm_kernel(
-    x, gate, weight, out, residual, total,
-    D, eps, gate_group, gate_group_stride,
+    x, gate, weight, out, residual, total, split, split_bias,
+    D, eps, gate_group, gate_group_stride, split_stride,
     FORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: the residual is a split-K GEMM's sums (split [SPLIT_K, M, D] fp32), finished here
+    HAS_SPLIT_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
@@ -110,6 +131,7 @@ def _row_norm_kernel(
     DTYPE: tl.constexpr = out.dtype.element_ty
     p_x = x + i_m * D
     p_r = residual + i_m * D
+    p_split = split + i_m * D  # split 0's row i_m; split s is s * split_stride further
     # the gate's row i_m: row i_m % G of group i_m // G (G = 1 and a stride of D: rows stacked densely)
     p_g = gate + (i_m // gate_group) * gate_group_stride + (i_m % gate_group) * D
     p_out = out + i_m * D
@@ -117,7 +139,8 @@ def _row_norm_kernel(
     o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     if N_BLOCKS == 1:
         m_d = o_d < D
-        b_x = _load_row_block(p_x, p_r, o_d, m_d, HAS_RESIDUAL, DTYPE, EMULATE_BF16_RTNE)  # [BLOCK_D]
+        b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, o_d, m_d, HAS_RESIDUAL, SPLIT_K, HAS_SPLIT_BIAS, DTYPE,
+                              EMULATE_BF16_RTNE)  # [BLOCK_D]
         if HAS_RESIDUAL:
             tl.store(p_total + o_d, b_x.to(DTYPE), mask=m_d)  # exact: b_x already holds a DTYPE value
         b_ss = tl.sum(b_x * b_x, axis=0)
@@ -127,13 +150,15 @@ def _row_norm_kernel(
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
-            b_x = _load_row_block(p_x, p_r, o_c, o_c < D, HAS_RESIDUAL, DTYPE, EMULATE_BF16_RTNE)
+            b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, o_c, o_c < D, HAS_RESIDUAL, SPLIT_K, HAS_SPLIT_BIAS,
+                                  DTYPE, EMULATE_BF16_RTNE)
             b_acc += b_x * b_x
         b_ss = tl.sum(b_acc, axis=0)
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
             m_c = o_c < D
-            b_x = _load_row_block(p_x, p_r, o_c, m_c, HAS_RESIDUAL, DTYPE, EMULATE_BF16_RTNE)
+            b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, o_c, m_c, HAS_RESIDUAL, SPLIT_K, HAS_SPLIT_BIAS,
+                                  DTYPE, EMULATE_BF16_RTNE)
             if HAS_RESIDUAL:
                 tl.store(p_total + o_c, b_x.to(DTYPE), mask=m_c)
             b_y = _normalise(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
@@ -181,10 +206,11 @@ def _launch(
     eps: float,
     out: torch.Tensor | None,
     dtypes: tuple[torch.dtype, ...],
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | SplitSums | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check every tensor (messages name it), make the inputs contiguous and aligned, launch one
-    program per row. With a residual: normalise x + residual and return (the sum, the norm)."""
+    program per row. With a residual: normalise x + residual and return (the sum, the norm); a
+    SplitSums residual is finished in the kernel."""
     check_operand(op, "x", x, "[M, D]", dtypes, hint=" (reshape [rows, heads, d] to [rows * heads, d])")
     check_launchable(op, "x", x)
     m, d = x.shape
@@ -207,8 +233,11 @@ def _launch(
         if out.data_ptr() % ALIGN:
             raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see _aligned), got address {out.data_ptr():#x}")
     x = _aligned(x)
-    total = None
-    if residual is not None:
+    total, split = None, None
+    if isinstance(residual, SplitSums):
+        split = _checked_split(op, residual, x)
+        total = torch.empty_like(x)
+    elif residual is not None:
         check_tensor(op, "residual", residual, (m, d), x.dtype, ("x", x))
         residual = _aligned(residual)
         total = torch.empty_like(x)
@@ -217,16 +246,34 @@ def _launch(
     block_d, n_blocks, num_warps = norm_config(d)
     _row_norm_kernel[(m,)](
         x, gate if gate is not None else x, weight if weight is not None else x, out,
-        residual if residual is not None else x, total if total is not None else out,
-        d, eps, gate_group, gate_group_stride,
+        residual if isinstance(residual, torch.Tensor) else x, total if total is not None else out,
+        split.partial if split is not None else x, split.bias if split is not None and split.bias is not None else x,
+        d, eps, gate_group, gate_group_stride, m * d,
         FORM=form.value,
         HAS_RESIDUAL=residual is not None,
+        SPLIT_K=split.partial.shape[0] if split is not None else 1,
+        HAS_SPLIT_BIAS=split is not None and split.bias is not None,
         BLOCK_D=block_d,
         N_BLOCKS=n_blocks,
         EMULATE_BF16_RTNE=interpreting(),
         num_warps=num_warps, **launch_options(x.device),
     )
     return out if residual is None else (total, out)
+
+
+def _checked_split(op: str, split: SplitSums, x: torch.Tensor) -> SplitSums:
+    """A SplitSums residual for rows x [M, D]: partial [SPLIT_K >= 2, M, D] fp32, contiguous and
+    aligned (as linear() allocates it), bias [D] or None, both finishing to x's dtype."""
+    m, d = x.shape
+    if split.partial.dim() != 3 or split.partial.shape[0] < 2:
+        raise ValueError(f"{op}: residual split sums must be [SPLIT_K >= 2, M, D], got shape {list(split.partial.shape)}")
+    check_tensor(op, "residual split sums", split.partial, (split.partial.shape[0], m, d), torch.float32, ("x", x),
+                 layout="[SPLIT_K, M, D]", contiguous=True)
+    if split.dtype != x.dtype:
+        raise ValueError(f"{op}: residual split sums finish to {split.dtype}, x is {x.dtype}")
+    if split.bias is not None:
+        check_tensor(op, "residual split bias", split.bias, (d,), x.dtype, ("x", x), layout="[D]")
+    return SplitSums(_aligned(split.partial), None if split.bias is None else _aligned(split.bias), split.dtype)
 
 
 def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
@@ -255,9 +302,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred
     return _into(out, weight * normed.to(dtype))
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
+                 zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's add and the next pre-norm in one pass: x, residual [M, D], weight [D] ->
-    (x + residual rounded to x's dtype, rms_norm of that sum), both [M, D] in x's dtype."""
+    (x + residual rounded to x's dtype, rms_norm of that sum), both [M, D] in x's dtype. residual
+    may be a split-K projection's unfinished sums (linear(..., defer_split=True)): the kernel
+    finishes them as the split's reduce would (the same bits), a launch fewer per projection."""
     form = RMS_ZERO_CENTRED if zero_centred else RMS_PLAIN
     return _launch("add_rms_norm", form, x, None, weight, eps, None, DTYPES, residual=residual)
 

@@ -15,14 +15,17 @@ conv_rows: row t of sequence s (seq = window[slot] as rows, then the sequence's 
     out = silu(sum_{j=0..W-1} weight[:, j] * seq[t + j])
 with the sum taken left to right (j = 0 first), every product and partial sum rounded to the
 inputs' dtype, then SiLU computed in fp32 and rounded once: what `causal_conv_row` computes with
-torch's elementwise ops (each op on bf16 runs in fp32 and rounds to bf16). It never writes the
-window: verify only reads it. Rows outside [0, cu_rows[S]) are not written.
+torch's elementwise ops (each op on bf16 runs in fp32 and rounds to bf16). It writes the window
+of one kind of sequence only: one of exactly one row (a decode) commits that row, outside the
+scratch slot (kernels/one_row_commit.py); a sequence of more rows only reads it. Rows outside
+[0, cu_rows[S]) are not written.
 
 next_window: window[slot] = the last W-1 of (window[slot] ++ the first consumed[s] input rows of s),
 in place: rollback to the accepted prefix, and prefill's commit with consumed = all rows.
 consumed[s] = 0 leaves the window alone (it is not even rewritten): graph buckets pad a step with
-sequences that keep nothing (verifier/model/padding.py). conv_rows walks no row of a sequence with
-none, so padding sequences cost a program that loads two ints.
+sequences that keep nothing (verifier/model/padding.py); so does a sequence of one row, which
+conv_rows committed. conv_rows walks no row of a sequence with none, so padding sequences cost a
+program that loads two ints.
 
 Row invariance: one program per (sequence, channel block) walks the sequence's rows in order,
 holding the W-1 inputs before the current row in registers (W <= MAX_WIDTH), so each input row is
@@ -51,6 +54,7 @@ import triton.language as tl
 
 from .checks import check_launchable, check_operand, check_ragged, check_tensor
 from .dependent_launch import after_previous, launch_options
+from .one_row_commit import commits, rows_to_roll
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -132,9 +136,9 @@ def _tap_weight(weight, o_c, m_c, BACK: tl.constexpr, W: tl.constexpr):
         return tl.zeros(o_c.shape, dtype=tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scratch_slot"])  # its value (the pool's size, or -1) must not pick another compiled kernel
 def _conv_rows_kernel(
-    window, inputs, weight, seq_slots, cu_rows, out, i_row_stride,
+    window, inputs, weight, seq_slots, cu_rows, out, i_row_stride, scratch_slot,
     C: tl.constexpr,
     W: tl.constexpr,
     IS_BF16: tl.constexpr,
@@ -172,6 +176,13 @@ def _conv_rows_kernel(
         tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
         b_x3, b_x2, b_x1, b_x0 = b_x2, b_x1, b_x0, b_next
         p_row += i_row_stride  # past the last row it is never read
+    if commits(i_rows, i_slot, scratch_slot):
+        # a one-row verify commits its row (kernels/one_row_commit.py): the window becomes the W-1
+        # inputs before the next row, column W-2 the newest (the values as loaded: exact)
+        tl.debug_barrier()  # every read of the old window lands before it is overwritten
+        for c in tl.static_range(W - 1):
+            b_col = _earlier(W - 1 - c, b_x3, b_x2, b_x1, b_x0)
+            tl.store(p_window + c, b_col.to(window.dtype.element_ty), mask=m_c)
 
 
 @triton.jit
@@ -207,9 +218,9 @@ def _next_window_kernel(
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_bos = i_bos.to(tl.int64)
-    i_n = tl.load(consumed + i_s).to(tl.int64)
+    i_n = rows_to_roll(cu_rows, consumed, i_s).to(tl.int64)
     if i_n == 0:
-        # a padding sequence (graph buckets): its window is neither read nor written
+        # a padding sequence (graph buckets), or one row, which conv_rows committed: not read nor written
         return
     _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C, W, BLOCK_W)
 
@@ -226,8 +237,10 @@ def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch
 
 
 def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
-              cu_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype); window is only read.
+              cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None) -> torch.Tensor:
+    """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype). window is
+    written only for one-row sequences (their row is committed), except in scratch_slot (None: no
+    slot is exempt).
 
     out: an optional contiguous [R, C] buffer to write into; it is returned."""
     op = "conv_rows"
@@ -246,7 +259,7 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     block_c = _conv_block_c(channels)
     inputs = _row_strided(inputs)
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
-        window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0),
+        window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0), -1 if scratch_slot is None else scratch_slot,
         C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_C=block_c,
         num_warps=CONV_NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
     )
@@ -257,8 +270,8 @@ def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Ten
                 consumed: torch.Tensor) -> None:
     """In place: window[slot] = last W-1 of (window[slot] ++ the first consumed[s] input rows of s).
 
-    consumed[s] = 0 leaves window[slot] untouched; consumed[s] in 0 .. rows of s is not checked
-    (that would sync the device)."""
+    consumed[s] = 0, or s of one row (conv_rows committed it), leaves window[slot] untouched;
+    consumed[s] in 0 .. rows of s is not checked (that would sync the device)."""
     op = "next_window"
     _check(op, window, inputs, seq_slots, cu_rows)
     check_tensor(op, "consumed", consumed, seq_slots.shape, torch.int32, ("inputs", inputs), layout="[S]")
@@ -285,9 +298,9 @@ def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
-                  cu_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None) -> torch.Tensor:
     """conv_rows in torch, each sequence's rows one at a time: what the CPU reference backend runs
-    (verifier.model.layers.linear_attention)."""
+    (verifier.model.layers.linear_attention). A one-row sequence outside scratch_slot commits its row."""
     width = weight.shape[1]
     if out is None:
         out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
@@ -296,6 +309,8 @@ def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tens
         seq = torch.cat((window[slot].t().to(inputs.dtype), inputs[bounds[s] : bounds[s + 1]]), dim=0)  # [W-1+n, C]
         for t in range(bounds[s + 1] - bounds[s]):
             out[bounds[s] + t] = causal_conv_row(seq[t : t + width], weight)[0]
+        if bounds[s + 1] - bounds[s] == 1 and slot != scratch_slot:
+            window[slot] = seq[1:].t().to(window.dtype)
     return out
 
 
@@ -305,7 +320,7 @@ def next_window_ref(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch
     keep = window.shape[2]
     bounds = cu_rows.tolist()
     for s, (slot, n) in enumerate(zip(seq_slots.tolist(), consumed.tolist())):
-        if n == 0:  # a padding sequence: its slot is not touched
+        if n == 0 or bounds[s + 1] - bounds[s] == 1:  # padding, or one row, which conv_rows_ref committed
             continue
         seq = torch.cat((window[slot], inputs[bounds[s] : bounds[s] + n].t().to(window.dtype)), dim=1)  # [C, W-1+n]
         window[slot] = seq[:, seq.shape[1] - keep :]

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
-from .delta_rule import _rows_to_fold
 from .dependent_launch import after_previous, launch_options
+from .one_row_commit import rows_to_roll
 
 BLOCK = 1024  # fp32 values per program: a 128 x 128 head is 16 programs
 NUM_WARPS = 4
@@ -42,7 +42,7 @@ def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)  # a head of the slot
     i_b = tl.program_id(2)  # a block of that head's D_K * D_V values
-    i_kept = _rows_to_fold(cu_rows, kept, i_s)
+    i_kept = rows_to_roll(cu_rows, kept, i_s)
     if i_kept == 0:  # padding, or one row, which its verify committed
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)

@@ -97,7 +97,7 @@ def traced_forward(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.T
     def record(store, weight):
         store.setdefault((weight.data_ptr(), tuple(weight.shape)), weight)
 
-    def kernel_linear(x, weight, bias=None, out=None):
+    def kernel_linear(x, weight, bias=None, out=None, defer_split=False):  # finished: what an unsplit weight returns
         record(plain, weight)
         result = F.linear(x, weight, bias)
         return result if out is None else out.copy_(result)  # the LM head's fp32 logits (ops.head_logits)

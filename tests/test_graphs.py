@@ -38,7 +38,8 @@ def _open_all(engine, rng):
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 def test_warm_engine_captures_nothing_and_matches_eager(model, mode):
     """200 steps of random K mixes (random subsets of the sessions, drafts right and wrong): no
-    capture after warm_up, logits, tokens and every real slot's state bitwise the eager engine's."""
+    capture after warm_up, logits, tokens and every real slot's state bitwise the eager engine's;
+    a step's returned logits outlive the next step's replay."""
     graphed = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, graph_rows=GRAPH_ROWS)
     eager = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, cuda_graphs=False)
     graphed.warm_up()
@@ -47,6 +48,7 @@ def test_warm_engine_captures_nothing_and_matches_eager(model, mode):
     rng_g, rng_e = random.Random(0), random.Random(0)
     pairs = list(zip(_open_all(graphed, rng_g), _open_all(eager, rng_e)))
     rng = random.Random(1)
+    earlier = []  # the last step's returned logits with a copy: the graph's next replay must not reach them
     for step in range(200):
         live = [p for p in pairs if p[0].position + MAX_K + 1 < MAX_SEQ_LEN and rng.random() < 0.8] or pairs[:1]
         drafts = []
@@ -60,6 +62,8 @@ def test_warm_engine_captures_nothing_and_matches_eager(model, mode):
             assert a.error is None and b.error is None
             assert (a.tokens, a.accepted, a.position) == (b.tokens, b.accepted, b.position), f"step {step}"
             assert torch.equal(a.logits, b.logits), f"step {step}: logits differ"
+        assert all(torch.equal(rows, copy) for rows, copy in earlier), f"step {step} changed the last step's logits"
+        earlier = [(a.logits, a.logits.clone()) for a in got]
     assert graphed.graph_captures == captures, "a step captured a graph while serving"
     real = slice(0, N_SLOTS)
     for index, (a, b) in enumerate(zip(graphed.pool.layers, eager.pool.layers)):

@@ -220,12 +220,9 @@ class Engine:
     def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], batch: RowBatch,
                                 tokens: torch.Tensor) -> list[StepResult]:
         logits, verified = self.runner.verify(tokens, batch, self.rollback_mode, checked=True)
-        # one copy for every result that wants its rows (a graph's next replay overwrites `logits`);
-        # each result then holds a view of it
-        kept_logits = logits.clone() if any(r.want_logits for r in requests) else None
         verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
                           [r.draft_probs for r in requests])
-        results, consumed = [], []
+        results, consumed, wanted = [], [], []
         for req, seq, (_, start, span), (accepted, bonus) in zip(requests, sequences, batch.sequences(), verdicts):
             emitted, finish = self._cut(seq, [*req.drafts[:accepted], bonus])
             # Each emitted token's row is consumed: the pending token plus the accepted drafts kept.
@@ -234,10 +231,26 @@ class Engine:
             seq.pending = emitted[-1]
             seq.emitted += len(emitted)
             seq.finish_reason = finish
-            rows = kept_logits[span.start : span.start + len(emitted)] if req.want_logits else None
-            results.append(StepResult(accepted, emitted, seq.position, finish, rows))
+            results.append(StepResult(accepted, emitted, seq.position, finish, None))
+            if req.want_logits:
+                wanted.append((results[-1], logits[span.start : span.start + len(emitted)]))
+        self._keep_rows(wanted)
         self.runner.rollback(verified, consumed)
         return results
+
+    @staticmethod
+    def _keep_rows(wanted: list[tuple[StepResult, torch.Tensor]]) -> None:
+        """Each (result, its emitted rows: a view of the verify's logits) gets its rows, all copied
+        together once, since a graph's next replay overwrites the logits. Only the emitted rows: at
+        64 sequences x 9 rows the 2B model's verify holds 350 MB of fp32 logits, of which a step
+        whose drafts are all rejected returns a ninth."""
+        if not wanted:
+            return
+        kept = torch.cat([rows for _, rows in wanted])
+        offset = 0
+        for result, rows in wanted:
+            result.logits = kept[offset : offset + rows.shape[0]]
+            offset += rows.shape[0]
 
     @staticmethod
     def _cut(seq: Sequence, emitted: list[int]) -> tuple[list[int], str | None]:

@@ -121,10 +121,8 @@ def test_fused_equals_per_layer(kind, conv_dtype, snapshot_mode, device):
                     f"{name}[{l}]: a slot outside the step, or the scratch slot, was written"
                 if first == 0:
                     assert torch.equal(got[3], start[3]), f"{name}[{l}]: a sequence keeping nothing was written"
-                if name == "states":  # slot 0's one row was committed by its verify (kernels/delta_rule.py)
-                    assert torch.equal(got[0], start[0]), f"states[{l}]: a one-row sequence's state was rolled back"
-                else:
-                    assert not torch.equal(got[0], start[0]), f"windows[{l}]: a one-row sequence's window did not move"
+                # slot 0's one row was committed by its verify (kernels/one_row_commit.py)
+                assert torch.equal(got[0], start[0]), f"{name}[{l}]: a one-row sequence's slot was rolled back"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=delta.shape_id)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from kernels import linear as linear_module
-from kernels.linear import BLOCK_M, WIDE_N, LinearConfig, linear, linear_config, linear_ref, tile_for_rows
+from kernels.linear import BLOCK_M, WIDE_N, LinearConfig, SplitSums, linear, linear_config, linear_ref, tile_for_rows
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -181,6 +181,23 @@ def test_split_k(device, dtype, cfg):
         assert torch.equal(linear(x[i : i + 1].clone(), w, b, config=cfg), full[i : i + 1]), f"row {i} alone differs"
     out = nan_like(torch.empty(5, n, dtype=dtype, device=device))
     assert torch.equal(linear(x[:5], w, b, out=out, config=cfg), full[:5])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_deferred_split_finishes_to_the_same_bits(device, dtype, bias):
+    """defer_split hands a split product's sums over unfinished (SplitSums): finish() gives the
+    undeferred output bitwise, at every row count; an unsplit product comes back finished."""
+    k, n, cfg = 136, 40, SPLITS[1]
+    x, w, b = make(max(ROW_COUNTS), k, n, dtype, bias, device)
+    for r in (1, 5, max(ROW_COUNTS)):
+        sums = linear(x[:r], w, b, config=cfg, defer_split=True)
+        assert isinstance(sums, SplitSums) and sums.partial.shape == (cfg.SPLIT_K, r, n) and sums.dtype == dtype
+        assert torch.equal(sums.finish(), linear(x[:r], w, b, config=cfg)), f"rows {r}"
+    unsplit = cfg._replace(SPLIT_K=1)
+    assert torch.equal(linear(x, w, b, config=unsplit, defer_split=True), linear(x, w, b, config=unsplit))
+    with pytest.raises(ValueError, match="defer_split returns the split sums; it takes no out buffer"):
+        linear(x, w, b, out=torch.empty(len(x), n, dtype=dtype, device=device), config=cfg, defer_split=True)
 
 
 def test_narrow_bf16_weights_split_k():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import norms
+from kernels.linear import SplitSums
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -264,3 +265,27 @@ def test_add_rms_norm(device, dtype, zero_centred, d):
         assert torch.equal(t, total[:n]) and torch.equal(y, normed[:n]), n
     with pytest.raises(ValueError, match="residual"):
         norms.add_rms_norm(x, residual[:, :-1], weight, EPS, zero_centred)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("d", [40, 130, 5000], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rms_norm_finishes_split_sums(device, dtype, d, splits):
+    """A split-K projection's unfinished sums as the residual (kernels.linear.SplitSums): the sum
+    and the norm are bitwise those of the finished residual (linear's reduce: splits in ascending
+    order, + bias, one rounding), with and without a bias, at every row count."""
+    x, _, weight = make_inputs(17, d, dtype, device, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    partial = (2.0 * torch.randn(splits, 17, d, generator=gen)).to(device)
+    bias = torch.randn(d, generator=gen).to(device, dtype)
+    for b in (None, bias):
+        for n in (1, 5, 17):
+            sums = SplitSums(partial[:, :n].contiguous(), b, dtype)
+            total, normed = norms.add_rms_norm(x[:n], sums, weight, EPS, True)
+            want_total, want_normed = norms.add_rms_norm(x[:n], sums.finish(), weight, EPS, True)
+            assert torch.equal(total, want_total) and torch.equal(normed, want_normed), (n, b is not None)
+    with pytest.raises(ValueError, match=r"residual split sums must have shape \[SPLIT_K, M, D\]"):
+        norms.add_rms_norm(x, SplitSums(partial[:, :, :-1].contiguous(), None, dtype), weight, EPS, True)
+    with pytest.raises(ValueError, match="residual split sums finish to"):
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        norms.add_rms_norm(x, SplitSums(partial, None, other), weight, EPS, True)

@@ -69,13 +69,14 @@ def test_delta_rule_fold_padded(kind, device):
 def test_conv_rows_padded(dtype, device):
     scratch = conv.N_SLOTS - 1
     window, inputs, weight = conv.make(ALL_ROWS, 37, 4, dtype, device, seed=7)
-    before = window.clone()
-    want = conv_rows(window, inputs[:REAL_ROWS], weight, *conv.ragged(COUNTS, SLOTS, device))
+    want_window, got_window = window.clone(), window.clone()  # the one-row sequence (slot 3) commits its row
+    want = conv_rows(want_window, inputs[:REAL_ROWS], weight, *conv.ragged(COUNTS, SLOTS, device))
     out = nan_like(inputs)
-    conv_rows(window, inputs, weight, *conv.ragged(*padded(COUNTS, SLOTS, scratch), device), out)
+    conv_rows(got_window, inputs, weight, *conv.ragged(*padded(COUNTS, SLOTS, scratch), device), out, scratch_slot=scratch)
     assert torch.equal(out[:REAL_ROWS], want), "real rows' conv outputs changed under padding"
     assert not torch.isnan(out[REAL_ROWS:]).any(), "the padding rows were not computed"
-    assert torch.equal(window, before), "conv_rows wrote a window"
+    assert torch.equal(got_window, want_window), "a window differs from the unpadded launch's"
+    assert torch.equal(got_window[scratch], window[scratch]), "conv_rows wrote the scratch slot"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=conv.DTYPE_IDS.get)

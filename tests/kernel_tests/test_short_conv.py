@@ -1,5 +1,6 @@
 """kernels/short_conv.py: conv_rows and next_window against their torch references, row and batch
-invariance, the verify-then-rollback contract of the conv window, NaN-poisoned outputs.
+invariance, the verify-then-rollback contract of the conv window (a one-row sequence's conv_rows
+commits its row, kernels/one_row_commit.py), NaN-poisoned outputs.
 
 Tolerances (conv_rows vs conv_rows_ref, general inputs):
   fp32: rtol 1e-6 (8 ulps). The W-tap sum is bit-identical (same order, product and sum rounded
@@ -30,6 +31,11 @@ def ragged(counts: list[int], slots: list[int], device) -> tuple[torch.Tensor, t
     return torch.tensor(slots, dtype=torch.int32, device=device), torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def shifted(window: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """window [C, W-1] advanced by one input row [C]: what a one-row sequence's conv_rows commits."""
+    return torch.cat((window, row[:, None]), dim=1)[:, 1:]
+
+
 def make(rows: int, channels: int, width: int, dtype, device, seed: int = 0, saturate: bool = False):
     """(window [N_SLOTS, C, W-1], inputs [rows, C], weight [C, W]). saturate: every pre-activation
     above 20, where SiLU(x) = x in fp32, so the output is the tap sum itself."""
@@ -46,16 +52,21 @@ def make(rows: int, channels: int, width: int, dtype, device, seed: int = 0, sat
 @pytest.mark.parametrize("width", [2, 3, 4], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("channels", [37, 300], ids=lambda c: f"C{c}")
 def test_conv_rows_matches_ref(dtype, width, channels, device):
+    """The one-row sequence (slot 3) commits its row to its window, as the reference does; no
+    other window is written."""
     counts, slots = [1, 5, 2, 9], [3, 0, 5, 1]  # rows fewer and more than W-1, slots out of order
     window, inputs, weight = make(sum(counts), channels, width, dtype, device)
     seq_slots, cu_rows = ragged(counts, slots, device)
-    before = window.clone()
+    got_window, want_window = window.clone(), window.clone()
     out = nan_like(inputs)
-    got = conv_rows(window, inputs, weight, seq_slots, cu_rows, out)
-    want = conv_rows_ref(window, inputs, weight, seq_slots, cu_rows)
+    got = conv_rows(got_window, inputs, weight, seq_slots, cu_rows, out)
+    want = conv_rows_ref(want_window, inputs, weight, seq_slots, cu_rows)
     assert got is out and got.dtype == dtype
     assert_close(f"conv_rows {DTYPE_IDS[dtype]}", got, want, *TOLERANCES[dtype])  # also fails on NaN
-    assert torch.equal(window, before), "conv_rows wrote the window"
+    assert torch.equal(got_window, want_window)
+    assert torch.equal(got_window[3], shifted(window[3], inputs[0])), "the one-row sequence did not commit its row"
+    for slot in (0, 1, 2, 4, 5):
+        assert torch.equal(got_window[slot], window[slot]), f"conv_rows wrote slot {slot}'s window"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
@@ -65,8 +76,8 @@ def test_conv_rows_exact_where_silu_saturates(dtype, width, device):
     counts, slots = [1, 3, 7], [2, 4, 0]
     window, inputs, weight = make(sum(counts), 37, width, dtype, device, seed=1, saturate=True)
     seq_slots, cu_rows = ragged(counts, slots, device)
-    got = conv_rows(window, inputs, weight, seq_slots, cu_rows)
-    want = conv_rows_ref(window, inputs, weight, seq_slots, cu_rows)
+    got = conv_rows(window.clone(), inputs, weight, seq_slots, cu_rows)
+    want = conv_rows_ref(window.clone(), inputs, weight, seq_slots, cu_rows)
     assert (want.float() > 20).all()
     assert torch.equal(got, want)
 
@@ -79,7 +90,7 @@ def test_conv_rows_row_invariant(dtype, device):
     full = conv_rows(window, inputs, weight, seq_slots, cu_rows)
     for r in ROW_COUNTS:
         seq_slots, cu_rows = ragged([r], [4], device)
-        part = conv_rows(window, inputs[:r], weight, seq_slots, cu_rows)
+        part = conv_rows(window.clone(), inputs[:r], weight, seq_slots, cu_rows)  # a clone: one row commits
         assert torch.equal(part, full[:r]), f"rows {r}"
 
 
@@ -89,11 +100,11 @@ def test_conv_rows_batch_invariant(dtype, device):
     counts, slots = [4, 1, 6], [5, 2, 3]
     window, inputs, weight = make(sum(counts), 37, 3, dtype, device, seed=3)
     seq_slots, cu_rows = ragged(counts, slots, device)
-    batched = conv_rows(window, inputs, weight, seq_slots, cu_rows)
+    batched = conv_rows(window.clone(), inputs, weight, seq_slots, cu_rows)  # clones: the one-row sequence commits
     start = 0
     for n, slot in zip(counts, slots):
         alone_slots, alone_cu = ragged([n], [slot], device)
-        alone = conv_rows(window, inputs[start : start + n], weight, alone_slots, alone_cu)
+        alone = conv_rows(window.clone(), inputs[start : start + n], weight, alone_slots, alone_cu)
         assert torch.equal(alone, batched[start : start + n]), f"slot {slot}"
         start += n
 
@@ -109,8 +120,10 @@ def test_strided_rows_read_in_place(dtype, device):
     strided = wide[:, 3 : 3 + 37]  # rows 48 elements apart, each row's 37 channels dense
     assert strided.stride() == (48, 1) and not strided.is_contiguous()
     seq_slots, cu_rows = ragged(counts, slots, device)
-    want = conv_rows(window, dense, weight, seq_slots, cu_rows)
-    assert torch.equal(conv_rows(window, strided, weight, seq_slots, cu_rows), want)
+    want_window, got_window = window.clone(), window.clone()  # the one-row sequence commits its row
+    want = conv_rows(want_window, dense, weight, seq_slots, cu_rows)
+    assert torch.equal(conv_rows(got_window, strided, weight, seq_slots, cu_rows), want)
+    assert torch.equal(got_window, want_window)
     consumed = torch.tensor([1, 3, 18], dtype=torch.int32, device=device)
     got, expected = window.clone(), window.clone()
     next_window(got, strided, seq_slots, cu_rows, consumed)
@@ -122,7 +135,7 @@ def test_strided_rows_read_in_place(dtype, device):
 @pytest.mark.parametrize("width", [2, 3, 4], ids=lambda w: f"W{w}")
 def test_next_window_matches_ref(dtype, width, device):
     counts, slots = [1, 5, 2, 9], [3, 0, 5, 1]
-    consumed = [1, 2, 2, 9]  # fewer than, as many as and more than W-1 rows; all rows
+    consumed = [1, 2, 2, 9]  # fewer than, as many as and more than W-1 rows; all rows; slot 3: one row, left alone
     window, inputs, _ = make(sum(counts), 37, width, dtype, device, seed=4)
     seq_slots, cu_rows = ragged(counts, slots, device)
     consumed_t = torch.tensor(consumed, dtype=torch.int32, device=device)
@@ -130,14 +143,14 @@ def test_next_window_matches_ref(dtype, width, device):
     next_window(got, inputs, seq_slots, cu_rows, consumed_t)
     next_window_ref(want, inputs, seq_slots, cu_rows, consumed_t)
     assert torch.equal(got, want)
-    for slot in set(range(N_SLOTS)) - set(slots):
-        assert torch.equal(got[slot], window[slot]), f"slot {slot} outside the batch was written"
+    for slot in set(range(N_SLOTS)) - set(slots) | {3}:
+        assert torch.equal(got[slot], window[slot]), f"slot {slot} (outside the batch, or of one row) was written"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 def test_conv_recurrent_contract(dtype, device):
-    """K rows in one launch == K one-row launches with the window advanced by next_window(1 row)
-    between them == a split (3 + 5): outputs and final windows bitwise."""
+    """K rows in one launch == K one-row launches, each committing its row (next_window then leaves
+    it) == a split (3 + 5) rolled forward by next_window: outputs and final windows bitwise."""
     k, slot = 8, 2
     window, inputs, weight = make(k, 37, 4, dtype, device, seed=5)
     seq_slots, cu_rows = ragged([k], [slot], device)
@@ -170,3 +183,14 @@ def test_launchers_reject_bad_tensors(device):
     wide_window, wide_inputs, wide_weight = make(3, 8, 5, torch.float32, device)
     with pytest.raises(ValueError, match="a conv of width 5; the kernel holds at most 3 earlier rows"):
         conv_rows(wide_window, wide_inputs, wide_weight, seq_slots, cu_rows)
+
+
+def test_one_row_conv_leaves_the_scratch_slot(device):
+    """Padding sequences of one row in the scratch slot write nothing there, while a real one-row
+    sequence of the same launch commits its row."""
+    counts, slots, scratch = [1, 1, 1, 0], [0, 4, 4, 4], 4
+    window, inputs, weight = make(sum(counts), 37, 4, torch.float32, device, seed=9)
+    got = window.clone()
+    conv_rows(got, inputs, weight, *ragged(counts, slots, device), scratch_slot=scratch)
+    assert torch.equal(got[scratch], window[scratch]), "a padding sequence wrote the scratch slot"
+    assert torch.equal(got[0], shifted(window[0], inputs[0])), "the real one-row sequence did not commit its row"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.linear import SplitSums
+
 
 class LayerOutputs:
     def __init__(self, model):
@@ -40,6 +42,8 @@ class LayerOutputs:
         def recorded(*args, **kwargs):
             out = forward(*args, **kwargs)
             rows = out[0] if isinstance(out, tuple) else out  # a mixer returns (rows, its verify record)
+            if isinstance(rows, SplitSums):  # a split-K projection's sums, which the next norm finishes (ops.linear)
+                rows = rows.finish()
             self._calls[index].append(rows.detach().clone())
             return out
 

@@ -107,7 +107,8 @@ class HybridModel:
         positions = batch.positions(self.device)
         h = self.embed[tokens]
         # The residual stream's adds run fused into the norm that follows them: h + mixed with the
-        # block's post-norm, h + mlp with the next block's input norm (the final norm after the last).
+        # block's post-norm, h + mlp with the next block's input norm (the final norm after the last);
+        # on CUDA a split-K output projection's reduce runs fused in there too (ops.linear's into_add_norm).
         x = each_row(lambda t: self._norm(t, self.blocks[0].input_norm), h, row_invariant=row_invariant)
         next_norms = [block.input_norm for block in self.blocks[1:]] + [self.final_norm]
         for index, (block, state, next_norm) in enumerate(zip(self.blocks, pool.layers, next_norms)):
@@ -115,7 +116,7 @@ class HybridModel:
             if record is not None and layer_record is not None:
                 record.layers[index] = layer_record
             h, x = each_row(lambda a, b: self._add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)
-            mlp_out = each_row(block.mlp.forward, x, row_invariant=row_invariant)
+            mlp_out = each_row(lambda t: block.mlp.forward(t, into_add_norm=True), x, row_invariant=row_invariant)
             h, x = each_row(lambda a, b: self._add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
         if last_only:
             x = x[[o - 1 for o in batch.offsets[1:]]]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kernels import linear as linear_kernel
 from kernels import linear_fp8, moe, norms
+from kernels.linear import SplitSums
 from kernels.runtime import pick, use_triton
 
 from .fp8 import BlockFP8Weight, LinearWeight, OutFeatureGroups
@@ -45,11 +46,16 @@ def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
     return torch.cat(outs)
 
 
-def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, *,
+           into_add_norm: bool = False) -> torch.Tensor | SplitSums:
     """x [rows, in] @ weight [out, in]^T (+ bias): the row-invariant Triton GEMM on CUDA.
 
     weight: a tensor in x's dtype; a BlockFP8Weight (the W8A16 FP8 GEMM on CUDA); or
-    OutFeatureGroups (one GEMM per group, outputs side by side)."""
+    OutFeatureGroups (one GEMM per group, outputs side by side).
+    into_add_norm: the result goes only to add_rms_norm (a mixer's or an MLP's output projection):
+    on CUDA a weight whose K is split then hands over its unfinished sums (kernels.linear.SplitSums),
+    which the norm's kernel finishes bitwise as the split's reduce would: one launch fewer each
+    (48 a step for the 2B model)."""
     if isinstance(weight, OutFeatureGroups):
         biases = [None] * len(weight.groups) if bias is None else bias.split(weight.sizes)
         return torch.cat([linear(x, w, b) for w, b in zip(weight.groups, biases)], dim=1)
@@ -58,7 +64,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
             return linear_fp8.linear_fp8(x, weight.data, weight.scales, bias)
         weight = weight.dequantize()
     if use_triton(x):
-        return linear_kernel.linear(x, weight, bias)
+        return linear_kernel.linear(x, weight, bias, defer_split=into_add_norm)
     return F.linear(x, weight, bias)
 
 
@@ -98,8 +104,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return _rowwise(norms.rms_norm, norms.rms_norm_ref, x, weight, eps, zero_centred)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, rms_norm(x + residual)) for [rows, d]: one kernel on CUDA (the residual stream's add fused into the next norm)."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
+                 zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)) for [rows, d]: one kernel on CUDA (the residual
+    stream's add fused into the next norm; a SplitSums residual finished there too)."""
     return pick(norms.add_rms_norm, norms.add_rms_norm_ref, x)(x, residual, weight, eps, zero_centred)
 
 

@@ -1,9 +1,9 @@
 """What a verify forward leaves behind for rollback, and the rollback itself (DESIGN.md section 4).
 
-Verify never writes a slot's committed conv window, nor the recurrent state of a sequence of more
-than one row; a one-row sequence (a decode) commits its row's state in the verify itself, since
-every step consumes a sequence's first row, and rollback leaves that state alone (a decode then
-reads and writes the state once, where a verify and a fold moved it three times). Per recurrent
+Verify never writes the committed conv window or recurrent state of a sequence of more than one
+row; a one-row sequence (a decode) commits its row's window and state in the verify itself, since
+every step consumes a sequence's first row, and rollback leaves that slot alone
+(kernels/one_row_commit.py); a step of decodes only has no rollback at all. Per recurrent
 layer it records a LayerRecord over all rows of the batch (each sequence's rows 0..K in order):
   both modes: the raw conv inputs [rows, conv_dim] (rollback re-slices the window);
   snapshot:   the recurrent state after each row [rows, heads, d_k, d_v] (rollback copies row a's);
@@ -143,7 +143,7 @@ class RollbackPlan:
 def rollback(pool: SlotPool, record: VerifyRecord, consumed: list[int]) -> None:
     """Bring every sequence of the verify to 'rows 0 .. consumed[s]-1 consumed' (consumed = accepted + 1)."""
     check_consumed(record.batch, consumed)
-    if record.layers:
+    if record.layers and not record.batch.committed_in_verify:
         plan = RollbackPlan(pool, record)
         apply_rollback(pool, record, torch.tensor(consumed, dtype=torch.int32, device=plan.device), plan)
 

@@ -43,6 +43,12 @@ class RowBatch:
         return sum(self.counts)
 
     @property
+    def committed_in_verify(self) -> bool:
+        """Every sequence has one row: its verify committed it (kernels/one_row_commit.py), so its
+        rollback has nothing to do."""
+        return all(c == 1 for c in self.counts)
+
+    @property
     def offsets(self) -> list[int]:
         out = [0]
         for c in self.counts:

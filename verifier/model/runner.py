@@ -90,6 +90,8 @@ class StepRunner:
         """Keep rows 0 .. consumed[s]-1 of each sequence of the last verify (consumed = accepted + 1),
         in one copy of the counts to the device."""
         check_consumed(verified.batch, consumed)
+        if verified.batch.committed_in_verify:  # decodes only: no launch, no copy (rows.py)
+            return
         kept = list(consumed) if verified.shape is None else padded_kept(list(consumed), verified.shape)
         if verified.bucket is not None:
             self.graphs.rollback(verified.bucket, kept)

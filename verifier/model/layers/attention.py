@@ -49,7 +49,7 @@ class GatedAttention:
         if use_triton(x):
             query, gate = self._project_and_write(x, batch, positions, state)
             gated = attend(batch, state, query, self.scale, row_invariant=row_invariant, gate=gate)  # the gate applied in-kernel
-            return linear(gated.reshape(x.shape[0], -1), self.w_o, self.b_o), None
+            return linear(gated.reshape(x.shape[0], -1), self.w_o, self.b_o, into_add_norm=True), None
         query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
         out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
@@ -76,4 +76,4 @@ class GatedAttention:
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """out [n, heads, hd], gate [n, heads*hd] -> [n, H]."""
-        return linear(out.reshape(gate.shape) * torch.sigmoid(gate), self.w_o, self.b_o)
+        return linear(out.reshape(gate.shape) * torch.sigmoid(gate), self.w_o, self.b_o, into_add_norm=True)

@@ -69,7 +69,7 @@ class GatedDeltaNet(DeltaRuleMixer):
     def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Recurrence output [n, Hv, d_v] and z [n, Hv, d_v], both in the activation dtype -> [n, H]."""
         normed = silu_gated_rms_norm(out, z, self.norm_w, self.eps)
-        return linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out)
+        return linear(normed.reshape(out.shape[0], self.cfg.value_dim), self.w_out, into_add_norm=True)
 
 
 def _deinterleave(g, w_qkvz, w_ba):

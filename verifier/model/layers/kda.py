@@ -65,4 +65,4 @@ class KimiDeltaAttention(DeltaRuleMixer):
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Recurrence output [n, heads, D] and output gate [n, heads, D], both in the activation dtype -> [n, H]."""
         normed = sigmoid_gated_rms_norm(out, gate, self.o_norm, self.eps)
-        return linear(normed.reshape(out.shape[0], self.cfg.proj_dim), self.w_o)
+        return linear(normed.reshape(out.shape[0], self.cfg.proj_dim), self.w_o, into_add_norm=True)

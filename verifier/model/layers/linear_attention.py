@@ -4,8 +4,8 @@ the layer's forward around it (`DeltaRuleMixer`).
 Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their torch
 references, which walk each sequence row by row, serve the CPU. Verify (SNAPSHOT or WOA mode)
 reads a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback;
-it writes the recurrent state of a one-row sequence only, whose row every step consumes
-(kernels/delta_rule.py). Prefill (COMMIT) applies the same record at once.
+it writes the window and state of a one-row sequence only, whose row every step consumes
+(kernels/one_row_commit.py). Prefill (COMMIT) applies the same record at once.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
-    mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows)
+    mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot)
     query, key, value = each_row(split_heads, mixed, row_invariant=row_invariant)
     snapshots = None
     if mode == SNAPSHOT:

@@ -64,4 +64,4 @@ class LatentAttention:
         return q.view(n, m.n_heads, m.qk_head_dim), key, value
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
-        return linear(out.reshape(out.shape[0], -1), self.w_o)
+        return linear(out.reshape(out.shape[0], -1), self.w_o, into_add_norm=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels import swiglu
+from kernels.linear import SplitSums
 from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
@@ -32,9 +33,11 @@ class DenseMLP:
         self.intermediate = intermediate
         self.w_down = src.take(prefix + "down_proj.weight", (hidden, intermediate))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor | SplitSums:
+        """into_add_norm: the output goes only to the residual stream's add_rms_norm (a block's MLP,
+        not a shared expert), so a split-K down projection may hand over its sums (ops.linear)."""
         silu_mul = pick(swiglu.silu_mul, swiglu.silu_mul_ref, x)  # silu(gate) * up in one launch on CUDA
-        return linear(silu_mul(linear(x, self.w_gate_up), self.intermediate), self.w_down)
+        return linear(silu_mul(linear(x, self.w_gate_up), self.intermediate), self.w_down, into_add_norm=into_add_norm)
 
 
 class MoE:
@@ -93,7 +96,8 @@ class MoE:
             weights = weights / (_column_sum(weights) + 1e-20)
         return ids, weights * m.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor:
+        """into_add_norm is DenseMLP's; a sum of experts is always finished here."""
         ids, weights = self.route(x)
         # Per row, its experts in ascending id order, fp32 accumulation (kernels/moe.py): no host
         # sync on the routing, so a CUDA graph can capture it.
