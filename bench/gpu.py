@@ -190,7 +190,10 @@ def step_ms(engine: Engine, seqs: list, k: int, repeats: int) -> float:
 
 
 def rollback_figures(model, k: int, repeats: int) -> dict:
-    """Verify of K+1 rows, then rollback to a = K/2 accepted, timed apart (CUDA-graphed when the engine graphs)."""
+    """Verify of K+1 rows, then rollback to a = K/2 accepted, timed apart (CUDA-graphed when the engine graphs).
+    A write-on-accept engine carries the kept rows into the next verify (verifier/model/carry.py):
+    its rollback copies them, and each verify timed applies the last rollback's a + 1 rows first,
+    so the fold's work is in verify_ms ('carries': True)."""
     out = {}
     for mode in (WOA, SNAPSHOT):
         engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, rollback_mode=mode, graph_rows=(k + 1,))
@@ -210,7 +213,8 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
             t2 = time.perf_counter()
             verify_ms.append((t1 - t0) * 1e3)
             rollback_ms.append((t2 - t1) * 1e3)
-        out[mode] = {"verify_ms": statistics.median(verify_ms[2:]), "rollback_ms": statistics.median(rollback_ms[2:])}
+        out[mode] = {"verify_ms": statistics.median(verify_ms[2:]), "rollback_ms": statistics.median(rollback_ms[2:]),
+                     "carries": engine.pool.carry_rows > 0}
     out["k"], out["accepted"] = k, k // 2
     return out
 

@@ -27,6 +27,10 @@ commits that row at once (kernels/one_row_commit.py: the rule, and why); a seque
 leaves `state` alone (write-on-accept). delta_rule_fold applies each sequence's first consumed[s]
 rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA rollback, and prefill's
 commit with consumed = all rows; a one-row sequence has nothing left to fold.
+With a carry (verifier/model/carry.py) a verify first applies its slot's carried rows (the last
+step's kept stash rows, which its rollback copied rather than folded) and commits the result
+(a one-row sequence commits once, after its row too); its rows then start from there. The carried
+rows go through `_walk_rows`, the fold's own walk, so the state is bitwise the fold's.
 A sequence with no rows (verify) or nothing consumed (fold) returns before it reads or writes its
 slot: graph buckets pad a step with such sequences (verifier/model/padding.py), and hundreds of
 them then cost nothing. Padding sequences sit in the scratch slot (`scratch_slot`, the pool's
@@ -140,13 +144,31 @@ def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K
     return b_k, b_v, b_decay, b_beta
 
 
-_NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots"]
+@triton.jit
+def _walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_n, o_k, o_v, m_k, m_v, DECAY_K: tl.constexpr):
+    """b_s advanced by i_n >= 1 stash rows of one head: key, value, decay, beta point at row 0's
+    first channel of that head, rows s_key, s_value, s_decay, s_beta elements apart. Row t + 1 is
+    loaded while row t is applied, as in the verify walk below: the same values reach
+    `_update_state` in the same order. The fold of a rollback and a verify's carried rows."""
+    b_k, b_v, b_decay, b_beta = _load_stash_row(key, value, decay, beta, o_k, o_v, m_k, m_v, DECAY_K)
+    for i_t in range(0, i_n):
+        i_row = tl.where(i_t + 1 < i_n, i_t + 1, i_t).to(tl.int64)  # the next row (the last: itself again)
+        n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_row * s_key, value + i_row * s_value, decay + i_row * s_decay,
+                                                    beta + i_row * s_beta, o_k, o_v, m_k, m_v, DECAY_K)
+        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
+        b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
+    return b_s
+
+
+_NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots", "carry_key", "carry_value",
+                 "carry_decay", "carry_beta"]
 
 
 # scratch_slot is not specialised on either: its value (the pool's size, or -1) must not pick another compiled kernel
 @triton.jit(do_not_specialize=["scratch_slot"], do_not_specialize_on_alignment=_NO_ALIGNMENT)
 def _delta_rule_kernel(
     state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, scratch_slot,
+    carried, carry_key, carry_value, carry_decay, carry_beta,
     H: tl.constexpr,
     D_K: tl.constexpr,
     D_V: tl.constexpr,
@@ -155,6 +177,7 @@ def _delta_rule_kernel(
     BLOCK_V: tl.constexpr,
     FOLD: tl.constexpr,  # False: verify (rows of cu_rows, store out); True: fold (first consumed rows, store state)
     STORE_SNAPSHOTS: tl.constexpr,
+    CARRY_ROWS: tl.constexpr,  # verify: C > 0, each slot's carried stash rows (C a slot) go first; 0: none
     INTERPRET: tl.constexpr,  # the interpreter truncates fp32 -> bf16: out is rounded on the bits first there
     PDL: tl.constexpr,
 ):
@@ -177,6 +200,16 @@ def _delta_rule_kernel(
 
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
+    if CARRY_ROWS > 0:
+        i_carried = tl.load(carried + i_s)
+        if i_carried > 0:
+            # the last step's kept rows, which its rollback carried rather than folded
+            # (verifier/model/carry.py): applied first and committed, as that fold would have
+            i_ch = (i_slot * CARRY_ROWS) * H + i_h  # row 0 of the slot's carry, this head
+            b_s = _walk_rows(b_s, carry_key + i_ch * D_K, carry_value + i_ch * D_V, carry_decay + i_ch * DECAY_K,
+                             carry_beta + i_ch, H * D_K, H * D_V, H * DECAY_K, H, i_carried, o_k, o_v, m_k, m_v, DECAY_K)
+            if i_rows > 1:  # one row stores its state once, below
+                tl.store(p_state, b_s, mask=m_s)
 
     # row t's inputs were loaded during row t - 1 (prefetch): the same values reach _update_state
     # in the same order, so the bits are a walk's that loads each row when it applies it
@@ -233,7 +266,7 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool,
-            scratch_slot: int | None) -> None:
+            scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None) -> None:
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
@@ -243,8 +276,10 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
         state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),
         seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
         -1 if scratch_slot is None else scratch_slot,
+        *((carried, *carry) if carry is not None else (cu_rows, state, state, state, state)),  # never read without a carry
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
-        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, INTERPRET=interpreting(),
+        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, CARRY_ROWS=0 if carry is None else carry[0].shape[1],
+        INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
 
@@ -252,11 +287,15 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
 def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                       snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      scratch_slot: int | None = None) -> torch.Tensor:
+                      scratch_slot: int | None = None, carried: torch.Tensor | None = None,
+                      carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
     [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
     in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
-    row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned."""
+    row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned.
+    carry: (keys [n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [n_slots, C, H])
+    fp32 with carried int32 [S]: sequence s first applies its slot's first carried[s] carry rows
+    and commits the result (verifier/model/carry.py); its rows then start from there."""
     op = "delta_rule_verify"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     rows, heads, d_k = key.shape
@@ -269,12 +308,27 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     if snapshots is not None:
         check_tensor(op, "snapshots", snapshots, (rows, heads, d_k, d_v), torch.float32, on_state,
                      layout="[R, H, D_K, D_V]", contiguous=True)
+    if (carry is None) != (carried is None):
+        raise ValueError(f"{op}: carry and carried come together")
+    if carry is not None:
+        _check_carry(op, carry, carried, state, decay.shape[2], seq_slots)
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
     _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False,
-            scratch_slot=scratch_slot)
+            scratch_slot=scratch_slot, carried=carried, carry=carry)
     return out
+
+
+def _check_carry(op: str, carry: tuple, carried: torch.Tensor, state: torch.Tensor, decay_k: int, seq_slots: torch.Tensor) -> None:
+    n_slots, heads, d_k, d_v = state.shape
+    if len(carry) != 4 or carry[0].dim() != 4:
+        raise ValueError(f"{op}: carry must be (keys [n_slots, C, H, D_K], values, decays, betas)")
+    rows, on_state = carry[0].shape[1], ("state", state)
+    for name, t, dims in zip(("carry keys", "carry values", "carry decays", "carry betas"), carry,
+                             ((d_k,), (d_v,), (decay_k,), ())):
+        check_tensor(op, name, t, (n_slots, rows, heads, *dims), torch.float32, on_state, contiguous=True)
+    check_tensor(op, "carried", carried, seq_slots.shape, torch.int32, on_state, layout="[S]")
 
 
 def delta_rule_fold(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
@@ -306,15 +360,23 @@ def read_state(state: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                           snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                          scratch_slot: int | None = None) -> torch.Tensor:
-    """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state; a
-    one-row sequence outside scratch_slot commits its row."""
+                          scratch_slot: int | None = None, carried: torch.Tensor | None = None,
+                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state (after
+    its carried rows, committed); a one-row sequence outside scratch_slot commits its row."""
     rows, heads, d_v = value.shape
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     bounds = cu_rows.tolist()
+    carried = [0] * len(bounds) if carried is None else carried.tolist()
     for s, slot in enumerate(seq_slots.tolist()):
         s_state = state[slot]
+        if carried[s] and bounds[s + 1] > bounds[s]:
+            keys, values, decays, betas = carry
+            for i in range(carried[s]):
+                s_state = update_state(s_state, keys[slot, i], values[slot, i], decays[slot, i][..., None], betas[slot, i])
+            if bounds[s + 1] - bounds[s] > 1:
+                state[slot] = s_state
         for i in range(bounds[s], bounds[s + 1]):
             s_state = update_state(s_state, key[i], value[i], decay[i][..., None], beta[i])
             out[i] = read_state(s_state, query[i])

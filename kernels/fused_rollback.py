@@ -1,6 +1,7 @@
 """Rollback of every recurrent layer of a step in one launch per state: the conv windows of all
 layers in one (`next_windows`), the recurrent states of all layers in another (`fold_states`,
-write-on-accept; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
+write-on-accept; `keep_carry`, write-on-accept in a pool that carries its kept rows into the next
+verify, verifier/model/carry.py; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
 kin gives, bit for bit: short_conv.next_window, delta_rule.delta_rule_fold, snapshots.keep_snapshots.
 
 A RecurrentLayers is L alike layers (the same C, W, conv dtype, H, D_K, D_V and DECAY_K); per layer l:
@@ -32,11 +33,10 @@ keep_state_snapshots (S, L * H, cdiv(D_K * D_V, BLOCK)). Block sizes and num_war
 one-layer kernels', chosen from the layer shapes alone.
 
 Bits. fold_states runs delta_rule_fold's program on each layer: delta_rule's config for (D_K, D_V),
-its `_state_tile`, `_load_stash_row` and `_update_state`, num_stages 1, FMA contraction
-off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
+its `_state_tile` and `_walk_rows`, num_stages 1, FMA contraction off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
 specialised on alignment) carry none, so the compiler lays the [BLOCK_K, BLOCK_V] state tile and
 its sums over D_K out as it does there: the float instructions are delta_rule_fold's, only the
-address arithmetic differs. next_windows and keep_state_snapshots copy values.
+address arithmetic differs. next_windows, keep_carry and keep_state_snapshots copy values.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import triton.language as tl
 
 from . import delta_rule, short_conv
 from .checks import check_launchable, check_ragged, check_tensor
-from .delta_rule import _load_stash_row, _state_tile, _update_state
+from .delta_rule import _state_tile, _walk_rows
 from .dependent_launch import after_previous, launch_options
 from .one_row_commit import rows_to_roll
 from .rounding import TL_DTYPES
@@ -59,12 +59,14 @@ from .snapshots import _copy_head_block, keep_snapshots_ref
 
 # The pointer table's columns, per layer: tensors by address, a record's rows by their stride in elements.
 FIELDS = ("window", "conv_inputs", "conv_inputs_row_stride", "state", "key", "key_row_stride", "value", "value_row_stride",
-          "decay", "decay_row_stride", "beta", "beta_row_stride", "snapshots")
+          "decay", "decay_row_stride", "beta", "beta_row_stride", "snapshots", "carry_key", "carry_value", "carry_decay",
+          "carry_beta")
 N_FIELDS = tl.constexpr(len(FIELDS))
-_ALIGNED_ROWS = 2  # table rows of 13 int64 (104 bytes): every second row starts 16-byte aligned (208 = 13 * 16)
+_ALIGNED_ROWS = 2  # table rows of 17 int64 (136 bytes): every second row starts 16-byte aligned (272 = 17 * 16)
 WINDOW, CONV_INPUTS, CONV_INPUTS_ROW_STRIDE, STATE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[:4])
 KEY, KEY_ROW_STRIDE, VALUE, VALUE_ROW_STRIDE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[4:8])
-DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:])
+DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:13])
+CARRY_KEY, CARRY_VALUE, CARRY_DECAY, CARRY_BETA = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[13:])
 
 
 @triton.jit
@@ -135,16 +137,50 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     o_k, o_v, m_k, m_v, m_s, o_s = _state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
-    # as delta_rule's walk: row t + 1 is loaded while row t is applied
-    b_k, b_v, b_decay, b_beta = _load_stash_row(key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay,
-                                                beta + i_bos * s_beta, o_k, o_v, m_k, m_v, DECAY_K)
-    for i_t in range(0, i_rows):
-        i_row = i_bos + tl.where(i_t + 1 < i_rows, i_t + 1, i_t)  # int64: the next row (the last: itself again)
-        n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_row * s_key, value + i_row * s_value, decay + i_row * s_decay,
-                                                    beta + i_row * s_beta, o_k, o_v, m_k, m_v, DECAY_K)
-        b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
-        b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
+    b_s = _walk_rows(b_s, key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay, beta + i_bos * s_beta,
+                     s_key, s_value, s_decay, s_beta, i_rows, o_k, o_v, m_k, m_v, DECAY_K)
     tl.store(p_state, b_s, mask=m_s)
+
+
+@triton.jit
+def _copy_row(src, dst, N: tl.constexpr, BLOCK: tl.constexpr):
+    """N fp32 values from src to dst."""
+    o_x = tl.arange(0, BLOCK)
+    tl.store(dst + o_x, tl.load(src + o_x, mask=o_x < N), mask=o_x < N)
+
+
+@triton.jit
+def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+                       DECAY_K: tl.constexpr, CARRY_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                       PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_s = tl.program_id(0)
+    i_layer = tl.program_id(1) // H
+    i_h = tl.program_id(1) % H
+    i_rows = rows_to_roll(cu_rows, kept, i_s)
+    if i_rows == 0:  # padding, or one row, which its verify committed
+        return
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s).to(tl.int64)
+    s_key = _field(table, i_layer, KEY_ROW_STRIDE)
+    s_value = _field(table, i_layer, VALUE_ROW_STRIDE)
+    s_decay = _field(table, i_layer, DECAY_ROW_STRIDE)
+    s_beta = _field(table, i_layer, BETA_ROW_STRIDE)
+    key = _pointer(table, i_layer, KEY, tl.float32) + i_h * D_K
+    value = _pointer(table, i_layer, VALUE, tl.float32) + i_h * D_V
+    decay = _pointer(table, i_layer, DECAY, tl.float32) + i_h * DECAY_K
+    beta = _pointer(table, i_layer, BETA, tl.float32) + i_h
+    i_ch = (i_slot * CARRY_ROWS) * H + i_h  # row 0 of the slot's carry, this head
+    carry_key = _pointer(table, i_layer, CARRY_KEY, tl.float32) + i_ch * D_K
+    carry_value = _pointer(table, i_layer, CARRY_VALUE, tl.float32) + i_ch * D_V
+    carry_decay = _pointer(table, i_layer, CARRY_DECAY, tl.float32) + i_ch * DECAY_K
+    carry_beta = _pointer(table, i_layer, CARRY_BETA, tl.float32) + i_ch
+    for i_t in range(0, i_rows):
+        i_row = i_bos + i_t
+        _copy_row(key + i_row * s_key, carry_key + i_t * (H * D_K), D_K, BLOCK_K)
+        _copy_row(value + i_row * s_value, carry_value + i_t * (H * D_V), D_V, BLOCK_V)
+        _copy_row(decay + i_row * s_decay, carry_decay + i_t * (H * DECAY_K), DECAY_K, BLOCK_K)
+        tl.store(carry_beta + i_t * H, tl.load(beta + i_row * s_beta))
 
 
 @triton.jit
@@ -175,11 +211,13 @@ class RecurrentLayers:
 
     def __init__(self, windows: list[torch.Tensor], states: list[torch.Tensor], conv_inputs: list[torch.Tensor],
                  keys: list[torch.Tensor], values: list[torch.Tensor], decays: list[torch.Tensor], betas: list[torch.Tensor],
-                 snapshots: list[torch.Tensor] | None = None, store: TableStore | None = None):
+                 snapshots: list[torch.Tensor] | None = None, store: TableStore | None = None,
+                 carries: list[tuple[torch.Tensor, ...]] | None = None):
         """store: made inside a CUDA graph capture (the draft chain's, which captures its verifies
         and rollbacks in one graph): the table is rows of the store, allocated before the capture,
         and written by `fill_table()` once the capture has ended; the addresses it will hold are
-        read now."""
+        read now. carries: per layer the slots' carried rows (keys [n_slots, C, H, D_K], values,
+        decays, betas: verifier/model/state.py's CarriedRows), which keep_carry writes."""
         op = "RecurrentLayers"
         per_layer = dict(windows=windows, states=states, conv_inputs=conv_inputs, keys=keys, values=values, decays=decays,
                          betas=betas, **({} if snapshots is None else dict(snapshots=snapshots)))
@@ -215,8 +253,15 @@ class RecurrentLayers:
             if snapshots is not None:
                 check_tensor(op, f"snapshots[{l}]", snapshots[l], (rows, *first.shape[1:]), f32, on_state,
                              layout="[R, H, D_K, D_V]", contiguous=True)
+            if carries is not None:
+                c_rows = carries[0][0].shape[1]
+                for name, t, dims in zip(("keys", "values", "decays", "betas"), carries[l],
+                                         ((self.d_k,), (self.d_v,), (self.decay_k,), ())):
+                    check_tensor(op, f"carries[{l}] {name}", t, (n_slots, c_rows, heads, *dims), f32, on_state, contiguous=True)
         self.windows, self.states, self.conv_inputs = windows, states, conv_inputs
         self.keys, self.values, self.decays, self.betas, self.snapshots = keys, values, decays, betas, snapshots
+        self.carries = carries
+        self.carry_rows = 0 if carries is None else carries[0][0].shape[1]
         self.n_layers = n_layers
         self.table = None  # where no Triton kernel can launch
         if first.is_cuda or interpreting():
@@ -246,6 +291,9 @@ class RecurrentLayers:
                     row.append(entries[field.removesuffix("_row_stride")].stride(0))
                 elif field == "snapshots":
                     row.append(0 if self.snapshots is None else self.snapshots[l].data_ptr())
+                elif field.startswith("carry_"):
+                    which = ("carry_key", "carry_value", "carry_decay", "carry_beta").index(field)
+                    row.append(0 if self.carries is None else self.carries[l][which].data_ptr())
                 else:
                     row.append(entries[field].data_ptr())
             rows.append(row)
@@ -286,8 +334,16 @@ def _check_rows(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dty
         dense *= t.shape[dim]
 
 
-def _check_launch(op: str, layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> int:
-    """-> S, the sequences of the launch (0: nothing to launch)."""
+# what a launcher needs the layers to hold beyond their record, and the error when they do not
+_HOLDS = {"snapshots": "the layers hold no snapshots (a write-on-accept record)",
+          "carries": "the layers carry no rows (a pool made without carry_rows)"}
+
+
+def _check_launch(op: str, layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor,
+                  holding: str | None = None) -> int:
+    """-> S, the sequences of the launch (0: nothing to launch). holding: a key of _HOLDS the launch reads."""
+    if holding is not None and getattr(layers, holding) is None:
+        raise ValueError(f"{op}: {_HOLDS[holding]}")
     if layers.table is None:
         raise ValueError(f"{op}: the layers have no pointer table (CPU tensors without TRITON_INTERPRET=1)")
     check_launchable(op, "table", layers.table)
@@ -332,10 +388,7 @@ def fold_states(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch
 def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
     """In place, every layer l: states[l][slot] = snapshots[l][cu_rows[s] + kept[s] - 1] where kept[s] > 0
     and s has more than one row (a one-row verify committed its row, which is that snapshot)."""
-    op = "keep_state_snapshots"
-    n_seqs = _check_launch(op, layers, seq_slots, cu_rows, kept)
-    if layers.snapshots is None:
-        raise ValueError(f"{op}: the layers hold no snapshots (a write-on-accept record)")
+    n_seqs = _check_launch("keep_state_snapshots", layers, seq_slots, cu_rows, kept, holding="snapshots")
     if n_seqs == 0:
         return
     head = layers.d_k * layers.d_v
@@ -343,6 +396,34 @@ def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_ro
         layers.table, seq_slots, cu_rows, kept, H=layers.heads, HEAD=head, BLOCK=SNAPSHOT_BLOCK,
         num_warps=SNAPSHOT_NUM_WARPS, **launch_options(kept.device),
     )
+
+
+def keep_carry(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """Every layer l: rows 0 .. kept[s]-1 of sequence s's stash (keys, values, decays, betas) copied
+    to its slot's carried rows, for s of more than one row (a one-row verify committed its row):
+    write-on-accept rollback where the next verify applies them (verifier/model/carry.py). A copy:
+    the bits are the stash's."""
+    n_seqs = _check_launch("keep_carry", layers, seq_slots, cu_rows, kept, holding="carries")
+    if n_seqs == 0:
+        return
+    _keep_carry_kernel[(n_seqs, layers.n_layers * layers.heads)](
+        layers.table, seq_slots, cu_rows, kept, H=layers.heads, D_K=layers.d_k, D_V=layers.d_v, DECAY_K=layers.decay_k,
+        CARRY_ROWS=layers.carry_rows, BLOCK_K=triton.next_power_of_2(layers.d_k), BLOCK_V=triton.next_power_of_2(layers.d_v),
+        num_warps=1, **launch_options(kept.device),
+    )
+
+
+def keep_carry_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """keep_carry in torch."""
+    if layers.carries is None:
+        raise ValueError(f"keep_carry_ref: {_HOLDS['carries']}")
+    bounds = cu_rows.tolist()
+    for s, (slot, n) in enumerate(zip(seq_slots.tolist(), kept.tolist())):
+        if n == 0 or bounds[s + 1] - bounds[s] == 1:
+            continue
+        for carry, stash in zip(layers.carries, zip(layers.keys, layers.values, layers.decays, layers.betas)):
+            for kept_rows, rows in zip(carry, stash):
+                kept_rows[slot, :n] = rows[bounds[s] : bounds[s] + n]
 
 
 def next_windows_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:

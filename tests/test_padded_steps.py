@@ -62,8 +62,9 @@ def test_padded_step_equals_unpadded(load_target, family, mode):
             emitted[s] += len(padded.tokens)
         real = slice(0, len(PROMPTS))
         for index, (a, b) in enumerate(zip(engines[0].pool.layers, engines[1].pool.layers)):
-            for name in vars(a):
-                assert torch.equal(getattr(a, name)[real], getattr(b, name)[real]), f"K {mix}: layer {index} {name}"
+            others = b.named_tensors()
+            for name, t in a.named_tensors().items():
+                assert torch.equal(t[real], others[name][real]), f"K {mix}: layer {index} {name}"
         _assert_scratch_clean(engines[1])
 
 
@@ -92,11 +93,11 @@ def test_eager_step_costs_touch_no_real_slot(load_target):
     engine.warm_up()  # eager: nothing to capture
     assert engine.graph_captures == 0 and engine.max_graph_rows is None
     seq = engine.open([5, 6, 7], SamplingParams(), 10, eos_ids=())
-    before = [t.clone() for layer in engine.pool.layers for t in vars(layer).values()]
+    before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
     costs = engine.step_costs()
     assert 1 <= len(costs) and list(costs) == list(BUCKETS[: len(costs)])
     assert all(isinstance(t, float) and t > 0 for t in costs.values())
-    after = [t for layer in engine.pool.layers for t in vars(layer).values()]
+    after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
     for a, b in zip(before, after):
         assert torch.equal(a[: engine.pool.n_slots], b[: engine.pool.n_slots]), "step_costs changed a real slot"
     _assert_scratch_clean(engine)

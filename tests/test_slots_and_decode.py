@@ -15,7 +15,7 @@ def _prompts(vocab: int, lengths=(5, 9, 3)) -> list[list[int]]:
 
 
 def _snapshot(pool, slot):
-    return [t[slot].clone() for layer in pool.layers for t in vars(layer).values()]
+    return [t[slot].clone() for layer in pool.layers for t in layer.named_tensors().values()]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -96,7 +96,8 @@ class Engine:
             graph_rows = tuple(r for r in DEFAULT_GRAPH_ROWS if r <= max_seq_len)
         graph_rows = check_graph_rows(tuple(graph_rows), max_seq_len)
         self.model = model
-        self.pool = model.new_pool(n_slots, max_seq_len)
+        # write-on-accept carries each step's kept rows into the next verify instead of folding them (model/carry.py)
+        self.pool = model.new_pool(n_slots, max_seq_len, carry_rows=max_k + 1 if rollback_mode == WOA and max_k > 0 else 0)
         self.max_k = max_k
         self.rollback_mode = rollback_mode
         # verify and rollback, eager or CUDA-graphed (same bits, minus the launch cost)

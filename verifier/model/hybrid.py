@@ -63,8 +63,8 @@ class HybridModel:
             more = f" and {len(leftovers) - 8} more" if len(leftovers) > 8 else ""
             raise CheckpointError(f"unexpected tensor(s) for a {config.model_type} model of this config: {shown}{more}")
 
-    def new_pool(self, n_slots: int, max_seq_len: int) -> SlotPool:
-        return SlotPool(self.config, n_slots, max_seq_len, self.device, self.dtype)
+    def new_pool(self, n_slots: int, max_seq_len: int, carry_rows: int = 0) -> SlotPool:
+        return SlotPool(self.config, n_slots, max_seq_len, self.device, self.dtype, carry_rows)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)

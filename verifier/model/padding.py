@@ -81,6 +81,7 @@ def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatc
         starts=batch.starts + tuple(PAD_CHUNK * j for j in range(len(chunks))) + (0,) * empty,
         counts=batch.counts + chunks + (0,) * empty,
         scratch_slot=scratch_slot,
+        carried=batch.carried + (0,) * padding if batch.carried else (),
     )
 
 

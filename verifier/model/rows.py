@@ -25,7 +25,10 @@ class RowBatch:
     starts: tuple[int, ...]  # committed position p of each sequence before these rows
     counts: tuple[int, ...]  # rows per sequence
     scratch_slot: int | None = None
-    # device -> (seq_slots, cu_rows, row_slots, positions): built once per batch and device, so a
+    # rows each sequence's slot carries from its last step, not yet in its committed recurrent
+    # state (verifier/model/carry.py); () for none
+    carried: tuple[int, ...] = ()
+    # device -> (seq_slots, cu_rows, row_slots, positions, carried): built once per batch and device, so a
     # forward makes no host-to-device copies after its first use (and a CUDA graph can own them)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -37,6 +40,8 @@ class RowBatch:
         assert len(set(real_slots)) == len(real_slots), f"RowBatch: a slot appears twice in one batch: {self.slots}"
         assert all(self.counts[s] >= 1 for s in real) and all(c >= 0 for c in self.counts) and all(p >= 0 for p in self.starts), \
             "RowBatch: every sequence needs at least one row and a non-negative start"
+        assert not self.carried or (len(self.carried) == len(self.slots) and min(self.carried) >= 0), \
+            "RowBatch: carried needs one count >= 0 per sequence" 
 
     @property
     def n_rows(self) -> int:
@@ -68,12 +73,12 @@ class RowBatch:
             device = torch.device("cuda", torch.cuda.current_device())
         return str(device)
 
-    def attach(self, device, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """Use these (seq_slots, cu_rows, row_slots, positions) on `device`: views of a step's packed
+    def attach(self, device, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Use these (seq_slots, cu_rows, row_slots, positions, carried) on `device`: views of a step's packed
         inputs (verifier/model/step_inputs.py), or a graph's static inputs."""
         self._on_device[self._device_key(device)] = tensors
 
-    def _tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tensors(self, device) -> tuple[torch.Tensor, ...]:
         key = self._device_key(device)
         if key not in self._on_device:
             packed = StepInputs(self.n_rows, len(self.slots), "cpu").fill(None, self).to(key)
@@ -95,3 +100,7 @@ class RowBatch:
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every row: [n_rows] int64."""
         return self._tensors(device)[3]
+
+    def carried_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows each sequence's slot carries from its last step: [sequences] int32 (zeros for none)."""
+        return self._tensors(device)[4]

@@ -19,7 +19,8 @@ import torch
 
 from .graphs import GraphedSteps, graphs_supported
 from .padding import BucketShape, bucket_shapes, pad_batch, padded_kept, smallest_bucket
-from .rollback import VerifyRecord, apply_rollback, check_consumed
+from .carry import note_kept, with_carried
+from .rollback import WOA, VerifyRecord, apply_rollback, check_consumed
 from .rows import RowBatch
 from .state import SlotPool
 from .step_inputs import StepInputs
@@ -33,6 +34,7 @@ class Verified:
     shape: BucketShape | None  # the bucket it was padded to; None: unpadded
     record: VerifyRecord | None  # eager: the forward's record (graphed: the bucket owns it)
     bucket: object | None = None  # graphed: the bucket whose rollback graph replays
+    mode: str | None = None  # the verify's rollback mode
 
 
 class StepRunner:
@@ -70,11 +72,14 @@ class StepRunner:
         model.check_rows on these rows already."""
         if not checked:
             self.model.check_rows(tokens, batch, self.pool)
+        caller = batch
+        batch = with_carried(batch, self.pool)  # each slot's carried rows go first (carry.py)
         shape = smallest_bucket(self.shapes, batch.n_rows)
         if self.graphs is not None and shape is not None:
             logits, bucket = self.graphs.verify(tokens, batch, shape, mode)
-            return logits, Verified(batch, shape, None, bucket)
-        return self._eager(tokens, batch, shape if self.pad_eagerly else None, mode)
+            return logits, Verified(caller, shape, None, bucket, mode)
+        logits, verified = self._eager(tokens, batch, shape if self.pad_eagerly else None, mode)
+        return logits, Verified(caller, verified.shape, verified.record, None, mode)
 
     @torch.inference_mode()
     def _eager(self, tokens: torch.Tensor | None, batch: RowBatch, shape: BucketShape | None, mode: str) -> tuple[torch.Tensor, Verified]:
@@ -90,13 +95,13 @@ class StepRunner:
         """Keep rows 0 .. consumed[s]-1 of each sequence of the last verify (consumed = accepted + 1),
         in one copy of the counts to the device."""
         check_consumed(verified.batch, consumed)
-        if verified.batch.committed_in_verify:  # decodes only: no launch, no copy (rows.py)
-            return
-        kept = list(consumed) if verified.shape is None else padded_kept(list(consumed), verified.shape)
-        if verified.bucket is not None:
-            self.graphs.rollback(verified.bucket, kept)
-        elif verified.record.layers:
-            apply_rollback(self.pool, verified.record, torch.tensor(kept, dtype=torch.int32).to(self.model.device))
+        if not verified.batch.committed_in_verify:  # decodes only: no launch, no copy (rows.py)
+            kept = list(consumed) if verified.shape is None else padded_kept(list(consumed), verified.shape)
+            if verified.bucket is not None:
+                self.graphs.rollback(verified.bucket, kept)
+            elif verified.record.layers:
+                apply_rollback(self.pool, verified.record, torch.tensor(kept, dtype=torch.int32).to(self.model.device))
+        note_kept(self.pool, verified.batch, consumed, carried=verified.mode == WOA)
 
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each bucket: the median of `repeats` steps of

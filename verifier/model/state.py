@@ -5,7 +5,10 @@ Per layer (n_slots + 1 slots: the last one, `scratch_slot`, is never admitted):
   attention / MLA: keys [n_slots + 1, max_seq_len, kv_heads, d_k], values [.., kv_heads, d_v]
       (MLA keeps its keys and values expanded per head, so both attention kinds read the same layout)
   GDN / KDA: conv window [n_slots + 1, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
-      recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness).
+      recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness),
+      and in a write-on-accept engine's pool the rows each slot carries from its last step into its
+      next verify (CarriedRows, C = max_k + 1 rows a slot; verifier/model/carry.py): the slot's state
+      is its recurrent state with its first SlotPool.carried[slot] carried rows applied.
 
 The scratch slot holds the padding rows of a graph bucket (verifier/model/padding.py): they write
 its KV and are never kept, so its conv window and recurrent state stay zero (a one-row verify,
@@ -26,11 +29,38 @@ class AttentionState:
     keys: torch.Tensor
     values: torch.Tensor
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the layer's slot state, by name (all slots on dim 0)."""
+        return {"keys": self.keys, "values": self.values}
+
+
+@dataclass
+class CarriedRows:
+    """Per slot, the stash rows of its last step that its committed recurrent state does not hold
+    yet (verifier/model/carry.py): rows 0 .. SlotPool.carried[slot] - 1 of each, C = max_k + 1 rows."""
+
+    keys: torch.Tensor  # [n_slots + 1, C, heads, d_k] fp32
+    values: torch.Tensor  # [n_slots + 1, C, heads, d_v] fp32
+    decays: torch.Tensor  # [n_slots + 1, C, heads, 1 (GDN) or d_k (KDA)] fp32
+    betas: torch.Tensor  # [n_slots + 1, C, heads] fp32
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.keys, self.values, self.decays, self.betas
+
 
 @dataclass
 class RecurrentState:
     conv: torch.Tensor
     recurrent: torch.Tensor
+    carry: CarriedRows | None = None  # a pool made with carry_rows (write-on-accept engines)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the layer's slot state, by name (all slots on dim 0): the carried rows too."""
+        named = {"conv": self.conv, "recurrent": self.recurrent}
+        if self.carry is not None:
+            named.update(zip(("carry keys", "carry values", "carry decays", "carry betas"), self.carry.tensors))
+        return named
 
     @property
     def scratch_slot(self) -> int:
@@ -43,19 +73,25 @@ class PoolFullError(RuntimeError):
 
 
 class SlotPool:
-    def __init__(self, config: ModelConfig, n_slots: int, max_seq_len: int, device: torch.device | str, dtype: torch.dtype):
-        if n_slots < 1 or max_seq_len < 1:
-            raise ValueError(f"SlotPool: n_slots {n_slots} and max_seq_len {max_seq_len} must be positive")
+    def __init__(self, config: ModelConfig, n_slots: int, max_seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                 carry_rows: int = 0):
+        """carry_rows: C > 0 gives every recurrent layer CarriedRows of C rows a slot (a
+        write-on-accept engine of max_k = C - 1: verifier/model/carry.py); 0: rollback folds."""
+        if n_slots < 1 or max_seq_len < 1 or carry_rows < 0:
+            raise ValueError(f"SlotPool: n_slots {n_slots} and max_seq_len {max_seq_len} must be positive, carry_rows "
+                             f"{carry_rows} not negative")
         self.n_slots = n_slots
         self.max_seq_len = max_seq_len
         self.scratch_slot = n_slots  # padding rows only; never admitted
+        self.carry_rows = carry_rows
+        self.carried = [0] * (n_slots + 1)  # per slot: its CarriedRows' rows in use (host bookkeeping)
         self.layers: list[AttentionState | RecurrentState] = [
-            self._layer_state(config, kind, n_slots + 1, max_seq_len, device, dtype) for kind in config.mixers
+            self._layer_state(config, kind, n_slots + 1, max_seq_len, device, dtype, carry_rows) for kind in config.mixers
         ]
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @staticmethod
-    def _layer_state(config, kind, n_slots, max_seq_len, device, dtype):
+    def _layer_state(config, kind, n_slots, max_seq_len, device, dtype, carry_rows):
         if kind == ATTENTION:
             a = config.attention
             shape = (n_slots, max_seq_len, a.n_kv_heads, a.head_dim)
@@ -74,9 +110,15 @@ class SlotPool:
             conv_dim, width, heads, d_k, d_v = k.conv_dim, k.conv_width, k.n_heads, k.head_dim, k.head_dim
         else:
             raise ValueError(f"unknown mixer {kind!r}")
+        carry = None
+        if carry_rows:
+            decay_k = 1 if kind == GDN else d_k
+            carry = CarriedRows(*(torch.zeros(n_slots, carry_rows, heads, *dims, dtype=torch.float32, device=device)
+                                  for dims in ((d_k,), (d_v,), (decay_k,), ())))
         return RecurrentState(
             torch.zeros(n_slots, conv_dim, width - 1, dtype=dtype, device=device),
             torch.zeros(n_slots, heads, d_k, d_v, dtype=torch.float32, device=device),
+            carry,
         )
 
     @property
@@ -88,6 +130,7 @@ class SlotPool:
         if not self._free:
             raise PoolFullError(f"all {self.n_slots} slots are in use")
         slot = self._free.pop()
+        self.carried[slot] = 0
         for layer in self.layers:
             if isinstance(layer, RecurrentState):
                 layer.conv[slot].zero_()

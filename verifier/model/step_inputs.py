@@ -6,6 +6,8 @@
     words [a3, ...) as int32:
         [0, S)              seq_slots  [S] int32: each sequence's slot
         [b, b + S + 1)      cu_rows    [S+1] int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
+        [c, c + S)          carried    [S] int32: rows of each sequence's last step its slot still
+                                       carries uncommitted (verifier/model/carry.py; 0 without)
 
 Every section starts on a 16-byte boundary: Triton specialises a pointer argument on 16-byte
 alignment, so the views launch the same compiled kernels as separately allocated tensors. The
@@ -35,18 +37,23 @@ def _cu_rows_at(sequences: int) -> int:
     return -(-sequences // 4) * 4
 
 
+def _carried_at(sequences: int) -> int:
+    """Where carried starts in the int32 section: after cu_rows, on a 16-byte boundary."""
+    return _cu_rows_at(sequences) + -(-(sequences + 1) // 4) * 4
+
+
 class StepInputs:
     def __init__(self, rows: int, sequences: int, device: torch.device | str, pin: bool = False):
         """A zeroed buffer for R = `rows` rows in S = `sequences` sequences on `device` (pinned host
         memory with pin=True, so a copy to the GPU can run asynchronously)."""
         self.rows, self.sequences = rows, sequences
-        int32_words = _aligned((_cu_rows_at(sequences) + sequences + 1 + 1) // 2)
+        int32_words = _aligned((_carried_at(sequences) + sequences + 1) // 2)
         self.buffer = torch.zeros(3 * _aligned(rows) + int32_words, dtype=torch.int64, device=device, pin_memory=pin)
         self._bind_views()
 
-    def batch_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(seq_slots, cu_rows, row_slots, positions): what RowBatch.attach takes."""
-        return self.seq_slots, self.cu_rows, self.row_slots, self.positions
+    def batch_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seq_slots, cu_rows, row_slots, positions, carried): what RowBatch.attach takes."""
+        return self.seq_slots, self.cu_rows, self.row_slots, self.positions, self.carried
 
     def fill(self, tokens: torch.Tensor | None, batch: RowBatch) -> StepInputs:
         """Write `batch` (exactly this buffer's R rows and S sequences: pad it first, see padding.py)
@@ -70,6 +77,7 @@ class StepInputs:
         cu_rows = self.cu_rows.numpy()
         cu_rows[0] = 0
         cu_rows[1:] = ends
+        self.carried.numpy()[:] = batch.carried if batch.carried else 0
         return self
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StepInputs:
@@ -93,3 +101,5 @@ class StepInputs:
         cu_at = _cu_rows_at(self.sequences)
         self.seq_slots = int32[: self.sequences]
         self.cu_rows = int32[cu_at : cu_at + self.sequences + 1]
+        carried_at = _carried_at(self.sequences)
+        self.carried = int32[carried_at : carried_at + self.sequences]

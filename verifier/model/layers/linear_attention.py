@@ -44,7 +44,11 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     # the outputs in the activation dtype, rounded once in the kernel: the layer's output norm takes
     # them so, and a cast after the recurrence would be one more launch per layer
     out = torch.empty(value.shape, dtype=conv_inputs.dtype, device=device)
-    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out, scratch_slot=state.scratch_slot)
+    carry = {}
+    if state.carry is not None and mode != COMMIT:  # the slot's carried rows go first (verifier/model/carry.py)
+        carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
+    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
+                 scratch_slot=state.scratch_slot, **carry)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if mode == COMMIT:
         commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
