@@ -13,7 +13,13 @@ later (an engine that skipped warm-up, another rollback mode) is captured then, 
 
 Inputs and outputs. A bucket owns a device StepInputs (tokens and batch in one buffer) whose views
 are the graph's inputs, a pinned host twin the step is packed into, and a kept-count buffer for
-the rollback graph: per step one host-to-device copy of the inputs, one of the kept counts. All
+the rollback graph with its pinned twin. Each graph begins with the copy of its pinned inputs to
+the device, captured as a node of the graph (a copy from pinned memory reads it when the graph
+replays): a step writes its inputs into the pinned buffers and replays, one launch where a copy
+and a replay were two. (On the H200 the separate copy of the kept counts took ~20 of a rollback's
+~56 us of host time; with the copy in the graph the rollback took 54 us, its replay a little
+longer: bench/results/rollback_parts_2026-12-01.json. The gain is one API call, not measured
+past the host's noise.) All
 buckets write their logits into one shared buffer [largest R_b, vocab] fp32, and every graph is
 captured into one shared memory pool: a step's logits are consumed (copied out) before the next
 verify replays, and its record is consumed by its rollback before any other replay, so the
@@ -132,15 +138,24 @@ class GraphedSteps:
         apply_rollback(self.pool, warm, kept, RollbackPlan(self.pool, warm))
         torch.cuda.synchronize()
         record = VerifyRecord(mode, static)
-        verify_graph = self._capture(lambda: self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out))
+        host_kept = torch.zeros(shape.sequences, dtype=torch.int32).pin_memory()
+
+        def verify_step():
+            inputs.copy_(host, non_blocking=True)  # captured: the replay reads the pinned buffer
+            self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out)
+
+        verify_graph = self._capture(verify_step)
         # the record's addresses are the verify graph's from here on: its pointer tables are built once, here
         plan = RollbackPlan(self.pool, record)
-        rollback_graph = self._capture(lambda: apply_rollback(self.pool, record, kept, plan))
+        def rollback_step():
+            kept.copy_(host_kept, non_blocking=True)  # captured, as the verify's inputs
+            apply_rollback(self.pool, record, kept, plan)
+
+        rollback_graph = self._capture(rollback_step)
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
             raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
         self._release(record)
-        bucket = _Bucket(shape, mode, inputs, host, kept, torch.zeros(shape.sequences, dtype=torch.int32).pin_memory(),
-                         torch.cuda.Event(), verify_graph, rollback_graph, plan.tables)
+        bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), verify_graph, rollback_graph, plan.tables)
         self._buckets[(shape.rows, mode)] = bucket
         self.captures += 1
         return bucket
@@ -166,8 +181,7 @@ class GraphedSteps:
         bucket = self._bucket(shape, mode)
         bucket.copied.synchronize()
         bucket.host.fill(tokens, pad_batch(batch, shape, self.pool.scratch_slot))
-        bucket.inputs.copy_(bucket.host, non_blocking=True)
-        bucket.verify_graph.replay()
+        bucket.verify_graph.replay()  # its first node copies bucket.host to bucket.inputs
         bucket.copied.record()
         self._last = bucket
         return self._logits[: batch.n_rows], bucket
@@ -179,8 +193,7 @@ class GraphedSteps:
             raise RuntimeError("graphed rollback must follow its own verify")
         bucket.copied.synchronize()
         bucket.host_kept.numpy()[:] = kept
-        bucket.kept.copy_(bucket.host_kept, non_blocking=True)
-        bucket.rollback_graph.replay()
+        bucket.rollback_graph.replay()  # its first node copies bucket.host_kept to bucket.kept
         bucket.copied.record()
         self._last = None
 
