@@ -52,8 +52,9 @@ class Sequence:
     emitted: int = 1  # tokens emitted so far, the first one (chosen from the prompt) included
     finish_reason: str | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] the first token came from (model's device)
-    # an engine step failed midway with this sequence in it: a decode's verify commits its row's
-    # recurrent state (kernels/delta_rule.py), so the state may be past the position; it steps no more
+    # an engine step failed midway with this sequence in it: a decode's verify commits its row, and
+    # any verify the rows its slot carried (kernels/one_row_commit.py, model/carry.py), so the state
+    # may be past the position and the carried count stale; it steps no more
     lost: bool = False
 
     @property
