@@ -7,6 +7,9 @@ wall time of the verify forward and of the rollback alone, on the torch referenc
 the state traffic per sequence and layer from the layouts (DESIGN.md section 4):
   snapshot: verify reads S, writes (K+1) S;             rollback reads S, writes S
   WOA:      verify reads S, writes (K+1) rows of stash; rollback reads (a+1) stash rows, reads S, writes S
+WOA here is the fold: the engines' pools carry nothing (max_k 0). A write-on-accept engine that
+drafts carries the kept rows into the slot's next verify instead (verifier/model/carry.py): its
+rollback copies (a+1) stash rows, and the next verify, which reads S anyway, writes it.
 Writes bench/results/rollback_<date>.json.
 
     python -m bench.rollback [--device cpu|cuda] [--repeats 21]
@@ -28,6 +31,7 @@ from bench.machine import device_name
 from verifier.arguments import DefaultsHelpFormatter, at_least
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
+from verifier.model.carry import committed_state
 from verifier.model.random_checkpoint import write_random_checkpoint
 from verifier.model.rollback import ROLLBACK_MODES, rollback
 from verifier.model.state import RecurrentState
@@ -53,7 +57,8 @@ def _config(heads: int, dim: int) -> dict:
 
 
 def _state(engine: Engine, slot: int) -> list[torch.Tensor]:
-    return [t[slot].clone() for layer in engine.pool.layers if isinstance(layer, RecurrentState) for t in (layer.conv, layer.recurrent)]
+    return [t for layer in engine.pool.layers if isinstance(layer, RecurrentState)
+            for t in (layer.conv[slot].clone(), committed_state(engine.pool, layer, slot))]
 
 
 def _serial(model, k: int, device) -> tuple[list[int], list[torch.Tensor]]:
@@ -88,7 +93,7 @@ def measure(heads: int, dim: int, device: str, repeats: int) -> list[dict]:
         drafts = serial_tokens[1 : k + 1]
         drafts[a] = (drafts[a] + 1) % 64  # reject at row a: a drafts accepted
         for mode in ROLLBACK_MODES:
-            engine = Engine(model, 1, 64, max_k=k, rollback_mode=mode)
+            engine = Engine(model, 1, 64, max_k=0, rollback_mode=mode)  # max_k 0: a pool that folds (module docstring)
             verify_ms, rollback_ms = [], []
             for _ in range(repeats):
                 seq = engine.open(PROMPT, SamplingParams(), 64, eos_ids=())

@@ -77,3 +77,23 @@ def test_a_verify_longer_than_the_carry_is_refused_before_it_runs(model):
     with pytest.raises(ValueError, match="a verify of 5 rows in a pool that carries at most 3"):
         engine.runner.verify(torch.tensor([seq.pending, 1, 2, 3, 4]), batch, engine.rollback_mode)
     assert states_equal(slot_state(engine, seq.slot, seq.position), before)
+
+
+def test_the_model_api_applies_the_carry_too(model):
+    """HybridModel.verify and rollback (the API under the engine, which bench.rollback and the
+    drafter call) on a carrying pool: two verifies with rollbacks in a row land on serial decode."""
+    from verifier.model.rollback import rollback
+
+    serial = serial_run(Engine(model, 1, 48, max_k=0), [5, 6, 7], 20)
+    engine = Engine(model, 1, 48, max_k=4)
+    seq = engine.open([5, 6, 7], SamplingParams(), 20, eos_ids=())
+    position, pending = seq.position, seq.pending
+    for kept in (3, 2):  # rows kept: the pending token and kept - 1 drafts of the serial stream
+        index = position - 3  # serial.tokens[index] is the pending token at this position
+        drafts = serial.tokens[index + 1 : index + kept] + [(serial.tokens[index + kept] + 1) % 90]
+        batch = RowBatch((seq.slot,), (position,), (len(drafts) + 1,))
+        _, record = model.verify(torch.tensor([pending, *drafts]), batch, engine.pool)
+        rollback(engine.pool, record, [kept])
+        assert engine.pool.carried[seq.slot] == kept
+        position, pending = position + kept, serial.tokens[index + kept]
+        assert states_equal(slot_state(engine, seq.slot, position), serial.states[position]), kept

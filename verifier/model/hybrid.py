@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .carry import with_carried
 from .checkpoint import CheckpointError, TensorSource
 from .config import ATTENTION, GDN, KDA, MLA, MOE, ModelConfig
 from .hf_config import load_config
@@ -80,8 +81,10 @@ class HybridModel:
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, mode: str = WOA) -> tuple[torch.Tensor, VerifyRecord]:
         """decode_k: tokens [rows] (per sequence its pending token then its drafts) -> (logits [rows, vocab] fp32,
-        the record `rollback` needs). Row-invariant; writes KV at the rows' positions but never a
-        slot's committed conv window or recurrent state."""
+        the record `rollback` needs). Row-invariant; writes KV at the rows' positions, and a slot's
+        committed conv window and recurrent state only where it commits rows every step consumes: a
+        one-row sequence's row, the rows its slot carried (kernels/one_row_commit.py, carry.py)."""
+        batch = batch if batch.carried else with_carried(batch, pool)
         record = VerifyRecord(mode, batch)
         return self._run(tokens, batch, pool, True, False, mode, record), record
 
