@@ -25,9 +25,11 @@ Per sequence, recurrent layer and verify of K+1 >= 2 rows (S = heads * d_k * d_v
 state; g = 1 for GDN, d_k for KDA; a decode, K = 0, reads S and writes S, in both modes):
   snapshot: verify reads S and writes (K+1) * S; rollback reads S and writes S.
   WOA:      verify reads S and writes (K+1) * heads * (d_k + d_v + g + 1) * 4 bytes of stash;
-            the fold reads (a+1) stash rows, reads S and writes S.
+            the fold reads (a+1) stash rows, reads S and writes S; carried (carry.py), the
+            rollback copies the (a+1) stash rows and the next verify, which reads S anyway,
+            reads them and writes S: S less per step.
 At Qwen3-Next sizes (32 heads of 128 x 128: S = 2 MiB) and K = 8 that is ~22 MiB per layer
-for snapshot against ~6.3 MiB for WOA. bench/rollback measures both.
+for snapshot against ~6.3 MiB for WOA with a fold. bench/rollback measures the fold and the snapshot.
 """
 
 from __future__ import annotations
