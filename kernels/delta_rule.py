@@ -320,14 +320,20 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     return out
 
 
+def carry_shapes(n_slots: int, rows: int, heads: int, d_k: int, d_v: int, decay_k: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a pool's carried rows (keys, values, decays, betas), C = `rows` a slot: what a
+    verify with a carry reads and verifier/model/state.py allocates."""
+    return (n_slots, rows, heads, d_k), (n_slots, rows, heads, d_v), (n_slots, rows, heads, decay_k), (n_slots, rows, heads)
+
+
 def _check_carry(op: str, carry: tuple, carried: torch.Tensor, state: torch.Tensor, decay_k: int, seq_slots: torch.Tensor) -> None:
     n_slots, heads, d_k, d_v = state.shape
     if len(carry) != 4 or carry[0].dim() != 4:
         raise ValueError(f"{op}: carry must be (keys [n_slots, C, H, D_K], values, decays, betas)")
-    rows, on_state = carry[0].shape[1], ("state", state)
-    for name, t, dims in zip(("carry keys", "carry values", "carry decays", "carry betas"), carry,
-                             ((d_k,), (d_v,), (decay_k,), ())):
-        check_tensor(op, name, t, (n_slots, rows, heads, *dims), torch.float32, on_state, contiguous=True)
+    on_state = ("state", state)
+    shapes = carry_shapes(n_slots, carry[0].shape[1], heads, d_k, d_v, decay_k)
+    for name, t, shape in zip(("carry keys", "carry values", "carry decays", "carry betas"), carry, shapes):
+        check_tensor(op, name, t, shape, torch.float32, on_state, contiguous=True)
     check_tensor(op, "carried", carried, seq_slots.shape, torch.int32, on_state, layout="[S]")
 
 

@@ -66,7 +66,8 @@ _ALIGNED_ROWS = 2  # table rows of 17 int64 (136 bytes): every second row starts
 WINDOW, CONV_INPUTS, CONV_INPUTS_ROW_STRIDE, STATE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[:4])
 KEY, KEY_ROW_STRIDE, VALUE, VALUE_ROW_STRIDE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[4:8])
 DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:13])
-CARRY_KEY, CARRY_VALUE, CARRY_DECAY, CARRY_BETA = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[13:])
+CARRY_FIELDS = FIELDS[13:]  # in CarriedRows' order: keys, values, decays, betas
+CARRY_KEY, CARRY_VALUE, CARRY_DECAY, CARRY_BETA = (tl.constexpr(FIELDS.index(f)) for f in CARRY_FIELDS)
 
 
 @triton.jit
@@ -110,6 +111,21 @@ def _next_windows_kernel(
 
 
 @triton.jit
+def _stash_of_head(table, i_layer, i_h, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr):
+    """Layer i_layer's record for head i_h: key, value, decay, beta pointers at row 0's first channel
+    of that head, and their row strides in elements."""
+    key = _pointer(table, i_layer, KEY, tl.float32) + i_h * D_K
+    value = _pointer(table, i_layer, VALUE, tl.float32) + i_h * D_V
+    decay = _pointer(table, i_layer, DECAY, tl.float32) + i_h * DECAY_K
+    beta = _pointer(table, i_layer, BETA, tl.float32) + i_h
+    s_key = _field(table, i_layer, KEY_ROW_STRIDE)
+    s_value = _field(table, i_layer, VALUE_ROW_STRIDE)
+    s_decay = _field(table, i_layer, DECAY_ROW_STRIDE)
+    s_beta = _field(table, i_layer, BETA_ROW_STRIDE)
+    return key, value, decay, beta, s_key, s_value, s_decay, s_beta
+
+
+@triton.jit
 def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
                         DECAY_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     after_previous(PDL)  # first: kernels/dependent_launch.py
@@ -125,14 +141,7 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
         return
     i_bos = i_bos.to(tl.int64)
     state = _pointer(table, i_layer, STATE, tl.float32)
-    key = _pointer(table, i_layer, KEY, tl.float32) + i_h * D_K  # this head's channels of row 0
-    value = _pointer(table, i_layer, VALUE, tl.float32) + i_h * D_V
-    decay = _pointer(table, i_layer, DECAY, tl.float32) + i_h * DECAY_K
-    beta = _pointer(table, i_layer, BETA, tl.float32) + i_h
-    s_key = _field(table, i_layer, KEY_ROW_STRIDE)
-    s_value = _field(table, i_layer, VALUE_ROW_STRIDE)
-    s_decay = _field(table, i_layer, DECAY_ROW_STRIDE)
-    s_beta = _field(table, i_layer, BETA_ROW_STRIDE)
+    key, value, decay, beta, s_key, s_value, s_decay, s_beta = _stash_of_head(table, i_layer, i_h, D_K, D_V, DECAY_K)
 
     o_k, o_v, m_k, m_v, m_s, o_s = _state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
@@ -140,13 +149,6 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     b_s = _walk_rows(b_s, key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay, beta + i_bos * s_beta,
                      s_key, s_value, s_decay, s_beta, i_rows, o_k, o_v, m_k, m_v, DECAY_K)
     tl.store(p_state, b_s, mask=m_s)
-
-
-@triton.jit
-def _copy_row(src, dst, N: tl.constexpr, BLOCK: tl.constexpr):
-    """N fp32 values from src to dst."""
-    o_x = tl.arange(0, BLOCK)
-    tl.store(dst + o_x, tl.load(src + o_x, mask=o_x < N), mask=o_x < N)
 
 
 @triton.jit
@@ -162,14 +164,7 @@ def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s).to(tl.int64)
-    s_key = _field(table, i_layer, KEY_ROW_STRIDE)
-    s_value = _field(table, i_layer, VALUE_ROW_STRIDE)
-    s_decay = _field(table, i_layer, DECAY_ROW_STRIDE)
-    s_beta = _field(table, i_layer, BETA_ROW_STRIDE)
-    key = _pointer(table, i_layer, KEY, tl.float32) + i_h * D_K
-    value = _pointer(table, i_layer, VALUE, tl.float32) + i_h * D_V
-    decay = _pointer(table, i_layer, DECAY, tl.float32) + i_h * DECAY_K
-    beta = _pointer(table, i_layer, BETA, tl.float32) + i_h
+    key, value, decay, beta, s_key, s_value, s_decay, s_beta = _stash_of_head(table, i_layer, i_h, D_K, D_V, DECAY_K)
     i_ch = (i_slot * CARRY_ROWS) * H + i_h  # row 0 of the slot's carry, this head
     carry_key = _pointer(table, i_layer, CARRY_KEY, tl.float32) + i_ch * D_K
     carry_value = _pointer(table, i_layer, CARRY_VALUE, tl.float32) + i_ch * D_V
@@ -177,9 +172,10 @@ def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl
     carry_beta = _pointer(table, i_layer, CARRY_BETA, tl.float32) + i_ch
     for i_t in range(0, i_rows):
         i_row = i_bos + i_t
-        _copy_row(key + i_row * s_key, carry_key + i_t * (H * D_K), D_K, BLOCK_K)
-        _copy_row(value + i_row * s_value, carry_value + i_t * (H * D_V), D_V, BLOCK_V)
-        _copy_row(decay + i_row * s_decay, carry_decay + i_t * (H * DECAY_K), DECAY_K, BLOCK_K)
+        # a row of a head is one block of a copy (snapshots.py's)
+        _copy_head_block(key + i_row * s_key, carry_key + i_t * (H * D_K), 0, D_K, BLOCK_K)
+        _copy_head_block(value + i_row * s_value, carry_value + i_t * (H * D_V), 0, D_V, BLOCK_V)
+        _copy_head_block(decay + i_row * s_decay, carry_decay + i_t * (H * DECAY_K), 0, DECAY_K, BLOCK_K)
         tl.store(carry_beta + i_t * H, tl.load(beta + i_row * s_beta))
 
 
@@ -254,10 +250,9 @@ class RecurrentLayers:
                 check_tensor(op, f"snapshots[{l}]", snapshots[l], (rows, *first.shape[1:]), f32, on_state,
                              layout="[R, H, D_K, D_V]", contiguous=True)
             if carries is not None:
-                c_rows = carries[0][0].shape[1]
-                for name, t, dims in zip(("keys", "values", "decays", "betas"), carries[l],
-                                         ((self.d_k,), (self.d_v,), (self.decay_k,), ())):
-                    check_tensor(op, f"carries[{l}] {name}", t, (n_slots, c_rows, heads, *dims), f32, on_state, contiguous=True)
+                shapes = delta_rule.carry_shapes(n_slots, carries[0][0].shape[1], heads, self.d_k, self.d_v, self.decay_k)
+                for name, t, shape in zip(("keys", "values", "decays", "betas"), carries[l], shapes):
+                    check_tensor(op, f"carries[{l}] {name}", t, shape, f32, on_state, contiguous=True)
         self.windows, self.states, self.conv_inputs = windows, states, conv_inputs
         self.keys, self.values, self.decays, self.betas, self.snapshots = keys, values, decays, betas, snapshots
         self.carries = carries
@@ -291,9 +286,8 @@ class RecurrentLayers:
                     row.append(entries[field.removesuffix("_row_stride")].stride(0))
                 elif field == "snapshots":
                     row.append(0 if self.snapshots is None else self.snapshots[l].data_ptr())
-                elif field.startswith("carry_"):
-                    which = ("carry_key", "carry_value", "carry_decay", "carry_beta").index(field)
-                    row.append(0 if self.carries is None else self.carries[l][which].data_ptr())
+                elif field in CARRY_FIELDS:
+                    row.append(0 if self.carries is None else self.carries[l][CARRY_FIELDS.index(field)].data_ptr())
                 else:
                     row.append(entries[field].data_ptr())
             rows.append(row)

@@ -213,7 +213,8 @@ class Engine:
         try:
             return self._verify_accept_rollback(requests, sequences, batch, tokens)
         except BaseException:
-            # the verify may have committed one-row sequences' rows and the rollback may not have run:
+            # the verify may have committed one-row sequences' rows and slots' carried rows, and the
+            # rollback may not have run:
             # no sequence of the step is known to be consistent (a bug or a device fault, not bad input)
             for seq in sequences:
                 seq.lost = True

@@ -12,7 +12,7 @@ from kernels.fused_rollback import RecurrentLayers, keep_carry, keep_carry_ref
 
 from . import test_delta_rule as delta
 from . import test_fused_rollback as fused
-from .conftest import assert_close
+from .conftest import ROW_COUNTS, assert_close
 
 C = 6  # carried rows a slot: max_k + 1
 
@@ -94,6 +94,35 @@ def test_keep_carry_copies_the_kept_rows_only(kind, device):
             assert got[3, 3:].isnan().all() and got[2, 2:].isnan().all(), f"layer {l}: rows past the kept ones were written"
             for slot in (0, 1, fused.SCRATCH):
                 assert got[slot].isnan().all(), f"layer {l}: slot {slot} (one row, outside, or padding) was written"
+
+
+@pytest.mark.parametrize("kind", delta.KINDS)
+def test_carried_verify_row_invariant(kind, device):
+    """With carried rows, op(x[:r]) == op(x)[:r] bitwise for r in ROW_COUNTS (one sequence), and every
+    r > 1 commits the same state (the carried rows applied): the carry does not depend on the rows."""
+    heads, d_k, d_v = delta.SHAPES[1]
+    n = max(ROW_COUNTS)
+    t = delta.make(n + 3, heads, d_k, d_v, kind, device, seed=13)
+    decay_k = t["decay"].shape[2]
+    carry = empty_carry(heads, d_k, d_v, decay_k, device)
+    slot, kept = 2, 3
+    for c, rows in zip(carry, (t["key"], t["value"], t["decay"], t["beta"])):
+        c[slot, :kept] = rows[n : n + kept]
+    carried = torch.tensor([kept], dtype=torch.int32, device=device)
+
+    def run(r):
+        state = t["state"].clone()
+        s, cu = delta.ragged([r], [slot], device)
+        out = delta_rule_verify(state, t["query"][:r], t["key"][:r], t["value"][:r], t["decay"][:r], t["beta"][:r], s, cu,
+                                carried=carried, carry=carry)
+        return out, state
+
+    full, full_state = run(n)
+    for r in ROW_COUNTS:
+        out, state = run(r)
+        assert torch.equal(out, full[:r]), f"rows {r}"
+        if r > 1:
+            assert torch.equal(state, full_state), f"rows {r}: the committed state differs"
 
 
 def test_verify_rejects_a_carry_without_counts(device):

@@ -279,11 +279,13 @@ def test_add_rms_norm_finishes_split_sums(device, dtype, d, splits):
     partial = (2.0 * torch.randn(splits, 17, d, generator=gen)).to(device)
     bias = torch.randn(d, generator=gen).to(device, dtype)
     for b in (None, bias):
+        full_total, full_normed = norms.add_rms_norm(x, SplitSums(partial, b, dtype), weight, EPS, True)
         for n in (1, 5, 17):
             sums = SplitSums(partial[:, :n].contiguous(), b, dtype)
             total, normed = norms.add_rms_norm(x[:n], sums, weight, EPS, True)
             want_total, want_normed = norms.add_rms_norm(x[:n], sums.finish(), weight, EPS, True)
             assert torch.equal(total, want_total) and torch.equal(normed, want_normed), (n, b is not None)
+            assert torch.equal(total, full_total[:n]) and torch.equal(normed, full_normed[:n]), f"rows {n} differ in 17"
     with pytest.raises(ValueError, match=r"residual split sums must have shape \[SPLIT_K, M, D\]"):
         norms.add_rms_norm(x, SplitSums(partial[:, :, :-1].contiguous(), None, dtype), weight, EPS, True)
     with pytest.raises(ValueError, match="residual split sums finish to"):

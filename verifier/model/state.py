@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.delta_rule import carry_shapes
+
 from .config import ATTENTION, GDN, KDA, MLA, ModelConfig
 
 
@@ -112,9 +114,8 @@ class SlotPool:
             raise ValueError(f"unknown mixer {kind!r}")
         carry = None
         if carry_rows:
-            decay_k = 1 if kind == GDN else d_k
-            carry = CarriedRows(*(torch.zeros(n_slots, carry_rows, heads, *dims, dtype=torch.float32, device=device)
-                                  for dims in ((d_k,), (d_v,), (decay_k,), ())))
+            shapes = carry_shapes(n_slots, carry_rows, heads, d_k, d_v, 1 if kind == GDN else d_k)
+            carry = CarriedRows(*(torch.zeros(shape, dtype=torch.float32, device=device) for shape in shapes))
         return RecurrentState(
             torch.zeros(n_slots, conv_dim, width - 1, dtype=dtype, device=device),
             torch.zeros(n_slots, heads, d_k, d_v, dtype=torch.float32, device=device),
