@@ -30,7 +30,8 @@ commit with consumed = all rows; a one-row sequence has nothing left to fold.
 With a carry (verifier/model/carry.py) a verify first applies its slot's carried rows (the last
 step's kept stash rows, which its rollback copied rather than folded) and commits the result
 (a one-row sequence commits once, after its row too); its rows then start from there. The carried
-rows go through `_walk_rows`, the fold's own walk, so the state is bitwise the fold's.
+rows go through `_update_state` in the fold's order (one walk with the step's rows, the kernel
+below), so the state is bitwise the fold's.
 A sequence with no rows (verify) or nothing consumed (fold) returns before it reads or writes its
 slot: graph buckets pad a step with such sequences (verifier/model/padding.py), and hundreds of
 them then cost nothing. Padding sequences sit in the scratch slot (`scratch_slot`, the pool's
@@ -149,7 +150,7 @@ def _walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_
     """b_s advanced by i_n >= 1 stash rows of one head: key, value, decay, beta point at row 0's
     first channel of that head, rows s_key, s_value, s_decay, s_beta elements apart. Row t + 1 is
     loaded while row t is applied, as in the verify walk below: the same values reach
-    `_update_state` in the same order. The fold of a rollback and a verify's carried rows."""
+    `_update_state` in the same order. The fused fold's walk (kernels/fused_rollback.py)."""
     b_k, b_v, b_decay, b_beta = _load_stash_row(key, value, decay, beta, o_k, o_v, m_k, m_v, DECAY_K)
     for i_t in range(0, i_n):
         i_row = tl.where(i_t + 1 < i_n, i_t + 1, i_t).to(tl.int64)  # the next row (the last: itself again)
@@ -158,6 +159,24 @@ def _walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_
         b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
         b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
     return b_s
+
+
+@triton.jit
+def _walk_row(i_t, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key, carry_value, carry_decay, carry_beta,
+              H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr, CARRY: tl.constexpr):
+    """Row i_t of a verify's (or fold's) walk, one head: with CARRY, carried row i_t while i_t <
+    i_carried (a slot's carried rows lie H heads apart, head i_ch's row 0 first), else the step's
+    row i_t - i_carried (head i_rh's row 0 first, also H heads apart) -> pointers to its key, value,
+    decay and beta, and the head index of its query (a carried row's: row 0's, loaded but unused)."""
+    i_row = i_rh + i_t * H
+    i_query = i_row
+    if CARRY:
+        in_carry = i_t < i_carried
+        i_row = tl.where(in_carry, i_ch + i_t * H, i_rh + (i_t - i_carried) * H)
+        i_query = tl.where(in_carry, i_rh, i_row)
+        key, value, decay, beta = (tl.where(in_carry, carry_key, key), tl.where(in_carry, carry_value, value),
+                                   tl.where(in_carry, carry_decay, decay), tl.where(in_carry, carry_beta, beta))
+    return key + i_row * D_K, value + i_row * D_V, decay + i_row * DECAY_K, beta + i_row, i_query
 
 
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots", "carry_key", "carry_value",
@@ -200,39 +219,54 @@ def _delta_rule_kernel(
 
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
+    i_carried = 0  # the slot's carried rows (verifier/model/carry.py): walked first, then committed
+    i_ch = i_h.to(tl.int64)  # row 0 of the slot's carry, this head
     if CARRY_ROWS > 0:
         i_carried = tl.load(carried + i_s)
-        if i_carried > 0:
-            # the last step's kept rows, which its rollback carried rather than folded
-            # (verifier/model/carry.py): applied first and committed, as that fold would have
-            i_ch = (i_slot * CARRY_ROWS) * H + i_h  # row 0 of the slot's carry, this head
-            b_s = _walk_rows(b_s, carry_key + i_ch * D_K, carry_value + i_ch * D_V, carry_decay + i_ch * DECAY_K,
-                             carry_beta + i_ch, H * D_K, H * D_V, H * DECAY_K, H, i_carried, o_k, o_v, m_k, m_v, DECAY_K)
-            if i_rows > 1:  # one row stores its state once, below
-                tl.store(p_state, b_s, mask=m_s)
-
-    # row t's inputs were loaded during row t - 1 (prefetch): the same values reach _update_state
-    # in the same order, so the bits are a walk's that loads each row when it applies it
+        i_ch = (i_slot * CARRY_ROWS) * H + i_h
     i_rh = i_bos * H + i_h  # row 0's head
-    b_k, b_v, b_decay, b_beta = _load_stash_row(key + i_rh * D_K, value + i_rh * D_V, decay + i_rh * DECAY_K, beta + i_rh,
-                                                o_k, o_v, m_k, m_v, DECAY_K)
+    i_walk = i_carried + i_rows
+
+    # One walk over the carried rows, then the step's rows: one loop, one set of prefetch registers
+    # (a loop of their own before this one took 182 us where this takes 158, H200, 64 sequences x 9
+    # rows after one carried row: bench/results/delta_rule_carry_2026-12-01.json). Row t + 1's inputs are
+    # loaded while row t is applied (the last row loads itself again, unused): the same values reach
+    # _update_state in the same order as a walk that loads each row when it applies it, and the
+    # carried rows' as the fold's `_walk_rows`.
+    p_k, p_v, p_decay, p_beta, i_query = _walk_row(0, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key, carry_value,
+                                                   carry_decay, carry_beta, H, D_K, D_V, DECAY_K, CARRY_ROWS > 0)
+    b_k, b_v, b_decay, b_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
     if not FOLD:
-        b_q = tl.load(query + i_rh * D_K + o_k, mask=m_k, other=0.0)
-    for i_t in range(0, i_rows):
-        i_next = i_rh + H  # the next row's head
-        i_load = tl.where(i_t + 1 < i_rows, i_next, i_rh)  # past the last row: itself again
-        n_k, n_v, n_decay, n_beta = _load_stash_row(key + i_load * D_K, value + i_load * D_V, decay + i_load * DECAY_K,
-                                                    beta + i_load, o_k, o_v, m_k, m_v, DECAY_K)
+        b_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
+    for i_t in range(0, i_walk):
+        i_load = tl.where(i_t + 1 < i_walk, i_t + 1, i_t)  # past the last row: itself again
+        p_k, p_v, p_decay, p_beta, i_query = _walk_row(i_load, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key,
+                                                       carry_value, carry_decay, carry_beta, H, D_K, D_V, DECAY_K,
+                                                       CARRY_ROWS > 0)
+        n_k, n_v, n_decay, n_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
+        if not FOLD and CARRY_ROWS > 0:
+            # the next query: loaded before the update with a carry, after it without one; each the
+            # faster schedule (H200, 64 x 9 rows, one carried row: 172 -> 159 us; no carry: 146 -> 132 us;
+            # the same bits: delta_rule_carry_2026-12-01.json)
+            n_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
         b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
+        step_row = True  # a row of this step, not a carried one
+        if CARRY_ROWS > 0:
+            step_row = i_t >= i_carried
+            if i_t + 1 == i_carried and i_rows > 1:
+                # the carried rows committed, as their fold would have; one row stores its state once, below
+                tl.store(p_state, b_s, mask=m_s)
         if not FOLD:
-            n_q = tl.load(query + i_load * D_K + o_k, mask=m_k, other=0.0)
-            b_out = cast_rtne(_read_state(b_s, b_q), out.dtype.element_ty, INTERPRET)  # fp32, or rounded to bf16
-            tl.store(out + i_rh * D_V + o_v, b_out, mask=m_v)
-            if STORE_SNAPSHOTS:
-                tl.store(snapshots + i_rh * (D_K * D_V) + o_s, b_s, mask=m_s)
+            if CARRY_ROWS == 0:
+                n_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
+            if step_row:
+                i_row = i_rh + (i_t - i_carried) * H  # its head
+                b_out = cast_rtne(_read_state(b_s, b_q), out.dtype.element_ty, INTERPRET)  # fp32, or rounded to bf16
+                tl.store(out + i_row * D_V + o_v, b_out, mask=m_v)
+                if STORE_SNAPSHOTS:
+                    tl.store(snapshots + i_row * (D_K * D_V) + o_s, b_s, mask=m_s)
             b_q = n_q
         b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
-        i_rh = i_next
 
     if FOLD:
         tl.store(p_state, b_s, mask=m_s)

@@ -11,7 +11,8 @@ walks its new rows from there. A step then moves the state twice (read, write), 
 times, and a rollback moves kilobytes.
 
 Bits. The carried rows are the stash's values, copied, and the verify applies them with the fold's
-function in the fold's order (kernels/delta_rule.py `_walk_rows`), so the state it commits, and
+function in the fold's order (kernels/delta_rule.py `_update_state`, in the walk that then takes
+the step's rows), so the state it commits, and
 every row after, is bitwise what the fold would have given.
 
 Who carries. A write-on-accept engine with max_k > 0 (verifier/engine.py) makes its pool with
