@@ -177,7 +177,7 @@ def time_rows(x: torch.Tensor, w: torch.Tensor, m: int, repeats: int) -> dict:
     tile = tile_for_rows(linear_config(n, k, w.dtype), n, m, w.dtype)
     return {"ours_ms": _sig(ours), "cublas_ms": _sig(cublas), "ours_tflops": _sig(flop / ours / 1e9),
             "cublas_tflops": _sig(flop / cublas / 1e9), "ours_over_cublas": round(cublas / ours, 3),
-            "tile": [tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages]}
+            "tile": [tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages], "tma": tile.TMA}
 
 
 def measure(name: str, w: torch.Tensor, repeats: int, *, sweep: bool = False, untimed: str | None = None) -> dict:

@@ -25,6 +25,9 @@ not documented: on the H200 every tile tried (BLOCK_M 16/64/128, BLOCK_N 64-256,
 model (`python -m bench.gemm`: tiles_equal in bench/results/gemm_2026-11-30.json), and
 tests/kernel_tests/test_linear.py checks torch.equal across row counts that cross every tile
 boundary, on the GPU too. fp32 (tests, the interpreter's reference checks) keeps one tile.
+From 128 rows the tiles load through tensor descriptors (`_linear_tma_kernel`, Hopper's TMA): the
+same K walk into the same MMAs, so the same bits (tested against the pointer loads on the GPU); a
+tensor TMA cannot address (a start or row stride not 16-byte aligned) takes the pointer loads.
 
 The range of K: the whole of K (SPLIT_K = 1: fp32 always, and bf16 weights with enough output
 tiles, such as an LM head), after which bias is added in fp32 and the tile is cast once. Narrow
@@ -47,12 +50,14 @@ gets wrong; the GPU never takes those branches:
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
@@ -70,18 +75,26 @@ class LinearConfig(NamedTuple):
     num_stages: int
     SPLIT_K: int = 1  # programs per output tile, each over a fixed contiguous range of K
     BLOCK_M: int = BLOCK_M
+    TMA: bool = False  # load the tiles through Hopper's tensor memory accelerator (`_linear_tma_kernel`)
 
 
-# (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, the tile for
-# weights of at least WIDE_N features or None: the same), largest first.
-# 128 rows on: timed on the H200 at M = 576 on the 2B model's shapes; bench/gemm.py times the result
-# against cuBLAS (bench/results/gemm_2026-11-30.json: 0.66-0.87 of it at M = 576). 32 to 127 rows
-# (64 decoding sequences, a few verifies): 64 features a tile, so that a 2048-wide output projection
-# runs 32 tiles x its split of K, not 16, on 132 SMs; at M = 64 this tile took the 2B model's GEMMs
-# from 1.61 to 1.34 ms a step by the per-shape times (bench/results/linear_tiles_2026-12-01.json, eleven tiles on six shapes,
-# every one bitwise the pinned tile's output). Weights of at least WIDE_N features (an LM head) have
-# tiles enough, and keep 128 features a tile there (208 against 246 us at M = 96 in that file).
-ROW_TILES = ((128, (128, 128, 64, 8, 3), None), (32, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3)))
+# (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; the tile for
+# weights of at least WIDE_N features, or None: the same; whether split-K weights take that tile too;
+# whether the tiles load through TMA), largest first.
+# 128 rows on, timed on the H200 at M = 576 on the 2B model's shapes against cuBLAS: TMA loads
+# (`_linear_tma_kernel`, the same bits) and 64-row tiles for the split-K output projections and the
+# LM head, whose 2048 features (16 tiles of 128) or 152k give too few or too long programs for
+# 128-row tiles: output projections 29.9 -> 23.8 us, MLP down 42.0 -> 33.6, LM head ~690 -> 676
+# (bench/results/gemm_tma_2026-12-01.json; the 12k-feature input projections keep 128-row tiles,
+# as fast either way). 32 to 127 rows (64 decoding sequences, a few verifies): 64 features a tile,
+# so that a 2048-wide output projection runs 32 tiles x its split of K, not 16, on 132 SMs; at
+# M = 64 this tile took the 2B model's GEMMs from 1.61 to 1.34 ms a step by the per-shape times
+# (bench/results/linear_tiles_2026-12-01.json, eleven tiles on six shapes, every one bitwise the
+# pinned tile's output). Weights of at least WIDE_N features (an LM head) have tiles enough, and keep
+# 128 features a tile there (208 against 246 us at M = 96 in that file). No TMA below 128 rows: at
+# M = 72 its 64 x 64 tile took 1.5-2x the pointer loads' time on the wide weights (gemm_tma).
+ROW_TILES = ((128, (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), True, True),
+             (32, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), False, False))
 WIDE_N = 32768
 
 
@@ -132,11 +145,12 @@ def tile_for_rows(cfg: LinearConfig, n: int, m: int, dtype: torch.dtype) -> Line
     the bounds are computed from cfg (see `linear`)."""
     if dtype != torch.bfloat16:
         return cfg
-    for min_rows, tile, wide_tile in ROW_TILES:
+    for min_rows, tile, wide_tile, split_takes_wide, tma in ROW_TILES:
         if m >= min_rows:
-            block_m, block_n, block_k, num_warps, num_stages = wide_tile if wide_tile and n >= WIDE_N else tile
+            wide = n >= WIDE_N or (split_takes_wide and cfg.SPLIT_K > 1)
+            block_m, block_n, block_k, num_warps, num_stages = wide_tile if wide else tile
             return cfg._replace(BLOCK_M=block_m, BLOCK_N=max(16, min(block_n, triton.next_power_of_2(n))), BLOCK_K=min(block_k, cfg.BLOCK_K),
-                                num_warps=num_warps, num_stages=num_stages)
+                                num_warps=num_warps, num_stages=num_stages, TMA=tma)
     return cfg
 
 
@@ -203,16 +217,58 @@ def _linear_kernel(
         p_x += BLOCK_K
         p_w += BLOCK_K
 
+    _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+
+
+@triton.jit
+def _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                ROUND_TO: tl.constexpr, INTERPRET: tl.constexpr):
+    """A program's [BLOCK_M, BLOCK_N] fp32 sum (rows o_m, features o_n): split i_s's partial, or
+    (+ bias) rounded once to ROUND_TO (x's dtype), widened to out's dtype, stored."""
+    m_mn = (o_m < M)[:, None] & (o_n < N)[None, :]
     if SPLIT_K > 1:  # the fp32 partial of this range; _reduce_splits_kernel finishes the tile
         p_part = partial + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :]
-        tl.store(p_part, b_acc, mask=m_m[:, None] & m_n[None, :])
-        return
-    if HAS_BIAS:
-        b_bias = tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-        b_acc += b_bias[None, :]
-    b_out = cast_rtne(b_acc, x.dtype.element_ty, INTERPRET).to(out.dtype.element_ty)  # rounded to x's dtype, then widened if out is fp32
-    p_out = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
-    tl.store(p_out, b_out, mask=m_m[:, None] & m_n[None, :])
+        tl.store(p_part, b_acc, mask=m_mn)
+    else:
+        if HAS_BIAS:
+            b_bias = tl.load(bias + o_n, mask=o_n < N, other=0.0).to(tl.float32)  # [BLOCK_N]
+            b_acc += b_bias[None, :]
+        b_out = cast_rtne(b_acc, ROUND_TO, INTERPRET).to(out.dtype.element_ty)  # rounded to x's dtype, then widened if out is fp32
+        p_out = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
+        tl.store(p_out, b_out, mask=m_mn)
+
+
+# M only masks the stores: not specialised, as in _linear_kernel
+@triton.jit(do_not_specialize=["M"])
+def _linear_tma_kernel(
+    x_desc, w_desc, bias, out, partial,
+    M, N, K, K_SPLIT, stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """_linear_kernel's K walk (bf16, the GPU only) with the x and weight tiles loaded by tensor
+    descriptors (TMA): the same 16-wide K chunks into the same MMAs in the same order, so the same
+    bits (measured: bench/results/gemm_tma_2026-12-01.json, every tile on every 2B weight shape). Rows
+    past M and K past its end read 0, as the masked loads do; split ranges end on whole BLOCK_K steps."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_s = tl.program_id(2)  # which range of K (0 without a split)
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        b_x = x_desc.load([i_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
+        b_w = w_desc.load([i_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K]
+        b_acc = tl.dot(b_x, b_w.T, b_acc)  # bf16 MMA, fp32 accumulate
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, tl.bfloat16, False)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -339,6 +395,15 @@ def linear(
     # [SPLIT_K, M, N] fp32 partial sums when K is split (else unused)
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)
+    if cfg.TMA and _tma_loads(x, weight):
+        _linear_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [cfg.BLOCK_M, cfg.BLOCK_K]), TensorDescriptor.from_tensor(weight, [cfg.BLOCK_N, cfg.BLOCK_K]),
+            bias if bias is not None else x, out if out is not None else x, partial,
+            m, n, k, split_bounds(k, pinned), out.stride(0) if out is not None else n,
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps, **launch_options(x.device),
+        )
+        return _finish(cfg, partial, bias, x.dtype, out, deferred)
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_kernel[grid](
         # deferred: x stands in for out (never stored), so the launch compiles to the kernel linear() runs undeferred
@@ -353,12 +418,33 @@ def linear(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(x.device),
     )
+    return _finish(cfg, partial, bias, x.dtype, out, deferred)
+
+
+def _finish(cfg: LinearConfig, partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, out: torch.Tensor | None,
+            deferred: bool) -> torch.Tensor | SplitSums:
+    """After the GEMM's launch: out, or with a split of K its sums (deferred) or their reduce into out."""
     if cfg.SPLIT_K > 1:
-        sums = SplitSums(partial, bias, x.dtype)
+        sums = SplitSums(partial, bias, dtype)
         if deferred:
             return sums
         _reduce(sums, out)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(index: int | None) -> bool:
+    """Hopper (compute capability 9) and later; read once per GPU."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_loads(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether tensor descriptors can address x and weight (bf16 on a Hopper-class GPU, not under the
+    interpreter; 16-byte aligned starts and row strides, dense rows). Otherwise the tile loads by
+    pointers, with the same bits."""
+    if interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or not _has_tma(x.device.index):
+        return False
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
 
 
 def linear_ref(

@@ -226,13 +226,35 @@ def test_row_invariance_across_tiles(device, shape, wide, monkeypatch):
     counts = TILE_ROW_COUNTS + ([576, 1024] if device == "cuda" else [])
     x, w, b = make(max(counts), k, n, torch.bfloat16, True, device)
     assert (linear_config(n, k, torch.bfloat16).SPLIT_K > 1) == (shape == (1024, 48))
-    assert tile_for_rows(linear_config(n, k, torch.bfloat16), n, max(counts), torch.bfloat16).BLOCK_M == 128
+    largest = tile_for_rows(linear_config(n, k, torch.bfloat16), n, max(counts), torch.bfloat16)  # ROW_TILES' first
+    assert largest.TMA and largest.BLOCK_M == (64 if wide or shape == (1024, 48) else 128)
     full = linear(x, w, b)
     for r in counts:
         assert torch.equal(linear(x[:r], w, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
     for i in (0, 5, 63, 64, 127, len(x) - 1):
         assert torch.equal(linear(x[i : i + 1].clone(), w, b), full[i : i + 1]), f"row {i} alone differs"
     assert torch.equal(linear(x[37:37 + 100], w, b), full[37:137])  # a 64-row-tile batch at an odd offset
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA loads run on the GPU only")
+@pytest.mark.parametrize("shape", [(2048, 256), (4096, 128), (136, 40)], ids=lambda s: "K{}-N{}".format(*s))
+def test_tma_loads_give_the_pointer_loads_bits(shape, monkeypatch):
+    """From 128 rows the tiles load through tensor descriptors (TMA): bitwise what the pointer loads
+    give, on the whole-K and split-K paths ((4096, 128) splits K) and a ragged last K block
+    (136, 40); a batch whose start is not 16-byte aligned falls back to the pointer loads, with
+    the same bits."""
+    k, n = shape
+    x, w, b = make(300, k, n, torch.bfloat16, True, "cuda")
+    assert tile_for_rows(linear_config(n, k, torch.bfloat16), n, 300, torch.bfloat16).TMA
+    assert linear_module._tma_loads(x, w)
+    with_tma = linear(x, w, b)
+    flat = torch.empty(300 * k + 1, dtype=torch.bfloat16, device="cuda")
+    misaligned = flat[1:].view(300, k)  # starts 2 bytes past an aligned address
+    misaligned.copy_(x)
+    assert not linear_module._tma_loads(misaligned, w)
+    assert torch.equal(linear(misaligned, w, b), with_tma)
+    monkeypatch.setattr(linear_module, "_tma_loads", lambda x, weight: False)
+    assert torch.equal(linear(x, w, b), with_tma)
 
 
 def test_tiles_by_rows_keep_the_k_walk():
@@ -243,7 +265,10 @@ def test_tiles_by_rows_keep_the_k_walk():
         for m in (1, 16, 31, 32, 128, 1024):
             tile = tile_for_rows(pinned, n, m, torch.bfloat16)
             assert tile.SPLIT_K == pinned.SPLIT_K and pinned.BLOCK_K % tile.BLOCK_K == 0
-            assert tile.BLOCK_M == (16 if m < 32 else 64 if m < 128 else 128)
+            # from 128 rows: TMA loads, and 64-row tiles for split-K weights and LM heads
+            wide_at_128 = n >= WIDE_N or pinned.SPLIT_K > 1
+            assert tile.BLOCK_M == (16 if m < 32 else 64 if m < 128 or wide_at_128 else 128)
+            assert tile.TMA == (m >= 128)
             if 32 <= m < 128:  # an LM head's features are tiles enough at 128 a tile; narrower weights take 64
                 assert tile.BLOCK_N == min(128 if n >= WIDE_N else 64, max(16, triton.next_power_of_2(n)))
         assert tile_for_rows(linear_config(n, k, torch.float32), n, 1024, torch.float32) == linear_config(n, k, torch.float32)
