@@ -9,6 +9,8 @@ rollback (write-on-accept fold and snapshot copy), bitwise equality of verify ro
 decode at that size (checked before anything is timed), and HF transformers (with FLA kernels
 when importable) for a decode step and an 8-token forward. For the first model also the batch-1
 decode and K = 8 steps with programmatic dependent launch and without it, timed in turns (`pdl`).
+A batch's `hbm_floor_ms` adds to the weights what its decode must move per sequence
+(`batch_state_bytes`: recurrent states and conv windows read and written, the KV prefix read).
 Per model a `gemm` section (bench/gemm.py's `model_gemm`): on each distinct [N, K] weight the engine
 multiplies through kernels.linear (the model's own, named by layer and attribute), for M = 1, 9, 72,
 576 rows our GEMM and cuBLAS (ms, TFLOP/s, their ratio, our tile), each shape's rows first checked
@@ -36,6 +38,7 @@ from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
 from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
 from verifier.model.rollback import SNAPSHOT, WOA
+from verifier.model.state import RecurrentState, SlotPool
 from verifier.params import SamplingParams
 
 PROMPT_LEN = 64
@@ -147,6 +150,22 @@ def decode_bytes(model) -> int:
         else:
             total += weight_bytes(mlp.w_gate_up) + weight_bytes(mlp.w_down)
     return total + weight_bytes(model.lm_head) + weight_bytes(model.final_norm)
+
+
+def batch_state_bytes(pool: SlotPool, n_sequences: int, position: int) -> int:
+    """Bytes a decode step of n_sequences at `position` must move besides the weights: per sequence,
+    each recurrent layer's state and conv window read and written once, each attention layer's keys
+    and values of positions 0 .. position read and one position written. With decode_bytes, the HBM
+    floor of a batch decode: at 64 sequences the 2B model's fp32 recurrent states alone (2 MiB a
+    layer and sequence) outweigh its weights."""
+    per_sequence = 0
+    for layer in pool.layers:
+        if isinstance(layer, RecurrentState):
+            per_sequence += 2 * sum(t[0].numel() * t.element_size() for t in (layer.recurrent, layer.conv))
+        else:
+            per_position = sum(t[0, 0].numel() * t.element_size() for t in (layer.keys, layer.values))
+            per_sequence += per_position * (position + 2)
+    return n_sequences * per_sequence
 
 
 def open_sequences(engine: Engine, n: int) -> list:
@@ -370,7 +389,8 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
         for s in one:
             engine.close(s)
         one = open_sequences(engine, n)
-        batch[str(n)] = {"decode_ms": step_ms(engine, one, 0, max(5, steps // 3)), "verify8_ms": step_ms(engine, one, 8, max(5, steps // 3))}
+        batch[str(n)] = {"decode_ms": step_ms(engine, one, 0, max(5, steps // 3)), "verify8_ms": step_ms(engine, one, 8, max(5, steps // 3)),
+                         "hbm_floor_ms": (floor_bytes + batch_state_bytes(engine.pool, n, PROMPT_LEN)) / bandwidth * 1e3}
         print(f"[{name}] batch {n}: {batch[str(n)]}", flush=True)
     result["batch"] = batch
     for s in one:
