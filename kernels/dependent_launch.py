@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .runtime import interpreting
+from .runtime import hopper, interpreting
 
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
@@ -52,5 +52,5 @@ def launch_options(device: torch.device) -> dict:
 @functools.lru_cache(maxsize=None)
 def _options(index: int) -> dict:
     """Per GPU, read once: VERIFIER_PDL is a per-process switch."""
-    on = os.environ.get("VERIFIER_PDL", "1") != "0" and torch.cuda.get_device_capability(index) >= (9, 0)
+    on = os.environ.get("VERIFIER_PDL", "1") != "0" and hopper(index)
     return _ON if on else _OFF

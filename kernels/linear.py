@@ -50,7 +50,6 @@ gets wrong; the GPU never takes those branches:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -62,7 +61,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
 from .rounding import TL_DTYPES, cast_rtne
-from .runtime import interpreting
+from .runtime import hopper, interpreting
 
 BLOCK_M = 16  # rows per tile, fixed: tl.dot's smallest M, enough for a decode row or a 16-row verify
 DTYPES = (torch.float32, torch.bfloat16)
@@ -432,17 +431,11 @@ def _finish(cfg: LinearConfig, partial: torch.Tensor, bias: torch.Tensor | None,
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _has_tma(index: int | None) -> bool:
-    """Hopper (compute capability 9) and later; read once per GPU."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def _tma_loads(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether tensor descriptors can address x and weight (bf16 on a Hopper-class GPU, not under the
     interpreter; 16-byte aligned starts and row strides, dense rows). Otherwise the tile loads by
     pointers, with the same bits."""
-    if interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or not _has_tma(x.device.index):
+    if interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hopper(x.device.index):
         return False
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
 

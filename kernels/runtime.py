@@ -30,3 +30,9 @@ def use_triton(t: torch.Tensor) -> bool:
 def pick(launcher, reference, t: torch.Tensor):
     """The launcher for CUDA tensors (when triton is there), else the torch reference."""
     return launcher if use_triton(t) else reference
+
+
+@functools.lru_cache(maxsize=None)
+def hopper(index: int | None) -> bool:
+    """GPU `index` is compute capability 9 or later (programmatic dependent launch, TMA); read once per GPU."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)

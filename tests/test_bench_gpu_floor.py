@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench.gpu import batch_state_bytes
-from verifier.model.config import GDN
+from verifier.model.config import ATTENTION, GDN, KDA
 from verifier.model.state import SlotPool
 
 
@@ -19,10 +19,10 @@ def test_batch_state_bytes_counts_states_windows_and_the_kv_prefix(load_target, 
         if kind == GDN:
             g = cfg.gdn
             per_sequence += 2 * (g.n_v_heads * g.d_k * g.d_v * 4 + g.conv_dim * (g.conv_width - 1) * 2)
-        elif kind == "kda":
+        elif kind == KDA:
             k = cfg.kda
             per_sequence += 2 * (k.n_heads * k.head_dim * k.head_dim * 4 + k.conv_dim * (k.conv_width - 1) * 2)
-        elif kind == "attention":
+        elif kind == ATTENTION:
             a = cfg.attention
             per_sequence += (10 + 2) * a.n_kv_heads * a.head_dim * 2 * 2  # positions 0..10 read, one written
         else:
