@@ -26,8 +26,6 @@ carried rows to a copy.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kernels import delta_rule
@@ -42,11 +40,12 @@ def with_carried(batch: RowBatch, pool: SlotPool) -> RowBatch:
     rows than the pool carries could not keep them all (the engine caps drafts at max_k)."""
     if not pool.carry_rows:
         return batch
-    for slot, count in zip(batch.slots, batch.counts):
-        if count > pool.carry_rows:
-            raise ValueError(f"slot {slot}: a verify of {count} rows in a pool that carries at most {pool.carry_rows} "
-                             f"(max_k + 1) rows a slot")
-    return dataclasses.replace(batch, carried=tuple(pool.carried[slot] for slot in batch.slots), _on_device={})
+    if max(batch.counts, default=0) > pool.carry_rows:
+        slot, count = next((s, c) for s, c in zip(batch.slots, batch.counts) if c > pool.carry_rows)
+        raise ValueError(f"slot {slot}: a verify of {count} rows in a pool that carries at most {pool.carry_rows} "
+                         f"(max_k + 1) rows a slot")
+    carried = pool.carried
+    return RowBatch(batch.slots, batch.starts, batch.counts, batch.scratch_slot, tuple(carried[slot] for slot in batch.slots))
 
 
 def note_kept(pool: SlotPool, batch: RowBatch, consumed: list[int], carried: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -88,15 +89,18 @@ class HybridModel:
         record = VerifyRecord(mode, batch)
         return self._run(tokens, batch, pool, True, False, mode, record), record
 
-    def check_rows(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool) -> None:
+    def check_rows(self, tokens: torch.Tensor | Sequence[int], batch: RowBatch, pool: SlotPool) -> None:
         """Assert what callers guarantee (the server and the in-process path check their inputs, the
-        engine the context room), before the batch touches any state: a failure is a caller bug."""
-        assert tokens.shape == (batch.n_rows,), f"tokens has shape {list(tokens.shape)}, expected [{batch.n_rows}]"
+        engine the context room), before the batch touches any state: a failure is a caller bug.
+        tokens: [rows] int64 on the host, or a list of ints (the engine's: builtins, no tensor ops)."""
+        is_tensor = isinstance(tokens, torch.Tensor)
+        shape = tuple(tokens.shape) if is_tensor else (len(tokens),)
+        assert shape == (batch.n_rows,), f"tokens has shape {list(shape)}, expected [{batch.n_rows}]"
         end = max(p + c for p, c in zip(batch.starts, batch.counts))
         assert end <= pool.max_seq_len, f"rows reach position {end - 1}, past the pool's max_seq_len {pool.max_seq_len}"
         # on the host tokens, before they move: no device sync
-        assert 0 <= int(tokens.min()) and int(tokens.max()) < self.config.vocab_size, \
-            f"token id out of range 0..{self.config.vocab_size - 1}"
+        low, high = (int(tokens.min()), int(tokens.max())) if is_tensor else (min(tokens), max(tokens))
+        assert 0 <= low and high < self.config.vocab_size, f"token id out of range 0..{self.config.vocab_size - 1}"
 
     def _run(self, tokens, batch, pool, row_invariant, last_only, mode, record):
         self.check_rows(tokens, batch, pool)

@@ -33,15 +33,20 @@ class RowBatch:
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        # what the engine's step guarantees (one entry per sequence, each sequence once): a caller bug otherwise
-        assert len(self.slots) == len(self.starts) == len(self.counts), "RowBatch: slots, starts and counts differ in length"
-        real = [s for s, slot in enumerate(self.slots) if slot != self.scratch_slot]
-        real_slots = [self.slots[s] for s in real]
-        assert len(set(real_slots)) == len(real_slots), f"RowBatch: a slot appears twice in one batch: {self.slots}"
-        assert all(self.counts[s] >= 1 for s in real) and all(c >= 0 for c in self.counts) and all(p >= 0 for p in self.starts), \
+        # what the engine's step guarantees (one entry per sequence, each sequence once): a caller bug
+        # otherwise. Builtins over the tuples: a batch-1 step builds three batches on its critical path.
+        slots, counts, scratch = self.slots, self.counts, self.scratch_slot
+        assert len(slots) == len(self.starts) == len(counts), "RowBatch: slots, starts and counts differ in length"
+        if scratch is None:
+            real_slots, real_counts = slots, counts
+        else:
+            real_slots = [slot for slot in slots if slot != scratch]
+            real_counts = [c for c, slot in zip(counts, slots) if slot != scratch]
+        assert len(set(real_slots)) == len(real_slots), f"RowBatch: a slot appears twice in one batch: {slots}"
+        assert min(real_counts, default=1) >= 1 and min(counts, default=0) >= 0 and min(self.starts, default=0) >= 0, \
             "RowBatch: every sequence needs at least one row and a non-negative start"
-        assert not self.carried or (len(self.carried) == len(self.slots) and min(self.carried) >= 0), \
-            "RowBatch: carried needs one count >= 0 per sequence" 
+        assert not self.carried or (len(self.carried) == len(slots) and min(self.carried) >= 0), \
+            "RowBatch: carried needs one count >= 0 per sequence"
 
     @property
     def n_rows(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -65,8 +66,8 @@ class StepRunner:
         if self.graphs is not None:
             self.graphs.capture(mode)
 
-    def verify(self, tokens: torch.Tensor, batch: RowBatch, mode: str, checked: bool = False) -> tuple[torch.Tensor, Verified]:
-        """tokens [rows] int64 on the host (per sequence its pending token, then its drafts) ->
+    def verify(self, tokens: torch.Tensor | Sequence[int], batch: RowBatch, mode: str, checked: bool = False) -> tuple[torch.Tensor, Verified]:
+        """tokens [rows] int64 on the host, or a list of ints (per sequence its pending token, then its drafts) ->
         (logits [rows, vocab] fp32, what `rollback` needs). The logits may live in a graph's output:
         valid until the next verify, so copy what must outlive it. checked: the caller has run
         model.check_rows on these rows already."""
@@ -82,7 +83,7 @@ class StepRunner:
         return logits, Verified(caller, verified.shape, verified.record, None, mode)
 
     @torch.inference_mode()
-    def _eager(self, tokens: torch.Tensor | None, batch: RowBatch, shape: BucketShape | None, mode: str) -> tuple[torch.Tensor, Verified]:
+    def _eager(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, shape: BucketShape | None, mode: str) -> tuple[torch.Tensor, Verified]:
         padded = batch if shape is None else pad_batch(batch, shape, self.pool.scratch_slot)
         device = self.model.device
         inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(device)

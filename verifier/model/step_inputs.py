@@ -17,7 +17,7 @@ a CUDA graph captured on one buffer's views serves any batch of the same R and S
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -55,29 +55,29 @@ class StepInputs:
         """(seq_slots, cu_rows, row_slots, positions, carried): what RowBatch.attach takes."""
         return self.seq_slots, self.cu_rows, self.row_slots, self.positions, self.carried
 
-    def fill(self, tokens: torch.Tensor | None, batch: RowBatch) -> StepInputs:
+    def fill(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch) -> StepInputs:
         """Write `batch` (exactly this buffer's R rows and S sequences: pad it first, see padding.py)
-        and its first len(tokens) row tokens (the rest 0, a valid id for padding rows) on the host,
-        with a handful of numpy ops per step, none per token. Returns self."""
-        assert self.buffer.device.type == "cpu", "StepInputs.fill writes a host buffer"
+        and its first len(tokens) row tokens (a host int64 tensor or a list of ints; the rest 0, a
+        valid id for padding rows) on the host, with a handful of numpy ops per step on views made
+        once (the step's host time is on a batch-1 step's critical path), none per token. Returns self."""
+        views = self._host_views
+        assert views is not None, "StepInputs.fill writes a host buffer"
         assert len(batch.slots) == self.sequences and batch.n_rows == self.rows, \
             f"StepInputs of {self.rows} rows in {self.sequences} sequences, batch of {batch.n_rows} in {len(batch.slots)}"
+        token_view, row_slots, positions, seq_slots, cu_rows, carried = views
+        n_tokens = 0 if tokens is None else len(tokens)
+        if n_tokens:
+            token_view[:n_tokens] = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
+        token_view[n_tokens:] = 0
         counts = np.asarray(batch.counts, dtype=np.int64)
         ends = np.cumsum(counts)
-        firsts = ends - counts
         slots = np.asarray(batch.slots, dtype=np.int64)
-        token_view = self.tokens.numpy()
-        n_tokens = 0 if tokens is None else tokens.shape[0]
-        if n_tokens:
-            token_view[:n_tokens] = tokens.cpu().numpy()
-        token_view[n_tokens:] = 0
-        self.row_slots.numpy()[:] = np.repeat(slots, counts)
-        self.positions.numpy()[:] = np.repeat(np.asarray(batch.starts, dtype=np.int64) - firsts, counts) + np.arange(self.rows)
-        self.seq_slots.numpy()[:] = slots
-        cu_rows = self.cu_rows.numpy()
+        row_slots[:] = np.repeat(slots, counts)
+        positions[:] = np.repeat(np.asarray(batch.starts, dtype=np.int64) - (ends - counts), counts) + self._row_index
+        seq_slots[:] = slots
         cu_rows[0] = 0
         cu_rows[1:] = ends
-        self.carried.numpy()[:] = batch.carried if batch.carried else 0
+        carried[:] = batch.carried if batch.carried else 0
         return self
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StepInputs:
@@ -103,3 +103,9 @@ class StepInputs:
         self.cu_rows = int32[cu_at : cu_at + self.sequences + 1]
         carried_at = _carried_at(self.sequences)
         self.carried = int32[carried_at : carried_at + self.sequences]
+        # numpy views of a host buffer, made once: fill writes through them
+        self._host_views = None
+        if self.buffer.device.type == "cpu":
+            self._host_views = tuple(t.numpy() for t in (self.tokens, self.row_slots, self.positions, self.seq_slots,
+                                                          self.cu_rows, self.carried))
+            self._row_index = np.arange(self.rows)

@@ -1,0 +1,108 @@
+"""The host side of an engine step, which a batch-1 step's GPU waits for: the step's tokens as a
+list (checked with builtins, written into the packed inputs as they are), a bucket's exact fit
+filled without padding, the emitted logits rows kept in one copy, the carried counts attached,
+and RowBatch's checks. Each shortcut is held to what the longer path gives."""
+
+import pytest
+import torch
+
+from verifier.engine import Engine, StepResult
+from verifier.model.carry import with_carried
+from verifier.model.padding import bucket_shapes, pad_batch, smallest_bucket
+from verifier.model.rows import RowBatch
+from verifier.model.step_inputs import StepInputs
+
+BATCHES = [
+    RowBatch((0,), (5,), (1,)),  # a decode
+    RowBatch((2,), (40,), (9,)),  # one sequence at K = 8
+    RowBatch((3, 0, 1), (7, 0, 12), (2, 5, 1)),  # mixed K
+    RowBatch((1, 2), (3, 4), (3, 1), carried=(2, 0)),
+]
+
+
+def _filled(batch: RowBatch, tokens) -> torch.Tensor:
+    return StepInputs(batch.n_rows, len(batch.slots), "cpu").fill(tokens, batch).buffer
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_tokens_as_a_list_fill_what_a_tensor_fills(batch):
+    ids = [(17 * r + 3) % 1000 for r in range(batch.n_rows)]
+    for given in (ids, ids[:-1]):  # all rows, or a first part (the rest 0, as for padding rows)
+        assert torch.equal(_filled(batch, given), _filled(batch, torch.tensor(given, dtype=torch.int64)))
+    filled = StepInputs(batch.n_rows, len(batch.slots), "cpu").fill(ids, batch)
+    assert filled.tokens.tolist() == ids
+    assert filled.fill(ids[:1], batch).tokens.tolist() == ids[:1] + [0] * (batch.n_rows - 1)  # a reused buffer: the rest 0
+    filled.fill(ids, batch)
+    assert filled.row_slots.tolist() == [slot for slot, count in zip(batch.slots, batch.counts) for _ in range(count)]
+    assert filled.positions.tolist() == [start + r for start, count in zip(batch.starts, batch.counts) for r in range(count)]
+    assert filled.cu_rows.tolist() == [0, *torch.tensor(batch.counts).cumsum(0).tolist()]
+
+
+def test_a_batch_that_fits_its_bucket_fills_as_its_padded_self():
+    """GraphedSteps.verify fills an exact fit without pad_batch: the same buffer."""
+    n_slots = 8
+    for batch in (RowBatch((4,), (30,), (1,)), RowBatch((0, 1), (2, 3), (1, 1))):
+        shape = smallest_bucket(bucket_shapes((batch.n_rows,), n_slots), batch.n_rows)
+        assert (shape.rows, shape.sequences) == (batch.n_rows, len(batch.slots))
+        padded = pad_batch(batch, shape, n_slots)
+        ids = list(range(7, 7 + batch.n_rows))
+        assert padded.scratch_slot == n_slots and padded.slots == batch.slots
+        assert torch.equal(_filled(batch, ids), _filled(padded, ids))
+
+
+def test_check_rows_takes_a_list(load_target):
+    model = load_target("qwen3_next_moe")
+    engine = Engine(model, 2, 32, cuda_graphs=False)
+    batch = RowBatch((0,), (0,), (3,))
+    model.check_rows([0, 5, model.config.vocab_size - 1], batch, engine.pool)
+    with pytest.raises(AssertionError, match="token id out of range"):
+        model.check_rows([0, model.config.vocab_size, 1], batch, engine.pool)
+    with pytest.raises(AssertionError, match="token id out of range"):
+        model.check_rows([-1, 2, 1], batch, engine.pool)
+    with pytest.raises(AssertionError, match=r"tokens has shape \[2\], expected \[3\]"):
+        model.check_rows([1, 2], batch, engine.pool)
+    with pytest.raises(AssertionError, match="token id out of range"):  # a tensor, as other callers pass
+        model.check_rows(torch.tensor([1, 2, model.config.vocab_size]), batch, engine.pool)
+
+
+@pytest.mark.parametrize("layout", ["one range", "rows apart"])
+def test_keep_rows_gives_each_result_its_rows_copied(layout):
+    logits = torch.randn(20, 6)
+    # (first row, rows): one range as a decode's (each sequence's row right after the last's), or
+    # rows apart as a verify's (emitted rows at the start of each sequence's K + 1)
+    spans = [(0, 1), (1, 1), (2, 1), (3, 1)] if layout == "one range" else [(0, 2), (9, 1), (12, 4)]
+    results = [StepResult(0, [], 0, None, None) for _ in spans]
+    Engine._keep_rows(logits, [(result, first, n) for result, (first, n) in zip(results, spans)])
+    expected = [logits[first : first + n].clone() for first, n in spans]
+    logits.fill_(float("nan"))  # the next replay overwrites the verify's logits
+    for result, want in zip(results, expected):
+        assert torch.equal(result.logits, want)
+
+
+def test_with_carried_attaches_each_slots_count(load_target):
+    engine = Engine(load_target("qwen3_next_moe"), 4, 32, max_k=3, cuda_graphs=False)
+    pool = engine.pool
+    pool.carried[1], pool.carried[3] = 2, 4
+    batch = RowBatch((3, 0, 1), (5, 6, 7), (2, 4, 1))
+    carried = with_carried(batch, pool)
+    assert (carried.slots, carried.starts, carried.counts, carried.carried) == (batch.slots, batch.starts, batch.counts, (4, 0, 2))
+    with pytest.raises(ValueError, match="slot 2: a verify of 5 rows in a pool that carries at most 4"):
+        with_carried(RowBatch((0, 2), (0, 0), (1, 5)), pool)
+
+
+def test_row_batch_checks():
+    with pytest.raises(AssertionError, match="appears twice"):
+        RowBatch((1, 1), (0, 0), (1, 1))
+    with pytest.raises(AssertionError, match="at least one row"):
+        RowBatch((1, 2), (0, 0), (1, 0))
+    with pytest.raises(AssertionError, match="at least one row"):
+        RowBatch((1,), (-1,), (1,))
+    with pytest.raises(AssertionError, match="differ in length"):
+        RowBatch((1, 2), (0,), (1, 1))
+    with pytest.raises(AssertionError, match="carried needs one count"):
+        RowBatch((1, 2), (0, 0), (1, 1), carried=(1,))
+    # padding sequences share the scratch slot and may have no rows
+    padded = RowBatch((0, 9, 9, 9), (3, 0, 8, 0), (1, 8, 1, 0), scratch_slot=9)
+    assert padded.n_rows == 10
+    with pytest.raises(AssertionError, match="at least one row"):
+        RowBatch((0, 9), (3, 0), (0, 2), scratch_slot=9)
