@@ -1,6 +1,6 @@
 """The host side of an engine step, which a batch-1 step's GPU waits for: the step's tokens as a
-list (checked with builtins, written into the packed inputs as they are), a bucket's exact fit
-filled without padding, the emitted logits rows kept in one copy, the carried counts attached,
+list (checked with builtins, written into the packed inputs as they are), a batch that fits its
+bucket its own padding, the emitted logits rows kept in one copy, the carried counts attached,
 and RowBatch's checks. Each shortcut is held to what the longer path gives."""
 
 import pytest
@@ -38,16 +38,18 @@ def test_tokens_as_a_list_fill_what_a_tensor_fills(batch):
     assert filled.cu_rows.tolist() == [0, *torch.tensor(batch.counts).cumsum(0).tolist()]
 
 
-def test_a_batch_that_fits_its_bucket_fills_as_its_padded_self():
-    """GraphedSteps.verify fills an exact fit without pad_batch: the same buffer."""
+def test_a_batch_that_fits_its_bucket_is_its_own_padding():
+    """pad_batch hands back a batch that fits its bucket as it is, and one that does not gets the
+    bucket's shape with its own sequences first (test_padded_steps holds the padding itself)."""
     n_slots = 8
     for batch in (RowBatch((4,), (30,), (1,)), RowBatch((0, 1), (2, 3), (1, 1))):
         shape = smallest_bucket(bucket_shapes((batch.n_rows,), n_slots), batch.n_rows)
         assert (shape.rows, shape.sequences) == (batch.n_rows, len(batch.slots))
-        padded = pad_batch(batch, shape, n_slots)
-        ids = list(range(7, 7 + batch.n_rows))
-        assert padded.scratch_slot == n_slots and padded.slots == batch.slots
-        assert torch.equal(_filled(batch, ids), _filled(padded, ids))
+        assert pad_batch(batch, shape, n_slots) is batch
+        wider = smallest_bucket(bucket_shapes((batch.n_rows + 3,), n_slots), batch.n_rows)
+        padded = pad_batch(batch, wider, n_slots)
+        assert padded is not batch and (padded.n_rows, len(padded.slots)) == (wider.rows, wider.sequences)
+        assert padded.slots[: len(batch.slots)] == batch.slots and padded.scratch_slot == n_slots
 
 
 def test_check_rows_takes_a_list(load_target):

@@ -121,11 +121,17 @@ class GraphedSteps:
         for shape in self.shapes:
             self._bucket(shape, mode)
 
-    @torch.inference_mode()
     def _bucket(self, shape: BucketShape, mode: str) -> _Bucket:
+        """`shape`'s bucket for `mode`, captured first if it is not yet. A captured one is a dict
+        lookup: inference mode, whose entry and exit cost a batch-1 step ~10 us of its critical
+        path on the H200's host, wraps the capture only."""
         bucket = self._buckets.get((shape.rows, mode))
         if bucket is not None:
             return bucket
+        with torch.inference_mode():
+            return self._new_bucket(shape, mode)
+
+    def _new_bucket(self, shape: BucketShape, mode: str) -> _Bucket:
         scratch = self.pool.scratch_slot
         static = pad_batch(RowBatch((), (), ()), shape, scratch)  # padding only: what the graph is captured on
         host = StepInputs(shape.rows, shape.sequences, "cpu", pin=True).fill(None, static)
@@ -178,12 +184,9 @@ class GraphedSteps:
         """Replay `shape`'s verify graph on the step (tokens [R] int64 on the host or a list of ints, batch checked)
         -> (logits [R, vocab] fp32, a view of the shared logits buffer valid until the next verify;
         the bucket, for `rollback`)."""
-        # a captured bucket without _bucket's inference mode, whose entry and exit cost a batch-1
-        # step ~10 us of its critical path on the H200's host
-        bucket = self._buckets.get((shape.rows, mode)) or self._bucket(shape, mode)
+        bucket = self._bucket(shape, mode)
         bucket.copied.synchronize()
-        exact = batch.n_rows == shape.rows and len(batch.slots) == shape.sequences  # nothing to pad: fill reads the batch as it is
-        bucket.host.fill(tokens, batch if exact else pad_batch(batch, shape, self.pool.scratch_slot))
+        bucket.host.fill(tokens, pad_batch(batch, shape, self.pool.scratch_slot))
         bucket.verify_graph.replay()  # its first node copies bucket.host to bucket.inputs
         bucket.copied.record()
         self._last = bucket

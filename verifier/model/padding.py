@@ -68,8 +68,12 @@ def smallest_bucket(shapes: list[BucketShape], n_rows: int) -> BucketShape | Non
 
 def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatch:
     """`batch` followed by its padding sequences (module docstring), a RowBatch of exactly
-    shape.rows rows in shape.sequences sequences."""
+    shape.rows rows in shape.sequences sequences: `batch` itself when it fits the shape already
+    (no batch to build on a step's critical path; a batch's scratch_slot only exempts its padding
+    sequences from RowBatch's checks, and it has none)."""
     n_rows, n_seqs = batch.n_rows, len(batch.slots)
+    if n_rows == shape.rows and n_seqs == shape.sequences:
+        return batch
     padding = shape.sequences - n_seqs
     assert n_rows <= shape.rows and n_seqs <= shape.sequences, \
         f"a step of {n_rows} rows in {n_seqs} sequences does not fit bucket {shape}"
