@@ -192,6 +192,7 @@ def service_run(config: ServeConfig, address: str, client: VerifierClient, plan:
         # (arrival to result); the rest is gRPC, the network and the drafter processes
         "ms_per_batch": round(figures["wall_s"] * 1000 / served["engine_batches"], 3) if served["engine_batches"] else None,
         "engine_ms_per_batch": served["engine_ms_per_batch"], "server_latency_mean_ms": served["server_latency_mean_ms"],
+        "engine_ms_total": served["engine_ms_total"], "server_latency_ms_total": served["server_latency_ms_total"],
         "mean_acceptance_length": served["mean_acceptance_length"],
         "graph_captures": None if None in captures else captures[1] - captures[0],
         "trimmed_drafts": None if None in trimmed else trimmed[1] - trimmed[0],

@@ -57,6 +57,10 @@ def server_figures(before, after) -> dict:
         # its request's arrival to its result (gathering, the step, conversions; not gRPC's own)
         "engine_ms_per_batch": round((after.engine_seconds - before.engine_seconds) * 1000 / batches, 3) if batches else None,
         "server_latency_mean_ms": round((latency.sum - before.step_latency_ms.sum) / answered, 3) if answered else None,
+        # the totals are what bound each other: every step's latency holds its batch's engine step
+        # and every batch has a step, but the means weigh batches and steps differently
+        "engine_ms_total": round((after.engine_seconds - before.engine_seconds) * 1000, 3),
+        "server_latency_ms_total": round(latency.sum - before.step_latency_ms.sum, 3),
         "server_steps": after.steps - before.steps,
         "server_errors": after.errors - before.errors,
         "rows_per_batch_mean": round((after.rows - before.rows) / batches, 3) if batches else 0.0,
