@@ -45,7 +45,8 @@ def with_carried(batch: RowBatch, pool: SlotPool) -> RowBatch:
         raise ValueError(f"slot {slot}: a verify of {count} rows in a pool that carries at most {pool.carry_rows} "
                          f"(max_k + 1) rows a slot")
     carried = pool.carried
-    return RowBatch(batch.slots, batch.starts, batch.counts, batch.scratch_slot, tuple(carried[slot] for slot in batch.slots))
+    return RowBatch(slots=batch.slots, starts=batch.starts, counts=batch.counts, scratch_slot=batch.scratch_slot,
+                    carried=tuple(carried[slot] for slot in batch.slots))
 
 
 def note_kept(pool: SlotPool, batch: RowBatch, consumed: list[int], carried: bool) -> None:
