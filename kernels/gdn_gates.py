@@ -59,7 +59,15 @@ def _gdn_gates_kernel(
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row
     o_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] value heads
-    m_h = o_h < HV
+    gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, o_h < HV, HV, EMULATE_BF16_RTNE)
+
+
+@triton.jit
+def gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, m_h, HV: tl.constexpr,
+               EMULATE_BF16_RTNE: tl.constexpr):
+    """Row i_m's decay and beta for the value heads o_h (mask m_h), each element computed alone:
+    the one formula of _gdn_gates_kernel and of kernels/gdn_heads.py's head split with its gates
+    (`gdn_heads(..., gates=...)`), so both give the same bits whatever heads a program takes."""
     b_b = tl.load(b + i_m * s_b_row + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_sig = tl.math.div_rn(1.0, 1.0 + tl.exp(-b_b))
     b_beta = cast_rtne(b_sig, b.dtype.element_ty, EMULATE_BF16_RTNE).to(tl.float32)  # sigmoid runs in b's dtype
@@ -70,8 +78,8 @@ def _gdn_gates_kernel(
     tl.store(beta + i_m * HV + o_h, b_beta, mask=m_h)
 
 
-def _check(b, a, A_log, dt_bias, out) -> None:
-    op = "gdn_gates"
+def check_gates(b, a, A_log, dt_bias, out, op: str = "gdn_gates") -> None:
+    """The gates' operands (and an optional (decay, beta) out pair), for `op`'s errors."""
     check_operand(op, "b", b, "[n, Hv]", DTYPES)
     check_launchable(op, "b", b)
     n, hv = b.shape
@@ -93,7 +101,7 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: to
               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (decay [n, Hv, 1] fp32, beta [n, Hv] fp32). out: an optional (decay, beta) pair of
     contiguous buffers, filled and returned."""
-    _check(b, a, A_log, dt_bias, out)
+    check_gates(b, a, A_log, dt_bias, out)
     n, hv = b.shape
     if out is None:
         out = (torch.empty((n, hv, 1), dtype=torch.float32, device=b.device), torch.empty((n, hv), dtype=torch.float32, device=b.device))

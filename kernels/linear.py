@@ -121,9 +121,16 @@ def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     Small N or K shrink the block to the next power of two, at least 16 (tl.dot's minimum).
     Changing a config changes the CUDA backend's bits (another association of the K sum) but
     never the row-invariance contract, since decode and verify read the same config.
+    Pipelined 4 stages deep, not 6, below WIDE_N features: timed as the engine runs them (a CUDA
+    graph of eight GEMMs on distinct weights of one shape, dependent launches, split sums handed
+    on) at 1 and 9 rows, (32, 4 warps, 4 stages) was the fastest of 36 (BLOCK_N, warps, stages)
+    tiles or within 2% of it on all six 2B layer shapes, 6-19% faster than 6 stages (MLP down
+    10.29 -> 8.34 us, output projections 7.6 -> 6.4, input projections 15.0 -> 14.1: about 0.12 ms
+    of a 2B decode step; bench/results/gemm_m1_sweep_2026-12-02.json). None of those three changes
+    the K walk, so every tile gave the same bits. The LM head (not in that sweep) keeps 6.
     """
     if dtype == torch.bfloat16:
-        block_n, block_k, num_stages = 32, 128, 6
+        block_n, block_k, num_stages = 32, 128, (6 if n >= WIDE_N else 4)
     else:
         block_n, block_k, num_stages = (64 if n >= 128 * 64 else 32), 32, 3
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))

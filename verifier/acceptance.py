@@ -42,6 +42,9 @@ def accept(logits: torch.Tensor, batch: RowBatch, drafts: Sequence[list[int]], s
     device for CUDA logits, row by row on the host otherwise; rejection (sampled, draft_probs given):
     on the host."""
     on_device = logits.is_cuda
+    if all(params.greedy for params in sampling):  # every row's argmax: the common case, in few operations a sequence
+        choices = _row_choices(logits, [])
+        return [_accept_from(choices, first, ids) for first, ids in zip(batch.offsets, drafts)]
     by_choice = [params.greedy or (on_device and probs is None) for params, probs in zip(sampling, draft_probs)]
     spans = [(span, start) for _, start, span in batch.sequences()]
     coupled_on_device = [(span, params, start) for (span, start), params, choice in zip(spans, sampling, by_choice)
@@ -78,10 +81,16 @@ def _host_rows(logits: torch.Tensor, spans: list[slice]) -> dict[int, torch.Tens
 
 def _accept_choices(choices: list[int], drafts: list[int]) -> tuple[int, int]:
     """choices: the token each of the K+1 rows chooses (greedy or coupled) -> (accepted count a, bonus token)."""
+    return _accept_from(choices, 0, drafts)
+
+
+def _accept_from(choices: list[int], first: int, drafts: list[int]) -> tuple[int, int]:
+    """_accept_choices of the sequence whose K+1 rows start at row `first` of a step's choices
+    (no slice of them)."""
     for r, draft in enumerate(drafts):
-        if choices[r] != draft:
-            return r, choices[r]
-    return len(drafts), choices[len(drafts)]
+        if choices[first + r] != draft:
+            return r, choices[first + r]
+    return len(drafts), choices[first + len(drafts)]
 
 
 def _row_choices(logits: torch.Tensor, sampled: list[tuple[slice, SamplingParams, int]]) -> list[int]:

@@ -228,18 +228,29 @@ class Engine:
         logits, verified = self.runner.verify(tokens, batch, self.rollback_mode, checked=True)
         verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
                           [r.draft_probs for r in requests])
+        # per sequence after the ids reach the host, the GPU idle until the rollback: few operations
+        # each (64 sequences took ~0.35 ms here on the H200's host)
         results, consumed, wanted = [], [], []
-        for req, seq, (_, start, span), (accepted, bonus) in zip(requests, sequences, batch.sequences(), verdicts):
-            emitted, finish = self._cut(seq, [*req.drafts[:accepted], bonus])
+        for req, seq, first, (accepted, bonus) in zip(requests, sequences, batch.offsets, verdicts):
+            emitted = req.drafts[:accepted]
+            emitted.append(bonus)
+            n = len(emitted)
+            eos = seq.eos_ids
+            if seq.emitted + n < seq.max_new_tokens and (not eos or eos.isdisjoint(emitted)):
+                finish = None  # no eos and room past these tokens: _cut would keep them all
+            else:
+                emitted, finish = self._cut(seq, emitted)
+                n = len(emitted)
             # Each emitted token's row is consumed: the pending token plus the accepted drafts kept.
-            consumed.append(len(emitted))
-            seq.position = start + len(emitted)
+            consumed.append(n)
+            seq.position = position = seq.position + n  # the batch's start for this sequence, moved on
             seq.pending = emitted[-1]
-            seq.emitted += len(emitted)
+            seq.emitted += n
             seq.finish_reason = finish
-            results.append(StepResult(accepted, emitted, seq.position, finish, None))
+            result = StepResult(accepted, emitted, position, finish, None)
+            results.append(result)
             if req.want_logits:
-                wanted.append((results[-1], span.start, len(emitted)))
+                wanted.append((result, first, n))
         self._keep_rows(logits, wanted)
         self.runner.rollback(verified, consumed)
         return results

@@ -135,3 +135,35 @@ def test_launcher_errors(device):
     _raises("v dtype", mixed, *ROW_SHAPE, out=(q, k, v.bfloat16()))
     _raises("q is on meta", mixed, *ROW_SHAPE, out=(q.to("meta"), k, v))
     _raises("q must be contiguous and start 16-byte aligned", mixed, *ROW_SHAPE, out=(torch.empty(3 * 6 * 8 + 1, device=device)[1:].view(3, 6, 8), k, v))
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 8, 10), (2, 4, 128, 128)], ids=["Hk2-Hv6", "2B-heads"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gates_in_the_same_launch_are_gdn_gates_bits(device, dtype, shape):
+    """gdn_heads with the gates (kernels/gdn_gates.py's formula in the head-split programs): q, k,
+    v bitwise as without them, decay and beta bitwise gdn_gates' of the same strided column slices,
+    at every row count and for a row alone; the reference path returns gdn_gates_ref's; gates of
+    the wrong row count are refused. (The interpreter takes a few row counts: ~1 s a launch.)"""
+    from kernels import gdn_gates
+
+    from .test_gdn_gates import make as make_gates
+
+    hk, hv, dk, dv = shape
+    counts = ROW_COUNTS if device == "cuda" else [1, 3, 8]
+    mixed = make(max(counts), shape, dtype, device)
+    b, a, A_log, dt_bias = make_gates(max(counts), hv, dtype, torch.float32, device)
+    for rows in counts:
+        got = gdn_heads.gdn_heads(mixed[:rows], *shape, gates=(b[:rows], a[:rows], A_log, dt_bias))
+        heads = gdn_heads.gdn_heads(mixed[:rows], *shape)
+        gates = gdn_gates.gdn_gates(b[:rows], a[:rows], A_log, dt_bias)
+        assert len(got) == 5
+        for name, g, w in zip(("q", "k", "v", "decay", "beta"), got, (*heads, *gates)):
+            assert torch.equal(g, w), f"{rows} rows: {name} differs from the separate launches"
+    alone = gdn_heads.gdn_heads(mixed[4:5].clone(), *shape, gates=(b[4:5].clone(), a[4:5].clone(), A_log, dt_bias))
+    for g, w in zip(alone, got):  # got: the largest count's launch
+        assert torch.equal(g, w[4:5])
+    ref = gdn_heads.gdn_heads_ref(mixed[:3].cpu(), *shape, gates=(b[:3].cpu(), a[:3].cpu(), A_log.cpu(), dt_bias.cpu()))
+    want = gdn_gates.gdn_gates_ref(b[:3].cpu(), a[:3].cpu(), A_log.cpu(), dt_bias.cpu())
+    assert torch.equal(ref[3], want[0]) and torch.equal(ref[4], want[1])
+    with pytest.raises(ValueError, match="gdn_heads"):
+        gdn_heads.gdn_heads(mixed[:3], *shape, gates=(b[:2], a[:2], A_log, dt_bias))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -60,10 +61,8 @@ class RowBatch:
 
     @property
     def offsets(self) -> list[int]:
-        out = [0]
-        for c in self.counts:
-            out.append(out[-1] + c)
-        return out
+        """[S + 1]: sequence s owns rows offsets[s] .. offsets[s+1]-1."""
+        return list(itertools.accumulate(self.counts, initial=0))
 
     def sequences(self):
         """(slot, start, row slice) for each sequence, in order."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gdn_gates, gdn_heads
+from kernels import gdn_heads
 from kernels.runtime import pick
 
 from ..checkpoint import TensorSource
@@ -52,19 +52,19 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.w_out = src.take(p + "out_proj.weight", (H, g.value_dim))
 
     def _project(self, x: torch.Tensor):
-        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], decay [n, Hv, 1], beta [n, Hv] (fp32)."""
+        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], and the gates' raw columns b, a [n, Hv]."""
         g, n = self.cfg, x.shape[0]
         qkv, z, b, a = linear(x, self.w_in).split(self.in_splits, dim=1)
-        z = z.reshape(n, g.n_v_heads, g.d_v)
-        # one launch for sigmoid, softplus and the exps on CUDA; the reference is this layer's torch code
-        decay, beta = pick(gdn_gates.gdn_gates, gdn_gates.gdn_gates_ref, x)(b, a, self.A_log, self.dt_bias)
-        return qkv, z, decay, beta
+        return qkv, z.reshape(n, g.n_v_heads, g.d_v), b, a
 
-    def _split_heads(self, mixed: torch.Tensor):
-        """Conv output [n, conv_dim] -> fp32 q, k [n, Hv, d_k] (normalised, repeated per value head), v [n, Hv, d_v]."""
+    def _split_heads(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Conv output [n, conv_dim] and the gates' columns b, a [n, Hv] -> fp32 q, k [n, Hv, d_k]
+        (normalised, repeated per value head), v [n, Hv, d_v], decay [n, Hv, 1], beta [n, Hv]: one
+        launch on CUDA (kernels/gdn_heads.py with its gates: the sigmoid, softplus and exps of
+        kernels/gdn_gates.py in the same programs); the reference is this layer's torch code."""
         g = self.cfg
-        split = pick(gdn_heads.gdn_heads, gdn_heads.gdn_heads_ref, mixed)  # one launch on CUDA
-        return split(mixed, g.n_k_heads, g.n_v_heads, g.d_k, g.d_v)
+        split = pick(gdn_heads.gdn_heads, gdn_heads.gdn_heads_ref, mixed)
+        return split(mixed, g.n_k_heads, g.n_v_heads, g.d_k, g.d_v, gates=(b, a, self.A_log, self.dt_bias))
 
     def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Recurrence output [n, Hv, d_v] and z [n, Hv, d_v], both in the activation dtype -> [n, H]."""

@@ -56,11 +56,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
         gate = linear(g_a, self.w_g_b).view(n, c.n_heads, c.head_dim)
         return qkv, gate, log_decay.exp(), beta
 
-    def _split_heads(self, mixed: torch.Tensor):
-        """Conv output [n, 3P] -> fp32 q, k (normalised; q scaled) and v, each [n, heads, D]."""
+    def _split_heads(self, mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor):
+        """Conv output [n, 3P] and the projection's decay, beta -> fp32 q, k (normalised; q scaled)
+        and v, each [n, heads, D], then decay and beta as they came."""
         c, n, P = self.cfg, mixed.shape[0], self.cfg.proj_dim
         q, k, v = (mixed[:, i * P : (i + 1) * P].reshape(n, c.n_heads, c.head_dim).float() for i in range(3))
-        return l2norm(q, "div") * (1 / c.head_dim**0.5), l2norm(k, "div"), v
+        return l2norm(q, "div") * (1 / c.head_dim**0.5), l2norm(k, "div"), v, decay, beta
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Recurrence output [n, heads, D] and output gate [n, heads, D], both in the activation dtype -> [n, H]."""

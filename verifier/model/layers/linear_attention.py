@@ -22,20 +22,23 @@ from ..rollback import COMMIT, SNAPSHOT, LayerRecord, commit
 from ..rows import RowBatch
 from ..state import RecurrentState
 
-Heads = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (conv outputs [n, conv_dim], *gate inputs [n, ...]) -> fp32 query, key [n, heads, d_k], value [n, heads, d_v],
+# decay [n, heads, 1 or d_k] = exp(g), beta [n, heads]
+Heads = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Tensor, conv_weight: torch.Tensor,
-                  split_heads: Heads, decay: torch.Tensor, beta: torch.Tensor, *, row_invariant: bool,
+                  split_heads: Heads, gate_inputs: tuple[torch.Tensor, ...], *, row_invariant: bool,
                   mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
-    """conv_inputs [rows, conv_dim] raw; split_heads maps conv outputs [n, conv_dim] to fp32 query, key
-    [n, heads, d_k] and value [n, heads, d_v]; decay [rows, heads, 1 or d_k] = exp(g); beta [rows, heads]
-    -> (outputs [rows, heads, d_v] in conv_inputs' dtype, the layer's record). COMMIT also applies the record."""
+    """conv_inputs [rows, conv_dim] raw; split_heads maps the conv outputs and the rows' gate_inputs
+    (what the layer's projection left for it: GDN's raw gate columns, KDA's finished decay and beta)
+    to the heads and gates (Heads) -> (outputs [rows, heads, d_v] in conv_inputs' dtype, the layer's
+    record). COMMIT also applies the record."""
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
     mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot)
-    query, key, value = each_row(split_heads, mixed, row_invariant=row_invariant)
+    query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
     snapshots = None
     if mode == SNAPSHOT:
         heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
@@ -58,14 +61,15 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
 class DeltaRuleMixer:
     """A GDN or KDA layer's forward: project every row, mix each sequence's rows (conv and delta
     rule), then the output of every row. A subclass sets `conv_w` [conv_dim, W] and defines
-    `_project` (x [n, H] -> raw conv inputs [n, conv_dim], output gate, decay, beta), `_split_heads`
-    (see Heads) and `_output` (outputs [n, heads, d_v] in the activation dtype, output gate -> [n, H])."""
+    `_project` (x [n, H] -> raw conv inputs [n, conv_dim], output gate, then its gate inputs),
+    `_split_heads` (see Heads) and `_output` (outputs [n, heads, d_v] in the activation dtype, output
+    gate -> [n, H])."""
 
     conv_w: torch.Tensor
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
                 mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
-        conv_inputs, gate, decay, beta = each_row(self._project, x, row_invariant=row_invariant)
-        out, record = mix_sequences(batch, state, conv_inputs, self.conv_w, self._split_heads, decay, beta,
+        conv_inputs, gate, *gate_inputs = each_row(self._project, x, row_invariant=row_invariant)
+        out, record = mix_sequences(batch, state, conv_inputs, self.conv_w, self._split_heads, tuple(gate_inputs),
                                     row_invariant=row_invariant, mode=mode)
         return each_row(self._output, out, gate, row_invariant=row_invariant), record
