@@ -54,7 +54,7 @@ def accept(logits: torch.Tensor, batch: RowBatch, drafts: Sequence[list[int]], s
     verdicts = []
     for (span, start), ids, params, probs, choice in zip(spans, drafts, sampling, draft_probs, by_choice):
         if choice:
-            verdicts.append(_accept_choices(choices[span], ids))
+            verdicts.append(_accept_from(choices, span.start, ids))
         elif probs is None:
             verdicts.append(_accept_coupled_on_host(host_rows[span.start], ids, params, start))
         else:
@@ -79,14 +79,9 @@ def _host_rows(logits: torch.Tensor, spans: list[slice]) -> dict[int, torch.Tens
     return out
 
 
-def _accept_choices(choices: list[int], drafts: list[int]) -> tuple[int, int]:
-    """choices: the token each of the K+1 rows chooses (greedy or coupled) -> (accepted count a, bonus token)."""
-    return _accept_from(choices, 0, drafts)
-
-
 def _accept_from(choices: list[int], first: int, drafts: list[int]) -> tuple[int, int]:
-    """_accept_choices of the sequence whose K+1 rows start at row `first` of a step's choices
-    (no slice of them)."""
+    """choices: the token each row of a step chooses (greedy or coupled); the sequence's K+1 rows
+    start at row `first` (read in place, no slice) -> (accepted count a, bonus token)."""
     for r, draft in enumerate(drafts):
         if choices[first + r] != draft:
             return r, choices[first + r]

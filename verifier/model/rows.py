@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -59,10 +60,11 @@ class RowBatch:
         rollback has nothing to do."""
         return all(c == 1 for c in self.counts)
 
-    @property
-    def offsets(self) -> list[int]:
-        """[S + 1]: sequence s owns rows offsets[s] .. offsets[s+1]-1."""
-        return list(itertools.accumulate(self.counts, initial=0))
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """[S + 1]: sequence s owns rows offsets[s] .. offsets[s+1]-1 (made once a batch: a step's
+        acceptance and its results both read them)."""
+        return tuple(itertools.accumulate(self.counts, initial=0))
 
     def sequences(self):
         """(slot, start, row slice) for each sequence, in order."""
