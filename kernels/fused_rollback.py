@@ -28,9 +28,10 @@ device copy, so never inside a capture: a RecurrentLayers made inside one takes 
 TableStore allocated before it, and writes it by `fill_table()` after the capture. The Triton interpreter (TRITON_INTERPRET=1, CPU tensors)
 runs the kernels on the host addresses.
 
-Grids: next_windows (S, L * cdiv(C, BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
-keep_state_snapshots (S, L * H, cdiv(D_K * D_V, BLOCK)). Block sizes and num_warps are the
-one-layer kernels', chosen from the layer shapes alone.
+Grids: next_windows (S, L * cdiv(C, WINDOW_BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
+keep_carry (S, L * cdiv(H * max(D_K, D_V), CARRY_BLOCK)); keep_state_snapshots (S, L * H,
+cdiv(D_K * D_V, BLOCK)). fold_states' and keep_state_snapshots' block sizes and num_warps are the
+one-layer kernels', chosen from the layer shapes alone; the copies take larger blocks (CARRY_BLOCK).
 
 Bits. fold_states runs delta_rule_fold's program on each layer: delta_rule's config for (D_K, D_V),
 its `_state_tile` and `_walk_rows`, num_stages 1, FMA contraction off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
@@ -56,6 +57,14 @@ from .short_conv import _shift_window
 from .snapshots import BLOCK as SNAPSHOT_BLOCK
 from .snapshots import NUM_WARPS as SNAPSHOT_NUM_WARPS
 from .snapshots import _copy_head_block, keep_snapshots_ref
+
+# The copies' programs: a few large ones per (sequence, layer), not one per head or per 256 channels.
+# A rollback's copies are kilobytes; what they cost is programs, each a chain of dependent loads (the
+# counts, the table, the data). At 64 sequences x 9 rows of the 2B model (the 576-row bucket: 136
+# sequences, 18 layers) one program per head and per 256 channels made 78k programs each for
+# keep_carry and next_windows, ~95 us apiece on the H200 (bench/results/k8_tail_2026-12-02.json).
+CARRY_BLOCK, CARRY_NUM_WARPS = 1024, 4  # values of a row's tensor per program: a 32 x 128 key row is 4 programs
+WINDOW_BLOCK_C = 2048  # channels per next_windows program (4 warps): a conv dim of 8192 is 4 programs
 
 # The pointer table's columns, per layer: tensors by address, a record's rows by their stride in elements.
 FIELDS = ("window", "conv_inputs", "conv_inputs_row_stride", "state", "key", "key_row_stride", "value", "value_row_stride",
@@ -153,30 +162,31 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
 
 @triton.jit
 def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
-                       DECAY_K: tl.constexpr, CARRY_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                       DECAY_K: tl.constexpr, CARRY_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
                        PDL: tl.constexpr):
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
-    i_layer = tl.program_id(1) // H
-    i_h = tl.program_id(1) % H
+    i_layer = tl.program_id(1) // CHUNKS
+    i_chunk = tl.program_id(1) % CHUNKS  # BLOCK values of each of a row's (all heads') key, value, decay, beta
     i_rows = rows_to_roll(cu_rows, kept, i_s)
     if i_rows == 0:  # padding, or one row, which its verify committed
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s).to(tl.int64)
-    key, value, decay, beta, s_key, s_value, s_decay, s_beta = _stash_of_head(table, i_layer, i_h, D_K, D_V, DECAY_K)
-    i_ch = (i_slot * CARRY_ROWS) * H + i_h  # row 0 of the slot's carry, this head
-    carry_key = _pointer(table, i_layer, CARRY_KEY, tl.float32) + i_ch * D_K
-    carry_value = _pointer(table, i_layer, CARRY_VALUE, tl.float32) + i_ch * D_V
-    carry_decay = _pointer(table, i_layer, CARRY_DECAY, tl.float32) + i_ch * DECAY_K
-    carry_beta = _pointer(table, i_layer, CARRY_BETA, tl.float32) + i_ch
+    # a stash row's heads are dense ([H, D] behind the row's first value, the row strided): a row
+    # of each tensor is one flat copy, and a program takes one chunk of each
+    key, value, decay, beta, s_key, s_value, s_decay, s_beta = _stash_of_head(table, i_layer, 0, D_K, D_V, DECAY_K)
+    i_carry = i_slot * CARRY_ROWS  # the slot's carried row 0
+    carry_key = _pointer(table, i_layer, CARRY_KEY, tl.float32) + i_carry * (H * D_K)
+    carry_value = _pointer(table, i_layer, CARRY_VALUE, tl.float32) + i_carry * (H * D_V)
+    carry_decay = _pointer(table, i_layer, CARRY_DECAY, tl.float32) + i_carry * (H * DECAY_K)
+    carry_beta = _pointer(table, i_layer, CARRY_BETA, tl.float32) + i_carry * H
     for i_t in range(0, i_rows):
         i_row = i_bos + i_t
-        # a row of a head is one block of a copy (snapshots.py's)
-        _copy_head_block(key + i_row * s_key, carry_key + i_t * (H * D_K), 0, D_K, BLOCK_K)
-        _copy_head_block(value + i_row * s_value, carry_value + i_t * (H * D_V), 0, D_V, BLOCK_V)
-        _copy_head_block(decay + i_row * s_decay, carry_decay + i_t * (H * DECAY_K), 0, DECAY_K, BLOCK_K)
-        tl.store(carry_beta + i_t * H, tl.load(beta + i_row * s_beta))
+        _copy_head_block(key + i_row * s_key, carry_key + i_t * (H * D_K), i_chunk, H * D_K, BLOCK)
+        _copy_head_block(value + i_row * s_value, carry_value + i_t * (H * D_V), i_chunk, H * D_V, BLOCK)
+        _copy_head_block(decay + i_row * s_decay, carry_decay + i_t * (H * DECAY_K), i_chunk, H * DECAY_K, BLOCK)
+        _copy_head_block(beta + i_row * s_beta, carry_beta + i_t * H, i_chunk, H, BLOCK)
 
 
 @triton.jit
@@ -354,7 +364,7 @@ def next_windows(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torc
     n_seqs = _check_launch("next_windows", layers, seq_slots, cu_rows, kept)
     if n_seqs == 0:
         return
-    block_c = short_conv._block_c(layers.channels)
+    block_c = min(WINDOW_BLOCK_C, triton.next_power_of_2(layers.channels))
     c_blocks = triton.cdiv(layers.channels, block_c)
     _next_windows_kernel[(n_seqs, layers.n_layers * c_blocks)](
         layers.table, seq_slots, cu_rows, kept,
@@ -400,10 +410,12 @@ def keep_carry(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.
     n_seqs = _check_launch("keep_carry", layers, seq_slots, cu_rows, kept, holding="carries")
     if n_seqs == 0:
         return
-    _keep_carry_kernel[(n_seqs, layers.n_layers * layers.heads)](
+    longest = layers.heads * max(layers.d_k, layers.d_v)  # a row's values in its longest tensor
+    chunks = triton.cdiv(longest, CARRY_BLOCK)
+    _keep_carry_kernel[(n_seqs, layers.n_layers * chunks)](
         layers.table, seq_slots, cu_rows, kept, H=layers.heads, D_K=layers.d_k, D_V=layers.d_v, DECAY_K=layers.decay_k,
-        CARRY_ROWS=layers.carry_rows, BLOCK_K=triton.next_power_of_2(layers.d_k), BLOCK_V=triton.next_power_of_2(layers.d_v),
-        num_warps=1, **launch_options(kept.device),
+        CARRY_ROWS=layers.carry_rows, BLOCK=min(CARRY_BLOCK, triton.next_power_of_2(longest)), CHUNKS=chunks,
+        num_warps=CARRY_NUM_WARPS, **launch_options(kept.device),
     )
 
 

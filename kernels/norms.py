@@ -25,8 +25,9 @@ N_BLOCKS and num_warps are functions of D alone, no row count reaches the kernel
 pointer arrives 16-byte aligned (Triton specialises on that), so a row meets the same instructions
 in the same order whether it is normalised alone or among thousands.
 The math is fp32 with the casts exactly where the reference casts. Division, square root and
-rsqrt use the correctly rounded forms (div_rn, sqrt_rn, 1 / sqrt as the CPU computes rsqrt), so
-on a GPU the kernel differs from the reference only by the sum's association and exp's rounding.
+rsqrt use the correctly rounded forms (div_rn, sqrt_rn, 1 / sqrt as the CPU computes rsqrt), and
+contraction is off (no product fused into a sum), so on a GPU the kernel differs from the reference
+only by the sum's association and exp's rounding.
 """
 
 from __future__ import annotations
@@ -167,10 +168,13 @@ def _row_norm_kernel(
 
 def norm_config(d: int) -> tuple[int, int, int]:
     """(BLOCK_D, N_BLOCKS, num_warps) for rows of d elements: a function of d alone, never of the
-    row count. num_warps gives each thread at most 16 elements of a block (1 warp for a 128-wide
-    head, 8 for a 4096-wide block)."""
+    row count. Below 2048 num_warps gives each thread at most 16 elements of a block (1 warp for a
+    128-wide head); blocks of 2048 and more (the hidden-size norms) take 16 warps: a one-row
+    decode runs one program a norm, and its latency falls with the threads that share its row
+    (the 2B model's verify graph 25-30 us faster at 1, 9 and 64 rows than at 4 or 8 warps:
+    bench/results/norm_warps_2026-12-02.json)."""
     block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
-    return block_d, triton.cdiv(d, block_d), min(8, max(1, block_d // 512))
+    return block_d, triton.cdiv(d, block_d), 16 if block_d >= 2048 else min(8, max(1, block_d // 512))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -256,7 +260,11 @@ def _launch(
         BLOCK_D=block_d,
         N_BLOCKS=n_blocks,
         EMULATE_BF16_RTNE=interpreting(),
-        num_warps=num_warps, **launch_options(x.device),
+        # no contraction: with it the compiler fuses a square into whichever add of the sum it meets
+        # first, and which one differs between compiled variants of this kernel (a split-K residual
+        # or a plain one, at 16 warps: PTX for sm_90), so the norm of finished split sums would not
+        # be the norm of the reduced ones; every product and sum here is rounded on its own
+        num_warps=num_warps, enable_fp_fusion=False, **launch_options(x.device),
     )
     return out if residual is None else (total, out)
 

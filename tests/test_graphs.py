@@ -106,3 +106,27 @@ def test_default_buckets_capture_at_startup(model):
     engine = Engine(model, 64, 1024)
     engine.warm_up()
     assert engine.graph_captures == len(DEFAULT_GRAPH_ROWS) and engine.max_graph_rows == DEFAULT_GRAPH_ROWS[-1]
+
+
+def test_the_verify_graphs_ids_are_the_argmax_of_its_logits(model):
+    """A graphed verify ends with each row's argmax copied to the host (graphs.py, Greedy ids): for
+    a bucket the step fits exactly and for padded ones, the ids of its rows are argmax_rows of the
+    logits it hands back."""
+    from kernels.sampling import argmax_rows
+    from verifier.model.rows import RowBatch
+
+    engine = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, graph_rows=GRAPH_ROWS)
+    engine.warm_up()
+    seqs = _open_all(engine, random.Random(3))
+    positions = {s.slot: s.position for s in seqs}
+    rng = random.Random(4)
+    for n_seqs, k in ((1, 0), (1, 3), (3, 6), (5, 4)):  # 1 and 4 rows fit their buckets; 21 and 25 rows pad to 24 and 40
+        chosen = seqs[:n_seqs]
+        batch = RowBatch(tuple(s.slot for s in chosen), tuple(positions[s.slot] for s in chosen), (k + 1,) * n_seqs)
+        tokens = [rng.randrange(3, 90) for _ in range(batch.n_rows)]
+        logits, verified = engine.runner.verify(tokens, batch, engine.rollback_mode)
+        assert verified.greedy_ids is not None, "a graphed verify hands back its ids"
+        assert verified.greedy_ids(batch.n_rows) == argmax_rows(logits).tolist(), (n_seqs, k)
+        engine.runner.rollback(verified, [1] * n_seqs)  # each keeps its first row
+        for s in chosen:
+            positions[s.slot] += 1

@@ -17,6 +17,11 @@ BATCHES = [
     RowBatch((2,), (40,), (9,)),  # one sequence at K = 8
     RowBatch((3, 0, 1), (7, 0, 12), (2, 5, 1)),  # mixed K
     RowBatch((1, 2), (3, 4), (3, 1), carried=(2, 0)),
+    # one row a sequence, which fill writes by a shorter path: a decode of three, one padded with
+    # one-row sequences in the scratch slot (a bucket of 3 rows for 2 sequences), one with carried rows
+    RowBatch((4, 0, 2), (9, 3, 30), (1, 1, 1)),
+    RowBatch((1, 0, 5), (6, 2, 0), (1, 1, 1), scratch_slot=5),
+    RowBatch((1, 3), (6, 2), (1, 1), carried=(0, 3)),
 ]
 
 
@@ -36,6 +41,19 @@ def test_tokens_as_a_list_fill_what_a_tensor_fills(batch):
     assert filled.row_slots.tolist() == [slot for slot, count in zip(batch.slots, batch.counts) for _ in range(count)]
     assert filled.positions.tolist() == [start + r for start, count in zip(batch.starts, batch.counts) for r in range(count)]
     assert filled.cu_rows.tolist() == [0, *torch.tensor(batch.counts).cumsum(0).tolist()]
+    assert filled.seq_slots.tolist() == list(batch.slots)
+    assert filled.carried.tolist() == (list(batch.carried) if batch.carried else [0] * len(batch.slots))
+
+
+def test_one_row_sequences_fill_what_the_general_path_fills():
+    """A batch of one row a sequence takes fill's shorter path; a buffer first filled by the general
+    path with another batch of the same shape (every word written) ends bitwise the same."""
+    decode = RowBatch((4, 0, 2), (9, 3, 30), (1, 1, 1), carried=(0, 2, 0))
+    other = RowBatch((7, 1, 3), (50, 8, 1), (2, 0, 1), scratch_slot=1, carried=(1, 0, 4))  # counts not all 1
+    reused = StepInputs(3, 3, "cpu").fill([11, 12, 13], other).fill([5, 6, 7], decode)
+    assert torch.equal(reused.buffer, _filled(decode, [5, 6, 7]))
+    assert reused.row_slots.tolist() == [4, 0, 2] and reused.positions.tolist() == [9, 3, 30]
+    assert reused.cu_rows.tolist() == [0, 1, 2, 3] and reused.carried.tolist() == [0, 2, 0]
 
 
 def test_a_batch_that_fits_its_bucket_is_its_own_padding():
@@ -90,6 +108,8 @@ def test_with_carried_attaches_each_slots_count(load_target):
     assert (carried.slots, carried.starts, carried.counts, carried.carried) == (batch.slots, batch.starts, batch.counts, (4, 0, 2))
     with pytest.raises(ValueError, match="slot 2: a verify of 5 rows in a pool that carries at most 4"):
         with_carried(RowBatch((0, 2), (0, 0), (1, 5)), pool)
+    none_carry = RowBatch((0, 2), (5, 6), (1, 3))  # slots 0 and 2 carry nothing: the batch itself
+    assert with_carried(none_carry, pool) is none_carry
 
 
 def test_row_batch_checks():

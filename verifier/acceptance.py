@@ -7,8 +7,9 @@ greedy / coupled: d(r+1) is accepted while it equals the token a plain run would
     (sampling.choose); the bonus is the plain run's own token at row a. The stream is therefore
     the plain stream, token for token. On the GPU the choices of all rows come from one device
     launch (argmax_rows for greedy, sampling.choose_rows for coupled sampling) and only the ids
-    reach the host; on the CPU coupled rows are chosen one at a time on the host, stopping at the
-    first miss.
+    reach the host; a graphed step's greedy ids come from its verify graph, which ends with that
+    argmax (verifier/model/graphs.py); on the CPU coupled rows are chosen one at a time on the
+    host, stopping at the first miss.
 rejection (Leviathan et al.), for drafters that send their probabilities q: accept d with
     probability min(1, p(d) / q(d)); on the first rejection emit a sample of norm(max(0, p - q));
     if all K are accepted the bonus is a sample of p at row K. A deterministic drafter has q
@@ -20,7 +21,7 @@ batch, and it picks the rule and the device path per sequence.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,17 +34,18 @@ from .sampling import choose, choose_rows, sample_from, target_probs, uniform
 
 
 def accept(logits: torch.Tensor, batch: RowBatch, drafts: Sequence[list[int]], sampling: Sequence[SamplingParams],
-           draft_probs: Sequence[torch.Tensor | None]) -> list[tuple[int, int]]:
+           draft_probs: Sequence[torch.Tensor | None], greedy_ids: Callable[[int], list[int]] | None = None) -> list[tuple[int, int]]:
     """logits [rows, vocab] of one verify over `batch` (sequence s: its pending token then drafts[s]),
     each sequence's sampling and draft probabilities ([K, vocab], or None) -> per sequence
-    (accepted count a, bonus token).
+    (accepted count a, bonus token). greedy_ids: rows -> the argmax of the first `rows` rows as
+    host ints, when the verify computed them (a graphed step); taken when every sequence is greedy.
 
     greedy: each row's argmax; coupled (sampled, no draft_probs): each row's coupled choice, on the
     device for CUDA logits, row by row on the host otherwise; rejection (sampled, draft_probs given):
     on the host."""
     on_device = logits.is_cuda
     if all(params.greedy for params in sampling):  # every row's argmax: the common case, in few operations a sequence
-        choices = _row_choices(logits, [])
+        choices = _row_choices(logits, []) if greedy_ids is None else greedy_ids(batch.n_rows)
         return [_accept_from(choices, first, ids) for first, ids in zip(batch.offsets, drafts)]
     by_choice = [params.greedy or (on_device and probs is None) for params, probs in zip(sampling, draft_probs)]
     spans = [(span, start) for _, start, span in batch.sequences()]

@@ -227,7 +227,7 @@ class Engine:
                                 tokens: list[int]) -> list[StepResult]:
         logits, verified = self.runner.verify(tokens, batch, self.rollback_mode, checked=True)
         verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
-                          [r.draft_probs for r in requests])
+                          [r.draft_probs for r in requests], verified.greedy_ids)
         # per sequence after the ids reach the host, the GPU idle until the rollback: few operations
         # each (64 sequences' results, rows' copy and checks: 479 -> 180 us on the H200's host,
         # bench/results/step_host_2026-12-01.json lease_4_session12 against step_host_2026-12-02.json)
@@ -269,6 +269,9 @@ class Engine:
         else:
             index = [start + r for _, start, n in wanted for r in range(n)]
             kept = logits.index_select(0, torch.tensor(index, dtype=torch.int64).to(logits.device))
+        if len(wanted) == 1:  # one sequence (a batch-1 step): its rows are the copy, no split
+            wanted[0][0].logits = kept
+            return
         for (result, _, _), rows in zip(wanted, kept.split(counts)):
             result.logits = rows
 

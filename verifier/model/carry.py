@@ -37,16 +37,19 @@ from .state import RecurrentState, SlotPool
 
 def with_carried(batch: RowBatch, pool: SlotPool) -> RowBatch:
     """`batch` with each sequence's carried rows (its slot's), checked to fit: a sequence of more
-    rows than the pool carries could not keep them all (the engine caps drafts at max_k)."""
+    rows than the pool carries could not keep them all (the engine caps drafts at max_k). `batch`
+    itself when none of its slots carries a row (a batch builds on a step's critical path)."""
     if not pool.carry_rows:
         return batch
     if max(batch.counts, default=0) > pool.carry_rows:
         slot, count = next((s, c) for s, c in zip(batch.slots, batch.counts) if c > pool.carry_rows)
         raise ValueError(f"slot {slot}: a verify of {count} rows in a pool that carries at most {pool.carry_rows} "
                          f"(max_k + 1) rows a slot")
-    carried = pool.carried
+    carried = tuple(pool.carried[slot] for slot in batch.slots)
+    if not any(carried):  # no slot carries (decodes after decodes): the batch as it is, carried () meaning none
+        return batch
     return RowBatch(slots=batch.slots, starts=batch.starts, counts=batch.counts, scratch_slot=batch.scratch_slot,
-                    carried=tuple(carried[slot] for slot in batch.slots))
+                    carried=carried)
 
 
 def note_kept(pool: SlotPool, batch: RowBatch, consumed: list[int], carried: bool) -> None:

@@ -26,6 +26,14 @@ verify replays, and its record is consumed by its rollback before any other repl
 buckets' temporaries may share memory. Graph memory is then the largest bucket's, not the sum,
 and serving allocates nothing.
 
+Greedy ids. The verify graph ends with each row's argmax (kernels/sampling.py argmax_rows, what
+acceptance launches for an eager step) and a copy of the ids to pinned memory, so a greedy step's
+host waits for its graph and reads R ints. Launched after the replay, the two argmax kernels ran
+behind the graph without PDL and the ids came back in a synchronous copy of their own, all on the
+critical path once the graph had finished (bench/results/host_ab_2026-12-02.json). Every bucket row
+gets its argmax, padding rows and sampled steps' rows too: at most the largest bucket's, 576 rows
+of a 248k vocabulary (~0.14 ms at 4 TB/s) beside a step of ~10 ms.
+
 Rollback. The rollback graph replays the record's RollbackPlan (rollback.py): for all recurrent
 layers, one launch for the conv windows and one for the recurrent states (kernels/fused_rollback.py).
 The plan's pointer tables are built once, between the two captures, from the addresses the verify
@@ -46,6 +54,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from kernels.sampling import argmax_rows
 
 from .padding import BucketShape, pad_batch
 from .rollback import RollbackPlan, VerifyRecord, apply_rollback
@@ -114,6 +124,9 @@ class GraphedSteps:
         self._buckets: dict[tuple[int, str], _Bucket] = {}
         self._memory = torch.cuda.graph_pool_handle()
         self._logits = torch.empty(shapes[-1].rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
+        # each row's argmax, computed in the verify graph and copied to pinned memory by its last node
+        self._ids = torch.empty(shapes[-1].rows, dtype=torch.int64, device=self.device)
+        self._host_ids = torch.empty(shapes[-1].rows, dtype=torch.int64).pin_memory()
         self._last: _Bucket | None = None
 
     def capture(self, mode: str) -> None:
@@ -139,9 +152,11 @@ class GraphedSteps:
         static.attach(self.device, inputs.batch_tensors())
         kept = torch.zeros(shape.sequences, dtype=torch.int32, device=self.device)
         logits_out = self._logits[: shape.rows]
+        ids_out, host_ids = self._ids[: shape.rows], self._host_ids[: shape.rows]
         # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
         warm = VerifyRecord(mode, static)
         self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out)
+        argmax_rows(logits_out, out=ids_out)
         apply_rollback(self.pool, warm, kept, RollbackPlan(self.pool, warm))
         torch.cuda.synchronize()
         record = VerifyRecord(mode, static)
@@ -150,6 +165,8 @@ class GraphedSteps:
         def verify_step():
             inputs.copy_(host, non_blocking=True)  # captured: the replay reads the pinned buffer
             self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out)
+            argmax_rows(logits_out, out=ids_out)  # greedy choices (module docstring: Greedy ids)
+            host_ids.copy_(ids_out, non_blocking=True)
 
         verify_graph = self._capture(verify_step)
         # the record's addresses are the verify graph's from here on: its pointer tables are built once, here
@@ -191,6 +208,14 @@ class GraphedSteps:
         bucket.copied.record()
         self._last = bucket
         return self._logits[: batch.n_rows], bucket
+
+    def greedy_ids(self, rows: int) -> list[int]:
+        """The argmax of each of the last verify's first `rows` rows, as host ints: waits for its
+        graph (whose last node copies them to pinned memory), then reads them."""
+        if self._last is None:
+            raise RuntimeError("greedy_ids must follow a verify, before its rollback")
+        self._last.copied.synchronize()
+        return self._host_ids[:rows].tolist()
 
     def rollback(self, bucket: _Bucket, kept: list[int]) -> None:
         """Replay the bucket's rollback graph with per-sequence kept counts (padding sequences' 0 included)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -29,13 +29,16 @@ from .step_inputs import StepInputs
 
 @dataclass
 class Verified:
-    """What `StepRunner.verify` hands back for its `rollback`."""
+    """What `StepRunner.verify` hands back for its `rollback` (and, graphed, the step's argmax ids)."""
 
     batch: RowBatch  # the step as the caller sent it: kept counts are checked against it
     shape: BucketShape | None  # the bucket it was padded to; None: unpadded
     record: VerifyRecord | None  # eager: the forward's record (graphed: the bucket owns it)
     bucket: object | None = None  # graphed: the bucket whose rollback graph replays
     mode: str | None = None  # the verify's rollback mode
+    # graphed: rows -> the argmax of the verify's first `rows` rows as host ints, which its graph
+    # computed (graphs.py, Greedy ids); None: eager (the caller computes them from the logits)
+    greedy_ids: Callable[[int], list[int]] | None = None
 
 
 class StepRunner:
@@ -78,7 +81,7 @@ class StepRunner:
         shape = smallest_bucket(self.shapes, batch.n_rows)
         if self.graphs is not None and shape is not None:
             logits, bucket = self.graphs.verify(tokens, batch, shape, mode)
-            return logits, Verified(caller, shape, None, bucket, mode)
+            return logits, Verified(caller, shape, None, bucket, mode, self.graphs.greedy_ids)
         logits, verified = self._eager(tokens, batch, shape if self.pad_eagerly else None, mode)
         return logits, Verified(caller, verified.shape, verified.record, None, mode)
 

@@ -68,7 +68,16 @@ class StepInputs:
         n_tokens = 0 if tokens is None else len(tokens)
         if n_tokens:
             token_view[:n_tokens] = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
-        token_view[n_tokens:] = 0
+        if n_tokens < self.rows:
+            token_view[n_tokens:] = 0
+        carried[:] = batch.carried if batch.carried else 0
+        if self.rows == self.sequences and min(batch.counts, default=1) == 1:
+            # one row a sequence (a decode, padded with one-row sequences or not): row s is
+            # sequence s's, so the rows' slots and positions are the sequences' own (half the ops)
+            row_slots[:] = seq_slots[:] = batch.slots
+            positions[:] = batch.starts
+            cu_rows[:] = self._row_index_to_end
+            return self
         counts = np.asarray(batch.counts, dtype=np.int64)
         ends = np.cumsum(counts)
         slots = np.asarray(batch.slots, dtype=np.int64)
@@ -77,7 +86,6 @@ class StepInputs:
         seq_slots[:] = slots
         cu_rows[0] = 0
         cu_rows[1:] = ends
-        carried[:] = batch.carried if batch.carried else 0
         return self
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StepInputs:
@@ -109,3 +117,4 @@ class StepInputs:
             self._host_views = tuple(t.numpy() for t in (self.tokens, self.row_slots, self.positions, self.seq_slots,
                                                           self.cu_rows, self.carried))
             self._row_index = np.arange(self.rows)
+            self._row_index_to_end = np.arange(self.rows + 1)  # a one-row-a-sequence batch's cu_rows
