@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels.delta_rule import delta_rule_fold, delta_rule_verify, delta_rule_verify_ref
+from kernels import fused_rollback
 from kernels.fused_rollback import RecurrentLayers, keep_carry, keep_carry_ref
 
 from . import test_delta_rule as delta
@@ -66,11 +67,16 @@ def test_carried_rows_equal_a_fold_then_a_verify(kind, shape, device):
     assert_close(f"carried state ref {kind}", ref_state, state, delta.RTOL, delta.ATOL)
 
 
+@pytest.mark.parametrize("carry_block", [None, 8], ids=["one-chunk", "chunks-of-8"])
 @pytest.mark.parametrize("kind", delta.KINDS)
-def test_keep_carry_copies_the_kept_rows_only(kind, device):
+def test_keep_carry_copies_the_kept_rows_only(kind, carry_block, device, monkeypatch):
     """Per layer, a multi-row sequence's kept rows land in its slot's first carried rows exactly;
     a one-row sequence (its verify committed it), a sequence keeping nothing and padding leave
-    their slots' carries alone; the reference copies the same."""
+    their slots' carries alone; the reference copies the same. With the copy's chunk cut to 8, a
+    row (3 heads x 10 values at most) takes four programs a layer, and the shorter tensors (keys
+    of 3 x 6, GDN's decays and the betas of 3) end inside the first chunks, as the model's do."""
+    if carry_block is not None:
+        monkeypatch.setattr(fused_rollback, "CARRY_BLOCK", carry_block)
     t = fused.make_layers(kind, fused.SHAPES[0], torch.float32, device, with_snapshots=False)
     heads, d_k, d_v = fused.SHAPES[0]
     decay_k = t["decays"][0].shape[2]

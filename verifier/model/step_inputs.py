@@ -76,13 +76,13 @@ class StepInputs:
             # sequence s's, so the rows' slots and positions are the sequences' own (half the ops)
             row_slots[:] = seq_slots[:] = batch.slots
             positions[:] = batch.starts
-            cu_rows[:] = self._row_index_to_end
+            cu_rows[:] = self._row_index
             return self
         counts = np.asarray(batch.counts, dtype=np.int64)
         ends = np.cumsum(counts)
         slots = np.asarray(batch.slots, dtype=np.int64)
         row_slots[:] = np.repeat(slots, counts)
-        positions[:] = np.repeat(np.asarray(batch.starts, dtype=np.int64) - (ends - counts), counts) + self._row_index
+        positions[:] = np.repeat(np.asarray(batch.starts, dtype=np.int64) - (ends - counts), counts) + self._row_index[:-1]
         seq_slots[:] = slots
         cu_rows[0] = 0
         cu_rows[1:] = ends
@@ -116,5 +116,5 @@ class StepInputs:
         if self.buffer.device.type == "cpu":
             self._host_views = tuple(t.numpy() for t in (self.tokens, self.row_slots, self.positions, self.seq_slots,
                                                           self.cu_rows, self.carried))
-            self._row_index = np.arange(self.rows)
-            self._row_index_to_end = np.arange(self.rows + 1)  # a one-row-a-sequence batch's cu_rows
+            # 0 .. R: each row's index within the step ([:-1]), and a one-row-a-sequence batch's cu_rows
+            self._row_index = np.arange(self.rows + 1)
