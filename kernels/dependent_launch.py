@@ -14,13 +14,19 @@ it, not just the last one. `launch_options` gives the kernel's PDL constexpr and
 together, so a kernel is never launched early without its wait.
 
 Off: on the CPU (Triton's interpreter has no grid dependency control), below compute capability
-9.0, and when VERIFIER_PDL=0 (A/B runs, or to rule it out when debugging).
+9.0, when VERIFIER_PDL=0 (A/B runs, or to rule it out when debugging), and for the launches made
+inside `suspended()`: the CUDA graphs of large buckets are captured so (verifier/model/graphs.py,
+PDL_MAX_ROWS), where their kernels run several waves and a kernel's blocks, resident early and
+waiting, slowed the step (H200, 2B model, in turns: 64 x 9 rows 9.82 ms with PDL, 9.55 without;
+64 x 1 rows 3.88 and 4.00; bench/results/pdl_buckets_2026-12-02.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -31,6 +37,7 @@ from .runtime import hopper, interpreting
 
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
+_suspension = threading.local()  # .depth > 0: this thread's launches are made without PDL
 
 
 @triton.jit
@@ -44,9 +51,20 @@ def after_previous(PDL: tl.constexpr):
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a launch on `device` (a tensor's device): the kernel's PDL constexpr,
     and Triton's launch_pdl flag when PDL is on."""
-    if device.type != "cuda" or interpreting():
+    if device.type != "cuda" or interpreting() or getattr(_suspension, "depth", 0):
         return _OFF
     return _options(device.index)
+
+
+@contextlib.contextmanager
+def suspended():
+    """Within it, this thread's launches are made without PDL (a kernel's PDL constexpr False: the
+    same kernel compiled without the wait, the same bits)."""
+    _suspension.depth = getattr(_suspension, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _suspension.depth -= 1
 
 
 @functools.lru_cache(maxsize=None)

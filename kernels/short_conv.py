@@ -27,10 +27,12 @@ sequences that keep nothing (verifier/model/padding.py); so does a sequence of o
 conv_rows committed. conv_rows walks no row of a sequence with none, so padding sequences cost a
 program that loads two ints.
 
-Row invariance: one program per (sequence, channel block) walks the sequence's rows in order,
-holding the W-1 inputs before the current row in registers (W <= MAX_WIDTH), so each input row is
-read once and row t + 1 is loaded while row t is computed; every element is computed on its own,
-its W taps combined in the same order whatever the number of rows. (The kernel before this one
+Row invariance: one program per (sequence, channel block, run) walks a run of the sequence's rows
+in order (its rows split into `runs` equal runs), holding the W-1 inputs before the current row in
+registers (W <= MAX_WIDTH; a run starts from the W-1 before it, loaded from the window or the
+inputs), so each input row is read once by the run it is in and row t + 1 is loaded while row t
+is computed; every element is computed on its own from the same loaded values, its W taps
+combined in the same order whatever the number of rows or runs. (The kernel before this one
 took a verify's rows in 16-row tiles and read every input row once per tap: on the H200, 64
 sequences of 9 rows took 44 us, L1-bound at 25% occupancy, per Nsight Compute,
 bench/results/ncu_2026-12-01.json.) fp32 contraction into FMA is turned off
@@ -69,9 +71,25 @@ def _block_c(channels: int) -> int:
 
 
 # conv_rows: channels per program, and its warps (a 128-channel row is 4 channels a thread). Each
-# program walks its sequence's rows in order, so every input row is read once.
+# program walks a run of its sequence's rows in order, so every input row is read once, plus the
+# W-1 before a run. A batch of few sequences splits each sequence's rows into runs, up to
+# CONV_MAX_RUNS and about CONV_TARGET_PROGRAMS programs in all (`conv_runs`): one sequence's walk
+# of K + 1 rows was the conv's whole latency at batch 1 on 64 programs. H200, 2B GDN conv (8192
+# channels, bf16): 1 x 10 rows 3.10 -> 1.98 us in 4 runs, 1 x 5 rows 2.19 -> 1.79; but with 4 runs
+# at more sequences, 8 x 9 rows 3.25 -> 4.65, 64 x 9 10.0 -> 20.9 (bench/results/conv_runs_2026-12-02.json),
+# so a batch whose sequences fill the GPU walks each in one run, as a decode always does.
 CONV_BLOCK_C, CONV_NUM_WARPS = 128, 1
+CONV_MAX_RUNS, CONV_TARGET_PROGRAMS = 4, 256
 MAX_WIDTH = 4  # conv_rows keeps the W-1 inputs before a row in registers: at most three
+
+
+def conv_runs(rows: int, sequences: int, channels: int) -> int:
+    """Runs a sequence of conv_rows' grid for a batch of `rows` rows in `sequences` sequences of
+    `channels` channels (graph buckets: their shape): at most the mean rows a sequence and
+    CONV_MAX_RUNS, and no more than keep the grid near CONV_TARGET_PROGRAMS. Which program
+    computes a row never changes its bits (module docstring)."""
+    programs = max(1, sequences) * triton.cdiv(channels, _conv_block_c(channels))
+    return max(1, min(CONV_MAX_RUNS, -(-rows // max(1, sequences)), CONV_TARGET_PROGRAMS // programs))
 
 
 def _conv_block_c(channels: int) -> int:
@@ -118,13 +136,15 @@ def _earlier(BACK: tl.constexpr, b_x3, b_x2, b_x1, b_x0):
 
 
 @triton.jit
-def _window_column(p_window, m_c, BACK: tl.constexpr, W: tl.constexpr):
-    """seq[-BACK] [BLOCK_C] fp32: the window's column W-1-BACK (its newest is W-2); 0 where the
-    window is narrower (never used then)."""
+def _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, BACK: tl.constexpr, W: tl.constexpr):
+    """seq[t0 - BACK] [BLOCK_C] fp32 of seq = window ++ inputs (t0 >= 0 a row of the sequence, whose
+    first row is i_bos): an earlier input row, or the window's column W-1-BACK+t0; 0 past W (unused)."""
     if BACK <= W - 1:
-        return tl.load(p_window + (W - 1 - BACK), mask=m_c, other=0.0).to(tl.float32)
+        i_j = i_t0 - BACK  # >= -(W-1)
+        p_x = tl.where(i_j >= 0, inputs + (i_bos + i_j) * i_row_stride + o_c, p_window + (W - 1 + i_j))
+        return tl.load(p_x, mask=m_c, other=0.0).to(tl.float32)
     else:
-        return tl.zeros(p_window.shape, dtype=tl.float32)
+        return tl.zeros(o_c.shape, dtype=tl.float32)
 
 
 @triton.jit
@@ -144,29 +164,34 @@ def _conv_rows_kernel(
     IS_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    RUNS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
-    if i_rows == 0:
-        # a padding sequence with no rows (graph buckets): nothing to read or write
+    # this program's run of the sequence's rows: t0 .. t1 - 1, run program_id(2) of RUNS equal ones
+    i_run_rows = tl.cdiv(i_rows, RUNS)
+    i_t0 = tl.program_id(2) * i_run_rows
+    i_t1 = tl.minimum(i_t0 + i_run_rows, i_rows)
+    if i_t0 >= i_t1:
+        # a padding sequence with no rows (graph buckets), or a run past the sequence's last row
         return
     i_bos = i_bos.to(tl.int64)
     p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, column 0
-    # seq[t-3], seq[t-2], seq[t-1] of row t = 0: the window's columns (seq = window ++ inputs)
-    b_x3 = _window_column(p_window, m_c, 3, W)
-    b_x2 = _window_column(p_window, m_c, 2, W)
-    b_x1 = _window_column(p_window, m_c, 1, W)
+    # seq[t0-3], seq[t0-2], seq[t0-1] (seq = window ++ inputs): the window's columns for row 0
+    b_x3 = _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, 3, W)
+    b_x2 = _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, 2, W)
+    b_x1 = _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, 1, W)
     b_w3 = _tap_weight(weight, o_c, m_c, 3, W)
     b_w2 = _tap_weight(weight, o_c, m_c, 2, W)
     b_w1 = _tap_weight(weight, o_c, m_c, 1, W)
     b_w0 = _tap_weight(weight, o_c, m_c, 0, W)
-    p_row = inputs + i_bos * i_row_stride + o_c  # [BLOCK_C]: row t's channels
+    p_row = inputs + (i_bos + i_t0) * i_row_stride + o_c  # [BLOCK_C]: row t's channels
     b_x0 = tl.load(p_row, mask=m_c, other=0.0).to(tl.float32)
-    for i_t in range(0, i_rows):
-        # row t + 1 is loaded while row t is computed (the last row loads itself again, unused)
-        b_next = tl.load(p_row + tl.where(i_t + 1 < i_rows, i_row_stride, 0), mask=m_c, other=0.0).to(tl.float32)
+    for i_t in range(i_t0, i_t1):
+        # row t + 1 is loaded while row t is computed (the run's last row loads itself again, unused)
+        b_next = tl.load(p_row + tl.where(i_t + 1 < i_t1, i_row_stride, 0), mask=m_c, other=0.0).to(tl.float32)
         # taps left to right (j = 0 first: the input W-1 rows back), each product and sum rounded
         b_acc = _round_to(_earlier(W - 1, b_x3, b_x2, b_x1, b_x0) * _earlier(W - 1, b_w3, b_w2, b_w1, b_w0), IS_BF16, INTERPRET)
         for j in tl.static_range(1, W):
@@ -177,8 +202,9 @@ def _conv_rows_kernel(
         b_x3, b_x2, b_x1, b_x0 = b_x2, b_x1, b_x0, b_next
         p_row += i_row_stride  # past the last row it is never read
     if commits(i_rows, i_slot, scratch_slot):
-        # a one-row verify commits its row (kernels/one_row_commit.py): the window becomes the W-1
-        # inputs before the next row, column W-2 the newest (the values as loaded: exact)
+        # a one-row verify commits its row (kernels/one_row_commit.py; its one run is run 0): the
+        # window becomes the W-1 inputs before the next row, column W-2 the newest (the values as
+        # loaded: exact)
         tl.debug_barrier()  # every read of the old window lands before it is overwritten
         for c in tl.static_range(W - 1):
             b_col = _earlier(W - 1 - c, b_x3, b_x2, b_x1, b_x0)
@@ -237,12 +263,15 @@ def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch
 
 
 def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
-              cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None) -> torch.Tensor:
+              cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None,
+              runs: int | None = None) -> torch.Tensor:
     """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype). window is
     written only for one-row sequences (their row is committed), except in scratch_slot (None: no
     slot is exempt).
 
-    out: an optional contiguous [R, C] buffer to write into; it is returned."""
+    out: an optional contiguous [R, C] buffer to write into; it is returned.
+    runs: programs a sequence's rows are split between (None: `conv_runs` of the batch's shape);
+    the same bits for any."""
     op = "conv_rows"
     _check(op, window, inputs, seq_slots, cu_rows)
     rows, channels = inputs.shape
@@ -258,10 +287,13 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
         return out
     block_c = _conv_block_c(channels)
     inputs = _row_strided(inputs)
-    _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c))](
+    runs = conv_runs(rows, n_seqs, channels) if runs is None else runs
+    if runs < 1:
+        raise ValueError(f"{op}: runs must be at least 1, got {runs}")
+    _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c), runs)](
         window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0), -1 if scratch_slot is None else scratch_slot,
         C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_C=block_c,
-        num_warps=CONV_NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
+        RUNS=runs, num_warps=CONV_NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
     )
     return out
 

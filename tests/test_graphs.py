@@ -2,7 +2,8 @@
 
 After warm_up, serving captures nothing whatever the mix of K: every step replays its bucket,
 padded; every logits row, token and real slot's state equals the eager engine's bitwise; graph
-memory stays flat. The padding itself is tested on the CPU (tests/test_padded_steps.py,
+memory stays flat; buckets captured without PDL (past graphs.PDL_MAX_ROWS) give the bits of the
+eager engine's launches with it. The padding itself is tested on the CPU (tests/test_padded_steps.py,
 tests/kernel_tests/test_padded_batches.py)."""
 
 import random
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from verifier.engine import Engine, StepRequest
+from verifier.model import graphs
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
 from verifier.model.rollback import ROLLBACK_MODES
 from verifier.params import SamplingParams
@@ -35,11 +37,15 @@ def _open_all(engine, rng):
             for _ in range(N_SLOTS)]
 
 
+@pytest.mark.parametrize("pdl_max_rows", [graphs.PDL_MAX_ROWS, 8], ids=["default", "buckets-past-8-rows-without-pdl"])
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
-def test_warm_engine_captures_nothing_and_matches_eager(model, mode):
+def test_warm_engine_captures_nothing_and_matches_eager(model, mode, pdl_max_rows, monkeypatch):
     """200 steps of random K mixes (random subsets of the sessions, drafts right and wrong): no
     capture after warm_up, logits, tokens and every real slot's state bitwise the eager engine's;
-    a step's returned logits outlive the next step's replay."""
+    a step's returned logits outlive the next step's replay. With the PDL limit cut to 8 rows the
+    buckets of 12 to 40 rows are captured without PDL while the eager engine launches with it (on
+    Hopper)."""
+    monkeypatch.setattr(graphs, "PDL_MAX_ROWS", pdl_max_rows)
     graphed = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, graph_rows=GRAPH_ROWS)
     eager = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, cuda_graphs=False)
     graphed.warm_up()

@@ -1,7 +1,10 @@
 """kernels/dependent_launch.py: programmatic dependent launch is on only where it can run (a CUDA
 device of compute capability 9.0 or newer, not the interpreter, not switched off by VERIFIER_PDL=0),
-and on the GPU a CUDA graph of dependent kernels launched with it gives torch.equal what the same
-graph gives without it (each kernel waits for the one before; a kernel two back is covered too)."""
+within `suspended()` it is off for the launches of that thread only; and on the GPU a CUDA graph
+of dependent kernels launched with it gives torch.equal what the same graph gives without it
+(each kernel waits for the one before; a kernel two back is covered too)."""
+
+import threading
 
 import pytest
 import torch
@@ -36,6 +39,30 @@ def test_off_under_the_interpreter_and_when_switched_off(monkeypatch, pdl_switch
     monkeypatch.delenv("TRITON_INTERPRET")
     pdl_switch(False)
     assert launch_options(cuda) == {"PDL": False}
+
+
+def test_suspended_is_off_for_its_thread_only(monkeypatch):
+    """The device's choice stubbed to on (no device is asked): off inside suspended(), nested too,
+    on again after it, and on for another thread's launches meanwhile."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(dependent_launch, "_options", lambda index: dependent_launch._ON)
+    on, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    assert launch_options(cuda) == on
+    other = []
+    with dependent_launch.suspended():
+        assert launch_options(cuda) == off
+        with dependent_launch.suspended():
+            assert launch_options(cuda) == off
+        assert launch_options(cuda) == off
+        thread = threading.Thread(target=lambda: other.append(launch_options(cuda)))
+        thread.start()
+        thread.join()
+    assert other == [on]
+    assert launch_options(cuda) == on
+    with pytest.raises(RuntimeError), dependent_launch.suspended():
+        raise RuntimeError("left by an exception")
+    assert launch_options(cuda) == on
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,6 +1,7 @@
 """kernels/short_conv.py: conv_rows and next_window against their torch references, row and batch
-invariance, the verify-then-rollback contract of the conv window (a one-row sequence's conv_rows
-commits its row, kernels/one_row_commit.py), NaN-poisoned outputs.
+invariance, conv_rows' runs (a sequence's rows split between programs: the same bits), the
+verify-then-rollback contract of the conv window (a one-row sequence's conv_rows commits its row,
+kernels/one_row_commit.py), NaN-poisoned outputs.
 
 Tolerances (conv_rows vs conv_rows_ref, general inputs):
   fp32: rtol 1e-6 (8 ulps). The W-tap sum is bit-identical (same order, product and sum rounded
@@ -15,7 +16,7 @@ Tolerances (conv_rows vs conv_rows_ref, general inputs):
 import pytest
 import torch
 
-from kernels.short_conv import conv_rows, conv_rows_ref, next_window, next_window_ref
+from kernels.short_conv import CONV_MAX_RUNS, conv_rows, conv_rows_ref, conv_runs, next_window, next_window_ref
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
 TOLERANCES = {torch.float32: (1e-6, 1e-12), torch.bfloat16: (2**-7, 1e-12)}  # (rtol, atol)
@@ -92,6 +93,36 @@ def test_conv_rows_row_invariant(dtype, device):
         seq_slots, cu_rows = ragged([r], [4], device)
         part = conv_rows(window.clone(), inputs[:r], weight, seq_slots, cu_rows)  # a clone: one row commits
         assert torch.equal(part, full[:r]), f"rows {r}"
+
+
+@pytest.mark.parametrize("width", [2, 4], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_conv_rows_runs_give_the_same_bits(dtype, width, device):
+    """Each sequence's rows split into 1 .. 5 runs (fewer rows than runs, an empty sequence, a
+    one-row sequence that commits, runs starting inside the window's reach and past it): every
+    output row and every window torch.equal the one-run launch's, and every row written."""
+    counts, slots = [9, 1, 0, 2, 5, 3], [0, 3, 5, 1, 4, 2]
+    window, inputs, weight = make(sum(counts), 37, width, dtype, device, seed=7)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    want_window = window.clone()
+    want = conv_rows(want_window, inputs, weight, seq_slots, cu_rows, runs=1)
+    for runs in range(2, 6):
+        got_window = window.clone()
+        got = conv_rows(got_window, inputs, weight, seq_slots, cu_rows, nan_like(inputs), runs=runs)
+        assert torch.equal(got, want), f"{runs} runs"  # a NaN (a row left unwritten) fails too
+        assert torch.equal(got_window, want_window), f"{runs} runs: the windows"
+    with pytest.raises(ValueError, match="runs must be at least 1"):
+        conv_rows(window.clone(), inputs, weight, seq_slots, cu_rows, runs=0)
+
+
+def test_conv_runs_by_batch_shape():
+    """One run for a decode (a row a sequence) and for a batch whose sequences fill the grid; a few
+    sequences of many rows split up to CONV_MAX_RUNS, within CONV_TARGET_PROGRAMS programs (the 2B
+    model's 8192-channel conv: 64 programs a sequence)."""
+    assert conv_runs(64, 64, 8192) == 1 and conv_runs(1, 1, 8192) == 1 and conv_runs(0, 0, 8192) == 1
+    assert conv_runs(2, 1, 8192) == 2 and conv_runs(10, 1, 8192) == CONV_MAX_RUNS == 4
+    assert conv_runs(18, 2, 8192) == 2 and conv_runs(72, 8, 8192) == 1 and conv_runs(576, 72, 8192) == 1
+    assert conv_runs(10, 1, 37) == CONV_MAX_RUNS  # one program a sequence: room for every run
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)

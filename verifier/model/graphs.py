@@ -55,6 +55,7 @@ from typing import Sequence
 
 import torch
 
+from kernels import dependent_launch
 from kernels.sampling import argmax_rows
 
 from .padding import BucketShape, pad_batch
@@ -72,6 +73,14 @@ from .step_inputs import StepInputs
 # startup), not memory.
 DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
                       576)
+
+# Buckets of more rows are captured without programmatic dependent launch (kernels/dependent_launch.py):
+# their kernels run in several waves, and early-resident waiting blocks slowed the step. H200, 2B
+# model, one engine with PDL and one without, in turns: 64 x 9 rows 9.82 ms with, 9.55 without, 16 x 9
+# rows (the 160-row bucket) 4.87 and 4.72, 64 x 2 rows equal; 64 x 1 rows 3.88 with, 4.00 without,
+# 8 x 9 rows (80) 3.33 and 3.36, one sequence's 1 and 9 rows 1.64 and 1.76, 1.97 and 2.06
+# (bench/results/pdl_buckets_2026-12-02.json).
+PDL_MAX_ROWS = 96
 
 
 def graphs_supported(model) -> bool:
@@ -107,7 +116,11 @@ class _Bucket:
     host: StepInputs  # pinned twin the step is packed into
     kept: torch.Tensor  # [S_b] int32 on the device: the rollback graph's static input
     host_kept: torch.Tensor  # [S_b] int32, pinned
-    copied: torch.cuda.Event  # the last copy out of the pinned buffers: wait on it before rewriting them
+    # each graph's first node copies its pinned inputs: the verify's (and its last node the ids
+    # back), the rollback's kept counts; wait on a graph's event before rewriting its pinned buffer.
+    # Apart, so a step's inputs are written while the last step's rollback graph still runs.
+    verified: torch.cuda.Event  # recorded after the verify replay
+    rolled_back: torch.cuda.Event  # recorded after the rollback replay
     verify_graph: torch.cuda.CUDAGraph
     rollback_graph: torch.cuda.CUDAGraph
     rollback_tables: list[torch.Tensor]  # the rollback graph reads these pointer tables in every replay
@@ -141,7 +154,8 @@ class GraphedSteps:
         bucket = self._buckets.get((shape.rows, mode))
         if bucket is not None:
             return bucket
-        with torch.inference_mode():
+        pdl = contextlib.nullcontext() if shape.rows <= PDL_MAX_ROWS else dependent_launch.suspended()
+        with torch.inference_mode(), pdl:
             return self._new_bucket(shape, mode)
 
     def _new_bucket(self, shape: BucketShape, mode: str) -> _Bucket:
@@ -179,7 +193,8 @@ class GraphedSteps:
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
             raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
         self._release(record)
-        bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), verify_graph, rollback_graph, plan.tables)
+        bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), torch.cuda.Event(), verify_graph,
+                         rollback_graph, plan.tables)
         self._buckets[(shape.rows, mode)] = bucket
         self.captures += 1
         return bucket
@@ -202,10 +217,10 @@ class GraphedSteps:
         -> (logits [R, vocab] fp32, a view of the shared logits buffer valid until the next verify;
         the bucket, for `rollback`)."""
         bucket = self._bucket(shape, mode)
-        bucket.copied.synchronize()
+        bucket.verified.synchronize()
         bucket.host.fill(tokens, pad_batch(batch, shape, self.pool.scratch_slot))
         bucket.verify_graph.replay()  # its first node copies bucket.host to bucket.inputs
-        bucket.copied.record()
+        bucket.verified.record()
         self._last = bucket
         return self._logits[: batch.n_rows], bucket
 
@@ -214,17 +229,17 @@ class GraphedSteps:
         graph (whose last node copies them to pinned memory), then reads them."""
         if self._last is None:
             raise RuntimeError("greedy_ids must follow a verify, before its rollback")
-        self._last.copied.synchronize()
+        self._last.verified.synchronize()
         return self._host_ids[:rows].tolist()
 
     def rollback(self, bucket: _Bucket, kept: list[int]) -> None:
         """Replay the bucket's rollback graph with per-sequence kept counts (padding sequences' 0 included)."""
         if bucket is not self._last:
             raise RuntimeError("graphed rollback must follow its own verify")
-        bucket.copied.synchronize()
+        bucket.rolled_back.synchronize()
         bucket.host_kept.numpy()[:] = kept
         bucket.rollback_graph.replay()  # its first node copies bucket.host_kept to bucket.kept
-        bucket.copied.record()
+        bucket.rolled_back.record()
         self._last = None
 
     def replay_padding(self, shape: BucketShape, mode: str) -> None:
