@@ -25,7 +25,7 @@ in place: rollback to the accepted prefix, and prefill's commit with consumed = 
 consumed[s] = 0 leaves the window alone (it is not even rewritten): graph buckets pad a step with
 sequences that keep nothing (verifier/model/padding.py); so does a sequence of one row, which
 conv_rows committed. conv_rows walks no row of a sequence with none, so padding sequences cost a
-program that loads two ints.
+program (one a run) that loads two ints.
 
 Row invariance: one program per (sequence, channel block, run) walks a run of the sequence's rows
 in order (its rows split into `runs` equal runs), holding the W-1 inputs before the current row in
