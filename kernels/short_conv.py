@@ -89,7 +89,7 @@ def conv_runs(rows: int, sequences: int, channels: int) -> int:
     CONV_MAX_RUNS, and no more than keep the grid near CONV_TARGET_PROGRAMS. Which program
     computes a row never changes its bits (module docstring)."""
     programs = max(1, sequences) * triton.cdiv(channels, _conv_block_c(channels))
-    return max(1, min(CONV_MAX_RUNS, -(-rows // max(1, sequences)), CONV_TARGET_PROGRAMS // programs))
+    return max(1, min(CONV_MAX_RUNS, triton.cdiv(rows, max(1, sequences)), CONV_TARGET_PROGRAMS // programs))
 
 
 def _conv_block_c(channels: int) -> int:
