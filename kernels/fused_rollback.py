@@ -29,7 +29,7 @@ TableStore allocated before it, and writes it by `fill_table()` after the captur
 runs the kernels on the host addresses.
 
 Grids: next_windows (S, L * cdiv(C, WINDOW_BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
-keep_carry (S, L * cdiv(H * max(D_K, D_V), CARRY_BLOCK)); keep_state_snapshots (S, L * H,
+keep_carry (S, L * cdiv(H * max(D_K, D_V), CARRY_BLOCK), carry_row_programs(S, carried rows a slot)); keep_state_snapshots (S, L * H,
 cdiv(D_K * D_V, BLOCK)). fold_states' and keep_state_snapshots' block sizes and num_warps are the
 one-layer kernels', chosen from the layer shapes alone; the copies take larger blocks (CARRY_BLOCK).
 
@@ -64,6 +64,9 @@ from .snapshots import _copy_head_block, keep_snapshots_ref
 # sequences, 18 layers) one program per head and per 256 channels made 78k programs each for
 # keep_carry and next_windows, ~95 us apiece on the H200 (bench/results/k8_tail_2026-12-02.json).
 CARRY_BLOCK, CARRY_NUM_WARPS = 1024, 4  # values of a row's tensor per program: a 32 x 128 key row is 4 programs
+# Sequences x row programs up to which keep_carry deals a sequence's rows to programs of their own
+# (carry_row_programs): a batch-1 bucket of 9 sequences (one real) gets a program per row.
+CARRY_SEQUENCE_PROGRAMS = 128
 WINDOW_BLOCK_C = 2048  # channels per next_windows program (4 warps): a conv dim of 8192 is 4 programs
 
 # The pointer table's columns, per layer: tensors by address, a record's rows by their stride in elements.
@@ -163,13 +166,14 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
 @triton.jit
 def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
                        DECAY_K: tl.constexpr, CARRY_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       ROW_PROGRAMS: tl.constexpr, PDL: tl.constexpr):
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s = tl.program_id(0)
     i_layer = tl.program_id(1) // CHUNKS
     i_chunk = tl.program_id(1) % CHUNKS  # BLOCK values of each of a row's (all heads') key, value, decay, beta
+    i_first = tl.program_id(2)  # this program's rows: i_first, i_first + ROW_PROGRAMS, ...
     i_rows = rows_to_roll(cu_rows, kept, i_s)
-    if i_rows == 0:  # padding, or one row, which its verify committed
+    if i_rows <= i_first:  # padding, one row (which its verify committed), or no row of this program's
         return
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s).to(tl.int64)
@@ -181,12 +185,20 @@ def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl
     carry_value = _pointer(table, i_layer, CARRY_VALUE, tl.float32) + i_carry * (H * D_V)
     carry_decay = _pointer(table, i_layer, CARRY_DECAY, tl.float32) + i_carry * (H * DECAY_K)
     carry_beta = _pointer(table, i_layer, CARRY_BETA, tl.float32) + i_carry * H
-    for i_t in range(0, i_rows):
+    o_x = i_chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] of a row's values
+    m_key, m_value, m_decay, m_beta = o_x < H * D_K, o_x < H * D_V, o_x < H * DECAY_K, o_x < H
+    for i_t in range(i_first, i_rows, ROW_PROGRAMS):
         i_row = i_bos + i_t
-        _copy_head_block(key + i_row * s_key, carry_key + i_t * (H * D_K), i_chunk, H * D_K, BLOCK)
-        _copy_head_block(value + i_row * s_value, carry_value + i_t * (H * D_V), i_chunk, H * D_V, BLOCK)
-        _copy_head_block(decay + i_row * s_decay, carry_decay + i_t * (H * DECAY_K), i_chunk, H * DECAY_K, BLOCK)
-        _copy_head_block(beta + i_row * s_beta, carry_beta + i_t * H, i_chunk, H, BLOCK)
+        # the row's four loads issued before any store: the compiler cannot move a load past a store
+        # (the pointers may alias), and a copy is four load latencies otherwise
+        b_key = tl.load(key + i_row * s_key + o_x, mask=m_key)
+        b_value = tl.load(value + i_row * s_value + o_x, mask=m_value)
+        b_decay = tl.load(decay + i_row * s_decay + o_x, mask=m_decay)
+        b_beta = tl.load(beta + i_row * s_beta + o_x, mask=m_beta)
+        tl.store(carry_key + i_t * (H * D_K) + o_x, b_key, mask=m_key)
+        tl.store(carry_value + i_t * (H * D_V) + o_x, b_value, mask=m_value)
+        tl.store(carry_decay + i_t * (H * DECAY_K) + o_x, b_decay, mask=m_decay)
+        tl.store(carry_beta + i_t * H + o_x, b_beta, mask=m_beta)
 
 
 @triton.jit
@@ -412,11 +424,21 @@ def keep_carry(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.
         return
     longest = layers.heads * max(layers.d_k, layers.d_v)  # a row's values in its longest tensor
     chunks = triton.cdiv(longest, CARRY_BLOCK)
-    _keep_carry_kernel[(n_seqs, layers.n_layers * chunks)](
+    row_programs = carry_row_programs(n_seqs, layers.carry_rows)
+    _keep_carry_kernel[(n_seqs, layers.n_layers * chunks, row_programs)](
         layers.table, seq_slots, cu_rows, kept, H=layers.heads, D_K=layers.d_k, D_V=layers.d_v, DECAY_K=layers.decay_k,
         CARRY_ROWS=layers.carry_rows, BLOCK=min(CARRY_BLOCK, triton.next_power_of_2(longest)), CHUNKS=chunks,
-        num_warps=CARRY_NUM_WARPS, **launch_options(kept.device),
+        ROW_PROGRAMS=row_programs, num_warps=CARRY_NUM_WARPS, **launch_options(kept.device),
     )
+
+
+def carry_row_programs(n_seqs: int, carry_rows: int) -> int:
+    """Programs a sequence's kept rows are dealt among, per layer and chunk: a few sequences' rows
+    copied one program each (a batch-1 rollback walked a sequence's rows in one program, one
+    row's load latency after another: 8.2 us of its ~13 us on the H200, rollback_split_2026-12-02.json),
+    many sequences' in one (programs are what the copies cost there). A copy: the bits do not
+    depend on it."""
+    return max(1, min(carry_rows, CARRY_SEQUENCE_PROGRAMS // max(n_seqs, 1)))
 
 
 def keep_carry_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:

@@ -1,12 +1,13 @@
 """The host side of an engine step, which a batch-1 step's GPU waits for: the step's tokens as a
 list (checked with builtins, written into the packed inputs as they are), a batch that fits its
-bucket its own padding, the emitted logits rows kept in one copy, the carried counts attached,
+bucket its own padding, the emitted logits rows kept in one copy (or copied before the acceptance), the carried counts attached,
 and RowBatch's checks. Each shortcut is held to what the longer path gives."""
 
 import pytest
 import torch
 
-from verifier.engine import Engine, StepResult
+from verifier import engine as engine_module
+from verifier.engine import Engine, StepRequest, StepResult
 from verifier.model.carry import with_carried
 from verifier.model.padding import bucket_shapes, pad_batch, smallest_bucket
 from verifier.model.rows import RowBatch
@@ -85,18 +86,40 @@ def test_check_rows_takes_a_list(load_target):
         model.check_rows(torch.tensor([1, 2, model.config.vocab_size]), batch, engine.pool)
 
 
-@pytest.mark.parametrize("layout", ["one range", "rows apart"])
-def test_keep_rows_gives_each_result_its_rows_copied(layout):
+# (first row, emitted rows) of each sequence wanting its logits: one range as a decode's (each
+# sequence's row right after the last's), or rows apart as a verify's (emitted rows at the start of
+# each sequence's K + 1; the early copy spans every row from the first's to the last's end)
+LAYOUTS = {"one range": ([(0, 1), (1, 1), (2, 1), (3, 1)], 4), "rows apart": ([(0, 2), (9, 1), (12, 4)], 18),
+           "one sequence": ([(9, 3)], 18), "one sequence, all its rows": ([(9, 9)], 18)}
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["after acceptance", "copied early"])
+@pytest.mark.parametrize("layout", LAYOUTS.keys())
+def test_keep_rows_gives_each_result_its_rows_copied(layout, early):
     logits = torch.randn(20, 6)
-    # (first row, rows): one range as a decode's (each sequence's row right after the last's), or
-    # rows apart as a verify's (emitted rows at the start of each sequence's K + 1)
-    spans = [(0, 1), (1, 1), (2, 1), (3, 1)] if layout == "one range" else [(0, 2), (9, 1), (12, 4)]
+    spans, end = LAYOUTS[layout]
     results = [StepResult(0, [], 0, None, None) for _ in spans]
-    Engine._keep_rows(logits, [(result, first, n) for result, (first, n) in zip(results, spans)])
+    copy = (spans[0][0], logits[spans[0][0] : end].clone()) if early else None
+    Engine._keep_rows(logits, [(result, first, n) for result, (first, n) in zip(results, spans)], copy)
     expected = [logits[first : first + n].clone() for first, n in spans]
     logits.fill_(float("nan"))  # the next replay overwrites the verify's logits
     for result, want in zip(results, expected):
         assert torch.equal(result.logits, want)
+
+
+def test_copy_early_spans_the_wanting_sequences_within_its_budget(monkeypatch):
+    logits = torch.randn(27, 6)
+    batch = RowBatch((0, 1, 2), (0, 0, 0), (9, 9, 9))
+    def requests(*wants):
+        return [StepRequest(None, [], want_logits=w) for w in wants]
+    assert Engine._copy_early(logits, batch, requests(False, False, False)) is None
+    first, rows = Engine._copy_early(logits, batch, requests(False, True, False))
+    assert first == 9 and torch.equal(rows, logits[9:18]) and rows.data_ptr() != logits[9:18].data_ptr()
+    first, rows = Engine._copy_early(logits, batch, requests(True, False, True))  # the span, the middle sequence too
+    assert first == 0 and torch.equal(rows, logits)
+    monkeypatch.setattr(engine_module, "EARLY_LOGITS_BYTES", 9 * 6 * 4)
+    assert Engine._copy_early(logits, batch, requests(True, False, True)) is None  # past the budget: after acceptance
+    assert Engine._copy_early(logits, batch, requests(False, False, True))[0] == 18
 
 
 def test_with_carried_attaches_each_slots_count(load_target):

@@ -33,6 +33,12 @@ from .sampling import choose, choose_rows
 
 EOS, LENGTH = "eos", "length"
 
+# Most bytes of logits a step copies before its acceptance (Engine._copy_early): every row of the
+# sequences that want theirs, emitted or not. 64 MiB: a decode of 64 sequences of the 2B model's
+# 248k-word vocabulary, or a verify of 7 sequences x 9 rows; past it only the emitted rows are
+# copied, after the acceptance.
+EARLY_LOGITS_BYTES = 64 << 20
+
 
 class StepError(ValueError):
     """A step that cannot run. `code` says which kind (the service maps it to a status)."""
@@ -83,6 +89,28 @@ class StepResult:
     # (None when the request did not want logits)
     logits: torch.Tensor | None
     error: StepError | None = None
+
+
+def _one_range(wanted: list[tuple[StepResult, int, int]], counts: list[int]) -> bool:
+    """Whether each (result, first row, rows) of `wanted` starts where the one before it ends."""
+    first = wanted[0][1]
+    return all(start == first + offset for (_, start, _), offset in zip(wanted, itertools.accumulate(counts, initial=0)))
+
+
+def _keep_early_rows(early: tuple[int, torch.Tensor], wanted: list[tuple[StepResult, int, int]]) -> None:
+    """Engine._keep_rows from Engine._copy_early's copy (its first row, the rows): each result a view
+    of its emitted rows, one split where they are the whole copy in order (a decode)."""
+    first, rows = early
+    counts = [n for _, _, n in wanted]
+    if wanted[0][1] == first and sum(counts) == rows.shape[0] and _one_range(wanted, counts):
+        if len(wanted) == 1:
+            wanted[0][0].logits = rows
+            return
+        for (result, _, _), kept in zip(wanted, rows.split(counts)):
+            result.logits = kept
+        return
+    for result, start, n in wanted:
+        result.logits = rows[start - first : start - first + n]
 
 
 class Engine:
@@ -226,6 +254,7 @@ class Engine:
     def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], batch: RowBatch,
                                 tokens: list[int]) -> list[StepResult]:
         logits, verified = self.runner.verify(tokens, batch, self.rollback_mode, checked=True)
+        early = self._copy_early(logits, batch, requests)  # queued behind the verify, before its ids are waited for
         verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
                           [r.draft_probs for r in requests], verified.greedy_ids)
         # per sequence after the ids reach the host, the GPU idle until the rollback: few operations
@@ -247,24 +276,47 @@ class Engine:
             results.append(result)
             if req.want_logits:
                 wanted.append((result, first, n))
-        self._keep_rows(logits, wanted)
+        self._keep_rows(logits, wanted, early)
         self.runner.rollback(verified, consumed)
         return results
 
     @staticmethod
-    def _keep_rows(logits: torch.Tensor, wanted: list[tuple[StepResult, int, int]]) -> None:
-        """Each (result, its first row in logits, its emitted rows) gets those rows, all copied together
-        once, since a graph's next replay overwrites the logits. Only the emitted rows: at 64
-        sequences x 9 rows the 2B model's verify holds 350 MB of fp32 logits, of which a step whose
-        drafts are all rejected returns a ninth. One copy and one split, not a slice per sequence:
-        a tensor slice costs microseconds of host time, and 64 sequences took two per sequence
-        after their rows reached the host, with the GPU idle (H200 host, 2B decode at batch 64:
-        ~0.9 ms from the ids to the end of the step)."""
+    def _copy_early(logits: torch.Tensor, batch: RowBatch, requests: list[StepRequest]) -> tuple[int, torch.Tensor] | None:
+        """(first row, a copy of logits rows first .. last) spanning every row of the sequences that
+        want their logits, queued right after the verify while the GPU still runs it, when that span
+        is at most EARLY_LOGITS_BYTES; else None (the emitted rows are copied after acceptance).
+        Copied after acceptance, the rows cost a step's critical path the copy's launch and run with
+        the GPU idle (H200, 2B model: ~17 us of a 1.65 ms decode at batch 1, ~0.1 ms of a 4 ms decode
+        at batch 64; bench/results/host_fine_2026-12-03.json); copied here, a decode's rows are exactly
+        its emitted ones, and a small verify copies its K + 1 rows of which the results keep views."""
+        wanting = [s for s, req in enumerate(requests) if req.want_logits]
+        if not wanting:
+            return None
+        offsets = batch.offsets
+        first, end = offsets[wanting[0]], offsets[wanting[-1] + 1]
+        if (end - first) * logits.shape[1] * logits.element_size() > EARLY_LOGITS_BYTES:
+            return None
+        return first, logits[first:end].clone()
+
+    @staticmethod
+    def _keep_rows(logits: torch.Tensor, wanted: list[tuple[StepResult, int, int]],
+                   early: tuple[int, torch.Tensor] | None = None) -> None:
+        """Each (result, its first row in logits, its emitted rows) gets those rows, since a graph's
+        next replay overwrites the logits: views of `early` (_copy_early's copy) where there is one,
+        else all copied together once. Only the emitted rows: at 64 sequences x 9 rows the 2B
+        model's verify holds 350 MB of fp32 logits, of which a step whose drafts are all rejected
+        returns a ninth. One copy and one split, not a slice per sequence: a tensor slice costs
+        microseconds of host time, and 64 sequences took two per sequence after their rows reached
+        the host, with the GPU idle (H200 host, 2B decode at batch 64: ~0.9 ms from the ids to the
+        end of the step)."""
         if not wanted:
+            return
+        if early is not None:
+            _keep_early_rows(early, wanted)
             return
         counts = [n for _, _, n in wanted]
         first, total = wanted[0][1], sum(counts)
-        if all(start == first + offset for (_, start, _), offset in zip(wanted, itertools.accumulate(counts, initial=0))):
+        if _one_range(wanted, counts):
             kept = logits[first : first + total].clone()  # one range: every sequence's rows follow the last's (a decode)
         else:
             index = [start + r for _, start, n in wanted for r in range(n)]

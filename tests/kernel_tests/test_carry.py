@@ -67,16 +67,24 @@ def test_carried_rows_equal_a_fold_then_a_verify(kind, shape, device):
     assert_close(f"carried state ref {kind}", ref_state, state, delta.RTOL, delta.ATOL)
 
 
+# CARRY_SEQUENCE_PROGRAMS for the test's 6 sequences: each sequence's rows in one program (a
+# strided walk), dealt between two programs (rows 0, 2 and row 1 of the sequence keeping 3), a program a row
+ROW_DEALS = {"rows-in-one-program": 1, "two-row-programs": 12, "a-program-a-row": 128}
+
+
+@pytest.mark.parametrize("sequence_programs", ROW_DEALS.values(), ids=ROW_DEALS.keys())
 @pytest.mark.parametrize("carry_block", [None, 8], ids=["one-chunk", "chunks-of-8"])
 @pytest.mark.parametrize("kind", delta.KINDS)
-def test_keep_carry_copies_the_kept_rows_only(kind, carry_block, device, monkeypatch):
+def test_keep_carry_copies_the_kept_rows_only(kind, carry_block, sequence_programs, device, monkeypatch):
     """Per layer, a multi-row sequence's kept rows land in its slot's first carried rows exactly;
     a one-row sequence (its verify committed it), a sequence keeping nothing and padding leave
     their slots' carries alone; the reference copies the same. With the copy's chunk cut to 8, a
     row (3 heads x 10 values at most) takes four programs a layer, and the shorter tensors (keys
-    of 3 x 6, GDN's decays and the betas of 3) end inside the first chunks, as the model's do."""
+    of 3 x 6, GDN's decays and the betas of 3) end inside the first chunks, as the model's do.
+    However a sequence's rows are dealt to programs (fused_rollback.carry_row_programs), the same rows land."""
     if carry_block is not None:
         monkeypatch.setattr(fused_rollback, "CARRY_BLOCK", carry_block)
+    monkeypatch.setattr(fused_rollback, "CARRY_SEQUENCE_PROGRAMS", sequence_programs)
     t = fused.make_layers(kind, fused.SHAPES[0], torch.float32, device, with_snapshots=False)
     heads, d_k, d_v = fused.SHAPES[0]
     decay_k = t["decays"][0].shape[2]

@@ -117,10 +117,12 @@ class _Bucket:
     kept: torch.Tensor  # [S_b] int32 on the device: the rollback graph's static input
     host_kept: torch.Tensor  # [S_b] int32, pinned
     # each graph's first node copies its pinned inputs: the verify's (and its last node the ids
-    # back), the rollback's kept counts; wait on a graph's event before rewriting its pinned buffer.
-    # Apart, so a step's inputs are written while the last step's rollback graph still runs.
+    # back), the rollback's kept counts. A verify waits for the bucket's last verify before
+    # rewriting its inputs (not for the rollback after it: a step's inputs are written while the last
+    # step's rollback graph still runs); a rollback for its own verify, which the stream ran after
+    # the bucket's last rollback (one event: a rollback's own record cost a K = 8 step ~13 us of
+    # host time on the H200 with the GPU idle, and its verify's ids have been waited for already).
     verified: torch.cuda.Event  # recorded after the verify replay
-    rolled_back: torch.cuda.Event  # recorded after the rollback replay
     verify_graph: torch.cuda.CUDAGraph
     rollback_graph: torch.cuda.CUDAGraph
     rollback_tables: list[torch.Tensor]  # the rollback graph reads these pointer tables in every replay
@@ -193,7 +195,7 @@ class GraphedSteps:
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
             raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
         self._release(record)
-        bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), torch.cuda.Event(), verify_graph,
+        bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), verify_graph,
                          rollback_graph, plan.tables)
         self._buckets[(shape.rows, mode)] = bucket
         self.captures += 1
@@ -236,10 +238,9 @@ class GraphedSteps:
         """Replay the bucket's rollback graph with per-sequence kept counts (padding sequences' 0 included)."""
         if bucket is not self._last:
             raise RuntimeError("graphed rollback must follow its own verify")
-        bucket.rolled_back.synchronize()
+        bucket.verified.synchronize()  # its verify done, so the bucket's last rollback (before it) too
         bucket.host_kept.numpy()[:] = kept
         bucket.rollback_graph.replay()  # its first node copies bucket.host_kept to bucket.kept
-        bucket.rolled_back.record()
         self._last = None
 
     def replay_padding(self, shape: BucketShape, mode: str) -> None:
