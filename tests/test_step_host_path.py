@@ -9,7 +9,7 @@ import torch
 from verifier import engine as engine_module
 from verifier.engine import Engine, StepRequest, StepResult
 from verifier.model.carry import with_carried
-from verifier.model.padding import bucket_shapes, pad_batch, smallest_bucket
+from verifier.model.padding import BucketShape, bucket_shapes, pad_batch, smallest_bucket
 from verifier.model.rows import RowBatch
 from verifier.model.step_inputs import StepInputs
 
@@ -69,6 +69,26 @@ def test_a_batch_that_fits_its_bucket_is_its_own_padding():
         padded = pad_batch(batch, wider, n_slots)
         assert padded is not batch and (padded.n_rows, len(padded.slots)) == (wider.rows, wider.sequences)
         assert padded.slots[: len(batch.slots)] == batch.slots and padded.scratch_slot == n_slots
+
+
+def test_a_reused_buffer_fills_what_a_fresh_one_fills():
+    """fill rewrites the rows' slots and sequences only when the batch's (slots, counts) change:
+    a buffer reused across steps of one layout (new starts, tokens, carried), of another layout, and
+    after a decode's shorter path ends bitwise as a fresh buffer filled with the last batch."""
+    steps = [
+        RowBatch((3, 0, 5), (7, 0, 0), (5, 4, 0), scratch_slot=5),
+        RowBatch((3, 0, 5), (12, 1, 0), (5, 4, 0), scratch_slot=5, carried=(2, 1, 0)),  # same layout, moved on
+        RowBatch((0, 3, 5), (12, 1, 0), (5, 4, 0), scratch_slot=5),  # the slots swapped
+        RowBatch((0, 3, 5), (12, 1, 0), (6, 3, 0), scratch_slot=5),  # the counts changed
+        RowBatch((4, 1, 2, 5, 5, 5, 5, 5, 5), tuple(range(9)), (1,) * 9, scratch_slot=5),  # a decode of 9 rows
+        RowBatch((0, 3, 5), (20, 9, 0), (6, 3, 0), scratch_slot=5),  # the layout before the decode
+    ]
+    reused = StepInputs(9, 9, "cpu")
+    for i, batch in enumerate(steps):
+        padded = pad_batch(batch, BucketShape(9, 9), 5) if len(batch.slots) < 9 else batch
+        ids = [(31 * r + i) % 1000 for r in range(padded.n_rows)]
+        reused.fill(ids, padded)
+        assert torch.equal(reused.buffer, _filled(padded, ids)), f"step {i}: the reused buffer differs from a fresh one"
 
 
 def test_check_rows_takes_a_list(load_target):

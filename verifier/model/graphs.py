@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kernels import dependent_launch
@@ -126,6 +127,20 @@ class _Bucket:
     verify_graph: torch.cuda.CUDAGraph
     rollback_graph: torch.cuda.CUDAGraph
     rollback_tables: list[torch.Tensor]  # the rollback graph reads these pointer tables in every replay
+    # whether `verified` was recorded since the host last waited on it (a wait on a passed event
+    # still costs a driver call: a step waits on its verify three times, for the ids, before its
+    # rollback and before the bucket's next verify)
+    verify_pending: bool = False
+    host_kept_view: np.ndarray = field(init=False)  # host_kept as numpy, made once
+
+    def __post_init__(self):
+        self.host_kept_view = self.host_kept.numpy()
+
+    def wait_verified(self) -> None:
+        """Wait for the bucket's last verify replay (at once when it has been waited for since)."""
+        if self.verify_pending:
+            self.verified.synchronize()
+            self.verify_pending = False
 
 
 class GraphedSteps:
@@ -142,6 +157,7 @@ class GraphedSteps:
         # each row's argmax, computed in the verify graph and copied to pinned memory by its last node
         self._ids = torch.empty(shapes[-1].rows, dtype=torch.int64, device=self.device)
         self._host_ids = torch.empty(shapes[-1].rows, dtype=torch.int64).pin_memory()
+        self._host_ids_view = self._host_ids.numpy()  # read as numpy: a tensor slice's tolist costs a few us more
         self._last: _Bucket | None = None
 
     def capture(self, mode: str) -> None:
@@ -219,10 +235,11 @@ class GraphedSteps:
         -> (logits [R, vocab] fp32, a view of the shared logits buffer valid until the next verify;
         the bucket, for `rollback`)."""
         bucket = self._bucket(shape, mode)
-        bucket.verified.synchronize()
+        bucket.wait_verified()
         bucket.host.fill(tokens, pad_batch(batch, shape, self.pool.scratch_slot))
         bucket.verify_graph.replay()  # its first node copies bucket.host to bucket.inputs
         bucket.verified.record()
+        bucket.verify_pending = True
         self._last = bucket
         return self._logits[: batch.n_rows], bucket
 
@@ -231,15 +248,15 @@ class GraphedSteps:
         graph (whose last node copies them to pinned memory), then reads them."""
         if self._last is None:
             raise RuntimeError("greedy_ids must follow a verify, before its rollback")
-        self._last.verified.synchronize()
-        return self._host_ids[:rows].tolist()
+        self._last.wait_verified()
+        return self._host_ids_view[:rows].tolist()
 
     def rollback(self, bucket: _Bucket, kept: list[int]) -> None:
         """Replay the bucket's rollback graph with per-sequence kept counts (padding sequences' 0 included)."""
         if bucket is not self._last:
             raise RuntimeError("graphed rollback must follow its own verify")
-        bucket.verified.synchronize()  # its verify done, so the bucket's last rollback (before it) too
-        bucket.host_kept.numpy()[:] = kept
+        bucket.wait_verified()  # its verify done, so the bucket's last rollback (before it) too
+        bucket.host_kept_view[:] = kept
         bucket.rollback_graph.replay()  # its first node copies bucket.host_kept to bucket.kept
         self._last = None
 
