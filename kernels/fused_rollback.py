@@ -435,9 +435,10 @@ def keep_carry(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.
 def carry_row_programs(n_seqs: int, carry_rows: int) -> int:
     """Programs a sequence's kept rows are dealt among, per layer and chunk: a few sequences' rows
     copied one program each (a batch-1 rollback walked a sequence's rows in one program, one
-    row's load latency after another: 8.2 us of its ~13 us on the H200, rollback_split_2026-12-02.json),
+    row's load latency after another, most of the rollback graph's GPU time under the profiler),
     many sequences' in one (programs are what the copies cost there). A copy: the bits do not
-    depend on it."""
+    depend on it. With the step's host changes beside it, the H200's K = 8 WOA rollback at batch 1
+    went 0.032 -> 0.022 ms (bench/results/host_ab_2026-12-03.json)."""
     return max(1, min(carry_rows, CARRY_SEQUENCE_PROGRAMS // max(n_seqs, 1)))
 
 

@@ -286,8 +286,9 @@ class Engine:
         want their logits, queued right after the verify while the GPU still runs it, when that span
         is at most EARLY_LOGITS_BYTES; else None (the emitted rows are copied after acceptance).
         Copied after acceptance, the rows cost a step's critical path the copy's launch and run with
-        the GPU idle (H200, 2B model: ~17 us of a 1.65 ms decode at batch 1, ~0.1 ms of a 4 ms decode
-        at batch 64; bench/results/host_fine_2026-12-03.json); copied here, a decode's rows are exactly
+        the GPU idle (H200, 2B model, a batch-1 decode: 16-19 us after the ids, 3 us for the views of
+        an early copy; the GPU's idle gap 62-75 -> 57 us; bench/results/host_fine_2026-12-03.json;
+        at batch 64 the gap's change was within its noise); copied here, a decode's rows are exactly
         its emitted ones, and a small verify copies its K + 1 rows of which the results keep views."""
         wanting = [s for s, req in enumerate(requests) if req.want_logits]
         if not wanting:
