@@ -157,7 +157,7 @@ class GraphedSteps:
         # each row's argmax, computed in the verify graph and copied to pinned memory by its last node
         self._ids = torch.empty(shapes[-1].rows, dtype=torch.int64, device=self.device)
         self._host_ids = torch.empty(shapes[-1].rows, dtype=torch.int64).pin_memory()
-        self._host_ids_view = self._host_ids.numpy()  # read as numpy: a tensor slice's tolist costs a few us more
+        self._host_ids_view = self._host_ids.numpy()  # read as numpy, made once: slicing a tensor costs more host time
         self._last: _Bucket | None = None
 
     def capture(self, mode: str) -> None:

@@ -82,8 +82,9 @@ class StepInputs:
         layout = (batch.slots, batch.counts)
         if layout != self._layout:
             # the rows' slots and sequences: written when they change, which a bucket's steps seldom
-            # do (the same sequences at the same K): a batch-1 K = 8 step's fill took 20-27 us of the
-            # H200 host's time with the GPU idle, a third of it with this
+            # do (the same sequences at the same K); a fill runs with the GPU idle. H200 host, a batch-1
+            # K = 8 fill: 22 us before (bench/results/step_host_2026-12-02.json), 6-8 us with this
+            # (host_fine_2026-12-03.json; stamped another way, so a rough before and after)
             counts = np.asarray(batch.counts, dtype=np.int64)
             ends = np.cumsum(counts)
             row_sequence = np.repeat(np.arange(len(counts)), counts)  # [R]: each row's sequence
