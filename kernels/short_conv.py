@@ -330,7 +330,8 @@ def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
-                  cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None) -> torch.Tensor:
+                  cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None,
+                  runs: int | None = None) -> torch.Tensor:
     """conv_rows in torch, each sequence's rows one at a time: what the CPU reference backend runs
     (verifier.model.layers.linear_attention). A one-row sequence outside scratch_slot commits its row."""
     width = weight.shape[1]

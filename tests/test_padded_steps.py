@@ -1,8 +1,8 @@
 """Graph-bucket padding at the engine level, on the CPU reference backend: a step padded to its
 bucket (the padding code path the CUDA graphs replay, run eagerly) gives every real row and every
 real slot's state torch.equal to the unpadded step, for mixed K and both rollback modes; the
-scratch slot's conv window and recurrent state stay zero. Also: the bucket list, step_costs, and
-steps that want no logits."""
+scratch slot's conv window and recurrent state stay zero. Also: the bucket list, step_costs,
+steps that want no logits, and the sequences a padded batch's walks are split for."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch
 from bitexact.serial import serial_run
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
-from verifier.model.padding import PAD_CHUNK, bucket_shapes, pad_batch, smallest_bucket
+from verifier.model.padding import PAD_CHUNK, WALK_ROWS, bucket_shapes, pad_batch, smallest_bucket, walk_sequences
 from verifier.model.rollback import ROLLBACK_MODES
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
@@ -79,8 +79,8 @@ def test_buckets_fit_the_context(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, 20)
     assert [s.rows for s in engine.runner.shapes] == [r for r in DEFAULT_GRAPH_ROWS if r <= 20]
-    # min(rows, n_slots + ceil(rows / PAD_CHUNK)): rows 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20
-    assert [s.sequences for s in engine.runner.shapes] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 5]
+    # min(rows, n_slots + ceil(rows / PAD_CHUNK)): rows 1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 20
+    assert [s.sequences for s in engine.runner.shapes] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 5]
     with pytest.raises(ValueError, match="passes max_seq_len 20"):
         Engine(model, 2, 20, graph_rows=(4, 32))
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -146,3 +146,20 @@ def test_k_mixes_pad_with_several_padding_sequences():
     padded = pad_batch(batch, smallest_bucket(shapes, batch.n_rows), len(PROMPTS))
     assert padded.counts[3:] == (8, 1) and padded.starts[3:] == (0, 8)
     assert padded.slots[3:] == (len(PROMPTS),) * 2
+
+
+def test_a_padded_batch_splits_its_walks_for_its_rows_not_its_padding():
+    """A batch as it is: its own sequences. Padded to a bucket (captured on padding alone): the fewest
+    sequences of WALK_ROWS rows that hold the bucket's rows, so one sequence at K = 8 in the 9- or
+    10-row bucket (9 or 10 sequences, mostly padding) gets the conv split an unpadded one gets."""
+    from kernels.short_conv import CONV_MAX_RUNS, conv_runs
+
+    exact = RowBatch((0, 1, 2), (3, 5, 2), (2, 4, 1))
+    assert walk_sequences(exact) == 3
+    for rows, want in ((1, 1), (9, 1), (10, 2), (18, 2), (576, 64)):
+        shape = bucket_shapes((rows,), 64)[0]
+        padded = pad_batch(RowBatch((), (), ()), shape, 64)
+        assert len(padded.slots) == shape.sequences and walk_sequences(padded) == want == -(-rows // WALK_ROWS)
+    nine = pad_batch(RowBatch((0,), (3,), (9,)), bucket_shapes((9,), 64)[0], 64)
+    assert len(nine.slots) == 9 and conv_runs(nine.n_rows, walk_sequences(nine), 8192) == CONV_MAX_RUNS
+    assert conv_runs(nine.n_rows, len(nine.slots), 8192) == 1  # split for its 9 sequences: no split

@@ -65,14 +65,16 @@ from .rows import RowBatch
 from .step_inputs import StepInputs
 
 # Total verify rows per bucket. Decode at batch b is b rows and a session at K drafts K + 1, so the
-# small counts are dense (1..6: one session at K <= 5 replays an exact fit); past 8 the steps grow
+# small counts are dense (1..6: one session at K <= 5 replays an exact fit, and 9: one session at
+# K = 8, the default max_k, whose step in the 10-row bucket walked one padding sequence more and had
+# its conv split for the bucket's 10 sequences, see padding.walk_sequences); past 8 the steps grow
 # by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then 1.33x to 512
 # and by 64 rows (one more draft for 64 sessions) to 576, which holds 64 sessions at K = 8, the
 # default max_k: a step past the largest bucket runs eagerly, launch by launch (64 x 9 rows of the
 # 2B model took 25 ms eager against 11 ms of kernels, H200). With one shared graph memory pool the
 # graph memory is that of the largest bucket, so the list costs capture time (two graphs each at
 # startup), not memory.
-DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
+DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
                       576)
 
 # Buckets of more rows are captured without programmatic dependent launch (kernels/dependent_launch.py):

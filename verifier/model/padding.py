@@ -36,6 +36,10 @@ from .rows import RowBatch
 # than the real ones already are.
 PAD_CHUNK = 8
 
+# Rows a sequence of a padded step is taken to have where a bucket sizes the split of its walks
+# (`walk_sequences`): a verify's at K = 8, as PAD_CHUNK's comment says.
+WALK_ROWS = PAD_CHUNK + 1
+
 
 @dataclass(frozen=True)
 class BucketShape:
@@ -87,6 +91,19 @@ def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatc
         scratch_slot=scratch_slot,
         carried=batch.carried + (0,) * padding if batch.carried else (),
     )
+
+
+def walk_sequences(batch: RowBatch) -> int:
+    """How many sequences a batch's sequence walks are split for (kernels/short_conv.py conv_runs): a
+    batch as it is, its own. A batch padded to a graph bucket is captured on padding alone and replayed
+    with every step that fits the bucket, and its S_b sequences are mostly padding: split for them, one
+    sequence of 9 rows in the 10-row bucket (S_b = 10) would walk its rows in one run where the same
+    step unpadded takes 4. So a padded batch is split for the fewest sequences of WALK_ROWS rows that
+    hold its rows: steps of one or two long verifies get the split, and a split that finds a sequence of
+    fewer rows than runs leaves the rest of its programs with nothing to do (they return at once)."""
+    if batch.scratch_slot is None:
+        return len(batch.slots)
+    return max(1, -(-batch.n_rows // WALK_ROWS))
 
 
 def _chunks(padding_rows: int) -> tuple[int, ...]:

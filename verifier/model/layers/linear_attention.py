@@ -18,6 +18,7 @@ from kernels import delta_rule, short_conv
 from kernels.runtime import pick
 
 from ..ops import each_row
+from ..padding import walk_sequences
 from ..rollback import COMMIT, SNAPSHOT, LayerRecord, commit
 from ..rows import RowBatch
 from ..state import RecurrentState
@@ -37,7 +38,9 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
-    mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot)
+    walks = walk_sequences(batch)
+    runs = short_conv.conv_runs(conv_inputs.shape[0], walks, conv_inputs.shape[1])
+    mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs)
     query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
     snapshots = None
     if mode == SNAPSHOT:
