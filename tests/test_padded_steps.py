@@ -10,7 +10,8 @@ import torch
 from bitexact.serial import serial_run
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
-from verifier.model.padding import PAD_CHUNK, WALK_ROWS, bucket_shapes, pad_batch, smallest_bucket, walk_sequences
+from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, bucket_shapes, one_verify_bucket, pad_batch, smallest_bucket,
+                                    walk_sequences)
 from verifier.model.rollback import ROLLBACK_MODES
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
@@ -163,3 +164,12 @@ def test_a_padded_batch_splits_its_walks_for_its_rows_not_its_padding():
     nine = pad_batch(RowBatch((0,), (3,), (9,)), bucket_shapes((9,), 64)[0], 64)
     assert len(nine.slots) == 9 and conv_runs(nine.n_rows, walk_sequences(nine), 8192) == CONV_MAX_RUNS
     assert conv_runs(nine.n_rows, len(nine.slots), 8192) == 1  # split for its 9 sequences: no split
+
+
+def test_only_the_one_verify_bucket_walks_its_sequences_last():
+    """The delta rule's sequence-last grid is taken by the batches padded to the 9-row bucket (one K = 8
+    verify) and by no other: not an exact batch of 9 rows, not the 8- or 10-row buckets."""
+    for rows, want in ((8, False), (9, True), (10, False)):
+        shape = bucket_shapes((rows,), 64)[0]
+        assert one_verify_bucket(pad_batch(RowBatch((0,), (3,), (min(rows, WALK_ROWS),)), shape, 64)) is want, rows
+    assert not one_verify_bucket(RowBatch((0,), (3,), (WALK_ROWS,)))

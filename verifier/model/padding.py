@@ -106,6 +106,17 @@ def walk_sequences(batch: RowBatch) -> int:
     return max(1, -(-batch.n_rows // WALK_ROWS))
 
 
+def one_verify_bucket(batch: RowBatch) -> bool:
+    """A batch padded to the bucket of WALK_ROWS rows, which exists for one sequence's verify at K = 8
+    (graphs.DEFAULT_GRAPH_ROWS): there the delta rule puts the sequence on its grid's slowest axis
+    (kernels/delta_rule.py delta_rule_verify, sequences_last), so the one real walk's programs are
+    dispatched before the padding's. Only there: a bucket replays steps of several sequences too, and
+    at 4 or 8 decodes in a bucket of 8 rows that order made the walks slower (101 -> 117 and 168 ->
+    203 us a step, H200, bench/results/padding_walks_2026-12-03.json), where one sequence of 9 rows
+    gained (196 -> 152 us)."""
+    return batch.scratch_slot is not None and batch.n_rows == WALK_ROWS
+
+
 def _chunks(padding_rows: int) -> tuple[int, ...]:
     """Rows of each padding sequence with rows: PAD_CHUNK each, the last one the remainder."""
     full, rest = divmod(padding_rows, PAD_CHUNK)
