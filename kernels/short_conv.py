@@ -333,7 +333,9 @@ def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tens
                   cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None,
                   runs: int | None = None) -> torch.Tensor:
     """conv_rows in torch, each sequence's rows one at a time: what the CPU reference backend runs
-    (verifier.model.layers.linear_attention). A one-row sequence outside scratch_slot commits its row."""
+    (verifier.model.layers.linear_attention). A one-row sequence outside scratch_slot commits its row.
+    runs: conv_rows' split of a sequence's rows, taken for its signature (a split changes no value;
+    the reference walks each sequence whole)."""
     width = weight.shape[1]
     if out is None:
         out = torch.empty_like(inputs, memory_format=torch.contiguous_format)

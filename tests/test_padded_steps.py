@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bitexact.serial import serial_run
+from kernels.short_conv import CONV_MAX_RUNS, conv_runs
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
 from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, bucket_shapes, one_verify_bucket, pad_batch, smallest_bucket,
@@ -153,8 +154,6 @@ def test_a_padded_batch_splits_its_walks_for_its_rows_not_its_padding():
     """A batch as it is: its own sequences. Padded to a bucket (captured on padding alone): the fewest
     sequences of WALK_ROWS rows that hold the bucket's rows, so one sequence at K = 8 in the 9- or
     10-row bucket (9 or 10 sequences, mostly padding) gets the conv split an unpadded one gets."""
-    from kernels.short_conv import CONV_MAX_RUNS, conv_runs
-
     exact = RowBatch((0, 1, 2), (3, 5, 2), (2, 4, 1))
     assert walk_sequences(exact) == 3
     for rows, want in ((1, 1), (9, 1), (10, 2), (18, 2), (576, 64)):
