@@ -72,12 +72,3 @@ def check_ragged(op: str, seq_slots: torch.Tensor, cu_rows: torch.Tensor, operan
         raise ValueError(f"{op}: seq_slots must be int32 [S], got shape {list(seq_slots.shape)}")
     check_tensor(op, "seq_slots", seq_slots, seq_slots.shape, torch.int32, operand)
     check_tensor(op, "cu_rows", cu_rows, (seq_slots.shape[0] + 1,), torch.int32, operand, layout="[S+1]")
-
-
-MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first allows 2^31 - 1)
-
-
-def check_grid_axis(op: str, what: str, n: int) -> None:
-    """n programs along a grid's second or third axis (a kernel that puts `what` there) fit CUDA's limit."""
-    if n > MAX_GRID_YZ:
-        raise ValueError(f"{op}: {n} {what} in one launch; the kernel's grid takes at most {MAX_GRID_YZ}")

@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_contiguous, check_grid_axis, check_launchable, check_ragged, check_tensor
+from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
 from .dependent_launch import after_previous, launch_options
 from .one_row_commit import commits, rows_to_roll
 from .rounding import cast_rtne
@@ -202,16 +202,12 @@ def _delta_rule_kernel(
     STORE_SNAPSHOTS: tl.constexpr,
     CARRY_ROWS: tl.constexpr,  # verify: C > 0, each slot's carried stash rows (C a slot) go first; 0: none
     INTERPRET: tl.constexpr,  # the interpreter truncates fp32 -> bf16: out is rounded on the bits first there
-    SEQUENCES_LAST: tl.constexpr,  # grid (value blocks, heads, sequences), else (sequences, heads, value blocks)
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
-    if SEQUENCES_LAST:
-        # the walk of one sequence in a bucket of padding (`delta_rule_verify`): its (head, value
-        # block) programs first, the padding's after
-        i_v, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        i_s, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
     i_bos = tl.load(cu_rows + i_s)
     if FOLD:
@@ -308,16 +304,12 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool,
-            scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None,
-            sequences_last: bool = False) -> None:
+            scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None) -> None:
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
     cfg = delta_rule_config(d_k, d_v)
     grid = (n_seqs, heads, triton.cdiv(d_v, cfg.BLOCK_V))
-    if sequences_last:
-        check_grid_axis("delta_rule_verify", "sequences", n_seqs)  # only verify orders so
-        grid = grid[::-1]
     _delta_rule_kernel[grid](
         state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),
         seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
@@ -325,7 +317,7 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
         *((carried, *carry) if carry is not None else (cu_rows, state, state, state, state)),  # never read without a carry
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
         FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, CARRY_ROWS=0 if carry is None else carry[0].shape[1],
-        INTERPRET=interpreting(), SEQUENCES_LAST=sequences_last,
+        INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
 
@@ -334,22 +326,14 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                       decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                       snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       scratch_slot: int | None = None, carried: torch.Tensor | None = None,
-                      carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      sequences_last: bool = False) -> torch.Tensor:
+                      carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
     [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
     in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
     row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned.
     carry: (keys [n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [n_slots, C, H])
     fp32 with carried int32 [S]: sequence s first applies its slot's first carried[s] carry rows
-    and commits the result (verifier/model/carry.py); its rows then start from there.
-    sequences_last: put the sequence on the grid's slowest axis, for one real sequence among padding
-    (the graph bucket of one verify at K = 8, verifier/model/padding.py one_verify_bucket): its blocks
-    are dispatched first and the padding's, which mostly return at once, after; interleaved with them
-    (the sequence fastest) the 18 layers' walks took 196 us a step where this takes 152 (2B, one
-    sequence of 9 rows after a carried row, H200, bench/results/padding_walks_2026-12-03.json). Several
-    sequences keep the sequence fastest: last, 64 x 9 rows took 4461 us against 2800, 8 decodes 203
-    against 168. Which program walks which rows changes no bit."""
+    and commits the result (verifier/model/carry.py); its rows then start from there."""
     op = "delta_rule_verify"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     rows, heads, d_k = key.shape
@@ -370,7 +354,7 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
     _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False,
-            scratch_slot=scratch_slot, carried=carried, carry=carry, sequences_last=sequences_last)
+            scratch_slot=scratch_slot, carried=carried, carry=carry)
     return out
 
 
@@ -421,11 +405,9 @@ def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.T
                           decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                           snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                           scratch_slot: int | None = None, carried: torch.Tensor | None = None,
-                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          sequences_last: bool = False) -> torch.Tensor:
+                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state (after
-    its carried rows, committed); a one-row sequence outside scratch_slot commits its row.
-    sequences_last: the kernel's grid order, taken for its signature (no effect here)."""
+    its carried rows, committed); a one-row sequence outside scratch_slot commits its row."""
     rows, heads, d_v = value.shape
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)

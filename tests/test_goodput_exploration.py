@@ -14,7 +14,7 @@ from verifier.server.goodput import GoodputPolicy, StepCost, expected_tokens, tr
 
 # the graph buckets of verifier/model/graphs.py (DEFAULT_GRAPH_ROWS; not imported: that module needs
 # torch; test_buckets_are_the_graphs_defaults holds the copy to it)
-BUCKETS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576)
+BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576)
 # flat inside a bucket; 64 -> 80 rows 8% dearer, every further row 0.5% of a 64-row step
 H200_LIKE = StepCost({rows: 0.68 + 0.005 * rows for rows in BUCKETS})
 SWITCH = 1000  # the batch at which drafters turn from useless to perfect

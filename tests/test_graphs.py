@@ -1,7 +1,7 @@
 """CUDA graph buckets of verify and rollback (GPU only: graphs need CUDA; skipped without a GPU).
 
 After warm_up, serving captures nothing whatever the mix of K: every step replays its bucket,
-padded; every logits row, token and real slot's state equals the eager engine's bitwise; graph
+padded (a step of one sequence its own bucket, exactly its rows); every logits row, token and real slot's state equals the eager engine's bitwise; graph
 memory stays flat; buckets captured without PDL (past graphs.PDL_MAX_ROWS) give the bits of the
 eager engine's launches with it. The padding itself is tested on the CPU (tests/test_padded_steps.py,
 tests/kernel_tests/test_padded_batches.py)."""
@@ -23,6 +23,8 @@ N_SLOTS, MAX_SEQ_LEN, MAX_K = 6, 512, 6
 # 25 .. 39 rows pad to 40 with 1 .. 15 padding rows: up to two padding sequences with rows share the
 # scratch slot (padding.PAD_CHUNK = 8); 6 sessions at K = 6 is 42 rows: past the largest, eager
 GRAPH_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 40)
+# besides them one bucket for each one-sequence step of 2 .. MAX_K + 1 rows (1 row is bucket (1, 1) already)
+BUCKETS = len(GRAPH_ROWS) + MAX_K
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_warm_engine_captures_nothing_and_matches_eager(model, mode, pdl_max_row
     eager = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, cuda_graphs=False)
     graphed.warm_up()
     captures = graphed.graph_captures
-    assert captures == len(GRAPH_ROWS) and graphed.max_graph_rows == GRAPH_ROWS[-1]
+    assert captures == BUCKETS and graphed.max_graph_rows == GRAPH_ROWS[-1]
     rng_g, rng_e = random.Random(0), random.Random(0)
     pairs = list(zip(_open_all(graphed, rng_g), _open_all(eager, rng_e)))
     rng = random.Random(1)
@@ -97,7 +99,7 @@ def test_graph_memory_is_flat_while_serving(model):
     steps(100)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated and torch.cuda.memory_reserved() == reserved
-    assert engine.graph_captures == len(GRAPH_ROWS)
+    assert engine.graph_captures == BUCKETS
 
 
 def test_step_costs_cover_every_bucket(model):
@@ -105,13 +107,13 @@ def test_step_costs_cover_every_bucket(model):
     engine.warm_up()
     costs = engine.step_costs()
     assert list(costs) == list(GRAPH_ROWS) and all(t > 0 for t in costs.values())
-    assert engine.graph_captures == len(GRAPH_ROWS)
+    assert engine.graph_captures == BUCKETS
 
 
 def test_default_buckets_capture_at_startup(model):
-    engine = Engine(model, 64, 1024)
+    engine = Engine(model, 64, 1024)  # max_k 8: one-sequence buckets of 2 .. 9 rows besides the shared ones
     engine.warm_up()
-    assert engine.graph_captures == len(DEFAULT_GRAPH_ROWS) and engine.max_graph_rows == DEFAULT_GRAPH_ROWS[-1]
+    assert engine.graph_captures == len(DEFAULT_GRAPH_ROWS) + 8 and engine.max_graph_rows == DEFAULT_GRAPH_ROWS[-1]
 
 
 def test_the_verify_graphs_ids_are_the_argmax_of_its_logits(model):

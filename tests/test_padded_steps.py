@@ -2,7 +2,8 @@
 bucket (the padding code path the CUDA graphs replay, run eagerly) gives every real row and every
 real slot's state torch.equal to the unpadded step, for mixed K and both rollback modes; the
 scratch slot's conv window and recurrent state stay zero. Also: the bucket list, step_costs,
-steps that want no logits, and the sequences a padded batch's walks are split for."""
+steps that want no logits, the sequences a padded batch's walks are split for, and the buckets of
+one sequence (the bucket a step picks, the batch its graphs are captured on, what that capture runs)."""
 
 import pytest
 import torch
@@ -11,9 +12,9 @@ from bitexact.serial import serial_run
 from kernels.short_conv import CONV_MAX_RUNS, conv_runs
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
-from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, bucket_shapes, one_verify_bucket, pad_batch, smallest_bucket,
-                                    walk_sequences)
-from verifier.model.rollback import ROLLBACK_MODES
+from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, BucketShape, bucket_for, bucket_shapes, capture_batch,
+                                    one_sequence_shapes, pad_batch, smallest_bucket, walk_sequences)
+from verifier.model.rollback import ROLLBACK_MODES, VerifyRecord, apply_rollback
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
@@ -81,8 +82,13 @@ def test_buckets_fit_the_context(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, 20)
     assert [s.rows for s in engine.runner.shapes] == [r for r in DEFAULT_GRAPH_ROWS if r <= 20]
-    # min(rows, n_slots + ceil(rows / PAD_CHUNK)): rows 1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 20
-    assert [s.sequences for s in engine.runner.shapes] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 5]
+    # min(rows, n_slots + ceil(rows / PAD_CHUNK)): rows 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20
+    assert [s.sequences for s in engine.runner.shapes] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 5]
+    # one-sequence buckets up to max_k + 1 = 9 rows, and never past the largest shared bucket
+    assert sorted(engine.runner.one_sequence) == list(range(1, 10))
+    assert sorted(Engine(model, 2, 20, max_k=30).runner.one_sequence) == list(range(1, 21))
+    assert sorted(Engine(model, 2, 20, max_k=0).runner.one_sequence) == [1]
+    assert len(engine.runner.buckets) == len(engine.runner.shapes) + 8  # (1, 1) once
     with pytest.raises(ValueError, match="passes max_seq_len 20"):
         Engine(model, 2, 20, graph_rows=(4, 32))
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -165,10 +171,49 @@ def test_a_padded_batch_splits_its_walks_for_its_rows_not_its_padding():
     assert conv_runs(nine.n_rows, len(nine.slots), 8192) == 1  # split for its 9 sequences: no split
 
 
-def test_only_the_one_verify_bucket_walks_its_sequences_last():
-    """The delta rule's sequence-last grid is taken by the batches padded to the 9-row bucket (one K = 8
-    verify) and by no other: not an exact batch of 9 rows, not the 8- or 10-row buckets."""
-    for rows, want in ((8, False), (9, True), (10, False)):
-        shape = bucket_shapes((rows,), 64)[0]
-        assert one_verify_bucket(pad_batch(RowBatch((0,), (3,), (min(rows, WALK_ROWS),)), shape, 64)) is want, rows
-    assert not one_verify_bucket(RowBatch((0,), (3,), (WALK_ROWS,)))
+def test_a_step_of_one_sequence_replays_a_bucket_of_exactly_its_rows():
+    """bucket_for: one sequence of R <= the one-sequence rows -> (R, 1), nothing to pad; past them, or
+    two sequences, the smallest shared bucket that fits, padded; past the largest, none (eager)."""
+    shapes, one = bucket_shapes((1, 2, 4, 16), 8), {s.rows: s for s in one_sequence_shapes(9)}
+    for rows in range(1, 10):
+        batch = RowBatch((3,), (7,), (rows,))
+        shape = bucket_for(shapes, one, batch)
+        assert shape == BucketShape(rows, 1) and pad_batch(batch, shape, 8) is batch
+    assert bucket_for(shapes, one, RowBatch((3,), (7,), (10,))) == smallest_bucket(shapes, 10) == shapes[-1]
+    assert bucket_for(shapes, one, RowBatch((3, 4), (7, 2), (2, 1))) == smallest_bucket(shapes, 3) == BucketShape(4, 4)
+    assert bucket_for(shapes, one, RowBatch((3,), (7,), (17,))) is None
+
+
+def test_a_one_sequence_bucket_is_captured_on_one_scratch_sequence():
+    """capture_batch: a shared bucket's padding (pad_batch of no rows); a one-sequence bucket's one
+    scratch-slot sequence of all its rows, whose walks are split for that one sequence (as its real
+    steps', unpadded), where a shared bucket of 10 or more rows is split for two or more."""
+    assert capture_batch(BucketShape(16, 4), 8) == pad_batch(RowBatch((), (), ()), BucketShape(16, 4), 8)
+    for rows in (1, 9, 17):
+        batch = capture_batch(BucketShape(rows, 1), 8)
+        assert (batch.slots, batch.starts, batch.counts, batch.scratch_slot) == ((8,), (0,), (rows,), 8)
+        assert walk_sequences(batch) == walk_sequences(RowBatch((3,), (7,), (rows,))) == 1
+
+
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+def test_a_one_sequence_buckets_capture_touches_no_real_slot(load_target, mode):
+    """What a graph's capture runs for a one-sequence bucket (graphs.py: the verify on capture_batch,
+    then a rollback keeping nothing), eagerly on the CPU: no real slot's state changes, the scratch
+    slot's conv window and recurrent state stay zero, and a real step after it equals one without."""
+    model = load_target("qwen3_next_moe")
+    engines = [Engine(model, 2, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, cuda_graphs=False) for _ in range(2)]
+    seqs = [e.open([5, 6, 7], SamplingParams(), 10, eos_ids=()) for e in engines]
+    engine = engines[1]
+    before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
+    static = capture_batch(BucketShape(MAX_K + 1, 1), engine.pool.scratch_slot)
+    record = VerifyRecord(mode, static)
+    tokens = torch.zeros(static.n_rows, dtype=torch.int64)
+    with torch.inference_mode():
+        model.compute(tokens, static, engine.pool, True, False, mode, record)
+        apply_rollback(engine.pool, record, torch.zeros(1, dtype=torch.int32))
+    after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
+    for a, b in zip(before, after):
+        assert torch.equal(a[: engine.pool.n_slots], b[: engine.pool.n_slots]), "the capture's step changed a real slot"
+    _assert_scratch_clean(engine)
+    want, got = (e.step([StepRequest(s, [1, 2, 3])])[0] for e, s in zip(engines, seqs))
+    assert (got.tokens, got.position) == (want.tokens, want.position) and torch.equal(got.logits, want.logits)

@@ -116,8 +116,10 @@ def _keep_early_rows(early: tuple[int, torch.Tensor], wanted: list[tuple[StepRes
 class Engine:
     def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = 8, rollback_mode: str = WOA,
                  cuda_graphs: bool = True, graph_rows: tuple[int, ...] | None = None):
-        """graph_rows: the CUDA graph buckets' total verify rows (model/graphs.py); None: those of
-        DEFAULT_GRAPH_ROWS that fit max_seq_len. A given list must fit max_seq_len."""
+        """graph_rows: the shared CUDA graph buckets' total verify rows (model/graphs.py); None: those
+        of DEFAULT_GRAPH_ROWS that fit max_seq_len. A given list must fit max_seq_len. Besides them, a
+        step of one sequence of up to max_k + 1 rows (at most the largest bucket's) has a bucket of
+        exactly its shape."""
         if rollback_mode not in ROLLBACK_MODES:
             raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {rollback_mode!r}")
         if max_k < 0:
@@ -131,7 +133,8 @@ class Engine:
         self.max_k = max_k
         self.rollback_mode = rollback_mode
         # verify and rollback, eager or CUDA-graphed (same bits, minus the launch cost)
-        self.runner = StepRunner(model, self.pool, cuda_graphs, graph_rows)
+        # a step of one sequence at any K <= max_k replays a bucket of exactly its rows (model/padding.py)
+        self.runner = StepRunner(model, self.pool, cuda_graphs, graph_rows, one_sequence_rows=max_k + 1)
 
     @property
     def vocab_size(self) -> int:

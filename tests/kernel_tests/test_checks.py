@@ -4,7 +4,7 @@ wanted and what came."""
 import pytest
 import torch
 
-from kernels.checks import MAX_GRID_YZ, check_contiguous, check_grid_axis, check_operand, check_ragged, check_tensor
+from kernels.checks import check_contiguous, check_operand, check_ragged, check_tensor
 
 X = torch.zeros(3, 8)
 ON_X = ("x", X)
@@ -54,9 +54,3 @@ def test_ragged():
     _raises(r"^op: seq_slots must be int32 \[S\], got shape \[1, 2\]$", check_ragged, "op", slots[None], cu_rows, ON_X)
     _raises("^op: seq_slots dtype torch.int64 != torch.int32$", check_ragged, "op", slots.long(), cu_rows, ON_X)
     _raises(r"^op: cu_rows must have shape \[S\+1\] = \[3\], got \[2\]$", check_ragged, "op", slots, cu_rows[:2], ON_X)
-
-
-def test_grid_axis_past_cudas_limit_is_named():
-    check_grid_axis("delta_rule_verify", "sequences", MAX_GRID_YZ)
-    with pytest.raises(ValueError, match=r"delta_rule_verify: 65536 sequences in one launch; .* at most 65535"):
-        check_grid_axis("delta_rule_verify", "sequences", MAX_GRID_YZ + 1)

@@ -272,23 +272,3 @@ def test_bf16_out_is_the_fp32_out_rounded(kind, device):
     assert torch.equal(narrow, wide.to(torch.bfloat16))
     assert not torch.equal(narrow, (wide.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)), \
         "the data does not tell rounding from truncation"
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_sequences_last_grid_gives_the_same_bits(kind, device):
-    """The grid with the sequence on its slowest axis (a batch-1 step in a bucket of padding) walks
-    the same rows in the same programs' code: outputs, snapshots and committed states torch.equal to
-    the default order, with a one-row sequence that commits, padding in the scratch slot (one row and
-    none) and a longer walk."""
-    counts, slots, scratch = [6, 1, 1, 0], [2, 0, 4, 4], 4
-    t = make(sum(counts), 3, 16, 40, kind, device, seed=5)
-    seq_slots, cu_rows = ragged(counts, slots, device)
-    got = {}
-    for last in (False, True):
-        state = t["state"].clone()
-        snapshots = nan_like(torch.empty(sum(counts), 3, 16, 40, device=device))
-        out = delta_rule_verify(state, t["query"], t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows, snapshots,
-                                nan_like(t["value"]), scratch_slot=scratch, sequences_last=last)
-        got[last] = (out, snapshots, state)
-    for name, a, b in zip(("out", "snapshots", "state"), got[False], got[True]):
-        assert torch.equal(a, b), f"{name} differs with the sequences last"

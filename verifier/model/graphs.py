@@ -6,9 +6,10 @@ path's bits; only the launch cost goes.
 
 Buckets. The kernels read a batch from device tensors (seq_slots, cu_rows, row_slots, positions);
 no launch bakes in a per-sequence count (grids carry only R and S, loop bounds are read on the
-device), so a graph depends on the shape (R rows, S sequences) alone. A step of R rows replays the
-smallest bucket of at least R rows, padded to its shape (padding.py); a step past the largest
-bucket runs eagerly. `capture` makes every bucket's pair before serving; a bucket first met
+device), so a graph depends on the shape (R rows, S sequences) alone. A step of one sequence
+replays its exact one-sequence bucket (R rows, 1 sequence) where the runner has one; any other step
+of R rows the smallest shared bucket of at least R rows, padded to its shape (padding.py); a step
+past the largest shared bucket runs eagerly. `capture` makes every bucket's pair before serving; a bucket first met
 later (an engine that skipped warm-up, another rollback mode) is captured then, and counted.
 
 Inputs and outputs. A bucket owns a device StepInputs (tokens and batch in one buffer) whose views
@@ -40,10 +41,11 @@ The plan's pointer tables are built once, between the two captures, from the add
 graph writes the record to; the bucket keeps the tables (the graph reads them) and drops the plan,
 so the record's tensors still go back to the shared pool. Its bits are the per-layer rollback's.
 
-Capture runs the step once eagerly on the bucket's padding-only inputs (R_b padding rows in
-sequences of at most padding.PAD_CHUNK rows, then zero-row ones, S_b in all: the bucket's shape; it
-compiles the Triton kernels, writes only the scratch slot's KV, and its rollback keeps nothing),
-then captures.
+Capture runs the step once eagerly on the bucket's padding-only inputs (padding.capture_batch: a
+shared bucket's R_b padding rows in sequences of at most padding.PAD_CHUNK rows, then zero-row ones,
+S_b in all; a one-sequence bucket's one sequence of R_b rows; both in the scratch slot, of the
+bucket's shape; it compiles the Triton kernels, writes only the scratch slot's KV, and its rollback
+keeps nothing), then captures.
 """
 
 from __future__ import annotations
@@ -59,22 +61,20 @@ import torch
 from kernels import dependent_launch
 from kernels.sampling import argmax_rows
 
-from .padding import BucketShape, pad_batch
+from .padding import BucketShape, capture_batch, pad_batch
 from .rollback import RollbackPlan, VerifyRecord, apply_rollback
 from .rows import RowBatch
 from .step_inputs import StepInputs
 
-# Total verify rows per bucket. Decode at batch b is b rows and a session at K drafts K + 1, so the
-# small counts are dense (1..6: one session at K <= 5 replays an exact fit, and 9: one session at
-# K = 8, the default max_k, whose step in the 10-row bucket walked one padding sequence more and had
-# its conv split for the bucket's 10 sequences, see padding.walk_sequences); past 8 the steps grow
+# Total verify rows per shared bucket (one session's steps have buckets of their own: padding.py, One
+# sequence's buckets). Decode at batch b is b rows, so the small counts are dense (1..6); past 8 the steps grow
 # by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then 1.33x to 512
 # and by 64 rows (one more draft for 64 sessions) to 576, which holds 64 sessions at K = 8, the
 # default max_k: a step past the largest bucket runs eagerly, launch by launch (64 x 9 rows of the
 # 2B model took 25 ms eager against 11 ms of kernels, H200). With one shared graph memory pool the
 # graph memory is that of the largest bucket, so the list costs capture time (two graphs each at
 # startup), not memory.
-DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
+DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
                       576)
 
 # Buckets of more rows are captured without programmatic dependent launch (kernels/dependent_launch.py):
@@ -153,12 +153,13 @@ class GraphedSteps:
         self.device = model.device
         self.shapes = shapes
         self.captures = 0  # bucket pairs captured since construction
-        self._buckets: dict[tuple[int, str], _Bucket] = {}
+        self._buckets: dict[tuple[BucketShape, str], _Bucket] = {}
         self._memory = torch.cuda.graph_pool_handle()
-        self._logits = torch.empty(shapes[-1].rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
+        most_rows = max(shape.rows for shape in shapes)
+        self._logits = torch.empty(most_rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
         # each row's argmax, computed in the verify graph and copied to pinned memory by its last node
-        self._ids = torch.empty(shapes[-1].rows, dtype=torch.int64, device=self.device)
-        self._host_ids = torch.empty(shapes[-1].rows, dtype=torch.int64).pin_memory()
+        self._ids = torch.empty(most_rows, dtype=torch.int64, device=self.device)
+        self._host_ids = torch.empty(most_rows, dtype=torch.int64).pin_memory()
         self._host_ids_view = self._host_ids.numpy()  # read as numpy, made once: slicing a tensor costs more host time
         self._last: _Bucket | None = None
 
@@ -171,7 +172,7 @@ class GraphedSteps:
         """`shape`'s bucket for `mode`, captured first if it is not yet. A captured one is a dict
         lookup: inference mode, whose entry and exit cost a batch-1 step ~10 us of its critical
         path on the H200's host, wraps the capture only."""
-        bucket = self._buckets.get((shape.rows, mode))
+        bucket = self._buckets.get((shape, mode))
         if bucket is not None:
             return bucket
         pdl = contextlib.nullcontext() if shape.rows <= PDL_MAX_ROWS else dependent_launch.suspended()
@@ -180,7 +181,7 @@ class GraphedSteps:
 
     def _new_bucket(self, shape: BucketShape, mode: str) -> _Bucket:
         scratch = self.pool.scratch_slot
-        static = pad_batch(RowBatch((), (), ()), shape, scratch)  # padding only: what the graph is captured on
+        static = capture_batch(shape, scratch)  # padding only: what the graph is captured on
         host = StepInputs(shape.rows, shape.sequences, "cpu", pin=True).fill(None, static)
         inputs = host.to(self.device)
         static.attach(self.device, inputs.batch_tensors())
@@ -215,7 +216,7 @@ class GraphedSteps:
         self._release(record)
         bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), verify_graph,
                          rollback_graph, plan.tables)
-        self._buckets[(shape.rows, mode)] = bucket
+        self._buckets[(shape, mode)] = bucket
         self.captures += 1
         return bucket
 

@@ -17,6 +17,15 @@ scratch slot, up to S_b. Rollback keeps 0 rows of every padding sequence. So pad
     one program, so one padding sequence of 63 rows would take ~12x a real 5-row verify and bind
     the whole step; in chunks, no padding walk is longer than PAD_CHUNK rows.
 
+One sequence's buckets. A step of one sequence (batch 1: a decode, or a verify of K <= max_k)
+replays a bucket of exactly its rows and that one sequence (`one_sequence_shapes`, `bucket_for`), so
+it runs with no padding at all: in a shared bucket its walks ran among padding sequences' programs.
+On the H200 (2B, one sequence of 9 rows after a carried row), in the 10-row bucket of 10 sequences its
+conv had been split for the 10 (74 us a step against 49 split for one) and its delta-rule programs
+were dispatched interleaved with the padding's (196 us against 152 with its own first:
+bench/results/padding_walks_2026-12-03.json). Such a bucket holds no padding row, so it is captured on
+one scratch-slot sequence of its rows (`capture_batch`).
+
 S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) always fits a step of R <= R_b rows in
 S <= min(R, n_slots) sequences, which needs S + ceil((R_b - R) / PAD_CHUNK) sequences: at most
 n_slots + ceil(R_b / PAD_CHUNK), and at most R + (R_b - R) = R_b since a chunk holds >= 1 row.
@@ -64,6 +73,30 @@ def bucket_shapes(graph_rows: tuple[int, ...], n_slots: int) -> list[BucketShape
     return [BucketShape(rows, min(rows, n_slots - (-rows // PAD_CHUNK))) for rows in graph_rows]
 
 
+def one_sequence_shapes(max_rows: int) -> list[BucketShape]:
+    """The exact buckets of a one-sequence step (module docstring): (R, 1) for R in 1 .. max_rows."""
+    return [BucketShape(rows, 1) for rows in range(1, max_rows + 1)]
+
+
+def bucket_for(shapes: list[BucketShape], one_sequence: dict[int, BucketShape], batch: RowBatch) -> BucketShape | None:
+    """The bucket a step replays: its exact one-sequence bucket (one_sequence: rows -> shape) when it
+    is one sequence that has one, else the smallest shared bucket that fits it; None past the largest."""
+    if len(batch.slots) == 1:
+        exact = one_sequence.get(batch.n_rows)
+        if exact is not None:
+            return exact
+    return smallest_bucket(shapes, batch.n_rows)
+
+
+def capture_batch(shape: BucketShape, scratch_slot: int) -> RowBatch:
+    """The padding-only batch a bucket's graphs are captured on, of the bucket's shape: a shared
+    bucket's padding (`pad_batch` of no rows); a one-sequence bucket's one sequence of all its rows in
+    the scratch slot, since its steps have no padding sequence to hold its rows in PAD_CHUNK's."""
+    if shape.sequences == 1:
+        return RowBatch((scratch_slot,), (0,), (shape.rows,), scratch_slot=scratch_slot)
+    return pad_batch(RowBatch((), (), ()), shape, scratch_slot)
+
+
 def smallest_bucket(shapes: list[BucketShape], n_rows: int) -> BucketShape | None:
     """The smallest bucket of at least n_rows rows (shapes sorted by rows); None past the largest."""
     i = bisect.bisect_left([s.rows for s in shapes], n_rows)
@@ -100,21 +133,12 @@ def walk_sequences(batch: RowBatch) -> int:
     sequence of 9 rows in the 10-row bucket (S_b = 10) would walk its rows in one run where the same
     step unpadded takes 4. So a padded batch is split for the fewest sequences of WALK_ROWS rows that
     hold its rows: steps of one or two long verifies get the split, and a split that finds a sequence of
-    fewer rows than runs leaves the rest of its programs with nothing to do (they return at once)."""
-    if batch.scratch_slot is None:
+    fewer rows than runs leaves the rest of its programs with nothing to do (they return at once). A
+    batch of one sequence (a one-sequence bucket's, captured on one sequence: capture_batch) is split
+    for that sequence, as its steps are."""
+    if batch.scratch_slot is None or len(batch.slots) == 1:
         return len(batch.slots)
     return max(1, -(-batch.n_rows // WALK_ROWS))
-
-
-def one_verify_bucket(batch: RowBatch) -> bool:
-    """A batch padded to the bucket of WALK_ROWS rows, which exists for one sequence's verify at K = 8
-    (graphs.DEFAULT_GRAPH_ROWS): there the delta rule puts the sequence on its grid's slowest axis
-    (kernels/delta_rule.py delta_rule_verify, sequences_last), so the one real walk's programs are
-    dispatched before the padding's. Only there: a bucket replays steps of several sequences too, and
-    at 4 or 8 decodes in a bucket of 8 rows that order made the walks slower (101 -> 117 and 168 ->
-    203 us a step, H200, bench/results/padding_walks_2026-12-03.json), where one sequence of 9 rows
-    gained (196 -> 152 us)."""
-    return batch.scratch_slot is not None and batch.n_rows == WALK_ROWS
 
 
 def _chunks(padding_rows: int) -> tuple[int, ...]:

@@ -18,9 +18,9 @@ class RowBatch:
     Row r of sequence s sits at position starts[s] + r of slot slots[s]: decode has one row per
     sequence, verify K+1, prefill the prompt (or a chunk of it).
 
-    scratch_slot: set only on a batch padded to a graph bucket (verifier/model/padding.py): its
-    padding sequences sit in that slot, may repeat and may have no rows. Every other sequence has
-    its own slot and at least one row.
+    scratch_slot: set only on a batch padded to a graph bucket or captured for one
+    (verifier/model/padding.py pad_batch, capture_batch): its padding sequences sit in that slot, may
+    repeat and may have no rows. Every other sequence has its own slot and at least one row.
     """
 
     slots: tuple[int, ...]

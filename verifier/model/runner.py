@@ -4,8 +4,9 @@ Callers (the engine's step, the model drafter) never ask which: a graph replays 
 kernels with the same arguments, so both give the same bits (DESIGN.md section 6, rule 9).
 
 Both paths pack a step's tokens and batch into one buffer (step_inputs.py) and move it to the
-device in one copy. Graphed, a step of R rows runs padded to the smallest bucket of at least R
-rows (padding.py); eager, it runs as it is, or padded the same way with pad_eagerly (tests: the
+device in one copy. Graphed, a step of one sequence of R <= one_sequence_rows rows replays its exact
+one-sequence bucket, and any other step of R rows runs padded to the smallest shared bucket of at
+least R rows (padding.py); eager, it runs as it is, or padded the same way with pad_eagerly (tests: the
 graphs' padding on the CPU reference backend).
 """
 
@@ -19,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from .graphs import GraphedSteps, graphs_supported
-from .padding import BucketShape, bucket_shapes, pad_batch, padded_kept, smallest_bucket
+from .padding import BucketShape, bucket_for, bucket_shapes, one_sequence_shapes, pad_batch, padded_kept
 from .carry import note_kept, with_carried
 from .rollback import WOA, VerifyRecord, apply_rollback, check_consumed
 from .rows import RowBatch
@@ -43,14 +44,22 @@ class Verified:
 
 class StepRunner:
     def __init__(self, model, pool: SlotPool, cuda_graphs: bool = True, graph_rows: tuple[int, ...] = (),
-                 pad_eagerly: bool = False):
+                 pad_eagerly: bool = False, one_sequence_rows: int = 0):
         """cuda_graphs: use graphs where the backend supports them (Triton on a GPU); eager otherwise.
-        graph_rows: the buckets' row counts (checked by the caller: padding.check_graph_rows)."""
+        graph_rows: the shared buckets' row counts (checked by the caller: padding.check_graph_rows).
+        one_sequence_rows: a step of one sequence of up to this many rows (the engine's max_k + 1) has
+        a bucket of its own, exactly its shape (padding.py: One sequence's buckets); at most the
+        largest shared bucket's rows, so that which steps run eagerly is graph_rows' choice alone."""
         self.model, self.pool = model, pool
-        self.shapes = bucket_shapes(graph_rows, pool.n_slots)
+        self.shapes = bucket_shapes(graph_rows, pool.n_slots)  # shared buckets, fewest rows first
+        largest = self.shapes[-1].rows if self.shapes else 0
+        # rows -> the one-sequence bucket of a step of one sequence of that many rows
+        self.one_sequence = {s.rows: s for s in one_sequence_shapes(min(one_sequence_rows, largest))}
         self.pad_eagerly = pad_eagerly
+        # every bucket a step may replay, each once ((1, 1) is shared and one sequence's)
+        self.buckets = list(dict.fromkeys(self.shapes + list(self.one_sequence.values())))
         # None when eager
-        self.graphs = GraphedSteps(model, pool, self.shapes) if cuda_graphs and self.shapes and graphs_supported(model) else None
+        self.graphs = GraphedSteps(model, pool, self.buckets) if cuda_graphs and self.shapes and graphs_supported(model) else None
 
     @property
     def graphed(self) -> bool:
@@ -78,7 +87,7 @@ class StepRunner:
             self.model.check_rows(tokens, batch, self.pool)
         caller = batch
         batch = with_carried(batch, self.pool)  # each slot's carried rows go first (carry.py)
-        shape = smallest_bucket(self.shapes, batch.n_rows)
+        shape = bucket_for(self.shapes, self.one_sequence, batch)
         if self.graphs is not None and shape is not None:
             logits, bucket = self.graphs.verify(tokens, batch, shape, mode)
             return logits, Verified(caller, shape, None, bucket, mode, self.graphs.greedy_ids)
@@ -108,7 +117,8 @@ class StepRunner:
         note_kept(self.pool, verified.batch, consumed, carried=verified.mode == WOA)
 
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
-        """Seconds per step (verify + rollback) of each bucket: the median of `repeats` steps of
+        """Seconds per step (verify + rollback) of each shared bucket (a one-sequence bucket runs the
+        same rows without padding, so its step costs no more than its shared bucket's): the median of `repeats` steps of
         padding rows only (the scratch slot: no real state changes), after one untimed step.
         That is a realistic shape of R_b rows, not a worst case: padding comes in sequences of at
         most padding.PAD_CHUNK rows, so the recurrent kernels walk no sequence longer than a real

@@ -18,7 +18,7 @@ from kernels import delta_rule, short_conv
 from kernels.runtime import pick
 
 from ..ops import each_row
-from ..padding import one_verify_bucket, walk_sequences
+from ..padding import walk_sequences
 from ..rollback import COMMIT, SNAPSHOT, LayerRecord, commit
 from ..rows import RowBatch
 from ..state import RecurrentState
@@ -38,7 +38,8 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
-    runs = short_conv.conv_runs(conv_inputs.shape[0], walk_sequences(batch), conv_inputs.shape[1])
+    walks = walk_sequences(batch)
+    runs = short_conv.conv_runs(conv_inputs.shape[0], walks, conv_inputs.shape[1])
     mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs)
     query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
     snapshots = None
@@ -53,7 +54,7 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     if state.carry is not None and mode != COMMIT:  # the slot's carried rows go first (verifier/model/carry.py)
         carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
     out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
-                 scratch_slot=state.scratch_slot, sequences_last=one_verify_bucket(batch), **carry)
+                 scratch_slot=state.scratch_slot, **carry)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if mode == COMMIT:
         commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
