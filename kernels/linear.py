@@ -15,8 +15,8 @@ M is not specialised on. No atomics, no autotune. fp32 dots use input_precision=
 bf16 dots use the tensor-core MMA with fp32 accumulate.
 
 Tiles by row count (bf16; `tile_for_rows`). Decode and small verify batches run the pinned tile
-(BLOCK_M 16); from ROW_TILES' row counts on, wider tiles (64 or 128 rows, 128 features, BLOCK_K 64)
-that put Hopper's wgmma to work and read each weight tile M/128 times instead of M/16. A tile's
+(BLOCK_M 16); from ROW_TILES' row counts on, wider tiles (64 or 128 rows; features and K step by
+row count and weight class: wide, split-K or other) that put Hopper's wgmma to work and read each weight tile M/128 times instead of M/16. A tile's
 shape decides which rows and features one program computes and which MMA instruction multiplies a
 16-wide K chunk (mma.sync at 16 rows, wgmma at 64 and more), not the K walk: each output element is
 still the same chunks summed in the same order. That the MMA instructions round alike is measured,
@@ -78,8 +78,8 @@ class LinearConfig(NamedTuple):
 
 
 # (from this many rows, the tile: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; the tile for
-# weights of at least WIDE_N features, or None: the same; whether split-K weights take that tile too;
-# whether the tiles load through TMA), largest first.
+# weights of at least WIDE_N features; the tile for split-K weights; whether the tiles load through
+# TMA), largest first.
 # 128 rows on, timed on the H200 at M = 576 on the 2B model's shapes against cuBLAS: TMA loads
 # (`_linear_tma_kernel`, the same bits) and 64-row tiles for the split-K output projections and the
 # LM head, whose 2048 features (16 tiles of 128) or 152k give too few or too long programs for
@@ -90,10 +90,13 @@ class LinearConfig(NamedTuple):
 # M = 64 this tile took the 2B model's GEMMs from 1.61 to 1.34 ms a step by the per-shape times
 # (bench/results/linear_tiles_2026-12-01.json, eleven tiles on six shapes, every one bitwise the
 # pinned tile's output). Weights of at least WIDE_N features (an LM head) have tiles enough, and keep
-# 128 features a tile there (208 against 246 us at M = 96 in that file). No TMA below 128 rows: at
-# M = 72 its 64 x 64 tile took 1.5-2x the pointer loads' time on the wide weights (gemm_tma).
-ROW_TILES = ((128, (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), True, True),
-             (32, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), False, False))
+# 128 features a tile there (208 against 246 us at M = 96 in that file). Split-K weights (the
+# output projections and MLP down, 2048 features) walk BLOCK_K 128 in 3 stages there, faster at
+# every row count that file timed (M = 32, 64, 96, 127; at 64 output projections 7.62 -> 6.83 us,
+# MLP down 9.62 -> 8.21: ~53 us of a 64-decode step over its 48 such weights). No TMA below 128
+# rows: at M = 72 its 64 x 64 tile took 1.5-2x the pointer loads' time on the wide weights (gemm_tma).
+ROW_TILES = ((128, (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 4, 3), True),
+             (32, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), False))
 WIDE_N = 32768
 
 
@@ -151,10 +154,10 @@ def tile_for_rows(cfg: LinearConfig, n: int, m: int, dtype: torch.dtype) -> Line
     the bounds are computed from cfg (see `linear`)."""
     if dtype != torch.bfloat16:
         return cfg
-    for min_rows, tile, wide_tile, split_takes_wide, tma in ROW_TILES:
+    for min_rows, tile, wide_tile, split_tile, tma in ROW_TILES:
         if m >= min_rows:
-            wide = n >= WIDE_N or (split_takes_wide and cfg.SPLIT_K > 1)
-            block_m, block_n, block_k, num_warps, num_stages = wide_tile if wide else tile
+            block_m, block_n, block_k, num_warps, num_stages = (
+                wide_tile if n >= WIDE_N else split_tile if cfg.SPLIT_K > 1 else tile)
             return cfg._replace(BLOCK_M=block_m, BLOCK_N=max(16, min(block_n, triton.next_power_of_2(n))), BLOCK_K=min(block_k, cfg.BLOCK_K),
                                 num_warps=num_warps, num_stages=num_stages, TMA=tma)
     return cfg

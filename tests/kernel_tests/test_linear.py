@@ -228,6 +228,9 @@ def test_row_invariance_across_tiles(device, shape, wide, monkeypatch):
     assert (linear_config(n, k, torch.bfloat16).SPLIT_K > 1) == (shape == (1024, 48))
     largest = tile_for_rows(linear_config(n, k, torch.bfloat16), n, max(counts), torch.bfloat16)  # ROW_TILES' first
     assert largest.TMA and largest.BLOCK_M == (64 if wide or shape == (1024, 48) else 128)
+    middle = tile_for_rows(linear_config(n, k, torch.bfloat16), n, 64, torch.bfloat16)  # ROW_TILES' second
+    assert not middle.TMA and middle.BLOCK_M == 64
+    assert middle.BLOCK_K == (128 if shape == (1024, 48) and not wide else 64)  # the split-K tile's K step
     full = linear(x, w, b)
     for r in counts:
         assert torch.equal(linear(x[:r], w, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
