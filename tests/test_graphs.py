@@ -103,7 +103,7 @@ def test_graph_memory_is_flat_while_serving(model):
 
 
 def test_step_costs_cover_every_bucket(model):
-    engine = Engine(model, N_SLOTS, MAX_SEQ_LEN, graph_rows=GRAPH_ROWS)
+    engine = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, graph_rows=GRAPH_ROWS)
     engine.warm_up()
     costs = engine.step_costs()
     assert list(costs) == list(GRAPH_ROWS) and all(t > 0 for t in costs.values())

@@ -207,10 +207,10 @@ def test_a_one_sequence_buckets_capture_touches_no_real_slot(load_target, mode):
     before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
     static = capture_batch(BucketShape(MAX_K + 1, 1), engine.pool.scratch_slot)
     record = VerifyRecord(mode, static)
-    tokens = torch.zeros(static.n_rows, dtype=torch.int64)
+    tokens = torch.zeros(static.n_rows, dtype=torch.int64, device=model.device)
     with torch.inference_mode():
         model.compute(tokens, static, engine.pool, True, False, mode, record)
-        apply_rollback(engine.pool, record, torch.zeros(1, dtype=torch.int32))
+        apply_rollback(engine.pool, record, torch.zeros(1, dtype=torch.int32, device=model.device))
     after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
     for a, b in zip(before, after):
         assert torch.equal(a[: engine.pool.n_slots], b[: engine.pool.n_slots]), "the capture's step changed a real slot"
