@@ -91,12 +91,18 @@ class LinearConfig(NamedTuple):
 # (bench/results/linear_tiles_2026-12-01.json, eleven tiles on six shapes, every one bitwise the
 # pinned tile's output). Weights of at least WIDE_N features (an LM head) have tiles enough, and keep
 # 128 features a tile there (208 against 246 us at M = 96 in that file). Split-K weights (the
-# output projections and MLP down, 2048 features) walk BLOCK_K 128 in 3 stages there, faster at
-# every row count that file timed (M = 32, 64, 96, 127; at 64 output projections 7.62 -> 6.83 us,
-# MLP down 9.62 -> 8.21: ~53 us of a 64-decode step over its 48 such weights). No TMA below 128
-# rows: at M = 72 its 64 x 64 tile took 1.5-2x the pointer loads' time on the wide weights (gemm_tma).
+# output projections and MLP down, 2048 features) walk BLOCK_K 128 there, faster at every row count
+# that file timed (M = 32, 64, 96, 127). Up to 64 rows (one M tile) 32 features a tile: more,
+# shorter programs stream the weights faster there, and from 65 rows (two M tiles, each weight tile
+# read twice) they are far slower. Timed in the engine (kernels' device time a step, PDL off, the 2B
+# model, graphed steps; bench/results/linear_row_tiles_2026-12-03.json): 64 decodes 1613 us (the
+# 64 x 64 tile everywhere) -> 1571 (split-K weights at BLOCK_K 128) -> 1502 (and 32 features up to
+# 64 rows); 32 decodes 1575 -> 1533 -> 1473; at 72 and 96 rows the 32-feature tiles took 2392 and
+# 2393 us against 1634 and 1681. No TMA below 128 rows: at M = 72 its 64 x 64 tile took 1.5-2x
+# the pointer loads' time on the wide weights (gemm_tma).
 ROW_TILES = ((128, (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 4, 3), True),
-             (32, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), False))
+             (65, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), False),
+             (32, (64, 32, 64, 4, 4), (64, 128, 64, 4, 3), (64, 32, 128, 4, 4), False))
 WIDE_N = 32768
 
 

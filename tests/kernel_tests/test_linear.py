@@ -210,7 +210,7 @@ def test_narrow_bf16_weights_split_k():
 
 
 # row counts either side of every tile boundary (kernels/linear.py ROW_TILES), to 1024 on the GPU
-TILE_ROW_COUNTS = [1, 15, 16, 17, 31, 32, 33, 64, 127, 128, 129]
+TILE_ROW_COUNTS = [1, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129]
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["tiles", "wide-tiles"])
@@ -228,9 +228,11 @@ def test_row_invariance_across_tiles(device, shape, wide, monkeypatch):
     assert (linear_config(n, k, torch.bfloat16).SPLIT_K > 1) == (shape == (1024, 48))
     largest = tile_for_rows(linear_config(n, k, torch.bfloat16), n, max(counts), torch.bfloat16)  # ROW_TILES' first
     assert largest.TMA and largest.BLOCK_M == (64 if wide or shape == (1024, 48) else 128)
-    middle = tile_for_rows(linear_config(n, k, torch.bfloat16), n, 64, torch.bfloat16)  # ROW_TILES' second
-    assert not middle.TMA and middle.BLOCK_M == 64
-    assert middle.BLOCK_K == (128 if shape == (1024, 48) and not wide else 64)  # the split-K tile's K step
+    split = shape == (1024, 48) and not wide
+    for rows, block_n in ((96, 64), (64, 32)):  # ROW_TILES' second and third
+        middle = tile_for_rows(linear_config(n, k, torch.bfloat16), n, rows, torch.bfloat16)
+        assert not middle.TMA and middle.BLOCK_M == 64 and middle.BLOCK_K == (128 if split else 64)
+        assert middle.BLOCK_N == (min(128, triton.next_power_of_2(n)) if wide else min(block_n, triton.next_power_of_2(n)))
     full = linear(x, w, b)
     for r in counts:
         assert torch.equal(linear(x[:r], w, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
