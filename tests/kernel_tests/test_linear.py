@@ -267,15 +267,17 @@ def test_tiles_by_rows_keep_the_k_walk():
     and fp32 keeps the pinned tile whatever the rows."""
     for n, k in [(12352, 2048), (2048, 4096), (512, 2048), (24, 136), (151936, 2048)]:
         pinned = linear_config(n, k, torch.bfloat16)
-        for m in (1, 16, 31, 32, 128, 1024):
+        for m in (1, 16, 31, 32, 64, 65, 127, 128, 1024):
             tile = tile_for_rows(pinned, n, m, torch.bfloat16)
             assert tile.SPLIT_K == pinned.SPLIT_K and pinned.BLOCK_K % tile.BLOCK_K == 0
             # from 128 rows: TMA loads, and 64-row tiles for split-K weights and LM heads
             wide_at_128 = n >= WIDE_N or pinned.SPLIT_K > 1
             assert tile.BLOCK_M == (16 if m < 32 else 64 if m < 128 or wide_at_128 else 128)
             assert tile.TMA == (m >= 128)
-            if 32 <= m < 128:  # an LM head's features are tiles enough at 128 a tile; narrower weights take 64
-                assert tile.BLOCK_N == min(128 if n >= WIDE_N else 64, max(16, triton.next_power_of_2(n)))
+            if 32 <= m < 128:  # an LM head's features are tiles enough at 128 a tile; narrower weights take
+                # 32 up to 64 rows (one M tile), 64 from 65
+                narrow = 32 if m <= 64 else 64
+                assert tile.BLOCK_N == min(128 if n >= WIDE_N else narrow, max(16, triton.next_power_of_2(n)))
         assert tile_for_rows(linear_config(n, k, torch.float32), n, 1024, torch.float32) == linear_config(n, k, torch.float32)
 
 

@@ -19,12 +19,13 @@ scratch slot, up to S_b. Rollback keeps 0 rows of every padding sequence. So pad
 
 One sequence's buckets. A step of one sequence (batch 1: a decode, or a verify of K <= max_k)
 replays a bucket of exactly its rows and that one sequence (`one_sequence_shapes`, `bucket_for`), so
-it runs with no padding at all: in a shared bucket its walks ran among padding sequences' programs.
-On the H200 (2B, one sequence of 9 rows after a carried row), in the 10-row bucket of 10 sequences its
-conv had been split for the 10 (74 us a step against 49 split for one) and its delta-rule programs
-were dispatched interleaved with the padding's (196 us against 152 with its own first:
-bench/results/padding_walks_2026-12-03.json). Such a bucket holds no padding row, so it is captured on
-one scratch-slot sequence of its rows (`capture_batch`).
+it runs with no padding at all: in a shared bucket its walks ran among padding sequences' programs
+(at K = 8 its 9 rows shared the 9-row bucket with 8 padding sequences of no rows). On the H200 (2B,
+kernels' own device time a graphed step), one sequence after a carried row: the delta rule at K = 8
+152.5 us in the shared bucket, with its walk's programs put first, -> 138.9 in its own, at K = 4
+129.6 -> 100.3; the step 2.03-2.09 -> 1.86-1.87 ms at K = 8, 1.90-2.00 -> 1.75-1.76 at K = 4
+(bench/results/one_sequence_buckets_2026-12-03.json). Such a bucket holds no padding row, so it is
+captured on one scratch-slot sequence of its rows (`capture_batch`).
 
 S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) always fits a step of R <= R_b rows in
 S <= min(R, n_slots) sequences, which needs S + ceil((R_b - R) / PAD_CHUNK) sequences: at most

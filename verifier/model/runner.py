@@ -118,7 +118,7 @@ class StepRunner:
 
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each shared bucket (a one-sequence bucket runs the
-        same rows without padding, so its step costs no more than its shared bucket's): the median of `repeats` steps of
+        same rows without padding: faster on the H200, bench/results/one_sequence_buckets_2026-12-03.json): the median of `repeats` steps of
         padding rows only (the scratch slot: no real state changes), after one untimed step.
         That is a realistic shape of R_b rows, not a worst case: padding comes in sequences of at
         most padding.PAD_CHUNK rows, so the recurrent kernels walk no sequence longer than a real
