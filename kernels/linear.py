@@ -15,8 +15,9 @@ M is not specialised on. No atomics, no autotune. fp32 dots use input_precision=
 bf16 dots use the tensor-core MMA with fp32 accumulate.
 
 Tiles by row count (bf16; `tile_for_rows`). Decode and small verify batches run the pinned tile
-(BLOCK_M 16); from ROW_TILES' row counts on, wider tiles (64 or 128 rows; features and K step by
-row count and weight class: wide, split-K or other) that put Hopper's wgmma to work and read each weight tile M/128 times instead of M/16. A tile's
+(BLOCK_M 16); from ROW_TILES' row counts on, wider tiles (64 or 128 rows; their features and K step
+by row count and weight class: wide, split-K or other) that put Hopper's wgmma to work and read
+each weight tile M/64 or M/128 times instead of M/16. A tile's
 shape decides which rows and features one program computes and which MMA instruction multiplies a
 16-wide K chunk (mma.sync at 16 rows, wgmma at 64 and more), not the K walk: each output element is
 still the same chunks summed in the same order. That the MMA instructions round alike is measured,

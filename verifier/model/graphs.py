@@ -9,8 +9,9 @@ no launch bakes in a per-sequence count (grids carry only R and S, loop bounds a
 device), so a graph depends on the shape (R rows, S sequences) alone. A step of one sequence
 replays its exact one-sequence bucket (R rows, 1 sequence) where the runner has one; any other step
 of R rows the smallest shared bucket of at least R rows, padded to its shape (padding.py); a step
-past the largest shared bucket runs eagerly. `capture` makes every bucket's pair before serving; a bucket first met
-later (an engine that skipped warm-up, another rollback mode) is captured then, and counted.
+past the largest shared bucket runs eagerly. `capture` makes every bucket's pair before serving; a
+bucket first met later (an engine that skipped warm-up, another rollback mode) is captured then,
+and counted.
 
 Inputs and outputs. A bucket owns a device StepInputs (tokens and batch in one buffer) whose views
 are the graph's inputs, a pinned host twin the step is packed into, and a kept-count buffer for
@@ -67,13 +68,13 @@ from .rows import RowBatch
 from .step_inputs import StepInputs
 
 # Total verify rows per shared bucket (one session's steps have buckets of their own: padding.py, One
-# sequence's buckets). Decode at batch b is b rows, so the small counts are dense (1..6); past 8 the steps grow
-# by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then 1.33x to 512
-# and by 64 rows (one more draft for 64 sessions) to 576, which holds 64 sessions at K = 8, the
-# default max_k: a step past the largest bucket runs eagerly, launch by launch (64 x 9 rows of the
-# 2B model took 25 ms eager against 11 ms of kernels, H200). With one shared graph memory pool the
-# graph memory is that of the largest bucket, so the list costs capture time (two graphs each at
-# startup), not memory.
+# sequence's buckets). Decode at batch b is b rows, so the small counts are dense (1..6); past 8 the
+# steps grow by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then
+# 1.33x to 512 and by 64 rows (one more draft for 64 sessions) to 576, which holds 64 sessions at
+# K = 8, the default max_k: a step past the largest bucket runs eagerly, launch by launch (64 x 9
+# rows of the 2B model took 25 ms eager against 11 ms of kernels, H200). With one shared graph
+# memory pool the graph memory is that of the largest bucket, so the list costs capture time (two
+# graphs each at startup), not memory.
 DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
                       576)
 

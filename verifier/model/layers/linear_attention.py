@@ -38,8 +38,7 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
-    walks = walk_sequences(batch)
-    runs = short_conv.conv_runs(conv_inputs.shape[0], walks, conv_inputs.shape[1])
+    runs = short_conv.conv_runs(conv_inputs.shape[0], walk_sequences(batch), conv_inputs.shape[1])
     mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs)
     query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
     snapshots = None
