@@ -14,7 +14,7 @@ from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
 from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, BucketShape, bucket_for, bucket_shapes, capture_batch,
                                     one_sequence_shapes, pad_batch, smallest_bucket, walk_sequences)
-from verifier.model.rollback import ROLLBACK_MODES, VerifyRecord, apply_rollback
+from verifier.model.rollback import ROLLBACK_MODES, apply_rollback
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
@@ -206,11 +206,8 @@ def test_a_one_sequence_buckets_capture_touches_no_real_slot(load_target, mode):
     engine = engines[1]
     before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
     static = capture_batch(BucketShape(MAX_K + 1, 1), engine.pool.scratch_slot)
-    record = VerifyRecord(mode, static)
-    tokens = torch.zeros(static.n_rows, dtype=torch.int64, device=model.device)
-    with torch.inference_mode():
-        model.compute(tokens, static, engine.pool, True, False, mode, record)
-        apply_rollback(engine.pool, record, torch.zeros(1, dtype=torch.int32, device=model.device))
+    _, verified = engine.runner._eager(None, static, None, mode)  # the runner's eager verify, token 0 a row
+    apply_rollback(engine.pool, verified.record, torch.zeros(1, dtype=torch.int32, device=model.device))
     after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
     for a, b in zip(before, after):
         assert torch.equal(a[: engine.pool.n_slots], b[: engine.pool.n_slots]), "the capture's step changed a real slot"
