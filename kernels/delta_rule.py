@@ -42,15 +42,17 @@ Bits: one kernel, `_delta_rule_kernel`, serves both launchers (constexpr flags p
 stored), and every row goes through the one `@triton.jit` `_update_state` (DESIGN.md section 6
 rule 5), so a row's bits are the same whether it is decoded alone, verified among K others, or
 folded at rollback. A program owns (sequence, head, BLOCK_V columns): it loads the slot's
-[D_K, BLOCK_V] state tile once, keeps it in fp32 registers and walks the rows in order. The sums
-over D_K are tl.sum over the full tile (D_K up to 256, no split), whose order is fixed by the tile
-shape, num_warps and the tile's register layout, all chosen from (D_K, D_V) only. A row's
+[D_K, BLOCK_V] state tile once, keeps it in fp32 registers and walks the rows in order. The two
+sums over D_K a row (the recalled value, the output) are written out in one order
+(`_sum_halves`: a fused multiply-add of the two halves' products, then pairwise halving), so their
+bits depend on BLOCK_K alone: any BLOCK_V and num_warps give the same bits (a test holds several
+tiles to one another), and the tile is pinned by head sizes for speed, not for bits. A row's
 inputs are loaded while the row before it is applied (`_load_stash_row`), so a K-row walk pays one
 memory latency, not K. No pointer is
 specialised on its alignment, so the layouts the compiler picks for the [D_K, BLOCK_V] loads and
 stores do not vary with where a tensor starts and are alike in every variant (verify with or
-without snapshots, fold). FMA contraction is off: the one fused multiply-add, the state update's
-S + k delta^T, is written out (tl.fma), so every walk has it. Row counts are read from cu_rows / consumed
+without snapshots, fold). FMA contraction is off: the fused multiply-adds (the state update's
+S + k delta^T, each sum's first level) are written out (tl.fma), so every walk has them. Row counts are read from cu_rows / consumed
 on the device: no integer argument depends on the rows, so 1 row and K rows run the same
 compiled kernel.
 Padded lanes (D_K, D_V not powers of two) load as 0 and stay exactly 0: they add 0 to every sum.
@@ -58,8 +60,8 @@ Padded lanes (D_K, D_V not powers of two) load as 0 and stay exactly 0: they add
 The torch references (`update_state`, `read_state` and the `_ref` launchers built on them) are
 what the CPU reference backend runs (verifier.model.layers.linear_attention for verify,
 verifier.model.rollback for the fold); they follow `_update_state` and `_read_state` line for line
-but sum over d_k in another order than tl.sum and round the update's product before its sum,
-so kernel and reference agree to fp32 rounding, not bitwise.
+but sum over d_k in torch's order, with each product rounded before its sum, so kernel and
+reference agree to fp32 rounding, not bitwise.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from .rounding import cast_rtne
 from .runtime import interpreting
 
 MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
+MAX_SUM_LEVELS = tl.constexpr(7)  # _sum_halves' pairwise levels after its first: MAX_D_K / 2 rows to 1
 
 
 class DeltaRuleConfig(NamedTuple):
@@ -86,12 +89,47 @@ class DeltaRuleConfig(NamedTuple):
 
 
 def delta_rule_config(d_k: int, d_v: int) -> DeltaRuleConfig:
-    """Pinned by head sizes, never by the rows: the full key dim per tile, at most 32 value columns
-    (a 128 x 32 fp32 tile is 32 registers a thread in 4 warps), so a 128 x 128 head runs as 4
-    programs per (sequence, head) to spread a decode over the SMs; tiles under 2048 values use one warp."""
+    """Pinned by head sizes: the full key dim per tile, at most 32 value columns (a 128 x 32 fp32
+    tile is 32 registers a thread in 4 warps), so a 128 x 128 head runs as 4 programs per (sequence,
+    head) to spread a decode over the SMs; tiles under 2048 values use one warp. Every tile gives
+    the same bits (`_sum_halves`); this one was the fastest or within 0.4 us of it at 1 to 64
+    sequences of 1 to 9 rows (2B GDN shape, H200: bench/results/delta_rule_sums_2026-12-03.json)."""
     block_k = triton.next_power_of_2(d_k)
     block_v = min(32, triton.next_power_of_2(d_v))
     return DeltaRuleConfig(BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v >= 2048 else 1)
+
+
+@triton.jit
+def _halve(b_x):
+    """[N, BLOCK_V] -> its rows 0 .. N/2 - 1 and its rows N/2 .. N - 1, each [N/2, BLOCK_V]. In the
+    state tile's register layout both halves are a thread's own registers: no data moves."""
+    N: tl.constexpr = b_x.shape[0]
+    return tl.split(tl.permute(tl.reshape(b_x, [2, N // 2, b_x.shape[1]]), (1, 2, 0)))
+
+
+@triton.jit
+def _unhalve(b_lo, b_hi):
+    """_halve's inverse: [N, BLOCK_V] twice -> [2N, BLOCK_V], b_lo's rows first."""
+    N: tl.constexpr = b_lo.shape[0]
+    return tl.reshape(tl.permute(tl.join(b_lo, b_hi), (2, 0, 1)), [2 * N, b_lo.shape[1]])
+
+
+@triton.jit
+def _sum_halves(b_lo_s, b_hi_s, b_lo_x, b_hi_x):
+    """sum_k S[k, :] * x[k] -> [BLOCK_V] of S and x split into halves: row k + N/2's product added
+    to row k's in one fused multiply-add, then the [N/2, BLOCK_V] partial sums added pairwise,
+    row j + n/2 to row j, down to one row. The order is written out, so the sum's bits depend on
+    BLOCK_K alone, not on which threads hold which rows (tl.sum's order follows the register
+    layout, which the tile shape and num_warps pick). It is also shallower than a sum along a
+    thread's registers: at the 2B GDN shape, one sequence of 9 rows after a carried row, 7.2 -> 6.0
+    us a launch; 64 x 9 rows 152.5 -> 145.0; 64 decodes unchanged (82 us), H200
+    (bench/results/delta_rule_sums_2026-12-03.json)."""
+    b_p = tl.fma(b_lo_s, b_lo_x, b_hi_s * b_hi_x)  # [N/2, BLOCK_V]
+    for _ in tl.static_range(MAX_SUM_LEVELS):  # N/2 rows, a power of two, halved to 1 (unrolled)
+        if b_p.shape[0] > 1:
+            b_lo, b_hi = _halve(b_p)
+            b_p = b_lo + b_hi
+    return tl.reshape(b_p, [b_p.shape[1]])
 
 
 @triton.jit
@@ -103,18 +141,23 @@ def _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K: tl.constexpr):
         b_s = b_s * b_decay  # the same products as a broadcast [BLOCK_K] of it, without its registers
     else:
         b_s = b_s * b_decay[:, None]
-    b_recalled = tl.sum(b_s * b_k[:, None], axis=0)  # [BLOCK_V]
-    b_delta = (b_v - b_recalled) * b_beta  # [BLOCK_V]
+    b_lo_s, b_hi_s = _halve(b_s)
+    b_lo_k, b_hi_k = _halve(tl.broadcast_to(b_k[:, None], b_s.shape))
+    b_recalled = _sum_halves(b_lo_s, b_hi_s, b_lo_k, b_hi_k)  # [BLOCK_V]
+    b_delta = tl.broadcast_to(((b_v - b_recalled) * b_beta)[None, :], b_lo_s.shape)
     # b_s + k delta^T as one fused multiply-add an element (one rounding, one instruction): written
     # out, since contraction is off and every walk must give these bits (H200, 2B GDN shape, 64
-    # sequences x 9 rows after a carried row: 159 -> 152 us; delta_rule_fma_2026-12-01.json)
-    return tl.fma(tl.broadcast_to(b_k[:, None], b_s.shape), tl.broadcast_to(b_delta[None, :], b_s.shape), b_s)
+    # sequences x 9 rows after a carried row: 159 -> 152 us; delta_rule_fma_2026-12-01.json). On the
+    # halves the key was split into for the sum, so the key reaches one register layout once a row.
+    return _unhalve(tl.fma(b_lo_k, b_delta, b_lo_s), tl.fma(b_hi_k, b_delta, b_hi_s))
 
 
 @triton.jit
 def _read_state(b_s, b_q):
-    """b_s [BLOCK_K, BLOCK_V], b_q [BLOCK_K] -> out [BLOCK_V] = sum_k S[k, :] * q[k]."""
-    return tl.sum(b_s * b_q[:, None], axis=0)
+    """b_s [BLOCK_K, BLOCK_V], b_q [BLOCK_K] -> out [BLOCK_V] = sum_k S[k, :] * q[k], in _sum_halves' order."""
+    b_lo_s, b_hi_s = _halve(b_s)
+    b_lo_q, b_hi_q = _halve(tl.broadcast_to(b_q[:, None], b_s.shape))
+    return _sum_halves(b_lo_s, b_hi_s, b_lo_q, b_hi_q)
 
 
 @triton.jit
@@ -304,11 +347,12 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool,
-            scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None) -> None:
+            scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None,
+            config: DeltaRuleConfig | None = None) -> None:
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
-    cfg = delta_rule_config(d_k, d_v)
+    cfg = config or delta_rule_config(d_k, d_v)
     grid = (n_seqs, heads, triton.cdiv(d_v, cfg.BLOCK_V))
     _delta_rule_kernel[grid](
         state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),
@@ -326,14 +370,17 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                       decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                       snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       scratch_slot: int | None = None, carried: torch.Tensor | None = None,
-                      carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      config: DeltaRuleConfig | None = None) -> torch.Tensor:
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
     [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
     in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
     row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned.
     carry: (keys [n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [n_slots, C, H])
     fp32 with carried int32 [S]: sequence s first applies its slot's first carried[s] carry rows
-    and commits the result (verifier/model/carry.py); its rows then start from there."""
+    and commits the result (verifier/model/carry.py); its rows then start from there.
+    config: another tile than delta_rule_config's (tests: every tile gives the same bits); its
+    BLOCK_K must be delta_rule_config's, the one that fixes the sums' order."""
     op = "delta_rule_verify"
     _check(op, state, key, value, decay, beta, seq_slots, cu_rows)
     rows, heads, d_k = key.shape
@@ -350,11 +397,14 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
         raise ValueError(f"{op}: carry and carried come together")
     if carry is not None:
         _check_carry(op, carry, carried, state, decay.shape[2], seq_slots)
+    if config is not None and config.BLOCK_K != delta_rule_config(d_k, d_v).BLOCK_K:
+        raise ValueError(f"{op}: config BLOCK_K {config.BLOCK_K} is not the {delta_rule_config(d_k, d_v).BLOCK_K} "
+                         f"that D_K {d_k} sums over")
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
     _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False,
-            scratch_slot=scratch_slot, carried=carried, carry=carry)
+            scratch_slot=scratch_slot, carried=carried, carry=carry, config=config)
     return out
 
 

@@ -3,9 +3,9 @@ of DESIGN.md section 6 (bitwise): row and batch invariance, T=K vs K x T=1 vs a 
 write-on-accept == snapshot, a bf16-state negative control, NaN-poisoned outputs and snapshots.
 
 Tolerance (kernel vs reference, fp32): rtol 1e-5, atol 1e-6. Both apply the same three-line update
-in fp32 with the same products; only the two sums over D_K are associated differently (tl.sum's
-tree over the register tile against torch's reduction over dim -2), a few ulps of the sum per
-row. Keys are l2-normalised and beta, decay lie in (0, 1), so each row's update is a contraction
+in fp32 with the same products; only the two sums over D_K are associated differently (the
+kernel's written-out pairwise order, its first level a fused multiply-add, against torch's
+reduction over dim -2), a few ulps of the sum per row. Keys are l2-normalised and beta, decay lie in (0, 1), so each row's update is a contraction
 and those ulps do not grow along a sequence: measured <= 2.4e-7 absolute on states and outputs of
 size ~1, well inside the bound, while an indexing, masking or decay-layout error is O(0.1-1).
 Everything between kernel launches is compared with torch.equal.
@@ -14,7 +14,8 @@ Everything between kernel launches is compared with torch.equal.
 import pytest
 import torch
 
-from kernels.delta_rule import delta_rule_fold, delta_rule_fold_ref, delta_rule_verify, delta_rule_verify_ref
+from kernels.delta_rule import (DeltaRuleConfig, delta_rule_config, delta_rule_fold, delta_rule_fold_ref, delta_rule_verify,
+                                delta_rule_verify_ref)
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -161,6 +162,32 @@ def test_verify_batch_invariant(kind, device):
         alone = verify(t, alone_slots, alone_cu, rows=slice(start, start + n))
         assert torch.equal(alone, batched[start : start + n]), f"slot {slot}"
         start += n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_tile_gives_the_same_bits(kind, device):
+    """The sums over D_K are written out in one order (_sum_halves), so other value blocks and warp
+    counts (other register layouts on the GPU) give bitwise the pinned tile's outputs, snapshots and
+    committed state; a config whose BLOCK_K is not the pinned one is refused."""
+    counts, slots = [1, 4, 9], [3, 0, 4]
+    heads, d_k, d_v = 2, 16, 40
+    t = make(sum(counts), heads, d_k, d_v, kind, device, seed=11)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+
+    def run(config):
+        state, snapshots = t["state"].clone(), torch.empty(sum(counts), heads, d_k, d_v, device=device)
+        out = delta_rule_verify(state, t["query"], t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows, snapshots,
+                                config=config)
+        return out, snapshots, state
+
+    pinned = run(None)
+    block_k = delta_rule_config(d_k, d_v).BLOCK_K
+    for block_v, warps in ((8, 1), (16, 2), (32, 4), (64, 8)):
+        other = run(DeltaRuleConfig(block_k, block_v, warps))
+        for name, a, b in zip(("out", "snapshots", "state"), pinned, other):
+            assert torch.equal(a, b), f"{name}, BLOCK_V {block_v}, {warps} warps"
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        run(DeltaRuleConfig(2 * block_k, 16, 2))
 
 
 @pytest.mark.parametrize("kind", KINDS)
