@@ -211,9 +211,8 @@ def step_ms(engine: Engine, seqs: list, k: int, repeats: int) -> float:
 def rollback_figures(model, k: int, repeats: int) -> dict:
     """Verify of K+1 rows, then rollback to a = K/2 accepted, timed apart (CUDA-graphed when the engine graphs).
     A write-on-accept engine carries the kept rows into the next verify (verifier/model/carry.py):
-    the verify writes its rows to the slot's other bank, its rollback only notes how many to keep
-    (no launch), and each verify timed applies the last rollback's a + 1 rows first, so the fold's
-    work is in verify_ms ('carries': True)."""
+    its rollback copies them, and each verify timed applies the last rollback's a + 1 rows first,
+    so the fold's work is in verify_ms ('carries': True)."""
     out = {}
     for mode in (WOA, SNAPSHOT):
         engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, rollback_mode=mode, graph_rows=(k + 1,))

@@ -31,7 +31,7 @@ from bench.machine import device_name
 from verifier.arguments import DefaultsHelpFormatter, at_least
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
-from verifier.model.carry import committed_state, committed_window
+from verifier.model.carry import committed_state
 from verifier.model.random_checkpoint import write_random_checkpoint
 from verifier.model.rollback import ROLLBACK_MODES, rollback
 from verifier.model.state import RecurrentState
@@ -58,7 +58,7 @@ def _config(heads: int, dim: int) -> dict:
 
 def _state(engine: Engine, slot: int) -> list[torch.Tensor]:
     return [t for layer in engine.pool.layers if isinstance(layer, RecurrentState)
-            for t in (committed_window(engine.pool, layer, slot), committed_state(engine.pool, layer, slot))]
+            for t in (layer.conv[slot].clone(), committed_state(engine.pool, layer, slot))]
 
 
 def _serial(model, k: int, device) -> tuple[list[int], list[torch.Tensor]]:

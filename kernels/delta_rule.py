@@ -27,18 +27,11 @@ commits that row at once (kernels/one_row_commit.py: the rule, and why); a seque
 leaves `state` alone (write-on-accept). delta_rule_fold applies each sequence's first consumed[s]
 rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA rollback, and prefill's
 commit with consumed = all rows; a one-row sequence has nothing left to fold.
-With a carry (verifier/model/carry.py) a verify first applies its slot's carried rows (the
-kept rows of the slot's last step, in the carry's bank banks[s]) and commits the result (a
-one-row sequence commits once, after its row too); its rows then start from there. The carried
+With a carry (verifier/model/carry.py) a verify first applies its slot's carried rows (the last
+step's kept stash rows, which its rollback copied rather than folded) and commits the result
+(a one-row sequence commits once, after its row too); its rows then start from there. The carried
 rows go through `_update_state` in the fold's order (one walk with the step's rows, the kernel
-below), so the state is bitwise the fold's. A sequence of more than one row also stashes its
-rows (key, value, decay, beta) into its slot's other bank as it walks them, so that its rollback
-is the host's choice of how many of them the slot carries: no copy and no launch.
-
-    carried    [S]                     int32: rows of bank banks[s] that sequence s's slot carries
-    banks      [S]                     int32, 0 or 1: the bank they are in (the step stashes into 1 - banks[s])
-    carry      keys [2, n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [2, n_slots, C, H]
-               fp32: per bank and slot C = max_k + 1 rows (verifier/model/state.py CarriedRows)
+below), so the state is bitwise the fold's.
 A sequence with no rows (verify) or nothing consumed (fold) returns before it reads or writes its
 slot: graph buckets pad a step with such sequences (verifier/model/padding.py), and hundreds of
 them then cost nothing. Padding sequences sit in the scratch slot (`scratch_slot`, the pool's
@@ -237,27 +230,11 @@ _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snap
                  "carry_decay", "carry_beta"]
 
 
-@triton.jit
-def _stash_row(i_row, b_k, b_v, b_decay, b_beta, carry_key, carry_value, carry_decay, carry_beta, i_v, o_k, o_v, m_k, m_v,
-               D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr):
-    """A step row's key, value, decay and beta (one head) into carry row head i_row: every value
-    block's program its values, the first one the key, decay and beta (each program loaded them all)."""
-    tl.store(carry_value + i_row * D_V + o_v, b_v, mask=m_v)
-    if i_v == 0:
-        tl.store(carry_key + i_row * D_K + o_k, b_k, mask=m_k)
-        if DECAY_K == 1:
-            tl.store(carry_decay + i_row, b_decay)
-        else:
-            tl.store(carry_decay + i_row * DECAY_K + o_k, b_decay, mask=m_k)
-        tl.store(carry_beta + i_row, b_beta)
-
-
-# scratch_slot and n_carry_slots are not specialised on either: their values (the pool's size, or -1)
-# must not pick another compiled kernel
-@triton.jit(do_not_specialize=["scratch_slot", "n_carry_slots"], do_not_specialize_on_alignment=_NO_ALIGNMENT)
+# scratch_slot is not specialised on either: its value (the pool's size, or -1) must not pick another compiled kernel
+@triton.jit(do_not_specialize=["scratch_slot"], do_not_specialize_on_alignment=_NO_ALIGNMENT)
 def _delta_rule_kernel(
     state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, scratch_slot,
-    carried, banks, n_carry_slots, carry_key, carry_value, carry_decay, carry_beta,
+    carried, carry_key, carry_value, carry_decay, carry_beta,
     H: tl.constexpr,
     D_K: tl.constexpr,
     D_V: tl.constexpr,
@@ -266,7 +243,7 @@ def _delta_rule_kernel(
     BLOCK_V: tl.constexpr,
     FOLD: tl.constexpr,  # False: verify (rows of cu_rows, store out); True: fold (first consumed rows, store state)
     STORE_SNAPSHOTS: tl.constexpr,
-    CARRY_ROWS: tl.constexpr,  # verify: C > 0, each slot's carried rows (C a bank) go first, its rows stashed; 0: none
+    CARRY_ROWS: tl.constexpr,  # verify: C > 0, each slot's carried stash rows (C a slot) go first; 0: none
     INTERPRET: tl.constexpr,  # the interpreter truncates fp32 -> bf16: out is rounded on the bits first there
     PDL: tl.constexpr,
 ):
@@ -291,14 +268,9 @@ def _delta_rule_kernel(
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
     i_carried = 0  # the slot's carried rows (verifier/model/carry.py): walked first, then committed
     i_ch = i_h.to(tl.int64)  # row 0 of the slot's carry, this head
-    i_sh = i_h.to(tl.int64)  # row 0 of the slot's other bank, this head: where its rows are stashed
-    stash = False  # whether this sequence stashes its rows: more than one, outside the scratch slot
     if CARRY_ROWS > 0:
         i_carried = tl.load(carried + i_s)
-        i_bank = tl.load(banks + i_s).to(tl.int64)
-        i_ch = ((i_bank * n_carry_slots + i_slot) * CARRY_ROWS) * H + i_h
-        i_sh = (((1 - i_bank) * n_carry_slots + i_slot) * CARRY_ROWS) * H + i_h
-        stash = (i_rows > 1) & (i_slot != scratch_slot)
+        i_ch = (i_slot * CARRY_ROWS) * H + i_h
     i_rh = i_bos * H + i_h  # row 0's head
     i_walk = i_carried + i_rows
 
@@ -335,9 +307,6 @@ def _delta_rule_kernel(
             if CARRY_ROWS == 0:
                 n_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
             if step_row:
-                if stash & (i_t - i_carried < CARRY_ROWS):  # rows past the bank: none (with_carried refuses them)
-                    _stash_row(i_sh + (i_t - i_carried) * H, b_k, b_v, b_decay, b_beta, carry_key, carry_value, carry_decay,
-                               carry_beta, i_v, o_k, o_v, m_k, m_v, D_K, D_V, DECAY_K)
                 i_row = i_rh + (i_t - i_carried) * H  # its head
                 b_out = cast_rtne(_read_state(b_s, b_q), out.dtype.element_ty, INTERPRET)  # fp32, or rounded to bf16
                 tl.store(out + i_row * D_V + o_v, b_out, mask=m_v)
@@ -378,8 +347,8 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool,
-            scratch_slot: int | None, carried: torch.Tensor | None = None, banks: torch.Tensor | None = None,
-            carry: tuple | None = None, config: DeltaRuleConfig | None = None) -> None:
+            scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None,
+            config: DeltaRuleConfig | None = None) -> None:
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
@@ -389,10 +358,9 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
         state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),
         seq_slots, cu_rows, consumed, out, snapshots if snapshots is not None else out,  # never stored when None
         -1 if scratch_slot is None else scratch_slot,
-        # never read without a carry
-        *((carried, banks, carry[0].shape[1], *carry) if carry is not None else (cu_rows, cu_rows, 0, state, state, state, state)),
+        *((carried, *carry) if carry is not None else (cu_rows, state, state, state, state)),  # never read without a carry
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
-        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, CARRY_ROWS=0 if carry is None else carry[0].shape[2],
+        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, CARRY_ROWS=0 if carry is None else carry[0].shape[1],
         INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
@@ -402,18 +370,15 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                       decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                       snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       scratch_slot: int | None = None, carried: torch.Tensor | None = None,
-                      banks: torch.Tensor | None = None,
                       carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                       config: DeltaRuleConfig | None = None) -> torch.Tensor:
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
     [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
     in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
     row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned.
-    carry: (keys [2, n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [2, n_slots, C, H])
-    fp32 with carried and banks int32 [S]: sequence s first applies the first carried[s] rows of
-    its slot's bank banks[s] and commits the result (verifier/model/carry.py); its rows then start
-    from there, and a sequence of more than one row outside scratch_slot writes them to rows 0 ..
-    of its slot's other bank.
+    carry: (keys [n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [n_slots, C, H])
+    fp32 with carried int32 [S]: sequence s first applies its slot's first carried[s] carry rows
+    and commits the result (verifier/model/carry.py); its rows then start from there.
     config: another tile than delta_rule_config's (tests: every tile gives the same bits); its
     BLOCK_K must be delta_rule_config's, the one that fixes the sums' order."""
     op = "delta_rule_verify"
@@ -428,10 +393,10 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     if snapshots is not None:
         check_tensor(op, "snapshots", snapshots, (rows, heads, d_k, d_v), torch.float32, on_state,
                      layout="[R, H, D_K, D_V]", contiguous=True)
-    if not (carry is None) == (carried is None) == (banks is None):
-        raise ValueError(f"{op}: carry, carried and banks come together")
+    if (carry is None) != (carried is None):
+        raise ValueError(f"{op}: carry and carried come together")
     if carry is not None:
-        _check_carry(op, carry, carried, banks, state, decay.shape[2], seq_slots)
+        _check_carry(op, carry, carried, state, decay.shape[2], seq_slots)
     if config is not None and config.BLOCK_K != delta_rule_config(d_k, d_v).BLOCK_K:
         raise ValueError(f"{op}: config BLOCK_K {config.BLOCK_K} is not the {delta_rule_config(d_k, d_v).BLOCK_K} "
                          f"that D_K {d_k} sums over")
@@ -439,28 +404,25 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
     _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False,
-            scratch_slot=scratch_slot, carried=carried, banks=banks, carry=carry, config=config)
+            scratch_slot=scratch_slot, carried=carried, carry=carry, config=config)
     return out
 
 
 def carry_shapes(n_slots: int, rows: int, heads: int, d_k: int, d_v: int, decay_k: int) -> tuple[tuple[int, ...], ...]:
-    """The shapes of a pool's carried rows (keys, values, decays, betas), two banks of C = `rows`
-    rows a slot: what a verify with a carry reads and writes and verifier/model/state.py allocates."""
-    return ((2, n_slots, rows, heads, d_k), (2, n_slots, rows, heads, d_v), (2, n_slots, rows, heads, decay_k),
-            (2, n_slots, rows, heads))
+    """The shapes of a pool's carried rows (keys, values, decays, betas), C = `rows` a slot: what a
+    verify with a carry reads and verifier/model/state.py allocates."""
+    return (n_slots, rows, heads, d_k), (n_slots, rows, heads, d_v), (n_slots, rows, heads, decay_k), (n_slots, rows, heads)
 
 
-def _check_carry(op: str, carry: tuple, carried: torch.Tensor, banks: torch.Tensor, state: torch.Tensor, decay_k: int,
-                 seq_slots: torch.Tensor) -> None:
+def _check_carry(op: str, carry: tuple, carried: torch.Tensor, state: torch.Tensor, decay_k: int, seq_slots: torch.Tensor) -> None:
     n_slots, heads, d_k, d_v = state.shape
-    if len(carry) != 4 or carry[0].dim() != 5:
-        raise ValueError(f"{op}: carry must be (keys [2, n_slots, C, H, D_K], values, decays, betas)")
+    if len(carry) != 4 or carry[0].dim() != 4:
+        raise ValueError(f"{op}: carry must be (keys [n_slots, C, H, D_K], values, decays, betas)")
     on_state = ("state", state)
-    shapes = carry_shapes(n_slots, carry[0].shape[2], heads, d_k, d_v, decay_k)
+    shapes = carry_shapes(n_slots, carry[0].shape[1], heads, d_k, d_v, decay_k)
     for name, t, shape in zip(("carry keys", "carry values", "carry decays", "carry betas"), carry, shapes):
         check_tensor(op, name, t, shape, torch.float32, on_state, contiguous=True)
     check_tensor(op, "carried", carried, seq_slots.shape, torch.int32, on_state, layout="[S]")
-    check_tensor(op, "banks", banks, seq_slots.shape, torch.int32, on_state, layout="[S]")
 
 
 def delta_rule_fold(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
@@ -493,34 +455,22 @@ def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.T
                           decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                           snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                           scratch_slot: int | None = None, carried: torch.Tensor | None = None,
-                          banks: torch.Tensor | None = None,
-                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          config: DeltaRuleConfig | None = None) -> torch.Tensor:
+                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state (after
-    its carried rows, committed); a one-row sequence outside scratch_slot commits its row, one of
-    more rows with a carry stashes them into its slot's other bank. config: taken for the
-    signature (a tile changes no value)."""
+    its carried rows, committed); a one-row sequence outside scratch_slot commits its row."""
     rows, heads, d_v = value.shape
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     bounds = cu_rows.tolist()
     carried = [0] * len(bounds) if carried is None else carried.tolist()
-    banks = [0] * len(bounds) if banks is None else banks.tolist()
     for s, slot in enumerate(seq_slots.tolist()):
         s_state = state[slot]
-        n = bounds[s + 1] - bounds[s]
-        if carried[s] and n:
-            bank = banks[s]
+        if carried[s] and bounds[s + 1] > bounds[s]:
             keys, values, decays, betas = carry
             for i in range(carried[s]):
-                s_state = update_state(s_state, keys[bank, slot, i], values[bank, slot, i], decays[bank, slot, i][..., None],
-                                       betas[bank, slot, i])
-            if n > 1:
+                s_state = update_state(s_state, keys[slot, i], values[slot, i], decays[slot, i][..., None], betas[slot, i])
+            if bounds[s + 1] - bounds[s] > 1:
                 state[slot] = s_state
-        if carry is not None and n > 1 and slot != scratch_slot:  # rows past the bank: none, as in the kernel
-            for stashed, rows_of in zip(carry, (key, value, decay, beta)):
-                kept = min(n, stashed.shape[2])
-                stashed[1 - banks[s], slot, :kept] = rows_of[bounds[s] : bounds[s] + kept]
         for i in range(bounds[s], bounds[s + 1]):
             s_state = update_state(s_state, key[i], value[i], decay[i][..., None], beta[i])
             out[i] = read_state(s_state, query[i])

@@ -1,8 +1,8 @@
 """Rollback of every recurrent layer of a step in one launch per state: the conv windows of all
 layers in one (`next_windows`), the recurrent states of all layers in another (`fold_states`,
-write-on-accept; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
+write-on-accept; `keep_carry`, write-on-accept in a pool that carries its kept rows into the next
+verify, verifier/model/carry.py; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
 kin gives, bit for bit: short_conv.next_window, delta_rule.delta_rule_fold, snapshots.keep_snapshots.
-A pool that carries its kept rows into the next verify (verifier/model/carry.py) needs none of them.
 
 A RecurrentLayers is L alike layers (the same C, W, conv dtype, H, D_K, D_V and DECAY_K); per layer l:
     windows[l]      [n_slots, C, W-1]       conv dtype: committed conv windows (written)
@@ -29,14 +29,15 @@ TableStore allocated before it, and writes it by `fill_table()` after the captur
 runs the kernels on the host addresses.
 
 Grids: next_windows (S, L * cdiv(C, WINDOW_BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
-keep_state_snapshots (S, L * H, cdiv(D_K * D_V, BLOCK)). fold_states' and keep_state_snapshots'
-block sizes and num_warps are the one-layer kernels', chosen from the layer shapes alone.
+keep_carry (S, L * cdiv(H * max(D_K, D_V), CARRY_BLOCK), carry_row_programs(S, carried rows a slot)); keep_state_snapshots (S, L * H,
+cdiv(D_K * D_V, BLOCK)). fold_states' and keep_state_snapshots' block sizes and num_warps are the
+one-layer kernels', chosen from the layer shapes alone; the copies take larger blocks (CARRY_BLOCK).
 
 Bits. fold_states runs delta_rule_fold's program on each layer: delta_rule's config for (D_K, D_V),
 its `_state_tile` and `_walk_rows`, num_stages 1, FMA contraction off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
 specialised on alignment) carry none, so the compiler lays the [BLOCK_K, BLOCK_V] state tile and
 its sums over D_K out as it does there: the float instructions are delta_rule_fold's, only the
-address arithmetic differs. next_windows and keep_state_snapshots copy values.
+address arithmetic differs. next_windows, keep_carry and keep_state_snapshots copy values.
 """
 
 from __future__ import annotations
@@ -57,21 +58,28 @@ from .snapshots import BLOCK as SNAPSHOT_BLOCK
 from .snapshots import NUM_WARPS as SNAPSHOT_NUM_WARPS
 from .snapshots import _copy_head_block, keep_snapshots_ref
 
-# The window copies' programs: a few large ones per (sequence, layer), not one per 256 channels. A
-# rollback's copies are kilobytes; what they cost is programs, each a chain of dependent loads (the
+# The copies' programs: a few large ones per (sequence, layer), not one per head or per 256 channels.
+# A rollback's copies are kilobytes; what they cost is programs, each a chain of dependent loads (the
 # counts, the table, the data). At 64 sequences x 9 rows of the 2B model (the 576-row bucket: 136
-# sequences, 18 layers) one program per 256 channels made 78k programs for next_windows, ~95 us on
-# the H200 (bench/results/k8_tail_2026-12-02.json).
+# sequences, 18 layers) one program per head and per 256 channels made 78k programs each for
+# keep_carry and next_windows, ~95 us apiece on the H200 (bench/results/k8_tail_2026-12-02.json).
+CARRY_BLOCK, CARRY_NUM_WARPS = 1024, 4  # values of a row's tensor per program: a 32 x 128 key row is 4 programs
+# Sequences x row programs up to which keep_carry deals a sequence's rows to programs of their own
+# (carry_row_programs): a batch-1 bucket of 9 sequences (one real) gets a program per row.
+CARRY_SEQUENCE_PROGRAMS = 128
 WINDOW_BLOCK_C = 2048  # channels per next_windows program (4 warps): a conv dim of 8192 is 4 programs
 
 # The pointer table's columns, per layer: tensors by address, a record's rows by their stride in elements.
 FIELDS = ("window", "conv_inputs", "conv_inputs_row_stride", "state", "key", "key_row_stride", "value", "value_row_stride",
-          "decay", "decay_row_stride", "beta", "beta_row_stride", "snapshots")
+          "decay", "decay_row_stride", "beta", "beta_row_stride", "snapshots", "carry_key", "carry_value", "carry_decay",
+          "carry_beta")
 N_FIELDS = tl.constexpr(len(FIELDS))
-_ALIGNED_ROWS = 2  # table rows of 13 int64 (104 bytes): every second row starts 16-byte aligned (208 = 13 * 16)
+_ALIGNED_ROWS = 2  # table rows of 17 int64 (136 bytes): every second row starts 16-byte aligned (272 = 17 * 16)
 WINDOW, CONV_INPUTS, CONV_INPUTS_ROW_STRIDE, STATE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[:4])
 KEY, KEY_ROW_STRIDE, VALUE, VALUE_ROW_STRIDE = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[4:8])
 DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:13])
+CARRY_FIELDS = FIELDS[13:]  # in CarriedRows' order: keys, values, decays, betas
+CARRY_KEY, CARRY_VALUE, CARRY_DECAY, CARRY_BETA = (tl.constexpr(FIELDS.index(f)) for f in CARRY_FIELDS)
 
 
 @triton.jit
@@ -156,6 +164,44 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
 
 
 @triton.jit
+def _keep_carry_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+                       DECAY_K: tl.constexpr, CARRY_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                       ROW_PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_s = tl.program_id(0)
+    i_layer = tl.program_id(1) // CHUNKS
+    i_chunk = tl.program_id(1) % CHUNKS  # BLOCK values of each of a row's (all heads') key, value, decay, beta
+    i_first = tl.program_id(2)  # this program's rows: i_first, i_first + ROW_PROGRAMS, ...
+    i_rows = rows_to_roll(cu_rows, kept, i_s)
+    if i_rows <= i_first:  # padding, one row (which its verify committed), or no row of this program's
+        return
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_bos = tl.load(cu_rows + i_s).to(tl.int64)
+    # a stash row's heads are dense ([H, D] behind the row's first value, the row strided): a row
+    # of each tensor is one flat copy, and a program takes one chunk of each
+    key, value, decay, beta, s_key, s_value, s_decay, s_beta = _stash_of_head(table, i_layer, 0, D_K, D_V, DECAY_K)
+    i_carry = i_slot * CARRY_ROWS  # the slot's carried row 0
+    carry_key = _pointer(table, i_layer, CARRY_KEY, tl.float32) + i_carry * (H * D_K)
+    carry_value = _pointer(table, i_layer, CARRY_VALUE, tl.float32) + i_carry * (H * D_V)
+    carry_decay = _pointer(table, i_layer, CARRY_DECAY, tl.float32) + i_carry * (H * DECAY_K)
+    carry_beta = _pointer(table, i_layer, CARRY_BETA, tl.float32) + i_carry * H
+    o_x = i_chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] of a row's values
+    m_key, m_value, m_decay, m_beta = o_x < H * D_K, o_x < H * D_V, o_x < H * DECAY_K, o_x < H
+    for i_t in range(i_first, i_rows, ROW_PROGRAMS):
+        i_row = i_bos + i_t
+        # the row's four loads issued before any store: the compiler cannot move a load past a store
+        # (the pointers may alias), and a copy is four load latencies otherwise
+        b_key = tl.load(key + i_row * s_key + o_x, mask=m_key)
+        b_value = tl.load(value + i_row * s_value + o_x, mask=m_value)
+        b_decay = tl.load(decay + i_row * s_decay + o_x, mask=m_decay)
+        b_beta = tl.load(beta + i_row * s_beta + o_x, mask=m_beta)
+        tl.store(carry_key + i_t * (H * D_K) + o_x, b_key, mask=m_key)
+        tl.store(carry_value + i_t * (H * D_V) + o_x, b_value, mask=m_value)
+        tl.store(carry_decay + i_t * (H * DECAY_K) + o_x, b_decay, mask=m_decay)
+        tl.store(carry_beta + i_t * H + o_x, b_beta, mask=m_beta)
+
+
+@triton.jit
 def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
                                  PDL: tl.constexpr):
     after_previous(PDL)  # first: kernels/dependent_launch.py
@@ -183,11 +229,13 @@ class RecurrentLayers:
 
     def __init__(self, windows: list[torch.Tensor], states: list[torch.Tensor], conv_inputs: list[torch.Tensor],
                  keys: list[torch.Tensor], values: list[torch.Tensor], decays: list[torch.Tensor], betas: list[torch.Tensor],
-                 snapshots: list[torch.Tensor] | None = None, store: TableStore | None = None):
+                 snapshots: list[torch.Tensor] | None = None, store: TableStore | None = None,
+                 carries: list[tuple[torch.Tensor, ...]] | None = None):
         """store: made inside a CUDA graph capture (the draft chain's, which captures its verifies
         and rollbacks in one graph): the table is rows of the store, allocated before the capture,
         and written by `fill_table()` once the capture has ended; the addresses it will hold are
-        read now."""
+        read now. carries: per layer the slots' carried rows (keys [n_slots, C, H, D_K], values,
+        decays, betas: verifier/model/state.py's CarriedRows), which keep_carry writes."""
         op = "RecurrentLayers"
         per_layer = dict(windows=windows, states=states, conv_inputs=conv_inputs, keys=keys, values=values, decays=decays,
                          betas=betas, **({} if snapshots is None else dict(snapshots=snapshots)))
@@ -223,8 +271,14 @@ class RecurrentLayers:
             if snapshots is not None:
                 check_tensor(op, f"snapshots[{l}]", snapshots[l], (rows, *first.shape[1:]), f32, on_state,
                              layout="[R, H, D_K, D_V]", contiguous=True)
+            if carries is not None:
+                shapes = delta_rule.carry_shapes(n_slots, carries[0][0].shape[1], heads, self.d_k, self.d_v, self.decay_k)
+                for name, t, shape in zip(("keys", "values", "decays", "betas"), carries[l], shapes):
+                    check_tensor(op, f"carries[{l}] {name}", t, shape, f32, on_state, contiguous=True)
         self.windows, self.states, self.conv_inputs = windows, states, conv_inputs
         self.keys, self.values, self.decays, self.betas, self.snapshots = keys, values, decays, betas, snapshots
+        self.carries = carries
+        self.carry_rows = 0 if carries is None else carries[0][0].shape[1]
         self.n_layers = n_layers
         self.table = None  # where no Triton kernel can launch
         if first.is_cuda or interpreting():
@@ -254,6 +308,8 @@ class RecurrentLayers:
                     row.append(entries[field.removesuffix("_row_stride")].stride(0))
                 elif field == "snapshots":
                     row.append(0 if self.snapshots is None else self.snapshots[l].data_ptr())
+                elif field in CARRY_FIELDS:
+                    row.append(0 if self.carries is None else self.carries[l][CARRY_FIELDS.index(field)].data_ptr())
                 else:
                     row.append(entries[field].data_ptr())
             rows.append(row)
@@ -295,7 +351,8 @@ def _check_rows(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dty
 
 
 # what a launcher needs the layers to hold beyond their record, and the error when they do not
-_HOLDS = {"snapshots": "the layers hold no snapshots (a write-on-accept record)"}
+_HOLDS = {"snapshots": "the layers hold no snapshots (a write-on-accept record)",
+          "carries": "the layers carry no rows (a pool made without carry_rows)"}
 
 
 def _check_launch(op: str, layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor,
@@ -355,6 +412,47 @@ def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_ro
         layers.table, seq_slots, cu_rows, kept, H=layers.heads, HEAD=head, BLOCK=SNAPSHOT_BLOCK,
         num_warps=SNAPSHOT_NUM_WARPS, **launch_options(kept.device),
     )
+
+
+def keep_carry(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """Every layer l: rows 0 .. kept[s]-1 of sequence s's stash (keys, values, decays, betas) copied
+    to its slot's carried rows, for s of more than one row (a one-row verify committed its row):
+    write-on-accept rollback where the next verify applies them (verifier/model/carry.py). A copy:
+    the bits are the stash's."""
+    n_seqs = _check_launch("keep_carry", layers, seq_slots, cu_rows, kept, holding="carries")
+    if n_seqs == 0:
+        return
+    longest = layers.heads * max(layers.d_k, layers.d_v)  # a row's values in its longest tensor
+    chunks = triton.cdiv(longest, CARRY_BLOCK)
+    row_programs = carry_row_programs(n_seqs, layers.carry_rows)
+    _keep_carry_kernel[(n_seqs, layers.n_layers * chunks, row_programs)](
+        layers.table, seq_slots, cu_rows, kept, H=layers.heads, D_K=layers.d_k, D_V=layers.d_v, DECAY_K=layers.decay_k,
+        CARRY_ROWS=layers.carry_rows, BLOCK=min(CARRY_BLOCK, triton.next_power_of_2(longest)), CHUNKS=chunks,
+        ROW_PROGRAMS=row_programs, num_warps=CARRY_NUM_WARPS, **launch_options(kept.device),
+    )
+
+
+def carry_row_programs(n_seqs: int, carry_rows: int) -> int:
+    """Programs a sequence's kept rows are dealt among, per layer and chunk: a few sequences' rows
+    copied one program each (a batch-1 rollback walked a sequence's rows in one program, one
+    row's load latency after another, most of the rollback graph's GPU time under the profiler),
+    many sequences' in one (programs are what the copies cost there). A copy: the bits do not
+    depend on it. With the step's host changes beside it, the H200's K = 8 WOA rollback at batch 1
+    went 0.032 -> 0.022 ms (bench/results/host_ab_2026-12-03.json)."""
+    return max(1, min(carry_rows, CARRY_SEQUENCE_PROGRAMS // max(n_seqs, 1)))
+
+
+def keep_carry_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
+    """keep_carry in torch."""
+    if layers.carries is None:
+        raise ValueError(f"keep_carry_ref: {_HOLDS['carries']}")
+    bounds = cu_rows.tolist()
+    for s, (slot, n) in enumerate(zip(seq_slots.tolist(), kept.tolist())):
+        if n == 0 or bounds[s + 1] - bounds[s] == 1:
+            continue
+        for carry, stash in zip(layers.carries, zip(layers.keys, layers.values, layers.decays, layers.betas)):
+            for kept_rows, rows in zip(carry, stash):
+                kept_rows[slot, :n] = rows[bounds[s] : bounds[s] + n]
 
 
 def next_windows_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:

@@ -20,14 +20,6 @@ of one kind of sequence only: one of exactly one row (a decode) commits that row
 scratch slot (kernels/one_row_commit.py); a sequence of more rows only reads it. Rows outside
 [0, cu_rows[S]) are not written.
 
-With a carry (a carrying pool's verify, verifier/model/carry.py): window is two banks [2, n_slots,
-C, W-1], carry [2, n_slots, CR, C] two banks of CR raw input rows a slot, carried and banks [S]
-int32. Sequence s reads the window of its slot's bank b = banks[s] followed by that bank's first
-carried[s] rows (seq = window ++ those rows ++ its inputs), and writes bank 1 - b alone: after one
-row, the W-1 inputs before its next row; after more, the W-1 before its first row and its rows
-(at most CR: with_carried refuses more). Nothing is written in place, so runs need no order; the
-scratch slot is never written.
-
 next_window: window[slot] = the last W-1 of (window[slot] ++ the first consumed[s] input rows of s),
 in place: rollback to the accepted prefix, and prefill's commit with consumed = all rows.
 consumed[s] = 0 leaves the window alone (it is not even rewritten): graph buckets pad a step with
@@ -144,15 +136,12 @@ def _earlier(BACK: tl.constexpr, b_x3, b_x2, b_x1, b_x0):
 
 
 @triton.jit
-def _input_before(inputs, p_window, p_carry, i_carried, i_bos, i_row_stride, i_t0, o_c, m_c, BACK: tl.constexpr,
-                  W: tl.constexpr, C: tl.constexpr):
-    """seq[t0 - BACK] [BLOCK_C] fp32 of seq = window ++ carried rows ++ inputs (t0 >= 0 a row of the
-    sequence, whose first row is i_bos; i_carried rows at p_carry, C apart, 0 without a carry): an
-    earlier input row, a carried row, or a window column; 0 past W (unused)."""
+def _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, BACK: tl.constexpr, W: tl.constexpr):
+    """seq[t0 - BACK] [BLOCK_C] fp32 of seq = window ++ inputs (t0 >= 0 a row of the sequence, whose
+    first row is i_bos): an earlier input row, or the window's column W-1-BACK+t0; 0 past W (unused)."""
     if BACK <= W - 1:
         i_j = i_t0 - BACK  # >= -(W-1)
-        p_before = tl.where(i_j >= -i_carried, p_carry + (i_carried + i_j) * C, p_window + (W - 1 + i_carried + i_j))
-        p_x = tl.where(i_j >= 0, inputs + (i_bos + i_j) * i_row_stride + o_c, p_before)
+        p_x = tl.where(i_j >= 0, inputs + (i_bos + i_j) * i_row_stride + o_c, p_window + (W - 1 + i_j))
         return tl.load(p_x, mask=m_c, other=0.0).to(tl.float32)
     else:
         return tl.zeros(o_c.shape, dtype=tl.float32)
@@ -167,17 +156,15 @@ def _tap_weight(weight, o_c, m_c, BACK: tl.constexpr, W: tl.constexpr):
         return tl.zeros(o_c.shape, dtype=tl.float32)
 
 
-# scratch_slot and n_carry_slots: their values (the pool's size, or -1) must not pick another compiled kernel
-@triton.jit(do_not_specialize=["scratch_slot", "n_carry_slots"])
+@triton.jit(do_not_specialize=["scratch_slot"])  # its value (the pool's size, or -1) must not pick another compiled kernel
 def _conv_rows_kernel(
-    window, inputs, weight, seq_slots, cu_rows, out, i_row_stride, scratch_slot, carried, banks, n_carry_slots, carry,
+    window, inputs, weight, seq_slots, cu_rows, out, i_row_stride, scratch_slot,
     C: tl.constexpr,
     W: tl.constexpr,
     IS_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_C: tl.constexpr,
     RUNS: tl.constexpr,
-    CARRY_ROWS: tl.constexpr,  # > 0: banked windows and carried rows (C a bank: module docstring); 0: window in place
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
@@ -191,32 +178,11 @@ def _conv_rows_kernel(
         # a padding sequence with no rows (graph buckets), or a run past the sequence's last row
         return
     i_bos = i_bos.to(tl.int64)
-    i_carried = 0
     p_window = window + i_slot * C * (W - 1) + o_c * (W - 1)  # [BLOCK_C]: this slot's window, column 0
-    p_carry = p_window  # [BLOCK_C]: the slot's carried row 0 (none without a carry)
-    p_window_out = p_window  # where the window after this step goes (in place without a carry)
-    p_carry_out = p_window  # where this step's rows are stashed (a carry only)
-    stash = False
-    if CARRY_ROWS > 0:
-        i_carried = tl.load(carried + i_s)
-        i_bank = tl.load(banks + i_s).to(tl.int64)
-        i_in, i_out = i_bank * n_carry_slots + i_slot, (1 - i_bank) * n_carry_slots + i_slot  # bank-major slots
-        p_window = window + i_in * C * (W - 1) + o_c * (W - 1)
-        p_window_out = window + i_out * C * (W - 1) + o_c * (W - 1)
-        p_carry = carry + i_in * CARRY_ROWS * C + o_c
-        p_carry_out = carry + i_out * CARRY_ROWS * C + o_c
-        stash = i_slot != scratch_slot
-    # seq[t0-3], seq[t0-2], seq[t0-1] (seq = window ++ carried rows ++ inputs): for row 0, the window's
-    # columns after the carried rows
-    b_x3 = _input_before(inputs, p_window, p_carry, i_carried, i_bos, i_row_stride, i_t0, o_c, m_c, 3, W, C)
-    b_x2 = _input_before(inputs, p_window, p_carry, i_carried, i_bos, i_row_stride, i_t0, o_c, m_c, 2, W, C)
-    b_x1 = _input_before(inputs, p_window, p_carry, i_carried, i_bos, i_row_stride, i_t0, o_c, m_c, 1, W, C)
-    if CARRY_ROWS > 0:
-        if stash & (i_rows > 1) & (i_t0 == 0):
-            # a verify of more rows: the other bank's window is the one before its rows (the carried
-            # rows committed), which run 0 holds now
-            for c in tl.static_range(W - 1):
-                tl.store(p_window_out + c, _earlier(W - 1 - c, b_x3, b_x2, b_x1, b_x1).to(window.dtype.element_ty), mask=m_c)
+    # seq[t0-3], seq[t0-2], seq[t0-1] (seq = window ++ inputs): the window's columns for row 0
+    b_x3 = _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, 3, W)
+    b_x2 = _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, 2, W)
+    b_x1 = _input_before(inputs, p_window, i_bos, i_row_stride, i_t0, o_c, m_c, 1, W)
     b_w3 = _tap_weight(weight, o_c, m_c, 3, W)
     b_w2 = _tap_weight(weight, o_c, m_c, 2, W)
     b_w1 = _tap_weight(weight, o_c, m_c, 1, W)
@@ -233,27 +199,16 @@ def _conv_rows_kernel(
             b_acc = _round_to(b_acc + _round_to(b_prod, IS_BF16, INTERPRET), IS_BF16, INTERPRET)
         b_out = _round_to(b_acc / (1.0 + tl.exp(-b_acc)), IS_BF16, INTERPRET)  # SiLU in fp32
         tl.store(out + (i_bos + i_t) * C + o_c, b_out.to(out.dtype.element_ty), mask=m_c)
-        if CARRY_ROWS > 0:
-            # its rows into the other bank, as loaded (exact); rows past the bank: none (with_carried refuses them)
-            if stash & (i_rows > 1) & (i_t < CARRY_ROWS):
-                tl.store(p_carry_out + i_t * C, b_x0.to(carry.dtype.element_ty), mask=m_c)
         b_x3, b_x2, b_x1, b_x0 = b_x2, b_x1, b_x0, b_next
         p_row += i_row_stride  # past the last row it is never read
-    if CARRY_ROWS > 0:
-        if stash & (i_rows == 1):
-            # a decode: the other bank's window is the W-1 inputs before the next row (column W-2 the newest)
-            for c in tl.static_range(W - 1):
-                b_col = _earlier(W - 1 - c, b_x3, b_x2, b_x1, b_x0)
-                tl.store(p_window_out + c, b_col.to(window.dtype.element_ty), mask=m_c)
-    else:
-        if commits(i_rows, i_slot, scratch_slot):
-            # a one-row verify commits its row (kernels/one_row_commit.py; its one run is run 0): the
-            # window becomes the W-1 inputs before the next row, column W-2 the newest (the values as
-            # loaded: exact)
-            tl.debug_barrier()  # every read of the old window lands before it is overwritten
-            for c in tl.static_range(W - 1):
-                b_col = _earlier(W - 1 - c, b_x3, b_x2, b_x1, b_x0)
-                tl.store(p_window + c, b_col.to(window.dtype.element_ty), mask=m_c)
+    if commits(i_rows, i_slot, scratch_slot):
+        # a one-row verify commits its row (kernels/one_row_commit.py; its one run is run 0): the
+        # window becomes the W-1 inputs before the next row, column W-2 the newest (the values as
+        # loaded: exact)
+        tl.debug_barrier()  # every read of the old window lands before it is overwritten
+        for c in tl.static_range(W - 1):
+            b_col = _earlier(W - 1 - c, b_x3, b_x2, b_x1, b_x0)
+            tl.store(p_window + c, b_col.to(window.dtype.element_ty), mask=m_c)
 
 
 @triton.jit
@@ -309,25 +264,18 @@ def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch
 
 def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
               cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None,
-              runs: int | None = None, carried: torch.Tensor | None = None, banks: torch.Tensor | None = None,
-              carry: torch.Tensor | None = None) -> torch.Tensor:
-    """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype). Without a
-    carry, window [n_slots, C, W-1] is written only for one-row sequences (their row is committed),
-    except in scratch_slot (None: no slot is exempt). With one (carry [2, n_slots, CR, C], window
-    [2, n_slots, C, W-1], carried and banks int32 [S]: the module docstring's banks), every
-    sequence outside scratch_slot writes its slot's other bank and nothing else.
+              runs: int | None = None) -> torch.Tensor:
+    """Short conv + SiLU of every row of a ragged batch -> out [R, C] (inputs' dtype). window is
+    written only for one-row sequences (their row is committed), except in scratch_slot (None: no
+    slot is exempt).
 
     out: an optional contiguous [R, C] buffer to write into; it is returned.
     runs: programs a sequence's rows are split between (None: `conv_runs` of the batch's shape);
     the same bits for any."""
     op = "conv_rows"
-    if not (carry is None) == (carried is None) == (banks is None):
-        raise ValueError(f"{op}: carry, carried and banks come together")
-    _check(op, window if carry is None else _bank(op, window, 0), inputs, seq_slots, cu_rows)
+    _check(op, window, inputs, seq_slots, cu_rows)
     rows, channels = inputs.shape
-    if carry is not None:
-        _check_carry(op, window, carry, carried, banks, inputs, seq_slots)
-    check_tensor(op, "weight", weight, (channels, window.shape[-1] + 1), inputs.dtype, ("inputs", inputs), layout="[C, W]")
+    check_tensor(op, "weight", weight, (channels, window.shape[2] + 1), inputs.dtype, ("inputs", inputs), layout="[C, W]")
     if weight.shape[1] > MAX_WIDTH:
         raise ValueError(f"{op}: a conv of width {weight.shape[1]}; the kernel holds at most {MAX_WIDTH - 1} earlier rows")
     if out is None:
@@ -342,38 +290,12 @@ def conv_rows(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, 
     runs = conv_runs(rows, n_seqs, channels) if runs is None else runs
     if runs < 1:
         raise ValueError(f"{op}: runs must be at least 1, got {runs}")
-    banked = (carried, banks, window.shape[1], carry) if carry is not None else (cu_rows, cu_rows, 0, window)  # unread without
     _conv_rows_kernel[(n_seqs, triton.cdiv(channels, block_c), runs)](
         window, inputs, weight.contiguous(), seq_slots, cu_rows, out, inputs.stride(0), -1 if scratch_slot is None else scratch_slot,
-        *banked, C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_C=block_c,
-        RUNS=runs, CARRY_ROWS=0 if carry is None else carry.shape[2], num_warps=CONV_NUM_WARPS, num_stages=1,
-        enable_fp_fusion=False, **launch_options(inputs.device),
+        C=channels, W=weight.shape[1], IS_BF16=inputs.dtype == torch.bfloat16, INTERPRET=interpreting(), BLOCK_C=block_c,
+        RUNS=runs, num_warps=CONV_NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(inputs.device),
     )
     return out
-
-
-def _bank(op: str, window: torch.Tensor, bank: int) -> torch.Tensor:
-    """Bank `bank` [n_slots, C, W-1] of banked windows [2, n_slots, C, W-1]."""
-    if window.dim() != 4 or window.shape[0] != 2:
-        raise ValueError(f"{op}: with a carry, window must be [2, n_slots, C, W-1], got shape {list(window.shape)}")
-    return window[bank]
-
-
-def carry_shape(n_slots: int, rows: int, channels: int) -> tuple[int, ...]:
-    """The shape of a pool's carried conv rows, two banks of `rows` raw input rows a slot: what
-    conv_rows with a carry reads and writes and verifier/model/state.py allocates."""
-    return (2, n_slots, rows, channels)
-
-
-def _check_carry(op: str, window: torch.Tensor, carry: torch.Tensor, carried: torch.Tensor, banks: torch.Tensor,
-                 inputs: torch.Tensor, seq_slots: torch.Tensor) -> None:
-    if carry.dim() != 4:
-        raise ValueError(f"{op}: carry must be [2, n_slots, CR, C], got shape {list(carry.shape)}")
-    on_inputs = ("inputs", inputs)
-    check_tensor(op, "carry", carry, carry_shape(window.shape[1], carry.shape[2], inputs.shape[1]), inputs.dtype, on_inputs,
-                 layout="[2, n_slots, CR, C]", contiguous=True)
-    check_tensor(op, "carried", carried, seq_slots.shape, torch.int32, on_inputs, layout="[S]")
-    check_tensor(op, "banks", banks, seq_slots.shape, torch.int32, on_inputs, layout="[S]")
 
 
 def next_window(window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
@@ -409,36 +331,21 @@ def causal_conv_row(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def conv_rows_ref(window: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, seq_slots: torch.Tensor,
                   cu_rows: torch.Tensor, out: torch.Tensor | None = None, scratch_slot: int | None = None,
-                  runs: int | None = None, carried: torch.Tensor | None = None, banks: torch.Tensor | None = None,
-                  carry: torch.Tensor | None = None) -> torch.Tensor:
+                  runs: int | None = None) -> torch.Tensor:
     """conv_rows in torch, each sequence's rows one at a time: what the CPU reference backend runs
-    (verifier.model.layers.linear_attention). Without a carry a one-row sequence outside
-    scratch_slot commits its row; with one, every sequence outside it writes its slot's other bank.
+    (verifier.model.layers.linear_attention). A one-row sequence outside scratch_slot commits its row.
     runs: conv_rows' split of a sequence's rows, taken for its signature (a split changes no value;
     the reference walks each sequence whole)."""
     width = weight.shape[1]
     if out is None:
         out = torch.empty_like(inputs, memory_format=torch.contiguous_format)
     bounds = cu_rows.tolist()
-    carried = [0] * len(bounds) if carried is None else carried.tolist()
-    banks = [0] * len(bounds) if banks is None else banks.tolist()
     for s, slot in enumerate(seq_slots.tolist()):
-        n, c, bank = bounds[s + 1] - bounds[s], carried[s], banks[s]
-        before = window[slot].t() if carry is None else torch.cat((window[bank, slot].t(), carry[bank, slot, :c]), dim=0)
-        seq = torch.cat((before[before.shape[0] - (width - 1) :].to(inputs.dtype), inputs[bounds[s] : bounds[s + 1]]), dim=0)
-        for t in range(n):  # seq: [W-1+n, C], the W-1 inputs before row 0 first
+        seq = torch.cat((window[slot].t().to(inputs.dtype), inputs[bounds[s] : bounds[s + 1]]), dim=0)  # [W-1+n, C]
+        for t in range(bounds[s + 1] - bounds[s]):
             out[bounds[s] + t] = causal_conv_row(seq[t : t + width], weight)[0]
-        if slot == scratch_slot or n == 0:
-            continue
-        if carry is None:
-            if n == 1:
-                window[slot] = seq[1:].t().to(window.dtype)
-        elif n == 1:  # the window after its row into the other bank
-            window[1 - bank, slot] = seq[1:].t().to(window.dtype)
-        else:  # the window before its rows, and its rows, into the other bank
-            window[1 - bank, slot] = seq[: width - 1].t().to(window.dtype)
-            kept = min(n, carry.shape[2])  # rows past the bank: none, as in the kernel
-            carry[1 - bank, slot, :kept] = inputs[bounds[s] : bounds[s] + kept].to(carry.dtype)
+        if bounds[s + 1] - bounds[s] == 1 and slot != scratch_slot:
+            window[slot] = seq[1:].t().to(window.dtype)
     return out
 
 

@@ -1,8 +1,8 @@
 """Carried rows at the engine level (verifier/model/carry.py): a write-on-accept engine's rollback
-leaves a multi-row step's kept rows in the slot's carry bank, not in its recurrent state, and moves
-no data at all (the verify wrote the bank); the slot's next verify commits them; a slot's state read
-from outside (the serial oracle's committed_state and committed_window) applies them and is bitwise
-the serial decode's at every step; a reused slot carries nothing; who carries and who folds."""
+leaves a multi-row step's kept rows in the slot's carry, not in its recurrent state; the slot's
+next verify commits them; a slot's state read from outside (the serial oracle's committed_state)
+applies them and is bitwise the serial decode's at every step; a reused slot carries nothing;
+who carries and who folds."""
 
 import pytest
 import torch
@@ -97,23 +97,3 @@ def test_the_model_api_applies_the_carry_too(model):
         assert engine.pool.carried[seq.slot] == kept
         position, pending = position + kept, serial.tokens[index + kept]
         assert states_equal(slot_state(engine, seq.slot, position), serial.states[position]), kept
-
-
-def test_a_rollback_moves_no_data(model):
-    """The rollback of a carrying pool's verify (runner.rollback, as a step calls it) leaves every
-    tensor of the pool as the verify left it: it flips the slot's bank to the one the verify wrote
-    and notes the rows kept there; after a decode, which committed its row, the bank flips and
-    nothing is carried."""
-    engine = Engine(model, 2, 48, max_k=4, cuda_graphs=False)
-    seq = engine.open([5, 6, 7], SamplingParams(), 20, eos_ids=())
-    for drafts, kept, carried in (([1, 2, 3], 2, 2), ([], 1, 0), ([4, 5], 3, 3)):
-        bank = engine.pool.banks[seq.slot]
-        batch = RowBatch((seq.slot,), (seq.position,), (len(drafts) + 1,))
-        _, verified = engine.runner.verify([seq.pending, *drafts], batch, engine.rollback_mode)
-        before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
-        engine.runner.rollback(verified, [kept])
-        after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"drafts {drafts}: the rollback wrote a tensor"
-        assert engine.pool.banks[seq.slot] == 1 - bank and engine.pool.carried[seq.slot] == carried
-        seq.position += kept
-        seq.pending = 7

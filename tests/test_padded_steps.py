@@ -72,7 +72,7 @@ def test_padded_step_equals_unpadded(load_target, family, mode):
 
 
 def _assert_scratch_clean(engine):
-    """The scratch slot's recurrent state: its windows, states, and carried rows in either bank, all zero."""
+    """The scratch slot's recurrent-layer state: its windows, states and carried rows, all zero."""
     scratch = engine.pool.scratch_slot
     for layer in engine.pool.layers:
         if isinstance(layer, RecurrentState):

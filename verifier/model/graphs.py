@@ -41,8 +41,6 @@ layers, one launch for the conv windows and one for the recurrent states (kernel
 The plan's pointer tables are built once, between the two captures, from the addresses the verify
 graph writes the record to; the bucket keeps the tables (the graph reads them) and drops the plan,
 so the record's tensors still go back to the shared pool. Its bits are the per-layer rollback's.
-A pool that carries rows (write-on-accept engines of max_k > 0) has no rollback graph: its verify
-leaves the rollback nothing to move (carry.py), so a step is one replay.
 
 Capture runs the step once eagerly on the bucket's padding-only inputs (padding.capture_batch: a
 shared bucket's R_b padding rows in sequences of at most padding.PAD_CHUNK rows, then zero-row ones,
@@ -130,7 +128,7 @@ class _Bucket:
     # host time on the H200 with the GPU idle, and its verify's ids have been waited for already).
     verified: torch.cuda.Event  # recorded after the verify replay
     verify_graph: torch.cuda.CUDAGraph
-    rollback_graph: torch.cuda.CUDAGraph | None  # None: a carrying pool's (nothing to replay)
+    rollback_graph: torch.cuda.CUDAGraph
     rollback_tables: list[torch.Tensor]  # the rollback graph reads these pointer tables in every replay
     # whether `verified` was recorded since the host last waited on it (a wait on a passed event
     # still costs a driver call: a step waits on its verify three times, for the ids, before its
@@ -213,7 +211,7 @@ class GraphedSteps:
             kept.copy_(host_kept, non_blocking=True)  # captured, as the verify's inputs
             apply_rollback(self.pool, record, kept, plan)
 
-        rollback_graph = None if self.pool.carry_rows else self._capture(rollback_step)
+        rollback_graph = self._capture(rollback_step)
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
             raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
         self._release(record)
@@ -261,12 +259,10 @@ class GraphedSteps:
         """Replay the bucket's rollback graph with per-sequence kept counts (padding sequences' 0 included)."""
         if bucket is not self._last:
             raise RuntimeError("graphed rollback must follow its own verify")
-        self._last = None
-        if bucket.rollback_graph is None:  # a carrying pool: the rollback is the host's (carry.py)
-            return
         bucket.wait_verified()  # its verify done, so the bucket's last rollback (before it) too
         bucket.host_kept_view[:] = kept
         bucket.rollback_graph.replay()  # its first node copies bucket.host_kept to bucket.kept
+        self._last = None
 
     def replay_padding(self, shape: BucketShape, mode: str) -> None:
         """A step of padding rows only through `shape`'s graphs: what a step of that bucket costs."""

@@ -76,10 +76,7 @@ class HybridModel:
         """tokens [rows] int64 -> logits [rows, vocab] fp32 (or [sequences, vocab] with last_only).
 
         Commits every row: KV at the row's position, conv window and recurrent state advanced
-        past the sequence's last row. Prefill runs this: in a pool that carries rows, on a slot that
-        carries none from bank 0 (a fresh one), whose window it writes (carry.py)."""
-        assert not pool.carry_rows or all(pool.carried[s] == pool.banks[s] == 0 for s in batch.slots), \
-            "a forward that commits its rows runs on fresh slots of a carrying pool (bank 0, no carried rows)"
+        past the sequence's last row. Prefill runs this."""
         return self._run(tokens, batch, pool, row_invariant, last_only, COMMIT, None)
 
     @torch.inference_mode()
@@ -87,9 +84,8 @@ class HybridModel:
         """decode_k: tokens [rows] (per sequence its pending token then its drafts) -> (logits [rows, vocab] fp32,
         the record `rollback` needs). Row-invariant; writes KV at the rows' positions, and a slot's
         committed conv window and recurrent state only where it commits rows every step consumes: a
-        one-row sequence's row, the rows its slot carried (kernels/one_row_commit.py); in a pool that
-        carries rows, the slot's other bank (carry.py)."""
-        batch = batch if batch.carried or batch.banks else with_carried(batch, pool)
+        one-row sequence's row, the rows its slot carried (kernels/one_row_commit.py, carry.py)."""
+        batch = batch if batch.carried else with_carried(batch, pool)
         record = VerifyRecord(mode, batch)
         return self._run(tokens, batch, pool, True, False, mode, record), record
 

@@ -124,7 +124,6 @@ def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatc
         counts=batch.counts + chunks + (0,) * empty,
         scratch_slot=scratch_slot,
         carried=batch.carried + (0,) * padding if batch.carried else (),
-        banks=batch.banks + (0,) * padding if batch.banks else (),
     )
 
 

@@ -10,8 +10,8 @@ layer it records a LayerRecord over all rows of the batch (each sequence's rows 
   write-on-accept (WOA): the stash of what each row's update consumes: key [rows, heads, d_k],
               value [rows, heads, d_v], decay [rows, heads, 1 or d_k], beta [rows, heads]
               (rollback folds rows 0..a into the committed state with the one update function;
-              in a pool that carries rows the verify has also written them to the slot's other
-              bank, and the rollback only notes how many the next verify applies: carry.py).
+              in a pool that carries rows, it copies them to the slot's carried rows and the
+              next verify applies them: carry.py).
 Rollback runs for every sequence of the batch at once. With the record's RollbackPlan it runs for
 every recurrent layer at once too: per group of alike layers (one group per recurrent kind), one
 launch for all conv windows and one for all recurrent states (kernels/fused_rollback.py), whose
@@ -26,8 +26,8 @@ state; g = 1 for GDN, d_k for KDA; a decode, K = 0, reads S and writes S, in bot
   snapshot: verify reads S and writes (K+1) * S; rollback reads S and writes S.
   WOA:      verify reads S and writes (K+1) * heads * (d_k + d_v + g + 1) * 4 bytes of stash;
             the fold reads (a+1) stash rows, reads S and writes S; carried (carry.py), the
-            verify writes its stash to the slot's bank as well, the rollback moves nothing, and
-            the next verify, which reads S anyway, reads the (a+1) rows and writes S: S less per step.
+            rollback copies the (a+1) stash rows and the next verify, which reads S anyway,
+            reads them and writes S: S less per step.
 At Qwen3-Next sizes (32 heads of 128 x 128: S = 2 MiB) and K = 8 that is ~22 MiB per layer
 for snapshot against ~6.3 MiB for WOA with a fold. bench/rollback measures the fold and the snapshot.
 """
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import delta_rule, short_conv, snapshots
-from kernels.fused_rollback import (RecurrentLayers, TableStore, fold_states, fold_states_ref, keep_state_snapshots,
-                                    keep_state_snapshots_ref, next_windows, next_windows_ref)
+from kernels.fused_rollback import (RecurrentLayers, TableStore, fold_states, fold_states_ref, keep_carry, keep_carry_ref,
+                                    keep_state_snapshots, keep_state_snapshots_ref, next_windows, next_windows_ref)
 from kernels.runtime import pick
 
 from .carry import note_kept
@@ -92,23 +92,27 @@ def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: to
 
 def recurrent_groups(pool: SlotPool, record: VerifyRecord, store: TableStore | None = None) -> list[RecurrentLayers]:
     """The record's recurrent layers with their slot state, in layer order, grouped by shape: one
-    group per recurrent kind (the layers of a kind share one config); none in a pool that carries
-    rows, whose verify left its rollback nothing to move (carry.py). store: see RollbackPlan."""
+    group per recurrent kind (the layers of a kind share one config). store: see RollbackPlan."""
     groups: dict[tuple, list[tuple[RecurrentState, LayerRecord]]] = {}
     for index, layer_record in record.layers.items():
         state = pool.layers[index]
-        if state.carry is not None:
-            continue
         shape = (tuple(state.conv.shape), state.conv.dtype, tuple(state.recurrent.shape), tuple(layer_record.decays.shape),
-                 layer_record.snapshots is None)
+                 layer_record.snapshots is None, state.carry is None)
         groups.setdefault(shape, []).append((state, layer_record))
     return [
         RecurrentLayers([s.conv for s, _ in layers], [s.recurrent for s, _ in layers], [r.conv_inputs for _, r in layers],
                         [r.keys for _, r in layers], [r.values for _, r in layers], [r.decays for _, r in layers],
                         [r.betas for _, r in layers], None if layers[0][1].snapshots is None else [r.snapshots for _, r in layers],
-                        store=store)
+                        store=store,
+                        # write-on-accept in a carrying pool: the kept rows are carried, not folded (carry.py)
+                        carries=[s.carry.tensors for s, _ in layers] if _carries(*layers[0]) else None)
         for layers in groups.values()
     ]
+
+
+def _carries(state: RecurrentState, layer_record: LayerRecord) -> bool:
+    """Whether a rollback of this layer carries its kept rows (verifier/model/carry.py) rather than folding them."""
+    return state.carry is not None and layer_record.snapshots is None
 
 
 class RollbackPlan:
@@ -142,7 +146,9 @@ class RollbackPlan:
         for group in self.groups:
             state = group.states[0]
             pick(next_windows, next_windows_ref, state)(group, seq_slots, cu_rows, kept)
-            if group.snapshots is None:
+            if group.carries is not None:
+                pick(keep_carry, keep_carry_ref, state)(group, seq_slots, cu_rows, kept)
+            elif group.snapshots is None:
                 pick(fold_states, fold_states_ref, state)(group, seq_slots, cu_rows, kept)
             else:
                 pick(keep_state_snapshots, keep_state_snapshots_ref, state)(group, seq_slots, cu_rows, kept)
@@ -151,10 +157,10 @@ class RollbackPlan:
 def rollback(pool: SlotPool, record: VerifyRecord, consumed: list[int]) -> None:
     """Bring every sequence of the verify to 'rows 0 .. consumed[s]-1 consumed' (consumed = accepted + 1)."""
     check_consumed(record.batch, consumed)
-    if record.layers and not record.batch.committed_in_verify and not pool.carry_rows:
+    if record.layers and not record.batch.committed_in_verify:
         plan = RollbackPlan(pool, record)
         apply_rollback(pool, record, torch.tensor(consumed, dtype=torch.int32, device=plan.device), plan)
-    note_kept(pool, record.batch, consumed)
+    note_kept(pool, record.batch, consumed, carried=record.mode == WOA)
 
 
 def check_consumed(batch: RowBatch, consumed: list[int]) -> None:
@@ -168,10 +174,10 @@ def check_consumed(batch: RowBatch, consumed: list[int]) -> None:
 def apply_rollback(pool: SlotPool, record: VerifyRecord, kept: torch.Tensor, plan: RollbackPlan | None = None) -> None:
     """rollback with checked counts kept (int32 [sequences], on the state's device; 0 for the
     padding sequences of a graph bucket); no host syncs, so a CUDA graph can capture it.
-    plan: the record's RollbackPlan (all layers at once); None: one launch per layer and state. A
-    pool that carries rows has nothing to move (carry.py): its rollback is note_kept's alone."""
-    if pool.carry_rows:
-        return
+    plan: the record's RollbackPlan (all layers at once); None: one launch per layer and state
+    (a carrying pool's rollback always runs as a plan: carry.py)."""
+    if plan is None and any(_carries(pool.layers[i], r) for i, r in record.layers.items()):
+        plan = RollbackPlan(pool, record)
     if plan is not None:
         if plan.batch is not record.batch:
             raise ValueError("apply_rollback: the plan was made for another verify record")

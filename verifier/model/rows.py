@@ -27,11 +27,10 @@ class RowBatch:
     starts: tuple[int, ...]  # committed position p of each sequence before these rows
     counts: tuple[int, ...]  # rows per sequence
     scratch_slot: int | None = None
-    # rows each sequence's slot carries from its last step, not yet in its committed state, and
-    # the carry bank they are in (verifier/model/carry.py); () for none, bank 0
+    # rows each sequence's slot carries from its last step, not yet in its committed recurrent
+    # state (verifier/model/carry.py); () for none
     carried: tuple[int, ...] = ()
-    banks: tuple[int, ...] = ()
-    # device -> (seq_slots, cu_rows, row_slots, positions, carried, banks): built once per batch and device, so a
+    # device -> (seq_slots, cu_rows, row_slots, positions, carried): built once per batch and device, so a
     # forward makes no host-to-device copies after its first use (and a CUDA graph can own them)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -50,8 +49,6 @@ class RowBatch:
             "RowBatch: every sequence needs at least one row and a non-negative start"
         assert not self.carried or (len(self.carried) == len(slots) and min(self.carried) >= 0), \
             "RowBatch: carried needs one count >= 0 per sequence"
-        assert not self.banks or (len(self.banks) == len(slots) and set(self.banks) <= {0, 1}), \
-            "RowBatch: banks needs one bank, 0 or 1, per sequence"
 
     @property
     def n_rows(self) -> int:
@@ -83,7 +80,7 @@ class RowBatch:
         return str(device)
 
     def attach(self, device, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Use these (seq_slots, cu_rows, row_slots, positions, carried, banks) on `device`: views of a step's packed
+        """Use these (seq_slots, cu_rows, row_slots, positions, carried) on `device`: views of a step's packed
         inputs (verifier/model/step_inputs.py), or a graph's static inputs."""
         self._on_device[self._device_key(device)] = tensors
 
@@ -113,7 +110,3 @@ class RowBatch:
     def carried_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows each sequence's slot carries from its last step: [sequences] int32 (zeros for none)."""
         return self._tensors(device)[4]
-
-    def carry_banks(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The carry bank each sequence's slot reads (0 or 1; it writes the other): [sequences] int32."""
-        return self._tensors(device)[5]

@@ -22,7 +22,7 @@ import torch
 from .graphs import GraphedSteps, graphs_supported
 from .padding import BucketShape, bucket_for, bucket_shapes, one_sequence_shapes, pad_batch, padded_kept
 from .carry import note_kept, with_carried
-from .rollback import VerifyRecord, apply_rollback, check_consumed
+from .rollback import WOA, VerifyRecord, apply_rollback, check_consumed
 from .rows import RowBatch
 from .state import SlotPool
 from .step_inputs import StepInputs
@@ -106,17 +106,15 @@ class StepRunner:
 
     def rollback(self, verified: Verified, consumed: list[int]) -> None:
         """Keep rows 0 .. consumed[s]-1 of each sequence of the last verify (consumed = accepted + 1),
-        in one copy of the counts to the device; in a pool that carries rows, on the host alone
-        (carry.py: the verify left nothing to move)."""
+        in one copy of the counts to the device."""
         check_consumed(verified.batch, consumed)
-        # decodes only, or a carrying pool: no launch, no copy (rows.py, carry.py)
-        if not verified.batch.committed_in_verify and not self.pool.carry_rows:
+        if not verified.batch.committed_in_verify:  # decodes only: no launch, no copy (rows.py)
             kept = list(consumed) if verified.shape is None else padded_kept(list(consumed), verified.shape)
             if verified.bucket is not None:
                 self.graphs.rollback(verified.bucket, kept)
             elif verified.record.layers:
                 apply_rollback(self.pool, verified.record, torch.tensor(kept, dtype=torch.int32).to(self.model.device))
-        note_kept(self.pool, verified.batch, consumed)
+        note_kept(self.pool, verified.batch, consumed, carried=verified.mode == WOA)
 
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each shared bucket (a one-sequence bucket runs the

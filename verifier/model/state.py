@@ -7,11 +7,8 @@ Per layer (n_slots + 1 slots: the last one, `scratch_slot`, is never admitted):
   GDN / KDA: conv window [n_slots + 1, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
       recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness),
       and in a write-on-accept engine's pool the rows each slot carries from its last step into its
-      next verify (CarriedRows, two banks of C = max_k + 1 rows a slot; verifier/model/carry.py):
-      there the windows come in two banks too ([2, n_slots + 1, conv_dim, W-1], `conv_banks`; `conv`
-      is bank 0, where prefill writes), and the slot's state is the window of its bank
-      SlotPool.banks[slot] and its recurrent state, each with the first SlotPool.carried[slot] rows
-      of that bank applied.
+      next verify (CarriedRows, C = max_k + 1 rows a slot; verifier/model/carry.py): the slot's state
+      is its recurrent state with its first SlotPool.carried[slot] carried rows applied.
 
 The scratch slot holds the padding rows of a graph bucket (verifier/model/padding.py): they write
 its KV and are never kept, so its conv window and recurrent state stay zero (a one-row verify,
@@ -25,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.delta_rule import carry_shapes
-from kernels.short_conv import carry_shape as conv_carry_shape
 
 from .config import ATTENTION, GDN, KDA, MLA, ModelConfig
 
@@ -42,38 +38,30 @@ class AttentionState:
 
 @dataclass
 class CarriedRows:
-    """Per slot and bank, the rows of a step that its committed state does not hold yet
-    (verifier/model/carry.py): in the slot's bank SlotPool.banks[slot], rows 0 .. SlotPool.carried[slot] - 1
-    of each, C = max_k + 1 rows a bank."""
+    """Per slot, the stash rows of its last step that its committed recurrent state does not hold
+    yet (verifier/model/carry.py): rows 0 .. SlotPool.carried[slot] - 1 of each, C = max_k + 1 rows."""
 
-    keys: torch.Tensor  # [2, n_slots + 1, C, heads, d_k] fp32: the delta rule's stash
-    values: torch.Tensor  # [2, n_slots + 1, C, heads, d_v] fp32
-    decays: torch.Tensor  # [2, n_slots + 1, C, heads, 1 (GDN) or d_k (KDA)] fp32
-    betas: torch.Tensor  # [2, n_slots + 1, C, heads] fp32
-    inputs: torch.Tensor  # [2, n_slots + 1, C, conv_dim] activation dtype: the conv's raw inputs
+    keys: torch.Tensor  # [n_slots + 1, C, heads, d_k] fp32
+    values: torch.Tensor  # [n_slots + 1, C, heads, d_v] fp32
+    decays: torch.Tensor  # [n_slots + 1, C, heads, 1 (GDN) or d_k (KDA)] fp32
+    betas: torch.Tensor  # [n_slots + 1, C, heads] fp32
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The delta rule's carried rows: keys, values, decays, betas."""
         return self.keys, self.values, self.decays, self.betas
 
 
 @dataclass
 class RecurrentState:
-    conv: torch.Tensor  # [n_slots + 1, conv_dim, W-1]: the windows (a carrying pool's bank 0)
+    conv: torch.Tensor
     recurrent: torch.Tensor
     carry: CarriedRows | None = None  # a pool made with carry_rows (write-on-accept engines)
-    conv_banks: torch.Tensor | None = None  # with a carry: [2, n_slots + 1, conv_dim, W-1], conv = conv_banks[0]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the layer's slot state, by name, all slots on dim 0: the carried rows and
-        banked windows too (views with the bank on dim 1)."""
-        if self.carry is None:
-            return {"conv": self.conv, "recurrent": self.recurrent}
-        banked = (self.conv_banks, *self.carry.tensors, self.carry.inputs)
-        named = dict(zip(("conv banks", "carry keys", "carry values", "carry decays", "carry betas", "carry inputs"),
-                         (t.transpose(0, 1) for t in banked)))
-        named["recurrent"] = self.recurrent
+        """Every tensor of the layer's slot state, by name (all slots on dim 0): the carried rows too."""
+        named = {"conv": self.conv, "recurrent": self.recurrent}
+        if self.carry is not None:
+            named.update(zip(("carry keys", "carry values", "carry decays", "carry betas"), self.carry.tensors))
         return named
 
     @property
@@ -98,9 +86,7 @@ class SlotPool:
         self.max_seq_len = max_seq_len
         self.scratch_slot = n_slots  # padding rows only; never admitted
         self.carry_rows = carry_rows
-        # per slot (host bookkeeping, carrying pools): its CarriedRows' rows in use, and their bank
-        self.carried = [0] * (n_slots + 1)
-        self.banks = [0] * (n_slots + 1)
+        self.carried = [0] * (n_slots + 1)  # per slot: its CarriedRows' rows in use (host bookkeeping)
         self.layers: list[AttentionState | RecurrentState] = [
             self._layer_state(config, kind, n_slots + 1, max_seq_len, device, dtype, carry_rows) for kind in config.mixers
         ]
@@ -126,14 +112,15 @@ class SlotPool:
             conv_dim, width, heads, d_k, d_v = k.conv_dim, k.conv_width, k.n_heads, k.head_dim, k.head_dim
         else:
             raise ValueError(f"unknown mixer {kind!r}")
-        recurrent = torch.zeros(n_slots, heads, d_k, d_v, dtype=torch.float32, device=device)
-        if not carry_rows:
-            return RecurrentState(torch.zeros(n_slots, conv_dim, width - 1, dtype=dtype, device=device), recurrent)
-        shapes = carry_shapes(n_slots, carry_rows, heads, d_k, d_v, 1 if kind == GDN else d_k)
-        carry = CarriedRows(*(torch.zeros(shape, dtype=torch.float32, device=device) for shape in shapes),
-                            torch.zeros(conv_carry_shape(n_slots, carry_rows, conv_dim), dtype=dtype, device=device))
-        conv_banks = torch.zeros(2, n_slots, conv_dim, width - 1, dtype=dtype, device=device)
-        return RecurrentState(conv_banks[0], recurrent, carry, conv_banks)
+        carry = None
+        if carry_rows:
+            shapes = carry_shapes(n_slots, carry_rows, heads, d_k, d_v, 1 if kind == GDN else d_k)
+            carry = CarriedRows(*(torch.zeros(shape, dtype=torch.float32, device=device) for shape in shapes))
+        return RecurrentState(
+            torch.zeros(n_slots, conv_dim, width - 1, dtype=dtype, device=device),
+            torch.zeros(n_slots, heads, d_k, d_v, dtype=torch.float32, device=device),
+            carry,
+        )
 
     @property
     def n_free(self) -> int:
@@ -144,7 +131,7 @@ class SlotPool:
         if not self._free:
             raise PoolFullError(f"all {self.n_slots} slots are in use")
         slot = self._free.pop()
-        self.carried[slot] = self.banks[slot] = 0
+        self.carried[slot] = 0
         for layer in self.layers:
             if isinstance(layer, RecurrentState):
                 layer.conv[slot].zero_()

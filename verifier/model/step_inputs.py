@@ -8,7 +8,6 @@
         [b, b + S + 1)      cu_rows    [S+1] int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
         [c, c + S)          carried    [S] int32: rows of each sequence's last step its slot still
                                        carries uncommitted (verifier/model/carry.py; 0 without)
-        [d, d + S)          banks      [S] int32: the carry bank they are in (0 or 1; 0 without)
 
 Every section starts on a 16-byte boundary: Triton specialises a pointer argument on 16-byte
 alignment, so the views launch the same compiled kernels as separately allocated tensors. The
@@ -43,23 +42,18 @@ def _carried_at(sequences: int) -> int:
     return _cu_rows_at(sequences) + -(-(sequences + 1) // 4) * 4
 
 
-def _banks_at(sequences: int) -> int:
-    """Where banks starts in the int32 section: after carried, on a 16-byte boundary."""
-    return _carried_at(sequences) + -(-sequences // 4) * 4
-
-
 class StepInputs:
     def __init__(self, rows: int, sequences: int, device: torch.device | str, pin: bool = False):
         """A zeroed buffer for R = `rows` rows in S = `sequences` sequences on `device` (pinned host
         memory with pin=True, so a copy to the GPU can run asynchronously)."""
         self.rows, self.sequences = rows, sequences
-        int32_words = _aligned((_banks_at(sequences) + sequences + 1) // 2)
+        int32_words = _aligned((_carried_at(sequences) + sequences + 1) // 2)
         self.buffer = torch.zeros(3 * _aligned(rows) + int32_words, dtype=torch.int64, device=device, pin_memory=pin)
         self._bind_views()
 
-    def batch_tensors(self) -> tuple[torch.Tensor, ...]:
-        """(seq_slots, cu_rows, row_slots, positions, carried, banks): what RowBatch.attach takes."""
-        return self.seq_slots, self.cu_rows, self.row_slots, self.positions, self.carried, self.banks
+    def batch_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seq_slots, cu_rows, row_slots, positions, carried): what RowBatch.attach takes."""
+        return self.seq_slots, self.cu_rows, self.row_slots, self.positions, self.carried
 
     def fill(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch) -> StepInputs:
         """Write `batch` (exactly this buffer's R rows and S sequences: pad it first, see padding.py)
@@ -70,14 +64,13 @@ class StepInputs:
         assert views is not None, "StepInputs.fill writes a host buffer"
         assert len(batch.slots) == self.sequences and batch.n_rows == self.rows, \
             f"StepInputs of {self.rows} rows in {self.sequences} sequences, batch of {batch.n_rows} in {len(batch.slots)}"
-        token_view, row_slots, positions, seq_slots, cu_rows, carried, banks = views
+        token_view, row_slots, positions, seq_slots, cu_rows, carried = views
         n_tokens = 0 if tokens is None else len(tokens)
         if n_tokens:
             token_view[:n_tokens] = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
         if n_tokens < self.rows:
             token_view[n_tokens:] = 0
         carried[:] = batch.carried if batch.carried else 0
-        banks[:] = batch.banks if batch.banks else 0
         if self.rows == self.sequences and min(batch.counts, default=1) == 1:
             # one row a sequence (a decode, padded with one-row sequences or not): row s is
             # sequence s's, so the rows' slots and positions are the sequences' own (half the ops)
@@ -127,14 +120,13 @@ class StepInputs:
         cu_at = _cu_rows_at(self.sequences)
         self.seq_slots = int32[: self.sequences]
         self.cu_rows = int32[cu_at : cu_at + self.sequences + 1]
-        carried_at, banks_at = _carried_at(self.sequences), _banks_at(self.sequences)
+        carried_at = _carried_at(self.sequences)
         self.carried = int32[carried_at : carried_at + self.sequences]
-        self.banks = int32[banks_at : banks_at + self.sequences]
         # numpy views of a host buffer, made once: fill writes through them
         self._host_views = None
         if self.buffer.device.type == "cpu":
             self._host_views = tuple(t.numpy() for t in (self.tokens, self.row_slots, self.positions, self.seq_slots,
-                                                          self.cu_rows, self.carried, self.banks))
+                                                          self.cu_rows, self.carried))
             # 0 .. R: each row's index within the step ([:-1]), and a one-row-a-sequence batch's cu_rows
             self._row_index = np.arange(self.rows + 1)
             # (slots, counts) of the batch whose rows' slots, seq_slots and cu_rows the buffer holds

@@ -5,9 +5,7 @@ Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their
 references, which walk each sequence row by row, serve the CPU. Verify (SNAPSHOT or WOA mode)
 reads a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback;
 it writes the window and state of a one-row sequence only, whose row every step consumes
-(kernels/one_row_commit.py). In a carrying pool (WOA mode only) it applies the slot's carried rows
-first and writes the slot's other bank instead, which leaves the rollback nothing to move
-(verifier/model/carry.py). Prefill (COMMIT) applies the same record at once.
+(kernels/one_row_commit.py). Prefill (COMMIT) applies the same record at once.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from kernels.runtime import pick
 
 from ..ops import each_row
 from ..padding import walk_sequences
-from ..rollback import COMMIT, SNAPSHOT, WOA, LayerRecord, commit
+from ..rollback import COMMIT, SNAPSHOT, LayerRecord, commit
 from ..rows import RowBatch
 from ..state import RecurrentState
 
@@ -39,15 +37,9 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     record). COMMIT also applies the record."""
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
-    carries = state.carry is not None and mode != COMMIT  # the slot's carried rows go first (verifier/model/carry.py)
-    if carries and mode != WOA:
-        raise ValueError(f"a pool that carries rows rolls back write-on-accept only, not {mode!r}")
-    # [S] int32 each: the rows each slot carries, their bank; a prefill (COMMIT) runs on a fresh slot's bank 0
-    banked = dict(carried=batch.carried_rows(device), banks=batch.carry_banks(device)) if carries else {}
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
     runs = short_conv.conv_runs(conv_inputs.shape[0], walk_sequences(batch), conv_inputs.shape[1])
-    window, conv_carry = (state.conv_banks, dict(banked, carry=state.carry.inputs)) if carries else (state.conv, {})
-    mixed = conv(window, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs, **conv_carry)
+    mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs)
     query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
     snapshots = None
     if mode == SNAPSHOT:
@@ -57,7 +49,9 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     # the outputs in the activation dtype, rounded once in the kernel: the layer's output norm takes
     # them so, and a cast after the recurrence would be one more launch per layer
     out = torch.empty(value.shape, dtype=conv_inputs.dtype, device=device)
-    carry = dict(banked, carry=state.carry.tensors) if carries else {}
+    carry = {}
+    if state.carry is not None and mode != COMMIT:  # the slot's carried rows go first (verifier/model/carry.py)
+        carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
     out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
                  scratch_slot=state.scratch_slot, **carry)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
