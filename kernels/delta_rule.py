@@ -101,8 +101,9 @@ def delta_rule_config(d_k: int, d_v: int) -> DeltaRuleConfig:
 
 @triton.jit
 def _halve(b_x):
-    """[N, BLOCK_V] -> its rows 0 .. N/2 - 1 and its rows N/2 .. N - 1, each [N/2, BLOCK_V]. In the
-    state tile's register layout both halves are a thread's own registers: no data moves."""
+    """[N, BLOCK_V] -> its rows 0 .. N/2 - 1 and its rows N/2 .. N - 1, each [N/2, BLOCK_V]. Where a
+    thread holds both rows of each pair (the first halvings, in the state tile's register layout)
+    no data moves; the last ones pair rows of other warps, which the compiler exchanges."""
     N: tl.constexpr = b_x.shape[0]
     return tl.split(tl.permute(tl.reshape(b_x, [2, N // 2, b_x.shape[1]]), (1, 2, 0)))
 
