@@ -79,7 +79,7 @@ from .rounding import cast_rtne
 from .runtime import interpreting
 
 MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
-MAX_SUM_LEVELS = tl.constexpr(7)  # _sum_halves' pairwise levels after its first: MAX_D_K / 2 rows to 1
+MAX_SUM_LEVELS = tl.constexpr(MAX_D_K.bit_length() - 2)  # _sum_halves' pairwise levels after its first: MAX_D_K / 2 rows to 1
 
 
 class DeltaRuleConfig(NamedTuple):
@@ -456,9 +456,11 @@ def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.T
                           decay: torch.Tensor, beta: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
                           snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                           scratch_slot: int | None = None, carried: torch.Tensor | None = None,
-                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          config: DeltaRuleConfig | None = None) -> torch.Tensor:
     """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state (after
-    its carried rows, committed); a one-row sequence outside scratch_slot commits its row."""
+    its carried rows, committed); a one-row sequence outside scratch_slot commits its row. config:
+    taken for the launcher's signature (a tile changes no value)."""
     rows, heads, d_v = value.shape
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)

@@ -3,8 +3,8 @@
 After warm_up, serving captures nothing whatever the mix of K: every step replays its bucket,
 padded (a step of one sequence its own bucket, exactly its rows); every logits row, token and
 real slot's state equals the eager engine's bitwise; graph memory stays flat; buckets captured
-without PDL (past graphs.PDL_MAX_ROWS) give the bits of the eager engine's launches with it. The padding itself is tested on the CPU (tests/test_padded_steps.py,
-tests/kernel_tests/test_padded_batches.py)."""
+without PDL (past graphs.PDL_MAX_ROWS) give the bits of the eager engine's launches with it. The
+padding itself is tested on the CPU (tests/test_padded_steps.py, tests/kernel_tests/test_padded_batches.py)."""
 
 import random
 

@@ -118,9 +118,9 @@ class StepRunner:
 
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each shared bucket (a one-sequence bucket runs the
-        same rows without padding: faster on the H200, bench/results/one_sequence_buckets_2026-12-03.json): the median of `repeats` steps of
-        padding rows only (the scratch slot: no real state changes), after one untimed step.
-        That is a realistic shape of R_b rows, not a worst case: padding comes in sequences of at
+        same rows without padding: faster on the H200, bench/results/one_sequence_buckets_2026-12-03.json):
+        the median of `repeats` steps of padding rows only (the scratch slot: no real state changes),
+        after one untimed step. That is a realistic shape of R_b rows, not a worst case: padding comes in sequences of at
         most padding.PAD_CHUNK rows, so the recurrent kernels walk no sequence longer than a real
         verify does, as they would for a real batch of R_b rows (one sequence of R_b rows would
         make large buckets look far dearer than they are, and the goodput policy trim drafts it
