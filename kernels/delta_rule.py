@@ -88,15 +88,24 @@ class DeltaRuleConfig(NamedTuple):
     num_warps: int
 
 
-def delta_rule_config(d_k: int, d_v: int) -> DeltaRuleConfig:
-    """Pinned by head sizes: the full key dim per tile, at most 32 value columns (a 128 x 32 fp32
-    tile is 32 registers a thread in 4 warps), so a 128 x 128 head runs as 4 programs per (sequence,
-    head) to spread a decode over the SMs; tiles under 2048 values use one warp. Every tile gives
-    the same bits (`_sum_halves`); this one was the fastest or within 0.4 us of it at 1 to 64
-    sequences of 1 to 9 rows (2B GDN shape, H200: bench/results/delta_rule_sums_2026-12-03.json)."""
+ONE_SEQUENCE_MIN_ROWS = 5  # from these rows a one-sequence launch takes the narrow tile
+
+
+def delta_rule_config(d_k: int, d_v: int, sequences: int = 0, rows: int = 0) -> DeltaRuleConfig:
+    """The tile for a launch over `sequences` sequences of `rows` rows in all. The full key dim per
+    tile; at most 32 value columns (a 128 x 32 fp32 tile is 32 registers a thread in 4 warps), so a
+    128 x 128 head runs as 4 programs per (sequence, head) to spread a decode over the SMs; tiles
+    under 2048 values use one warp. One sequence of at least ONE_SEQUENCE_MIN_ROWS rows (a batch-1
+    verify: its walk's latency is the launch's) takes 16 columns in 2 warps, 2 of its 4 sums'
+    levels across warps instead of 4 (H200, 2B GDN shape, after one carried row: 9 rows 5.85 ->
+    5.56 us, 17 rows 9.12 -> 8.43, 5 rows 4.20 -> 4.11; 2 rows 2.98 -> 3.09, hence the bound;
+    bench/results/delta_rule_tiles_2026-12-03.json). Every tile gives the same bits (`_sum_halves`);
+    the 32-column tile was the fastest or within 0.4 us of it at 1 to 64 sequences of 1 to 9 rows
+    otherwise (bench/results/delta_rule_sums_2026-12-03.json)."""
     block_k = triton.next_power_of_2(d_k)
-    block_v = min(32, triton.next_power_of_2(d_v))
-    return DeltaRuleConfig(BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v >= 2048 else 1)
+    narrow = sequences == 1 and rows >= ONE_SEQUENCE_MIN_ROWS
+    block_v = min(16 if narrow else 32, triton.next_power_of_2(d_v))
+    return DeltaRuleConfig(BLOCK_K=block_k, BLOCK_V=block_v, num_warps=(2 if narrow else 4) if block_k * block_v >= 2048 else 1)
 
 
 @triton.jit
@@ -353,7 +362,7 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
-    cfg = config or delta_rule_config(d_k, d_v)
+    cfg = config or delta_rule_config(d_k, d_v, n_seqs, key.shape[0])
     grid = (n_seqs, heads, triton.cdiv(d_v, cfg.BLOCK_V))
     _delta_rule_kernel[grid](
         state, query.contiguous(), key.contiguous(), value.contiguous(), decay.contiguous(), beta.contiguous(),

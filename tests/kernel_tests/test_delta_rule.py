@@ -14,8 +14,8 @@ Everything between kernel launches is compared with torch.equal.
 import pytest
 import torch
 
-from kernels.delta_rule import (DeltaRuleConfig, delta_rule_config, delta_rule_fold, delta_rule_fold_ref, delta_rule_verify,
-                                delta_rule_verify_ref)
+from kernels.delta_rule import (ONE_SEQUENCE_MIN_ROWS, DeltaRuleConfig, delta_rule_config, delta_rule_fold, delta_rule_fold_ref,
+                                delta_rule_verify, delta_rule_verify_ref)
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -188,6 +188,19 @@ def test_every_tile_gives_the_same_bits(kind, device):
             assert torch.equal(a, b), f"{name}, BLOCK_V {block_v}, {warps} warps"
     with pytest.raises(ValueError, match="BLOCK_K"):
         run(DeltaRuleConfig(2 * block_k, 16, 2))
+
+
+def test_one_sequence_of_many_rows_takes_the_narrow_tile():
+    """The tile by launch (delta_rule_config): one sequence of ONE_SEQUENCE_MIN_ROWS rows or more
+    walks 16 value columns in 2 warps, anything else the 32-column tile in 4; BLOCK_K, which fixes
+    the sums' order, is the same in both (test_every_tile_gives_the_same_bits holds them bitwise)."""
+    wide, narrow = DeltaRuleConfig(128, 32, 4), DeltaRuleConfig(128, 16, 2)
+    assert delta_rule_config(128, 128) == wide
+    assert delta_rule_config(128, 128, 1, ONE_SEQUENCE_MIN_ROWS) == narrow
+    assert delta_rule_config(128, 128, 1, 17) == narrow
+    assert delta_rule_config(128, 128, 1, ONE_SEQUENCE_MIN_ROWS - 1) == wide
+    assert delta_rule_config(128, 128, 2, 18) == wide
+    assert delta_rule_config(16, 40, 1, 9) == DeltaRuleConfig(16, 16, 1)  # small heads: one warp either way
 
 
 @pytest.mark.parametrize("kind", KINDS)
