@@ -221,7 +221,7 @@ def _walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_
 @triton.jit
 def _walk_row(i_t, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key, carry_value, carry_decay, carry_beta,
               H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr, CARRY: tl.constexpr):
-    """Row i_t of a verify's (or fold's) walk, one head: with CARRY, carried row i_t while i_t <
+    """Row i_t of a verify's (or fold's) walk, one head (the kernel takes row 0's, then steps them): with CARRY, carried row i_t while i_t <
     i_carried (a slot's carried rows lie H heads apart, head i_ch's row 0 first), else the step's
     row i_t - i_carried (head i_rh's row 0 first, also H heads apart) -> pointers to its key, value,
     decay and beta, and the head index of its query (a carried row's: row 0's, loaded but unused)."""
@@ -293,19 +293,29 @@ def _delta_rule_kernel(
     p_k, p_v, p_decay, p_beta, i_query = _walk_row(0, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key, carry_value,
                                                    carry_decay, carry_beta, H, D_K, D_V, DECAY_K, CARRY_ROWS > 0)
     b_k, b_v, b_decay, b_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
+    p_q = query + i_query * D_K  # the step's row 0's query, which carried rows load too (unused)
     if not FOLD:
-        b_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
+        b_q = tl.load(p_q + o_k, mask=m_k, other=0.0)
     for i_t in range(0, i_walk):
-        i_load = tl.where(i_t + 1 < i_walk, i_t + 1, i_t)  # past the last row: itself again
-        p_k, p_v, p_decay, p_beta, i_query = _walk_row(i_load, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key,
-                                                       carry_value, carry_decay, carry_beta, H, D_K, D_V, DECAY_K,
-                                                       CARRY_ROWS > 0)
+        # the next row's pointers stepped from this row's: one row on (H heads), from the last carried
+        # row to the step's row 0, past the last row this one again. Stepped, not computed from the
+        # row's index as row 0's are: 347 -> 340 instructions a row (sm_90), 64 x 9 rows after a
+        # carried row 143.3 -> 141.9 us, a carried row and one row 3.30 -> 2.90, the same bits (H200,
+        # 2B GDN shape; bench/results/delta_row_pointers_2026-12-03.json)
+        i_next = i_t + 1
+        more = i_next < i_walk
+        jump = i_next == i_carried
+        p_k = tl.where(more, tl.where(jump, key + i_rh * D_K, p_k + H * D_K), p_k)
+        p_v = tl.where(more, tl.where(jump, value + i_rh * D_V, p_v + H * D_V), p_v)
+        p_decay = tl.where(more, tl.where(jump, decay + i_rh * DECAY_K, p_decay + H * DECAY_K), p_decay)
+        p_beta = tl.where(more, tl.where(jump, beta + i_rh, p_beta + H), p_beta)
+        p_q = tl.where(more & (i_next > i_carried), p_q + H * D_K, p_q)
         n_k, n_v, n_decay, n_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
         if not FOLD and CARRY_ROWS > 0:
             # the next query: loaded before the update with a carry, after it without one; each the
             # faster schedule (H200, 64 x 9 rows, one carried row: 172 -> 159 us; no carry: 146 -> 132 us;
             # the same bits: delta_rule_carry_2026-12-01.json)
-            n_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
+            n_q = tl.load(p_q + o_k, mask=m_k, other=0.0)
         b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
         step_row = True  # a row of this step, not a carried one
         if CARRY_ROWS > 0:
@@ -315,7 +325,7 @@ def _delta_rule_kernel(
                 tl.store(p_state, b_s, mask=m_s)
         if not FOLD:
             if CARRY_ROWS == 0:
-                n_q = tl.load(query + i_query * D_K + o_k, mask=m_k, other=0.0)
+                n_q = tl.load(p_q + o_k, mask=m_k, other=0.0)
             if step_row:
                 i_row = i_rh + (i_t - i_carried) * H  # its head
                 b_out = cast_rtne(_read_state(b_s, b_q), out.dtype.element_ty, INTERPRET)  # fp32, or rounded to bf16
