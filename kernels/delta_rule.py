@@ -219,21 +219,11 @@ def _walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_
 
 
 @triton.jit
-def _walk_row(i_t, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key, carry_value, carry_decay, carry_beta,
-              H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, DECAY_K: tl.constexpr, CARRY: tl.constexpr):
-    """Row i_t of a verify's (or fold's) walk, one head (the kernel takes row 0's, then steps them): with CARRY, carried row i_t while i_t <
-    i_carried (a slot's carried rows lie H heads apart, head i_ch's row 0 first), else the step's
-    row i_t - i_carried (head i_rh's row 0 first, also H heads apart) -> pointers to its key, value,
-    decay and beta, and the head index of its query (a carried row's: row 0's, loaded but unused)."""
-    i_row = i_rh + i_t * H
-    i_query = i_row
-    if CARRY:
-        in_carry = i_t < i_carried
-        i_row = tl.where(in_carry, i_ch + i_t * H, i_rh + (i_t - i_carried) * H)
-        i_query = tl.where(in_carry, i_rh, i_row)
-        key, value, decay, beta = (tl.where(in_carry, carry_key, key), tl.where(in_carry, carry_value, value),
-                                   tl.where(in_carry, carry_decay, decay), tl.where(in_carry, carry_beta, beta))
-    return key + i_row * D_K, value + i_row * D_V, decay + i_row * DECAY_K, beta + i_row, i_query
+def _stash_rows(i_rh, key, value, decay, beta, H: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+                DECAY_K: tl.constexpr):
+    """Pointers to the key, value, decay and beta of one head (head index i_rh) of a row: the walk
+    steps them H heads a row."""
+    return key + i_rh * D_K, value + i_rh * D_V, decay + i_rh * DECAY_K, beta + i_rh
 
 
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "out", "snapshots", "carry_key", "carry_value",
@@ -290,25 +280,33 @@ def _delta_rule_kernel(
     # loaded while row t is applied (the last row loads itself again, unused): the same values reach
     # _update_state in the same order as a walk that loads each row when it applies it, and the
     # carried rows' as the fold's `_walk_rows`.
-    p_k, p_v, p_decay, p_beta, i_query = _walk_row(0, i_carried, i_ch, i_rh, key, value, decay, beta, carry_key, carry_value,
-                                                   carry_decay, carry_beta, H, D_K, D_V, DECAY_K, CARRY_ROWS > 0)
+
+    # the step's row 0 (head i_rh), where the walk starts unless the slot carries rows (head i_ch of its row 0)
+    r_k, r_v, r_decay, r_beta = _stash_rows(i_rh, key, value, decay, beta, H, D_K, D_V, DECAY_K)
+    p_k, p_v, p_decay, p_beta = r_k, r_v, r_decay, r_beta
+    if CARRY_ROWS > 0:
+        c_k, c_v, c_decay, c_beta = _stash_rows(i_ch, carry_key, carry_value, carry_decay, carry_beta, H, D_K, D_V, DECAY_K)
+        first_carried = i_carried > 0
+        p_k, p_v = tl.where(first_carried, c_k, r_k), tl.where(first_carried, c_v, r_v)
+        p_decay, p_beta = tl.where(first_carried, c_decay, r_decay), tl.where(first_carried, c_beta, r_beta)
     b_k, b_v, b_decay, b_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
-    p_q = query + i_query * D_K  # the step's row 0's query, which carried rows load too (unused)
+    p_q = query + i_rh * D_K  # the step's row 0's query, which carried rows load too (unused)
     if not FOLD:
         b_q = tl.load(p_q + o_k, mask=m_k, other=0.0)
     for i_t in range(0, i_walk):
         # the next row's pointers stepped from this row's: one row on (H heads), from the last carried
         # row to the step's row 0, past the last row this one again. Stepped, not computed from the
-        # row's index as row 0's are: 347 -> 340 instructions a row (sm_90), 64 x 9 rows after a
-        # carried row 143.3 -> 141.9 us, a carried row and one row 3.30 -> 2.90, the same bits (H200,
-        # 2B GDN shape; bench/results/delta_row_pointers_2026-12-03.json)
+        # row's index: 347 -> 340 instructions a row (sm_90), 64 x 9 rows after a carried row
+        # 143.3 -> 141.9 us, a carried row and one row 3.30 -> 2.90, the same bits (H200, 2B GDN
+        # shape; bench/results/delta_row_pointers_2026-12-03.json). With row 0's pointers kept (r_k
+        # ...) rather than recomputed for the jump: 336 instructions, not timed
         i_next = i_t + 1
         more = i_next < i_walk
         jump = i_next == i_carried
-        p_k = tl.where(more, tl.where(jump, key + i_rh * D_K, p_k + H * D_K), p_k)
-        p_v = tl.where(more, tl.where(jump, value + i_rh * D_V, p_v + H * D_V), p_v)
-        p_decay = tl.where(more, tl.where(jump, decay + i_rh * DECAY_K, p_decay + H * DECAY_K), p_decay)
-        p_beta = tl.where(more, tl.where(jump, beta + i_rh, p_beta + H), p_beta)
+        p_k = tl.where(more, tl.where(jump, r_k, p_k + H * D_K), p_k)
+        p_v = tl.where(more, tl.where(jump, r_v, p_v + H * D_V), p_v)
+        p_decay = tl.where(more, tl.where(jump, r_decay, p_decay + H * DECAY_K), p_decay)
+        p_beta = tl.where(more, tl.where(jump, r_beta, p_beta + H), p_beta)
         p_q = tl.where(more & (i_next > i_carried), p_q + H * D_K, p_q)
         n_k, n_v, n_decay, n_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
         if not FOLD and CARRY_ROWS > 0:
