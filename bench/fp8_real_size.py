@@ -14,8 +14,11 @@ Phases, each timed on stderr:
    A_log in fp32. No vision tower or mtp.* (the engine skips them). Shards of --shard-gb, written by
    one saver thread while the next shard is drawn: host memory holds about two shards.
 2. load: verifier.model.load_model(dir, device, dtype), as a user serves it.
-3. gate: a prefill's logits are finite and not all equal, then bench/gpu.py's bitexact_rows (36
-   verify rows bitwise equal to serial decode). Red: no timings, exit status 1.
+3. gate: a prefill's logits are finite and not all equal; bench/gpu.py's bitexact_rows (36 verify
+   rows bitwise equal to serial decode); and the full batch (`python -m verifier check`'s
+   full_batch_vs_alone): 64 sequences of different prompts and lengths stepped together, a step of
+   decodes, one of K = 8 verifies and mixed K after, every logit row and layer state bitwise equal
+   to each sequence's step alone. Red: no timings, exit status 1.
 4. time (CUDA only): HBM floor (decode_bytes over the measured copy bandwidth), decode and K = 8
    verify at batch 1 and 64 (engine steps replaying one CUDA graph bucket per shape), peak memory.
 Writes DIR/fp8_real_size_<date>.json; deletes the checkpoint unless --keep.
@@ -50,6 +53,7 @@ from safetensors.torch import save_file
 
 from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, open_sequences, step_ms
 from bench.machine import device_name
+from verifier.check.checks import CheckSettings, full_batch_vs_alone
 from verifier.engine import Engine
 from verifier.model import load_model
 from verifier.model.published_configs import PUBLISHED
@@ -66,6 +70,8 @@ FORMAT = BlockFP8Format(128, 128, KEPT_MODULES)
 FP8_SPREAD = FP8_MAX / 4  # std of the drawn fp8 values
 K = 8
 BATCH = 64
+# the gate's full batch: BATCH sequences, prompts of 16..23 tokens, 12 tokens each, K up to 8
+FULL_BATCH = CheckSettings(max_k=K, prompt_len=16, new_tokens=12, sequences=BATCH, seed=0)
 # figures timed on CUDA only, after a green gate (None otherwise)
 TIMED = ("hbm_floor_ms", "decode_ms_b1", f"verify_k{K}_ms_b1", f"decode_ms_b{BATCH}", f"verify_k{K}_ms_b{BATCH}", "gpu_memory_gib")
 
@@ -287,10 +293,16 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> d
     out.update(logits_check(model))
     equal, total = bitexact_rows(model, k=K)
     out["bitexact_rows"] = f"{equal}/{total}"
-    out["gate"] = "green" if out["logits_sane"] and equal == total else "red"
+    full = full_batch_vs_alone(model, FULL_BATCH, lambda message: log(f"gate: {message}"))
+    out["full_batch_rows"] = f"{full.rows.equal}/{full.rows.checked}"
+    out["full_batch_states"] = f"{full.states.equal}/{full.states.checked}"
+    out["full_batch_step_rows"] = full.batch_rows
+    out["full_batch_first_difference"] = None if full.first_difference is None else full.first_difference.describe()
+    out["gate"] = "green" if out["logits_sane"] and equal == total and full.passed else "red"
     out["gate_s"] = time.perf_counter() - start
     log(f"gate {out['gate']}: logits finite {out['logits_finite']} (std {out['logits_std']}), "
-        f"{out['bitexact_rows']} verify rows equal serial decode, {out['gate_s']:.1f} s")
+        f"{out['bitexact_rows']} verify rows equal serial decode, full batch of {BATCH}: {out['full_batch_rows']} rows and "
+        f"{out['full_batch_states']} layer states equal alone, {out['gate_s']:.1f} s")
     out.update(dict.fromkeys(TIMED, None))
     if out["gate"] != "green" or not cuda:
         return out  # no timing when the gate is red; the CPU reference is not timed

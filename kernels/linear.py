@@ -21,11 +21,15 @@ each weight tile M/64 or M/128 times instead of M/16. A tile's
 shape decides which rows and features one program computes and which MMA instruction multiplies a
 16-wide K chunk (mma.sync at 16 rows, wgmma at 64 and more), not the K walk: each output element is
 still the same chunks summed in the same order. That the MMA instructions round alike is measured,
-not documented: on the H200 every tile tried (BLOCK_M 16/64/128, BLOCK_N 64-256, BLOCK_K 64/128,
-4 or 8 warps, 3 or 4 stages) gave bitwise the pinned tile's output on every weight shape of the 2B
-model (`python -m bench.gemm`: tiles_equal in bench/results/gemm_2026-11-30.json), and
-tests/kernel_tests/test_linear.py checks torch.equal across row counts that cross every tile
-boundary, on the GPU too. fp32 (tests, the interpreter's reference checks) keeps one tile.
+not documented, so it is swept on the device: `python -m bench.row_invariance` (and the GPU test
+tests/kernel_tests/test_row_sweep.py) multiplies every weight shape of every published config the
+README names, and of the bench models, with every row alone against the first M rows for every
+M = 1..1024, every tile boundary and every place in a tile; on the H200 every row was equal
+(bench/results/row_invariance_2026-12-04.json, 95 shapes with the FP8 and expert ones). Before a
+new weight shape is served on a new device, that sweep is what shows this path keeps its bits.
+Only operands that both arrive through memory in bf16 are known to round alike: the block-FP8
+GEMM, whose weight tile is made in registers, gave other bits at 16 rows than at 64 and keeps
+one tile (kernels/linear_fp8.py). fp32 (tests, the interpreter's reference checks) keeps one tile.
 From 128 rows the tiles load through tensor descriptors (`_linear_tma_kernel`, Hopper's TMA): the
 same K walk into the same MMAs, so the same bits (tested against the pointer loads on the GPU); a
 tensor TMA cannot address (a start or row stride not 16-byte aligned) takes the pointer loads.

@@ -27,12 +27,23 @@ registers and multiplied with the bf16 (or fp32) activations as they are, so the
 `linear_ref` over the dequantized weight up to the GEMM's summation order, and the CPU and GPU
 backends compute the same real weights.
 
-Row invariance is kernels/linear.py's, with the same pinned `linear_config` (N, K, dtype): a
-program owns a BLOCK_M x BLOCK_N tile, walks its range of K upward in BLOCK_K steps into one fp32
-register block (or a fixed split of K, reduced in ascending order by linear.py's reduce kernel);
-the tile follows the row count as linear.py's does (tile_for_rows: wider tiles from 32 rows on,
-the K walk unchanged), M is never specialised on, and the row-side pointers and strides (x, out)
-are not specialised on alignment, so a row sliced out of a batch at any offset sums the same.
+Row invariance holds by construction: one launch config per weight shape (`fp8_config`), the
+same for every row count. A program owns a BLOCK_M x BLOCK_N tile with BLOCK_M = FP8_BLOCK_M (64
+rows: one Hopper wgmma warpgroup tile) and walks its range of K upward in BLOCK_K steps into one
+fp32 register block (or kernels/linear.py's fixed split of K, reduced in ascending order); M is
+never specialised on, nor are the row-side pointers and strides (x, out) on alignment. So a decode
+of one row and a verify of 576 run one compiled kernel, and a row's sums are the same
+instructions on the same values whatever rows share the launch. Unlike kernels/linear.py's bf16
+GEMM, the tile does not follow the row count: on the H200 the 16-row tile (mma.sync, the
+dequantized weight tile handed over from registers) gave other bits than the 64-row tile on many
+rows at the published widths, and other bits than the bf16 GEMM over `dequantize_ref`'s weight,
+while the 64-row tile equals that GEMM (tests/kernel_tests/test_linear_fp8.py holds it there).
+With tiles by row count a row alone and the same row in a batch of 32 or more took different
+tiles, and `python -m verifier check`'s full batch saw every sequence of a 64-sequence decode
+change (bench/results/check_2026-12-04_*). `python -m bench.row_invariance` sweeps this kernel too;
+kernels/linear.py says which tiles its bf16 path may switch between and how that is swept. The
+64-row tile runs a decode slower than the 16-row one did (bench/README.md, "Real size in block
+FP8"); a faster tile must still be one per weight shape, never one per row count.
 The scales add nothing that depends on the rows: each weight element is multiplied by its one
 scale before the dot. When block_k is a multiple of BLOCK_K every K step lies in one block
 column and the scales are one [BLOCK_N] vector per step; otherwise they are gathered per element.
@@ -53,13 +64,13 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .linear import (BLOCK_M, REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref,
-                     split_bounds, tile_for_rows)
+from .linear import REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref, split_bounds
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
+FP8_BLOCK_M = 64  # bf16 activations: rows per tile for every row count (one wgmma warpgroup tile)
 
 
 class BlockScales(NamedTuple):
@@ -151,6 +162,16 @@ def _linear_fp8_kernel(
         tl.store(out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :], b_out, mask=m_out)
 
 
+def fp8_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The one launch config of an fp8 weight [n, k] with activations in dtype, for every row count.
+
+    kernels/linear.py's pinned config of the shape (its K walk: BLOCK_K, the split of K, BLOCK_N,
+    warps, stages) with FP8_BLOCK_M rows a tile for bf16; fp32 (tests, the interpreter) keeps
+    its FMA tile of 16 rows."""
+    pinned = linear_config(n, k, dtype)
+    return pinned._replace(BLOCK_M=FP8_BLOCK_M) if dtype == torch.bfloat16 else pinned
+
+
 def check_block_scales(op: str, name: str, weight: torch.Tensor, scales: BlockScales, operand: tuple[str, torch.Tensor]) -> None:
     """An fp8 weight [..., N, K] and its BlockScales: dtypes, shapes, devices, contiguity.
 
@@ -201,7 +222,7 @@ def linear_fp8(
     """x [M, K] @ real(weight, scales)[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
     out: an optional [M, N] buffer (rows may be strided, features contiguous), filled and returned.
-    config: overrides the pinned linear_config and its tiles by row count: that one config runs every M.
+    config: overrides `fp8_config`: that one config then runs every M.
     """
     _check(x, weight, scales, bias, out)
     check_launchable("linear_fp8", "x", x)
@@ -215,13 +236,12 @@ def linear_fp8(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    pinned = config or linear_config(n, k, x.dtype)
-    cfg = tile_for_rows(pinned, n, m, x.dtype) if config is None else pinned  # kernels/linear.py: same K walk
+    cfg = config or fp8_config(n, k, x.dtype)  # never a function of m: the module docstring
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
         x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
-        m, n, k, split_bounds(k, pinned),
+        m, n, k, split_bounds(k, cfg),
         x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0),
         SCALE_BLOCK_K=scales.block_k,
         ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0,

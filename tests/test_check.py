@@ -17,8 +17,9 @@ from verifier.model.hf_reference import SPECS
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_K, NEW_TOKENS = 3, 5
-SMALL = ["--max-k", str(MAX_K), "--new-tokens", str(NEW_TOKENS), "--prompt-len", "6"]
-CHECK_NAMES = ["verify_vs_serial", "rollback_state", "mixed_batch_vs_alone", "streams_vs_plain"]
+SEQUENCES = 5
+SMALL = ["--max-k", str(MAX_K), "--new-tokens", str(NEW_TOKENS), "--prompt-len", "6", "--sequences", str(SEQUENCES)]
+CHECK_NAMES = ["verify_vs_serial", "rollback_state", "full_batch_vs_alone", "streams_vs_plain"]
 
 
 def _check(model_dir, tmp_path, *extra) -> tuple[int, dict]:
@@ -52,6 +53,11 @@ def test_check_passes_on_every_family(hf_checkpoint, tmp_path, capsys, name):
     assert set(per_kind) == {f"{m} mixer" for m in mixers} | {f"{m} mlp" for m in mlps}
     assert all(c["equal"] == c["checked"] > 0 for c in per_kind.values())
     assert set(checks["rollback_state"]["per_layer_kind"]) == {f"{m} state" for m in mixers}
+    # the full batch: a step of decodes, then one of K = MAX_K verifies for every sequence, then mixed K;
+    # every layer's state compared after each sequence's step
+    full = checks["full_batch_vs_alone"]
+    assert full["batch_rows"][:2] == [SEQUENCES, SEQUENCES * (MAX_K + 1)]
+    assert full["states_checked"] == full["states_equal"] > 0 and full["states_checked"] % n_layers == 0
     assert out.splitlines()[-1].startswith("PASS: ")
 
 
@@ -77,8 +83,27 @@ def test_check_fails_on_a_planted_row_invariance_bug(hf_checkpoint, tmp_path, ca
     assert first["check"] == "verify_vs_serial" and first["where"].startswith("K=1 ") and first_layer in first["where"]
     assert 0 < first["max_abs_diff"] < 1e-3
     checks = {c["name"]: c for c in report["checks"]}
-    assert not checks["verify_vs_serial"]["passed"] and not checks["mixed_batch_vs_alone"]["passed"]
+    assert not checks["verify_vs_serial"]["passed"] and not checks["full_batch_vs_alone"]["passed"]
     assert out.splitlines()[-1].startswith("FAIL: ") and "first difference in verify_vs_serial" in out
+
+
+def test_only_the_full_batch_sees_a_bug_of_large_batches(hf_checkpoint, tmp_path, capsys, monkeypatch):
+    """The delta rule's reference, made to nudge its outputs once a call carries more rows than one
+    sequence's verify can (as a GEMM whose tile followed the row count did at the published widths):
+    the one-sequence checks pass, and the full batch names its first step (SEQUENCES decodes)."""
+    honest = delta_rule.delta_rule_verify_ref
+
+    def large_batch_dependent(state, query, *rest, **kwargs):
+        out = honest(state, query, *rest, **kwargs)
+        return out if query.shape[0] <= MAX_K + 1 else out * (1 + 2**-20)
+
+    monkeypatch.setattr(delta_rule, "delta_rule_verify_ref", large_batch_dependent)
+    code, report = _check(hf_checkpoint("qwen3_5_text"), tmp_path)
+    assert code == 1, capsys.readouterr().out
+    checks = {c["name"]: c for c in report["checks"]}
+    assert [name for name, c in checks.items() if not c["passed"]] == ["full_batch_vs_alone"]
+    first = report["first_difference"]
+    assert first["check"] == "full_batch_vs_alone" and first["where"].startswith(f"step 0 of {SEQUENCES} rows")
 
 
 def test_the_command_as_a_user_runs_it(hf_checkpoint):
@@ -118,3 +143,33 @@ def test_bad_paths_exit_2_naming_the_flag(hf_checkpoint, tmp_path, capsys):
     assert "--json" in capsys.readouterr().err
     assert cli.main(["check", "--model", str(hf_checkpoint("kimi_linear")), "--prompt-len", str(10**9)]) == 2
     assert "context length" in capsys.readouterr().err
+
+
+def test_layer_recorder_finishes_split_sums():
+    """A dense MLP's split-K down projection returns SplitSums (a NamedTuple) for the next norm to
+    finish; the recorder keeps its finished rows [rows, hidden], not the tuple's first field (the
+    splits' partial sums), which a mixer's (rows, record) tuple would suggest."""
+    import torch
+
+    from kernels.linear import SplitSums
+    from verifier.check.layers import LayerOutputs
+
+    class Part:
+        def forward(self, x):
+            partial = torch.stack([x, 2 * x])  # [SPLIT_K = 2, rows, hidden]
+            return SplitSums(partial, None, torch.float32)
+
+    class Block:
+        mixer, mlp = Part(), Part()
+
+    class Config:
+        mixers, mlps = ("gdn",), ("dense",)
+
+    class Model:
+        config, blocks = Config(), [Block()]
+
+    rows = torch.arange(15, dtype=torch.float32).view(5, 3)
+    with LayerOutputs(Model()) as recorder:
+        Model.blocks[0].mlp.forward(rows)
+        recorded = recorder.take()
+    assert torch.equal(recorded[1], 3 * rows)

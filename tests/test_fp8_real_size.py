@@ -1,6 +1,7 @@
 """bench/fp8_real_size.py at --scale tiny on the CPU, end to end: the checkpoint it writes is the
 published block-FP8 form (names, dtypes, scale shapes, quantization_config), the normal loader
-serves it, and the correctness gate runs (36 verify rows bitwise equal to serial decode). The
+serves it, and the correctness gate runs (36 verify rows bitwise equal to serial decode, and the
+full batch of 64 sequences equal to each alone). The
 full-size plan is checked against the published model's sizes without writing it; decode_bytes
 is checked exactly on FP8 weights kept as BlockFP8Weight.
 """
@@ -55,6 +56,10 @@ def stored_tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_tiny_checkpoint_is_published_fp8_and_gates_green(tmp_path, experts):
     result, path = run_tiny(tmp_path, experts, keep=True)
     assert result["gate"] == "green" and result["bitexact_rows"] == "36/36"
+    # the full batch: 64 decodes, then 64 verifies of K = 8, then mixed K; every row and layer state equal alone
+    equal, checked = map(int, result["full_batch_rows"].split("/"))
+    assert equal == checked > 0 and result["full_batch_first_difference"] is None
+    assert result["full_batch_step_rows"][:2] == [bench.BATCH, bench.BATCH * (bench.K + 1)]
     assert result["logits_finite"] and result["logits_sane"]
     assert all(result[key] is None for key in bench.TIMED)  # the CPU reference is not timed
     written = json.loads(next((tmp_path / "out").glob("fp8_real_size_*.json")).read_text())

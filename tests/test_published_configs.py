@@ -18,7 +18,7 @@ from verifier.model import load_model
 from verifier.model.config import ATTENTION, GDN, MOE
 from verifier.model.hf_config import config_from_dict
 from verifier.model.hf_reference import load_hf, save_random_hf_checkpoint
-from verifier.model.published_configs import PUBLISHED, QWEN35_35B_A3B, QWEN36_35B_A3B
+from verifier.model.published_configs import PUBLISHED, PUBLISHED_SIZES, QWEN35_35B_A3B, QWEN36_35B_A3B
 
 
 
@@ -79,3 +79,23 @@ def test_shrunk_published_checkpoint_decodes_like_transformers(name, tmp_path):
     assert result.tokens == [int(ref_prefill.argmax()), int(ref_decode.argmax())]
     assert_close_to_hf(result.logits[0], ref_prefill, f"{name} prefill")
     assert_close_to_hf(result.logits[1], ref_decode, f"{name} decode step")
+
+
+# (model_type, layers, hidden, vocab, experts, top-k, expert width, mixers of the first four layers)
+SIZES = {
+    "Qwen3-Next-80B-A3B": ("qwen3_next", 48, 2048, 151936, 512, 10, 512, (GDN, GDN, GDN, ATTENTION)),
+    "Qwen3.5-122B-A10B": ("qwen3_5_moe", 48, 3072, 248320, 256, 8, 1024, (GDN, GDN, GDN, ATTENTION)),
+    "Qwen3.5-397B-A17B": ("qwen3_5_moe", 60, 4096, 248320, 512, 10, 1024, (GDN, GDN, GDN, ATTENTION)),
+    "Kimi-Linear-48B-A3B": ("kimi_linear", 27, 2304, 163840, 256, 8, 1024, ("kda", "kda", "kda", "mla")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))
+def test_published_sizes_parse_at_their_sizes(name):
+    """The other published checkpoints at their sizes (what the row-invariance sweep and the
+    real-width GPU tests build) parse into the model the engine serves."""
+    cfg = config_from_dict(PUBLISHED_SIZES[name])
+    model_type, layers, hidden, vocab, experts, top_k, width, first_mixers = SIZES[name]
+    assert (cfg.model_type, cfg.n_layers, cfg.hidden_size, cfg.vocab_size) == (model_type, layers, hidden, vocab)
+    assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_intermediate_size) == (experts, top_k, width)
+    assert cfg.mixers[:4] == first_mixers and not cfg.tie_word_embeddings

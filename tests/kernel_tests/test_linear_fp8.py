@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from kernels.linear import BLOCK_M, LinearConfig
-from kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, linear_fp8, linear_fp8_ref, standard_scale_row
+from kernels import linear_fp8 as linear_fp8_module
+from kernels.linear import LinearConfig, linear
+from kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, fp8_config, linear_fp8, linear_fp8_ref, standard_scale_row
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -89,7 +90,8 @@ def test_row_invariance(device, dtype, bias):
     full = linear_fp8(x, weight, scales, b)
     for r in ROW_COUNTS:
         assert torch.equal(linear_fp8(x[:r], weight, scales, b), full[:r]), f"rows 0..{r} differ from the {len(x)}-row launch"
-    for i in (*range(1, BLOCK_M), BLOCK_M, 2 * BLOCK_M + 1, len(x) - 1):
+    block_m = fp8_config(n, k, dtype).BLOCK_M
+    for i in sorted({*range(1, min(block_m, len(x))), len(x) - 1}):
         assert torch.equal(linear_fp8(x[i : i + 1].clone(), weight, scales, b), full[i : i + 1]), f"row {i} alone differs"
     odd = torch.zeros(len(x) * k + 1, dtype=dtype, device=device)[1:].view(len(x), k)  # rows start off alignment
     odd.copy_(x)
@@ -189,15 +191,60 @@ def test_launcher_errors(device, case):
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 24)], ids=["blocks128", "blocks16x24"])
-def test_row_invariance_across_tiles(device, block):
-    """bf16 batches take kernels/linear.py's wider tiles from 32 rows on (the K walk unchanged):
-    a row's bits are the same alone and in batches on either side of every tile boundary, with
-    scales read one column per K step (128 x 128 blocks) or gathered per element (16 x 24)."""
+def test_row_invariance_across_row_counts(device, block):
+    """One tile for every row count (the module docstring): a row's bits are the same alone and in
+    batches on either side of the bf16 GEMM's tile boundaries (32, 65, 128 rows), with scales read
+    one column per K step (128 x 128 blocks) or gathered per element (16 x 24)."""
     k, n = 256, 72
-    counts = [1, 16, 31, 32, 33, 127, 128, 129] + ([576] if device == "cuda" else [])
+    counts = [1, 16, 31, 32, 33, 63, 64, 65, 127, 128, 129] + ([576] if device == "cuda" else [])
     x, weight, scales, b = make(max(counts), k, n, block, torch.bfloat16, True, device)
     full = linear_fp8(x, weight, scales, b)
     for r in counts:
         assert torch.equal(linear_fp8(x[:r], weight, scales, b), full[:r]), f"rows 0..{r} differ"
-    for i in (0, 40, len(x) - 1):
+    for i in (0, 40, 63, 64, len(x) - 1):
         assert torch.equal(linear_fp8(x[i : i + 1].clone(), weight, scales, b), full[i : i + 1]), f"row {i} alone differs"
+
+
+class _Launches:
+    """Stands in for the kernel: records each launch's grid and keyword arguments, runs nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_one_config_for_every_row_count(device, monkeypatch, dtype):
+    """The launch's constexprs (tile, K step, split, warps, stages) are those of fp8_config for the
+    weight's shape at every row count, decode and a 64 x 9-row verify alike; only the grid's row
+    axis follows M. A tile chosen by M here is what broke the contract at the published widths."""
+    launches = _Launches()
+    monkeypatch.setattr(linear_fp8_module, "_linear_fp8_kernel", launches)
+    monkeypatch.setattr(linear_fp8_module, "_reduce_splits_kernel", _Launches())
+    k, n = 2048, 1024  # a shared expert's gate | up at the published width: a split of K in bf16
+    weight, scales = make_weight(n, k, (128, 128), device)
+    cfg = fp8_config(n, k, dtype)
+    for m in (1, 9, 31, 32, 64, 65, 128, 576):
+        linear_fp8(torch.zeros(m, k, dtype=dtype, device=device), weight, scales)
+    assert len(launches.calls) == 8
+    for m, (grid, kwargs) in zip((1, 9, 31, 32, 64, 65, 128, 576), launches.calls):
+        tile = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")}
+        assert tile == {key: getattr(cfg, key) for key in tile}, f"M = {m}: launched {tile}, not {cfg}"
+        assert grid == (-(-m // cfg.BLOCK_M), -(-n // cfg.BLOCK_N), cfg.SPLIT_K)
+    if dtype == torch.bfloat16:
+        assert cfg.BLOCK_M == linear_fp8_module.FP8_BLOCK_M and cfg.SPLIT_K > 1
+
+
+@pytest.mark.parametrize("m", [1, 9, 64, 72], ids=lambda m: f"M{m}")
+def test_fp8_gemm_is_the_gemm_of_the_dequantized_weight(device, m):
+    """The W8A16 GEMM multiplies by exactly dequantize_ref's weight: bitwise the bf16 GEMM over that
+    weight under the same launch config (the same K walk and tile). The two kernels differ only in
+    where the weight tile comes from, so any difference is a dequantization that is not
+    `dequantize_ref`'s."""
+    k, n = 384, 96
+    x, weight, scales, _ = make(m, k, n, (128, 128), torch.bfloat16, False, device)
+    cfg = fp8_config(n, k, torch.bfloat16)
+    real = dequantize_ref(weight, scales, torch.bfloat16)
+    assert torch.equal(linear_fp8(x, weight, scales), linear(x, real, config=cfg))

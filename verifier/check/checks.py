@@ -7,8 +7,11 @@ would follow another path).
    with every layer's output row compared too (attribution per layer kind; an eager engine).
 2. rollback_state: after a partial accept, the slot's state == serial decode's at that position,
    in both rollback modes, and the next decode row == serial.
-3. mixed_batch_vs_alone: sequences at different positions with different K in one step == each
-   sequence's step run alone (rows and states).
+3. full_batch_vs_alone: a full batch (--sequences, 64 by default: as many sequences as a serving
+   engine's batch holds) of different prompts and lengths, stepped together == each sequence's
+   step run alone: a step of decodes only, a step of K = max_k verifies for all, then steps of
+   mixed K (0 included) with wrong, right and random drafts; every logit row and every layer's
+   state compared. Batches of 1 to 64 x (max_k + 1) rows cross every tile boundary the kernels have.
 4. streams_vs_plain: verifier.generate with oracle, n-gram and random drafters == plain decoding,
    greedy and seeded sampling.
 Checks 2-4 run the engine as serving does (CUDA graphs where the backend has them).
@@ -31,6 +34,7 @@ from .reference import serial_run, slot_state
 from .results import CheckResult
 
 DRAFT_KINDS = ("wrong", "right", "random")  # wrong: never the serial token; right: the serial continuation
+PROMPT_SPREAD = 8  # the full batch's prompts are prompt_len + (i % PROMPT_SPREAD) long: its sequences sit at different positions
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class CheckSettings:
     max_k: int  # K runs 1..max_k
     prompt_len: int  # prompt tokens per sequence (random ids, seeded)
     new_tokens: int  # tokens each stream emits, the first one included
-    sequences: int  # sequences sharing the mixed-batch steps
+    sequences: int  # sequences sharing the full-batch steps
     seed: int  # prompts, random drafts and the seeded sampling
 
     def __post_init__(self):
@@ -48,8 +52,8 @@ class CheckSettings:
 
     @property
     def max_seq_len(self) -> int:
-        """Room for the longest prompt (mixed batches lengthen theirs), the stream and a full verify."""
-        return self.prompt_len + 2 * self.sequences + self.new_tokens + self.max_k + 1
+        """Room for the longest prompt (the full batch lengthens some), the stream and a full verify."""
+        return self.prompt_len + PROMPT_SPREAD - 1 + self.new_tokens + self.max_k + 1
 
 
 def make_prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -158,22 +162,26 @@ def rollback_state(model, settings: CheckSettings, progress) -> CheckResult:
     return result
 
 
-def _mixed_plan(sequence: int, step: int, max_k: int) -> tuple[int, int]:
-    """(K, right drafts) of a sequence in a step: Ks differ across the sequences of a step (0 included)."""
-    k = (3 * sequence + 5 * step) % (max_k + 1)
+def _full_batch_plan(sequence: int, step: int, max_k: int) -> tuple[int, int]:
+    """(K, right drafts) of a sequence in a step of the full batch: step 0 decodes every sequence,
+    step 1 verifies max_k drafts for every one (the largest batch), later steps mix K (0 included)
+    across the sequences; right drafts vary so that accepted counts and rollbacks differ."""
+    if step == 0:
+        return 0, 0
+    k = max_k if step == 1 else (3 * sequence + 5 * step) % (max_k + 1)
     return k, (sequence + step) % (k + 1)
 
 
-def mixed_batch_vs_alone(model, settings: CheckSettings, progress) -> CheckResult:
+def full_batch_vs_alone(model, settings: CheckSettings, progress) -> CheckResult:
     vocab, n = model.config.vocab_size, settings.sequences
-    # different prompt lengths: the sequences of a step sit at different positions
-    prompts = [make_prompt(vocab, settings.prompt_len + 2 * i, settings.seed + 10 + i) for i in range(n)]
+    prompts = [make_prompt(vocab, settings.prompt_len + i % PROMPT_SPREAD, settings.seed + 10 + i) for i in range(n)]
     serial_engine = _engine(model, settings)
+    progress(f"full_batch_vs_alone: the serial truth of {n} prompts")
     truths = [serial_run(serial_engine, prompt, settings.new_tokens + settings.max_k).tokens for prompt in prompts]
+    del serial_engine
     together, alone = _engine(model, settings, n), _engine(model, settings, n)
-    result = CheckResult("mixed_batch_vs_alone", f"{n} sequences with different K in one step == each step run alone "
-                         "(rows and states)", _path(together))
-    progress(f"mixed_batch_vs_alone: {n} sequences")
+    result = CheckResult("full_batch_vs_alone", f"{n} sequences stepped in one batch (decodes, K = {settings.max_k} verifies, mixed K) "
+                         "== each sequence's step alone (rows and every layer's state)", _path(together))
     gen = torch.Generator().manual_seed(settings.seed + 4)
     seqs_t = [together.open(p, SamplingParams(), settings.new_tokens, eos_ids=()) for p in prompts]
     seqs_a = [alone.open(p, SamplingParams(), settings.new_tokens, eos_ids=()) for p in prompts]
@@ -184,14 +192,17 @@ def mixed_batch_vs_alone(model, settings: CheckSettings, progress) -> CheckResul
             break
         drafts = {}
         for i in owners:
-            k, right = _mixed_plan(i, step, settings.max_k)
+            k, right = _full_batch_plan(i, step, settings.max_k)
             truth = truths[i][seqs_t[i].emitted:]
             drafts[i] = truth[:right] + _drafts("wrong", truth[right:], min(1, k - right), vocab, gen) \
                 + _drafts("random", [], max(0, k - right - 1), vocab, gen)
+        rows = sum(len(d) + 1 for d in drafts.values())
+        progress(f"full_batch_vs_alone: step {step}, {len(owners)} sequences, {rows} rows")
+        result.batch_rows.append(rows)
         results_t = _step(together, [StepRequest(seqs_t[i], drafts[i]) for i in owners])
         results_a = [_step(alone, [StepRequest(seqs_a[i], drafts[i])])[0] for i in owners]
         for i, got, want in zip(owners, results_t, results_a):
-            where = f"step {step}, sequence {i} (K={len(drafts[i])})"
+            where = f"step {step} of {rows} rows, sequence {i} (K={len(drafts[i])})"
             equal = result.compare_rows(got.tokens, got.logits, want.tokens, want.logits, lambda r: f"{where}, row {r}")
             if equal and seqs_t[i].position == seqs_a[i].position:
                 equal = result.compare_states(slot_state(together, seqs_t[i].slot, seqs_t[i].position),
@@ -226,7 +237,7 @@ def streams_vs_plain(model, settings: CheckSettings, progress) -> CheckResult:
     return result
 
 
-CHECKS = (verify_vs_serial, rollback_state, mixed_batch_vs_alone, streams_vs_plain)
+CHECKS = (verify_vs_serial, rollback_state, full_batch_vs_alone, streams_vs_plain)
 
 
 def run_checks(model, settings: CheckSettings, progress=lambda message: None) -> list[CheckResult]:

@@ -20,6 +20,7 @@ from .checks import CheckSettings, run_checks
 from .report import build_report, environment, summary
 
 ENGINE_MAX_K = inspect.signature(Engine).parameters["max_k"].default  # the engine's own default (and the server's)
+FULL_BATCH = 64  # the full-batch check's default sequences: a serving batch (bench.serve's 64 sessions)
 
 
 def add_check_parser(sub):
@@ -29,7 +30,7 @@ def add_check_parser(sub):
         "check", help="prove bit-exact verification on your checkpoint and device", formatter_class=DefaultsHelpFormatter,
         description="Run on your checkpoint and device what the project's bit-exactness tests prove on theirs: verify rows "
                     "== serial decode rows (K = 1..--max-k; wrong, right and random drafts; per layer), the state after "
-                    "rollback in both modes, mixed batches == each sequence alone, speculative streams == plain (greedy "
+                    "rollback in both modes, a full batch of sequences == each sequence alone, speculative streams == plain (greedy "
                     "and seeded sampling). Every comparison is bitwise. Run it after upgrading torch, triton or a "
                     "checkpoint, before serving. Exit status: 0 every row equal, 1 a difference (the report names the "
                     "first), 2 bad arguments.")
@@ -42,7 +43,8 @@ def add_check_parser(sub):
                         help=f"verify K = 1 .. this many drafts (default: {ENGINE_MAX_K}, the engine's max_k)")
     parser.add_argument("--prompt-len", type=at_least(1), default=8, help="tokens per prompt (random ids, seeded)")
     parser.add_argument("--new-tokens", type=at_least(2), default=8, help="tokens each stream emits, the first one included")
-    parser.add_argument("--sequences", type=at_least(2), default=3, help="sequences sharing each step of the mixed-batch check")
+    parser.add_argument("--sequences", type=at_least(2), default=FULL_BATCH,
+                        help="sequences stepped together in the full-batch check (as many as a serving engine batches)")
     parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the prompts, the random drafts and the seeded sampling")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE",
                         help="also write the report as JSON to FILE (default: not written)")

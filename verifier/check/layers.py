@@ -41,8 +41,10 @@ class LayerOutputs:
     def _recording(self, forward, index: int):
         def recorded(*args, **kwargs):
             out = forward(*args, **kwargs)
-            rows = out[0] if isinstance(out, tuple) else out  # a mixer returns (rows, its verify record)
-            if isinstance(rows, SplitSums):  # a split-K projection's sums, which the next norm finishes (ops.linear)
+            # a mixer returns (rows, its verify record); SplitSums, a split-K projection's sums that the
+            # next norm finishes (ops.linear), is a tuple too, so it is told apart first
+            rows = out if isinstance(out, SplitSums) else out[0] if isinstance(out, tuple) else out
+            if isinstance(rows, SplitSums):
                 rows = rows.finish()
             self._calls[index].append(rows.detach().clone())
             return out

@@ -67,6 +67,7 @@ def build_report(model_dir, model, settings: CheckSettings, env: dict, results: 
             "per_layer_kind": {kind: _counts(c) for kind, c in r.per_layer_kind.items()},
             "first_difference": _difference(r.first_difference),
             "seconds": round(r.seconds, 3),
+            **({"batch_rows": r.batch_rows} if r.batch_rows else {}),
         } for r in results],
     }
 
@@ -88,6 +89,9 @@ def summary(report: dict) -> str:
         states = f", {check['states_equal']}/{check['states_checked']} layer states" if check["states_checked"] else ""
         lines.append(f"  {'ok  ' if check['passed'] else 'FAIL'} {check['name']:<21} {check['rows_equal']}/{check['rows_checked']} rows"
                      f"{states} equal  [{check['path']}, {check['seconds']:.1f} s]  {check['title']}")
+        if check.get("batch_rows"):
+            rows = check["batch_rows"]
+            lines.append(f"       {len(rows)} batched steps of {min(rows)}..{max(rows)} rows ({sum(rows)} rows in all)")
         if check["per_layer_kind"]:
             per_kind = ", ".join(f"{kind} {c['equal']}/{c['checked']}" for kind, c in check["per_layer_kind"].items())
             lines.append(f"       per layer kind: {per_kind}")

@@ -50,6 +50,7 @@ class CheckResult:
     per_layer_kind: dict[str, Counts] = field(default_factory=dict)  # "gdn mixer", "moe mlp", "kda state", ...
     first_difference: Difference | None = None
     seconds: float = 0.0
+    batch_rows: list[int] = field(default_factory=list)  # rows of each batched step (the full-batch check)
 
     @property
     def passed(self) -> bool:

@@ -22,8 +22,8 @@ from .hf_config import config_from_dict
 class _InventingSource:
     """Stands in for TensorSource: every `take` invents the tensor and records it."""
 
-    def __init__(self, seed: int, zero_centred_norm: bool, std: float):
-        self.device, self.dtype = torch.device("cpu"), torch.float32
+    def __init__(self, seed: int, zero_centred_norm: bool, std: float, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
         self.seed, self.zero_centred, self.std = seed, zero_centred_norm, std
         self.tensors: dict[str, torch.Tensor] = {}
 
@@ -37,7 +37,7 @@ class _InventingSource:
         return []
 
     def take(self, name: str, shape, *, fp32: bool = False) -> torch.Tensor:
-        tensor = self._invent(name, tuple(shape))
+        tensor = self._invent(name, tuple(shape)).to(torch.float32 if fp32 else self.dtype)
         self.tensors[name] = tensor
         return tensor
 
@@ -46,33 +46,39 @@ class _InventingSource:
 
     def _invent(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        gen = torch.Generator(self.device).manual_seed(int.from_bytes(digest[:8], "little"))
         leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+        empty = dict(device=self.device)
         if leaf == "A_log":
-            return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+            return torch.empty(shape, **empty).uniform_(1.0, 16.0, generator=gen).log()
         if leaf == "dt_bias":
-            return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+            return torch.empty(shape, **empty).uniform_(0.5, 1.5, generator=gen)
         if leaf == "e_score_correction_bias":
-            return torch.zeros(shape)
+            return torch.zeros(shape, **empty)
         if leaf.endswith("norm"):
             gated = leaf in ("norm", "o_norm")  # gated output norms are never zero-centred
             base = 0.0 if self.zero_centred and not gated else 1.0
-            return base + 0.1 * torch.randn(shape, generator=gen)
+            return base + 0.1 * torch.randn(shape, generator=gen, **empty)
         fan_in = shape[-1] if len(shape) > 1 else 1
         std = self.std if leaf == "embed_tokens" else 1.0 / math.sqrt(fan_in)
-        return std * torch.randn(shape, generator=gen)
+        return std * torch.randn(shape, generator=gen, **empty)
 
 
-def write_random_checkpoint(config: dict, out_dir: str | Path, seed: int = 0, std: float = 1.0) -> Path:
-    """config: an HF config.json dict (any supported model_type) -> out_dir with config.json and model.safetensors."""
+def write_random_checkpoint(config: dict, out_dir: str | Path, seed: int = 0, std: float = 1.0, *,
+                            device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """config: an HF config.json dict (any supported model_type) -> out_dir with config.json and model.safetensors.
+
+    device: where the values are drawn (a GPU draws a checkpoint of published widths in seconds;
+    the same seed gives other values on another kind of device); dtype: how they are stored (a
+    tensor the layers ask for in fp32, such as Kimi's router, stays fp32)."""
     from .hybrid import HybridModel  # late: hybrid imports this package's loader
 
     parsed = config_from_dict(config)
-    source = _InventingSource(seed, parsed.zero_centred_norm, std)
+    source = _InventingSource(seed, parsed.zero_centred_norm, std, torch.device(device), dtype)
     HybridModel(parsed, source)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in source.tensors.items()}
+    tensors = {k: v.to("cpu").contiguous() for k, v in source.tensors.items()}
     if parsed.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

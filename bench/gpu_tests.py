@@ -1,0 +1,66 @@
+"""The test suite's GPU run, recorded: pytest on this machine's CUDA device, its outcome as a results file.
+
+    PYTHONPATH=. python -m bench.gpu_tests --out DIR [--name WHAT] -- [pytest arguments]
+
+Runs `python -m pytest -q -p no:cacheprovider <pytest arguments>` (default: the kernel tests, the
+bit-exactness suite on the CUDA model device, and the real-width tests) and writes
+DIR/gpu_tests_<date>[_<name>].json: device, date, versions, the arguments, pytest's exit status,
+its counts (passed, failed, skipped, errors) and its last lines. Exit status: pytest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.machine import device_name
+
+DEFAULT_TESTS = ["tests/kernel_tests", "tests/test_real_width.py", "tests/bitexact", "tests/test_fp8_checkpoints.py", "--model-device", "cuda"]
+TAIL_LINES = 15
+SUMMARY = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")  # pytest's last line, before any warnings after it
+
+
+def counts(summary: str) -> dict[str, int]:
+    """pytest's last line ("3 failed, 250 passed, 2 skipped in 61.2s") -> {"failed": 3, "passed": 250, ...}."""
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, pytest_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
+    parser.add_argument("--name", default="", help="what this run is, appended to the file name (letters, digits, _ and -)")
+    args = parser.parse_args(ours)
+    if args.name and not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+        parser.error(f"--name {args.name!r}: letters, digits, _ and - only")
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device: the GPU tests would only skip")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(pytest_args or DEFAULT_TESTS)]
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    lines = proc.stdout.rstrip().splitlines()
+    print("\n".join(lines[-TAIL_LINES:]))
+    import triton
+
+    today = datetime.date.today().isoformat()
+    result = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
+              "pytest_args": pytest_args or DEFAULT_TESTS, "exit_status": proc.returncode,
+              "counts": counts(next((line for line in reversed(lines) if SUMMARY.search(line)), "")), "seconds": round(time.perf_counter() - start, 1),
+              "tail": lines[-TAIL_LINES:]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu_tests_{today}{'_' + args.name if args.name else ''}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Row invariance swept on the device: every GEMM and routed-experts shape of the published configs.
+
+    PYTHONPATH=. python -m bench.row_invariance --out DIR [--configs all] [--max-rows 1024]
+
+What it proves. kernels/linear.py's bf16 GEMM picks its tile by row count (16-row mma.sync tiles
+below 32 rows, 64- and 128-row wgmma tiles above), which keeps a row's bits only if the two MMA
+instructions round every sum alike: measured, not documented. kernels/linear_fp8.py and
+kernels/moe_grouped.py use one tile for every row count, so there it holds by construction; the
+sweep checks them too. For each config, the weights are those the engine multiplies, as the loader
+joins them (`model_weights`: a model built on the meta device, so no bytes), in bf16 and as a
+published block-FP8 checkpoint stores them (`FP8_KEPT` stay bf16; the Kimi router in fp32):
+- dense weights [N, K]: random x [max_rows, K]; every row alone (M = 1) against the same row in
+  the product of the first M rows, for every M = 1 .. max_rows (every tile boundary, every place
+  in a tile);
+- routed experts [E, I, H] with top_k: random rows, each with its own distinct experts; every row
+  alone against the first M rows, for M = 1 .. max_rows (every block-mate mix the grouping makes).
+A difference is a row whose bits depend on what shares its launch: the contract broken.
+Writes DIR/row_invariance_<date>.json: device, date, versions, per config its shapes, and per
+(kind, dtype, shape) the row counts swept and the rows that differ (must be none). Exit 1 if any do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu import MODELS
+from bench.machine import device_name
+from kernels import moe
+from kernels.linear import linear
+from kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
+from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
+from verifier.model.hf_config import config_from_dict
+from verifier.model.hybrid import HybridModel
+from verifier.model.layers.mlp import MoE
+from verifier.model.published_configs import PUBLISHED, PUBLISHED_SIZES
+
+FP8_BLOCK = 128
+# modules a published block-FP8 checkpoint keeps in bf16 (as matched by bench/fp8_real_size.py's
+# KEPT_MODULES): the head, the routers, the shared-expert gate, GDN's b and a inputs
+FP8_KEPT = ("lm_head", "mlp.gate.", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba")
+
+
+def sweep_configs() -> dict[str, dict]:
+    """{name: config.json}: the published configs, and the bench models of bench/gpu.py."""
+    configs = {**PUBLISHED, **PUBLISHED_SIZES}
+    configs.update({name: {"model_type": family, **fields} for name, (family, fields) in MODELS.items()})
+    return configs
+
+
+class MetaSource:
+    """Stands in for verifier.model.checkpoint.TensorSource: hands out empty meta tensors of the
+    shapes the layers ask for (FP8 where a published FP8 checkpoint stores the weight so, with
+    fp8=True), so the layers join their weights as they do at load, with no bytes."""
+
+    def __init__(self, dtype: torch.dtype, fp8: bool):
+        self.device, self.dtype, self.fp8 = torch.device("meta"), dtype, fp8
+
+    def has(self, name: str) -> bool:
+        return name == "lm_head.weight"
+
+    def take(self, name: str, shape: tuple[int, ...], *, fp32: bool = False):
+        dtype = torch.float32 if fp32 else self.dtype
+        quantized = (self.fp8 and not fp32 and len(shape) >= 2 and name.endswith(".weight") and "conv" not in name
+                     and "embed" not in name and not any(kept in name for kept in FP8_KEPT))
+        if not quantized:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        *lead, n, k = shape
+        scales = BlockScales(torch.empty(*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK), device=self.device),
+                             standard_scale_row(n, FP8_BLOCK), FP8_BLOCK)
+        return BlockFP8Weight(torch.empty(shape, dtype=FP8, device=self.device), scales, dtype)
+
+    def take_flat(self, name: str, numel: int, *, fp32: bool = False) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32 if fp32 else self.dtype, device=self.device)
+
+    def leftovers(self) -> list[str]:
+        return []
+
+
+def model_weights(config: dict, fp8: bool) -> dict[tuple, list[str]]:
+    """{(kind, dtype, shape): [where]} of every weight a step multiplies: kind "dense" with shape
+    (N, K), or "experts" with (E, I, H, top_k); dtype "bf16", "fp32" or "fp8"."""
+    parsed = config_from_dict(config)
+    model = HybridModel(parsed, MetaSource(torch.bfloat16, fp8))
+    found: dict[tuple, list[str]] = {}
+
+    def add(weight, where: str, top_k: int = 0) -> None:
+        if isinstance(weight, OutFeatureGroups):
+            for i, group in enumerate(weight.groups):
+                add(group, f"{where}[group {i}]")
+            return
+        dtype = "fp8" if isinstance(weight, BlockFP8Weight) else {torch.bfloat16: "bf16", torch.float32: "fp32"}[weight.dtype]
+        if len(weight.shape) == 3:
+            key = ("experts", dtype, (*weight.shape, top_k))
+        else:
+            key = ("dense", dtype, tuple(weight.shape))
+        found.setdefault(key, []).append(where)
+
+    for i, block in enumerate(model.blocks):
+        for part_name, part in (("mixer", block.mixer), ("mlp", block.mlp)):
+            owners = [(part_name, part)] + ([(f"{part_name}.shared", part.shared)] if getattr(part, "shared", None) else [])
+            for owner_name, owner in owners:
+                for attr, weight in vars(owner).items():
+                    if not attr.startswith("w_") or attr in ("w_gate", "w_up", "w_down") and isinstance(owner, MoE):
+                        continue
+                    add(weight, f"layer {i} {owner_name}.{attr}")
+            if isinstance(part, MoE):
+                add(part.w_gate, f"layer {i} mlp.experts", part.cfg.top_k)
+    add(model.lm_head, "lm_head")
+    return found
+
+
+def _dense_weight(n: int, k: int, dtype: str, gen: torch.Generator):
+    if dtype != "fp8":
+        return (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).to(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]))
+    values = (torch.randn(n, k, generator=gen, device="cuda") * 112).clamp_(-448, 448).to(FP8)
+    scale = torch.empty(-(-n // FP8_BLOCK), -(-k // FP8_BLOCK), device="cuda").uniform_(-1, 1, generator=gen).exp2_() / (112 * math.sqrt(k))
+    return values, BlockScales(scale, standard_scale_row(n, FP8_BLOCK, "cuda"), FP8_BLOCK)
+
+
+def sweep_dense(n: int, k: int, dtype: str, max_rows: int, seed: int) -> dict:
+    """Every row alone vs in the first M rows, M = 1 .. max_rows -> {M: rows differing} (empty: invariant)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    weight = _dense_weight(n, k, dtype, gen)
+    x_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    x = torch.randn(max_rows, k, generator=gen, device="cuda").to(x_dtype)
+    op = (lambda rows: linear_fp8(rows, *weight)) if dtype == "fp8" else (lambda rows: linear(rows, weight))
+    alone = torch.cat([op(x[r : r + 1]) for r in range(max_rows)])
+    differing = {}
+    for m in range(1, max_rows + 1):
+        rows = (op(x[:m]) != alone[:m]).any(dim=1).sum()
+        differing[m] = rows  # a device scalar: read once at the end, no sync per launch
+    return {m: int(v) for m, v in differing.items() if int(v)}
+
+
+def sweep_experts(e: int, i: int, h: int, top_k: int, dtype: str, max_rows: int, seed: int) -> dict:
+    """moe_experts(_fp8): every row alone vs in the first M rows, M = 1 .. max_rows."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if dtype == "fp8":
+        stacks = []
+        for n, k in ((i, h), (i, h), (h, i)):
+            values, scales = _dense_weight(e * n, k, "fp8", gen)
+            stacks.append((values.view(e, n, k), BlockScales(scales.scale_inv.view(e, -(-n // FP8_BLOCK), -1), standard_scale_row(n, FP8_BLOCK, "cuda"),
+                                                            FP8_BLOCK)))
+        (wg, sg), (wu, su), (wd, sd) = stacks
+        op = lambda x, ids, w: moe.moe_experts_fp8(x, ids, w, wg, wu, wd, (sg, su, sd))  # noqa: E731
+    else:
+        wg, wu = (_dense_weight(e * i, h, "bf16", gen).view(e, i, h) for _ in range(2))
+        wd = _dense_weight(e * h, i, "bf16", gen).view(e, h, i)
+        op = lambda x, ids, w: moe.moe_experts(x, ids, w, wg, wu, wd)  # noqa: E731
+    x = torch.randn(max_rows, h, generator=gen, device="cuda").bfloat16()
+    ids = torch.rand(max_rows, e, generator=gen, device="cuda").argsort(dim=1)[:, :top_k].contiguous()
+    weights = torch.rand(max_rows, top_k, generator=gen, device="cuda")
+    alone = torch.cat([op(x[r : r + 1], ids[r : r + 1], weights[r : r + 1]) for r in range(max_rows)])
+    differing = {m: (op(x[:m], ids[:m], weights[:m]) != alone[:m]).any(dim=1).sum() for m in range(1, max_rows + 1)}
+    return {m: int(v) for m, v in differing.items() if int(v)}
+
+
+def run(configs: dict[str, dict], max_rows: int, seed: int, log=print) -> dict:
+    """The sweep of every distinct (kind, dtype, shape) of `configs` -> the results dict."""
+    shapes: dict[tuple, list[str]] = {}
+    per_config = {}
+    for name, config in configs.items():
+        found = {}
+        for fp8 in (False, True):
+            for key, where in model_weights(config, fp8).items():
+                found.setdefault(key, where)
+        per_config[name] = sorted(f"{kind} {dtype} {list(shape)}" for kind, dtype, shape in found)
+        for key in found:
+            shapes.setdefault(key, []).append(name)
+    results = []
+    for index, ((kind, dtype, shape), names) in enumerate(sorted(shapes.items())):
+        start = time.perf_counter()
+        if kind == "dense":
+            differing = sweep_dense(*shape, dtype, max_rows, seed + index)
+        else:
+            differing = sweep_experts(*shape, dtype, max_rows, seed + index)
+        torch.cuda.empty_cache()
+        results.append({"kind": kind, "dtype": dtype, "shape": list(shape), "configs": names, "rows_swept": f"1..{max_rows}",
+                        "row_counts_with_differing_rows": len(differing), "differing": {str(m): n for m, n in differing.items()},
+                        "seconds": round(time.perf_counter() - start, 2)})
+        log(f"[row_invariance] {kind} {dtype} {list(shape)}: {'invariant' if not differing else f'{len(differing)} row counts differ'} "
+            f"({results[-1]['seconds']:.1f} s)")
+    return {"configs": per_config, "shapes": results, "invariant": all(not r["differing"] for r in results)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
+    parser.add_argument("--configs", default="all", help=f"comma-separated names, or all: {', '.join(sweep_configs())}")
+    parser.add_argument("--max-rows", type=int, default=1024, help="row counts 1 .. this are swept")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the sweep runs on a CUDA device (the interpreter's dot never mixes rows)", file=sys.stderr)
+        return 2
+    known = sweep_configs()
+    names = list(known) if args.configs == "all" else args.configs.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"error: --configs: unknown {unknown}; known: {list(known)}", file=sys.stderr)
+        return 2
+    import triton
+
+    today = datetime.date.today().isoformat()
+    out = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
+           "max_rows": args.max_rows, "seed": args.seed,
+           **run({n: known[n] for n in names}, args.max_rows, args.seed, lambda m: print(m, file=sys.stderr, flush=True))}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"row_invariance_{today}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"[row_invariance] {'every shape invariant' if out['invariant'] else 'DIFFERENCES'}: wrote {path}", file=sys.stderr)
+    return 0 if out["invariant"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
