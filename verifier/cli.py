@@ -15,6 +15,7 @@ import torch
 from .arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids
 from .check import add_check_parser, check_command
 from .defaults import default_draft_model_dir, default_model_dir
+from .dtypes import DTYPES
 from .engine import Engine
 from .generate import generate
 from .model import load_model
@@ -22,7 +23,6 @@ from .model.rollback import ROLLBACK_MODES, WOA
 from .proposers import NgramProposer, OracleProposer, Proposer, RandomProposer
 from .tokenizer import TextTokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DRAFTS = ("none", "ngram", "model", "random", "oracle")
 DEFAULT_K = 4  # drafts per step with a drafter, when --k is not given
 # In process the engine is sized for K: a K-row verify holds K+1 rows of activations and the slot

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..arguments import DefaultsHelpFormatter, at_least
+from ..dtypes import DTYPES
 from ..engine import Engine
 from .checks import CheckSettings, run_checks
 from .report import build_report, environment, summary
@@ -24,8 +25,6 @@ FULL_BATCH = 64  # the full-batch check's default sequences: a serving batch (be
 
 
 def add_check_parser(sub):
-    from ..cli import DTYPES  # verifier.cli imports this module
-
     parser = sub.add_parser(
         "check", help="prove bit-exact verification on your checkpoint and device", formatter_class=DefaultsHelpFormatter,
         description="Run on your checkpoint and device what the project's bit-exactness tests prove on theirs: verify rows "
@@ -57,7 +56,6 @@ def _fail(message: str) -> int:
 
 
 def check_command(args) -> int:
-    from ..cli import DTYPES
     from ..defaults import default_model_dir
     from ..model import load_model
 

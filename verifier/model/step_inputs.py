@@ -17,13 +17,21 @@ a CUDA graph captured on one buffer's views serves any batch of the same R and S
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .rows import RowBatch
+
+class StepRows(Protocol):
+    """What `fill` reads of a batch of rows (verifier/model/rows.py's RowBatch, which builds its
+    device tensors through this buffer: the protocol keeps the two modules from importing each other)."""
+
+    slots: Sequence[int]  # [S] each sequence's slot
+    starts: Sequence[int]  # [S] each sequence's committed position
+    counts: Sequence[int]  # [S] each sequence's rows
+    carried: Sequence[int]  # [S] rows each sequence's slot carries from its last step
+    n_rows: int
 
 _WORDS_PER_ALIGN = 2  # int64 words per 16 bytes
 
@@ -55,7 +63,7 @@ class StepInputs:
         """(seq_slots, cu_rows, row_slots, positions, carried): what RowBatch.attach takes."""
         return self.seq_slots, self.cu_rows, self.row_slots, self.positions, self.carried
 
-    def fill(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch) -> StepInputs:
+    def fill(self, tokens: torch.Tensor | Sequence[int] | None, batch: StepRows) -> StepInputs:
         """Write `batch` (exactly this buffer's R rows and S sequences: pad it first, see padding.py)
         and its first len(tokens) row tokens (a host int64 tensor or a list of ints; the rest 0, a
         valid id for padding rows) on the host, with a handful of numpy ops per step on views made

@@ -42,6 +42,7 @@ import torch
 
 from .. import rpc
 from ..engine import LENGTH, Engine, StepRequest
+from .answer import Answer
 from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, ok_result
 from .goodput import GoodputPolicy
 from .metrics import Metrics
@@ -56,32 +57,6 @@ log = logging.getLogger(__name__)
 # stepping costs one window).
 GATHER_MARGIN = 1.5
 MAX_GATHER_S = 0.05
-
-
-class Answer:
-    """What a caller waits for without an asyncio future of its own: `result` once answered (None
-    before); `on_done(callback)` calls back then (at once if it is); `finish(result)` answers and
-    calls back synchronously. (A future per step, gathered per call, cost a callback handle per
-    step on the event loop.)"""
-
-    __slots__ = ("result", "_callbacks")
-
-    def __init__(self, result=None):
-        self.result = result
-        self._callbacks: list = []
-
-    def on_done(self, callback) -> None:
-        """callback() once answered (at once if it is)."""
-        if self.result is not None:
-            callback()
-        else:
-            self._callbacks.append(callback)
-
-    def finish(self, result) -> None:
-        self.result = result
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 
 
 class PendingStep(Answer):

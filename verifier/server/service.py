@@ -23,7 +23,8 @@ from .goodput import GoodputPolicy, StepCost
 from .malformed import Malformed, refuse
 from .metrics import Metrics
 from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fingerprint
-from .scheduler import Answer, PendingStep, Scheduler
+from .answer import Answer
+from .scheduler import PendingStep, Scheduler
 from .sessions import Session, SessionTable
 from .validate import Invalid, open_limits, open_prompt, repeated_sessions, step_drafts
 from .worker import Worker

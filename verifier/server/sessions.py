@@ -19,14 +19,12 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from .. import rpc
 from ..engine import Sequence
+from .answer import Answer
 from .retries import Fingerprint
-
-if TYPE_CHECKING:
-    from .scheduler import PendingStep
 
 GONE_REMEMBERED = 4096  # ids of closed / reaped sessions kept to say why a later call fails
 
@@ -43,7 +41,7 @@ class Session:
     open_request_id: str  # the OpenSession request id ("" if none): a retry finds this session
     last_used: float
     results: OrderedDict[str, StoredResult] = field(default_factory=OrderedDict)  # request id -> its answer
-    inflight: dict[str, "PendingStep"] = field(default_factory=dict)  # request id -> queued or running step
+    inflight: dict[str, Answer] = field(default_factory=dict)  # request id -> its queued or running step (scheduler.PendingStep)
     busy: int = 0  # steps queued or running: a busy session is never reaped
 
 
