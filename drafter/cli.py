@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from verifier.arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids
+from verifier.arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
+from verifier.printing import TokenPrinter
 
 from .adaptive import AdaptiveK
 from .choose import DEFAULT_K, add_drafter_arguments, check_drafter_arguments, make_proposer
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--server", required=True, metavar="HOST:PORT", help="the verifier's address")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
-    prompt.add_argument("--text", help="prompt text, tokenized by the server (its model needs a tokenizer)")
+    prompt.add_argument("--text", type=utf8_text, help="prompt text, tokenized by the server (its model needs a tokenizer)")
     gen.add_argument("--max-new-tokens", type=at_least(1), required=True,
                      help="tokens to generate, the first one included; prompt + these must fit the server's max_context")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming tokens")
@@ -94,7 +95,9 @@ def _generate(args) -> int:
         _check_connection_arguments(args)
         text_stream = None
         if args.tokenizer is not None:
-            from .text import TextStream, load_tokenizer  # tokenizers only when text is wanted
+            from verifier.tokenizer import TextStream  # tokenizers only when text is wanted
+
+            from .text import load_tokenizer
 
             text_stream = TextStream(load_tokenizer(args.tokenizer))
         client = VerifierClient(args.server, auth_token=args.auth_token, tls_root_cert=args.tls_root_cert, timeout_s=args.timeout)
@@ -120,7 +123,7 @@ def _generate(args) -> int:
             return _fail(str(exc), 2)
         adaptive = AdaptiveK(k) if args.adaptive_k and k > 0 else None
 
-        printer = _Printer(text_stream, quiet=args.json)
+        printer = TokenPrinter(text_stream, quiet=args.json)
         start = time.perf_counter()
         try:
             result = generate(client, proposer, prompt_ids=args.prompt_ids, text=args.text, max_new_tokens=args.max_new_tokens,
@@ -167,6 +170,8 @@ def _drafts_per_step(args, info: ModelInfo) -> int:
     """--k checked against the server's max_k; without --k, DEFAULT_K or the server's max_k if lower."""
     if args.k is None:
         return 0 if args.drafter == "none" else min(DEFAULT_K, info.max_k)
+    if args.drafter != "none" and args.k == 0:
+        raise ValueError(f"--k 0 with --drafter {args.drafter} drafts nothing: pass --k 1 or more, or --drafter none to decode plainly")
     check_k(args.k, info)
     return args.k
 
@@ -177,31 +182,6 @@ def _check_connection_arguments(args) -> None:
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
 
-
-class _Printer:
-    """Streams each step's tokens to stdout: text through the tokenizer, else comma-separated ids."""
-
-    def __init__(self, text_stream, quiet: bool):
-        self.text_stream, self.quiet = text_stream, quiet
-        self.started = False
-
-    def push(self, ids: list[int]) -> None:
-        if self.text_stream is not None:
-            chunk = self.text_stream.push(ids)  # fed even when quiet: --json reports the text
-        else:
-            chunk = ("," if self.started else "") + ",".join(map(str, ids))
-        self.started = True
-        if not self.quiet and chunk:
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-
-    def end(self) -> None:
-        if self.quiet or not self.started:
-            return
-        if self.text_stream is not None:
-            sys.stdout.write(self.text_stream.flush())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
 
 
 def _add_bench_parser(sub) -> None:

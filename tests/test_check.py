@@ -126,6 +126,7 @@ def test_every_flag_states_its_default():
     (["--max-k", "0"], "--max-k"),
     (["--new-tokens", "1"], "--new-tokens"),
     (["--sequences", "1"], "--sequences"),
+    (["--max-k", "1000"], "argument --max-k: must be at most 64, got 1000"),
     (["--device", "tpu"], "--device"),
     (["--dtype", "float16"], "--dtype"),
 ])

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "verifier", *map(str, args)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    """args: str() of each, bytes as they are (an argument that is not UTF-8)."""
+    argv = [a if isinstance(a, bytes) else str(a) for a in args]
+    return subprocess.run([sys.executable, "-m", "verifier", *argv], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 
 
 def test_generate_json_and_logits_out(hf_checkpoint, tmp_path):
@@ -57,6 +59,25 @@ def test_generate_errors_name_the_problem(hf_checkpoint):
     assert proc.returncode == 2 and "comma-separated integers" in proc.stderr
     proc = _run("generate", "--model", path.parent / "nowhere", "--prompt-ids", "1", "--max-new-tokens", 2)
     assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_frictions_a_newcomer_met_get_one_line_errors(hf_checkpoint, tmp_path):
+    """Text that is not UTF-8, a drafter asked for no drafts, a config.json that is not JSON: each
+    exits 2 with one line naming what is wrong, never a traceback."""
+    path = hf_checkpoint("qwen3_5_text")
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (broken / "config.json").write_text('{"model_type": "qwen3_5_text",')
+    cases = {
+        ("--model", path, "--text", b"def \xff():"): "argument --text: is not valid UTF-8 (byte 0xff at character 4)",
+        ("--model", path, "--prompt-ids", "1,2", "--draft", "model", "--k", 0): "--k 0 with --draft model drafts nothing",
+        ("--model", broken, "--prompt-ids", "1,2"): f"{broken / 'config.json'}: not valid JSON (Expecting property name",
+    }
+    for args, message in cases.items():
+        proc = _run("generate", *args, "--max-new-tokens", 2)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        # argparse prints its usage first; the error is the last line
+        assert message in proc.stderr.splitlines()[-1], (args, proc.stderr)
 
 
 def test_default_model_is_the_shipped_pair():
@@ -108,7 +129,7 @@ def test_k_above_max_k_exits_2_naming_the_limit(hf_checkpoint):
     """--k 100000 once ran for over 10 minutes and grew past 5.5 GB: now refused before any work."""
     path = hf_checkpoint("qwen3_5_text")
     proc = _run("generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--draft", "random", "--k", 100000)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --k 100000 exceeds --max-k 16"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --k 100000 exceeds --max-k 8"), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     proc = _run("generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--draft", "ngram",
                 "--k", 5, "--max-k", 4)
@@ -136,7 +157,7 @@ def test_every_generate_flag_shows_its_default():
     proc = _run("generate", "--help")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # argparse wraps lines
-    for shown in ("--max-k MAX_K the largest --k accepted: the engine and the slot are sized for it (default: 16)",
+    for shown in ("--max-k MAX_K the largest --k accepted: the engine and the slot are sized for it (default: 8)",
                   "(default: 4 with a drafter, 0 without)", "greedy (argmax)", "(default: 0.0)", "(default: cpu)",
                   "--json print one JSON object instead of text (default: off)"):
         assert shown in text, shown
@@ -151,3 +172,16 @@ def test_the_json_reports_drafted_per_step(hf_checkpoint, draft):
     out = json.loads(proc.stdout)
     assert len(out["drafted_per_step"]) == len(out["accepted_per_step"]) == out["steps"]
     assert all(0 <= a <= d <= 3 for a, d in zip(out["accepted_per_step"], out["drafted_per_step"]))
+
+
+def test_generate_streams_each_steps_tokens(hf_checkpoint):
+    """`verifier generate` prints tokens as each step emits them: generate's on_tokens gets the
+    first token, then every step's tokens, which together are the generation's."""
+    model = load_model(hf_checkpoint("qwen3_5_text"))
+    engine = Engine(model, n_slots=1, max_seq_len=32, max_k=3)
+    calls: list[list[int]] = []
+    from verifier.proposers import RandomProposer
+
+    result = generate(engine, [1, 2, 3], 10, proposer=RandomProposer(model.config.vocab_size, 0), k=3, on_tokens=calls.append)
+    assert len(calls) == result.steps + 1 and calls[0] == result.tokens[:1]
+    assert [t for call in calls for t in call] == result.tokens

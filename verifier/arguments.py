@@ -41,8 +41,20 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def at_least(low: int):
-    """An integer argument type that refuses values below `low`."""
+def utf8_text(text: str) -> str:
+    """--text as given, refused when the shell passed bytes that are not UTF-8: Python keeps each
+    such byte as a lone surrogate, which neither a tokenizer nor a protobuf string can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(exc.object[exc.start]) - 0xDC00 if 0xDC80 <= ord(exc.object[exc.start]) <= 0xDCFF else None
+        where = f"byte 0x{byte:02x} at character {exc.start}" if byte is not None else f"character {exc.start}"
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 ({where})") from None
+    return text
+
+
+def at_least(low: int, most: int | None = None, why: str = ""):
+    """An integer argument type that refuses values below `low` (and above `most`, saying `why`)."""
 
     def parse(text: str) -> int:
         try:
@@ -51,6 +63,8 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}{': ' + why if why else ''}")
         return value
 
     return parse

@@ -12,22 +12,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids
+from .arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
 from .check import add_check_parser, check_command
 from .defaults import default_draft_model_dir, default_model_dir
 from .dtypes import DTYPES
-from .engine import Engine
+from .engine import DEFAULT_MAX_K, Engine
 from .generate import generate
 from .model import load_model
 from .model.rollback import ROLLBACK_MODES, WOA
+from .printing import TokenPrinter
 from .proposers import NgramProposer, OracleProposer, Proposer, RandomProposer
 from .tokenizer import TextTokenizer
 
 DRAFTS = ("none", "ngram", "model", "random", "oracle")
 DEFAULT_K = 4  # drafts per step with a drafter, when --k is not given
 # In process the engine is sized for K: a K-row verify holds K+1 rows of activations and the slot
-# K positions of headroom, so an unbounded --k grows memory without bound (--k 100000 passed 5.5 GB).
-DEFAULT_MAX_K = 16
+# K positions of headroom, so --k is bounded by --max-k, whose default is the engine's and the
+# server's (engine.DEFAULT_MAX_K).
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +47,7 @@ def _add_generate(sub) -> None:
     gen.add_argument("--model", type=Path, help="HF checkpoint directory (default: the project's default model, models/target)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
-    prompt.add_argument("--text", help="prompt text (needs tokenizer.json in the model directory)")
+    prompt.add_argument("--text", type=utf8_text, help="prompt text (needs tokenizer.json in the model directory)")
     gen.add_argument("--max-new-tokens", type=at_least(1), required=True, help="tokens to generate, the first one included")
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                      help="where the model runs: cpu (the torch reference ops) or cuda (the Triton kernels)")
@@ -102,6 +103,8 @@ def _drafts_per_step(args) -> int:
         return 0 if args.draft == "none" else min(DEFAULT_K, args.max_k)
     if args.draft == "none" and args.k:
         raise ValueError("--k needs a drafter: pass --draft ngram|model|random|oracle")
+    if args.draft != "none" and args.k == 0:
+        raise ValueError(f"--k 0 with --draft {args.draft} drafts nothing: pass --k 1 or more, or --draft none to decode plainly")
     if args.k > args.max_k:
         raise ValueError(f"--k {args.k} exceeds --max-k {args.max_k}, the most drafts a step may carry "
                          f"(raise --max-k to allow more)")
@@ -144,9 +147,12 @@ def _generate(args) -> int:
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
 
+    # the tokens go to stdout as each step emits them (text where the model has a tokenizer)
+    printer = TokenPrinter(tokenizer.stream() if tokenizer else None, quiet=args.json)
     start = time.perf_counter()
-    result = generate(engine, prompt, args.max_new_tokens, sampling, proposer, k)
+    result = generate(engine, prompt, args.max_new_tokens, sampling, proposer, k, on_tokens=printer.push)
     seconds = time.perf_counter() - start
+    printer.end()
     if args.logits_out:
         np.save(args.logits_out, result.logits.cpu().numpy().astype(np.float32))
     text = tokenizer.decode(result.tokens) if tokenizer else None
@@ -167,7 +173,6 @@ def _generate(args) -> int:
             out["text"] = text
         print(json.dumps(out))
     else:
-        print(text if text is not None else ",".join(map(str, result.tokens)))
         spec = f", {result.steps} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s{spec}]", file=sys.stderr)
     return 0

@@ -1,9 +1,8 @@
 """Where the default models live.
 
-The trained default pair ships under `models/` (issue 7, trained by `python -m training run`):
+The trained default pair ships under `models/` (trained by `python -m training run`):
 `models/target` is the verifier's default model and `models/draft` the default draft model. A
-checkout without them (the files are not there until the training run's output is committed)
-falls back to a small random Qwen3.5-style checkpoint with a byte-level tokenizer, built
+checkout without them (a sparse or partial copy of the repository) falls back to a small random Qwen3.5-style checkpoint with a byte-level tokenizer, built
 deterministically on first use into the user cache: its text is noise, but every code path is
 real. The switch is on `config.json` being present, nothing else.
 """
@@ -58,13 +57,15 @@ def default_model_dir() -> Path:
         from .model.random_checkpoint import write_random_checkpoint
         from .tokenizer import byte_level_tokenizer
 
-        log.warning("no trained default model ships yet: building a deterministic random checkpoint at %s", out)
+        log.warning("%s is missing from this checkout (the trained default model ships there): building a deterministic "
+                    "random checkpoint at %s instead, whose text is noise", SHIPPED_TARGET, out)
         write_random_checkpoint(RANDOM_DEFAULT_CONFIG, out, seed=0)
         byte_level_tokenizer().save(str(out / "tokenizer.json"))
         with open(out / "generation_config.json", "w") as f:
             json.dump({"eos_token_id": RANDOM_DEFAULT_CONFIG["eos_token_id"]}, f)
     else:
-        log.warning("no trained default model ships yet: using the deterministic random checkpoint at %s", out)
+        log.warning("%s is missing from this checkout (the trained default model ships there): using the deterministic "
+                    "random checkpoint at %s instead, whose text is noise", SHIPPED_TARGET, out)
     return out
 
 

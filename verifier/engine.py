@@ -32,6 +32,9 @@ from .params import SamplingParams
 from .sampling import choose, choose_rows
 
 EOS, LENGTH = "eos", "length"
+# the most drafts a step may carry unless told otherwise: the engine's, the server's (--max-k of
+# `serve`), `generate`'s and `check`'s default alike
+DEFAULT_MAX_K = 8
 
 # Most bytes of logits a step copies before its acceptance (Engine._copy_early): every row of the
 # sequences that want theirs, emitted or not. 64 MiB: a decode of 64 sequences of the 2B model's
@@ -114,7 +117,7 @@ def _keep_early_rows(early: tuple[int, torch.Tensor], wanted: list[tuple[StepRes
 
 
 class Engine:
-    def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = 8, rollback_mode: str = WOA,
+    def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = DEFAULT_MAX_K, rollback_mode: str = WOA,
                  cuda_graphs: bool = True, graph_rows: tuple[int, ...] | None = None):
         """graph_rows: the shared CUDA graph buckets' total verify rows (model/graphs.py); None: those
         of DEFAULT_GRAPH_ROWS that fit max_seq_len. A given list must fit max_seq_len. Besides them, a

@@ -7,6 +7,8 @@ server (the same accepted_per_step, drafted_per_step and mean acceptance length)
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .engine import Engine, StepRequest
@@ -16,12 +18,16 @@ from .proposers import Proposer
 
 
 def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-             proposer: Proposer | None = None, k: int = 0, eos_ids: tuple[int, ...] | None = None) -> Generation:
-    """Generation.logits is a torch tensor [len(tokens), vocab] fp32 on the model's device."""
+             proposer: Proposer | None = None, k: int = 0, eos_ids: tuple[int, ...] | None = None,
+             on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
+    """Generation.logits is a torch tensor [len(tokens), vocab] fp32 on the model's device.
+    on_tokens: called with the first token, then with each step's emitted tokens, as they come."""
     sampling = sampling or SamplingParams()
     seq = engine.open(prompt, sampling, max_new_tokens, eos_ids)
     try:
         tokens, rows = [seq.pending], [seq.first_logits]
+        if on_tokens is not None:
+            on_tokens(tokens[:])
         accepted, drafted = [], []
         while not seq.finished:
             drafts = []
@@ -33,6 +39,8 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: S
             if result.error is not None:
                 raise result.error
             tokens += result.tokens
+            if on_tokens is not None:
+                on_tokens(result.tokens)
             rows.append(result.logits)
             accepted.append(result.accepted)
             drafted.append(len(drafts))

@@ -43,6 +43,10 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def stream(self) -> "TextStream":
+        """A TextStream over this tokenizer: ids in as they come, text out."""
+        return TextStream(self._tok)
+
 
 def byte_level_tokenizer(eos: str = "<|endoftext|>") -> Tokenizer:
     """256 byte tokens (ids 0..255) plus `eos` (id 256): text round-trips with no training."""
@@ -65,3 +69,35 @@ def _byte_of(char: str) -> int:
         return code
     others = [b for b in range(256) if b not in printable]
     return others[code - 256]
+
+
+_INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a UTF-8 sequence cut in the middle
+
+
+class TextStream:
+    """Feeds ids in, gives back the text they add. Text that ends inside a multi-byte character is
+    held back until the character completes, so no replacement characters are printed mid-stream."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._shown = ""
+
+    def push(self, ids: list[int]) -> str:
+        self._ids += ids
+        text = self._tok.decode(self._ids, skip_special_tokens=False).rstrip(_INCOMPLETE)
+        if not text.startswith(self._shown):  # a decoder that rewrote earlier text: wait for it to settle
+            return ""
+        new, self._shown = text[len(self._shown):], text
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        text = self._tok.decode(self._ids, skip_special_tokens=False)
+        new = text[len(self._shown):] if text.startswith(self._shown) else ""
+        self._shown = text
+        return new
+
+    @property
+    def text(self) -> str:
+        return self._tok.decode(self._ids, skip_special_tokens=False)

@@ -19,7 +19,9 @@ PROMPT = "5,9,14,3,5,9,14,3,7"
 
 
 def _run(module, *args):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    """args: str() of each, bytes as they are (an argument that is not UTF-8)."""
+    argv = [a if isinstance(a, bytes) else str(a) for a in args]
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
 def _json(proc) -> dict:
@@ -75,10 +77,12 @@ def test_errors_name_the_problem_and_set_the_exit_status(server):
         ("--prompt-ids", "1,2", "--ngram-min", "3", "--ngram-max", "2"): "--ngram-min 3 is larger than --ngram-max 2",
         ("--prompt-ids", "1,2", "--temperature", "-1"): "temperature",
         ("--prompt-ids", "1,x"): "comma-separated integers",
+        ("--prompt-ids", "1,2", "--k", "0"): "--k 0 with --drafter ngram drafts nothing",
+        ("--text", b"ab\xffc"): "argument --text: is not valid UTF-8 (byte 0xff at character 2)",
     }
     for args, message in bad_args.items():
         proc = _run("drafter", "generate", "--server", server.address, "--max-new-tokens", 4, *args)
-        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
     # a text prompt longer than the context: the server refuses it at the open (its status, exit 1)
     proc = _run("drafter", "generate", "--server", server.address, "--text", "A" * 120, "--max-new-tokens", 4)
     assert proc.returncode == 1 and proc.stderr.startswith("error: OUT_OF_RANGE") and proc.stderr.count("\n") == 1, proc.stderr

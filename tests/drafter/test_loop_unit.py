@@ -7,7 +7,7 @@ import pytest
 
 from drafter.loop import DraftLoop
 from drafter.messages import ModelInfo, Session, StepOutcome, VerifierError
-from drafter.text import TextStream
+from verifier.tokenizer import TextStream
 from verifier.generation import Generation, draft_room, mean_acceptance_length
 from verifier.tokenizer import byte_level_tokenizer
 

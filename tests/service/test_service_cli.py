@@ -9,9 +9,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifier import cli, rpc
@@ -58,6 +60,41 @@ def test_serve_logs_its_port_answers_and_stops_on_sigterm(text_checkpoint):
             proc.wait()
 
 
+def test_a_second_signal_stops_at_once_and_the_wait_is_said(text_checkpoint):
+    """The first SIGINT says how long the shutdown may take (here a 60 s drain); a second one ends
+    the process at once, exit 130."""
+    proc = subprocess.Popen([sys.executable, "-m", "verifier", "serve", "--model", str(text_checkpoint), "--port", "0",
+                             "--n-slots", "2", "--max-seq-len", "64", "--drain-s", "60", "--grace-s", "5"],
+                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    listening, stopping = threading.Event(), threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            listening.set() if "listening on" in line else None
+            stopping.set() if line.startswith("stopping:") else None
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert listening.wait(120), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        assert stopping.wait(30), "".join(lines)
+        (said,) = [ln for ln in lines if ln.startswith("stopping:")]
+        assert "60 s with health NOT_SERVING" in said and "up to 5 s for calls in flight" in said and "second Ctrl-C" in said
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+        assert time.monotonic() - start < 20
+        reader.join(timeout=10)
+        assert any(ln.startswith("stopping at once") for ln in lines), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_rejects_bad_options(capsys, text_checkpoint):
     assert cli.main(["serve", "--model", str(text_checkpoint), "--port", "0", "--tls-cert", "cert.pem"]) == 2
     assert "tls_cert and tls_key" in capsys.readouterr().err
@@ -94,13 +131,17 @@ def test_flags_build_the_config(text_checkpoint):
                                                   metrics_port=9100, rollback="snapshot")
 
 
-def test_busy_metrics_port_is_one_line_and_exit_2(text_checkpoint):
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_busy_port_is_one_line_and_exit_2(text_checkpoint, flag):
+    """A port another process holds: our one line naming the flag, without gRPC's own log line
+    before it."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "verifier", "serve", "--model", str(text_checkpoint), "--port", "0",
-                               "--metrics-port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        ports = ["--port", str(port)] if flag == "--port" else ["--port", "0", "--metrics-port", str(port)]
+        proc = subprocess.run([sys.executable, "-m", "verifier", "serve", "--model", str(text_checkpoint), "--host", "127.0.0.1",
+                               *ports], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: ") and f"127.0.0.1:{port}" in line and "--metrics-port" in line, proc.stderr
+    assert line.startswith("error: ") and f"127.0.0.1:{port}" in line and flag in line, proc.stderr

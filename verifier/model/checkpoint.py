@@ -12,7 +12,6 @@ returns a BlockFP8Weight, which the layers' GEMMs consume.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from .fp8 import FP8_DTYPE, BlockFP8Weight, read_block_fp8_format
+from .hf_config import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ class CheckpointError(ValueError):
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
         files = sorted({model_dir / name for name in weight_map.values()})

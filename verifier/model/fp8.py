@@ -19,7 +19,6 @@ index of its scale row (`BlockScales.scale_row`), so nothing needs a block bound
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from kernels.linear_fp8 import BlockScales, dequantize_ref, standard_scale_row
 
-from .hf_config import ConfigError
+from .hf_config import ConfigError, read_json_object
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -104,8 +103,7 @@ def read_block_fp8_format(model_dir: str | Path) -> BlockFP8Format | None:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    with open(path) as f:
-        qc = json.load(f).get("quantization_config")
+    qc = read_json_object(path).get("quantization_config")
     return None if qc is None else BlockFP8Format.from_config(qc)
 
 

@@ -58,12 +58,26 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def read_json_object(path: str | Path) -> dict:
+    """A checkpoint's JSON file (config.json, the shard index) as a dict; ConfigError naming the
+    file and where it stops parsing when it is not a JSON object."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, holds a {type(value).__name__}")
+    return value
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the model directory")
-    with open(path) as f:
-        return config_from_dict(json.load(f))
+    return config_from_dict(read_json_object(path))
 
 
 def config_from_dict(cfg: dict) -> ModelConfig:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 
 import grpc
@@ -114,6 +116,7 @@ class VerifierServer:
 
     def _bind(self, server: grpc.aio.Server, target: str) -> int:
         config = self.config
+        _check_free(config.host, config.port, target)
         try:
             if config.tls_cert is not None:
                 credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
@@ -141,19 +144,47 @@ class VerifierServer:
         self._stop_metrics()
 
 
+def _check_free(host: str, port: int, target: str) -> None:
+    """OSError naming the flags when host:port cannot be bound, asked of the OS before gRPC is:
+    gRPC's core logs its own failure to stderr before it raises, which would print a second line
+    beside ours. Port 0 (any free port) needs no asking."""
+    if port == 0:
+        return
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free
+                probe.bind(address)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {target} (--host, --port): {exc.strerror or exc}") from None
+
+
 async def _serve_until_signalled(server: VerifierServer) -> None:
     address = await server.start()
-    extra = f", metrics on {server.config.host}:{server.metrics_port}" if server.metrics_port is not None else ""
-    scheme = "TLS" if server.config.tls_cert is not None else "plaintext"
-    print(f"listening on {address} ({scheme}{extra})", file=sys.stderr, flush=True)
+    # the handlers before the line that says the server listens: a signal right after it stops it cleanly
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    extra = f", metrics on {server.config.host}:{server.metrics_port}" if server.metrics_port is not None else ""
+    scheme = "TLS" if server.config.tls_cert is not None else "plaintext"
+    print(f"listening on {address} ({scheme}{extra})", file=sys.stderr, flush=True)
     await stop.wait()
-    print("stopping: draining sessions", file=sys.stderr, flush=True)
+    config = server.config
+    print(f"stopping: {config.drain_s:g} s with health NOT_SERVING (--drain-s), then up to {config.grace_s:g} s for calls in "
+          f"flight (--grace-s); a second Ctrl-C or SIGTERM stops at once", file=sys.stderr, flush=True)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, _stop_at_once)
     await server.stop()
     print("stopped", file=sys.stderr, flush=True)
+
+
+def _stop_at_once() -> None:
+    """The second signal: the process ends now, calls in flight with it (exit status 130, as an
+    interrupted command's)."""
+    print("stopping at once: calls in flight are cut", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def serve(config: ServerConfig) -> int:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine import DEFAULT_MAX_K
 from ..model.rollback import ROLLBACK_MODES, WOA
 
 DTYPE_NAMES = ("float32", "bfloat16")
@@ -39,7 +40,7 @@ class ServerConfig:
     dtype: str = option("float32", "weight and activation dtype", choices=DTYPE_NAMES)
     n_slots: int = option(8, "sessions held at once")
     max_seq_len: int = option(2048, "positions per session (prompt + generated)")
-    max_k: int = option(8, "most drafts per step")
+    max_k: int = option(DEFAULT_MAX_K, "most drafts per step")
     rollback: str = option(WOA, "recurrent-state rollback: write-on-accept or snapshots", choices=ROLLBACK_MODES)
     # An engine batch holds at most max_batch_rows verify rows, and never more than the largest
     # graph bucket (a single step larger than that still runs alone).
