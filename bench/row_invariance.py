@@ -8,7 +8,8 @@ instructions round every sum alike: measured, not documented. kernels/linear_fp8
 kernels/moe_grouped.py use one tile for every row count, so there it holds by construction; the
 sweep checks them too. For each config, the weights are those the engine multiplies, as the loader
 joins them (`model_weights`: a model built on the meta device, so no bytes), in bf16 and as a
-published block-FP8 checkpoint stores them (`FP8_KEPT` stay bf16; the Kimi router in fp32):
+published block-FP8 checkpoint stores them (bench/fp8_real_size.py's rule and kept modules: the
+head, routers, shared-expert gate and GDN's b and a inputs stay bf16; the Kimi router is fp32):
 - dense weights [N, K]: random x [max_rows, K]; every row alone (M = 1) against the same row in
   the product of the first M rows, for every M = 1 .. max_rows (every tile boundary, every place
   in a tile);
@@ -31,21 +32,24 @@ from pathlib import Path
 
 import torch
 
+from bench import fp8_real_size
 from bench.gpu import MODELS
 from bench.machine import device_name
 from kernels import moe
 from kernels.linear import linear
 from kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
-from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
+from verifier.model.fp8 import BlockFP8Format, BlockFP8Weight, OutFeatureGroups
+from verifier.model.fp8_checkpoint import ALWAYS_KEPT, is_quantized
 from verifier.model.hf_config import config_from_dict
 from verifier.model.hybrid import HybridModel
 from verifier.model.layers.mlp import MoE
 from verifier.model.published_configs import PUBLISHED, PUBLISHED_SIZES
 
 FP8_BLOCK = 128
-# modules a published block-FP8 checkpoint keeps in bf16 (as matched by bench/fp8_real_size.py's
-# KEPT_MODULES): the head, the routers, the shared-expert gate, GDN's b and a inputs
-FP8_KEPT = ("lm_head", "mlp.gate.", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba")
+# what a block-FP8 checkpoint keeps in bf16: every writer's modules (the embedding, the head, the
+# routers), those of the published files (bench/fp8_real_size.py: GDN's b and a inputs) and
+# Qwen3-Next's b | a input, kept as Qwen3.5's are
+FP8_FORMAT = BlockFP8Format(FP8_BLOCK, FP8_BLOCK, ALWAYS_KEPT + fp8_real_size.KEPT_MODULES + ("linear_attn.in_proj_ba",))
 
 
 def sweep_configs() -> dict[str, dict]:
@@ -68,10 +72,9 @@ class MetaSource:
 
     def take(self, name: str, shape: tuple[int, ...], *, fp32: bool = False):
         dtype = torch.float32 if fp32 else self.dtype
-        quantized = (self.fp8 and not fp32 and len(shape) >= 2 and name.endswith(".weight") and "conv" not in name
-                     and "embed" not in name and not any(kept in name for kept in FP8_KEPT))
-        if not quantized:
-            return torch.empty(shape, dtype=dtype, device=self.device)
+        empty = torch.empty(shape, dtype=dtype, device=self.device)
+        if not self.fp8 or fp32 or not is_quantized(name, empty, FP8_FORMAT):
+            return empty
         *lead, n, k = shape
         scales = BlockScales(torch.empty(*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK), device=self.device),
                              standard_scale_row(n, FP8_BLOCK), FP8_BLOCK)
@@ -108,7 +111,8 @@ def model_weights(config: dict, fp8: bool) -> dict[tuple, list[str]]:
             owners = [(part_name, part)] + ([(f"{part_name}.shared", part.shared)] if getattr(part, "shared", None) else [])
             for owner_name, owner in owners:
                 for attr, weight in vars(owner).items():
-                    if not attr.startswith("w_") or attr in ("w_gate", "w_up", "w_down") and isinstance(owner, MoE):
+                    expert_stack = isinstance(owner, MoE) and attr in ("w_gate", "w_up", "w_down")  # added once, below
+                    if not attr.startswith("w_") or expert_stack:
                         continue
                     add(weight, f"layer {i} {owner_name}.{attr}")
             if isinstance(part, MoE):
@@ -133,11 +137,13 @@ def sweep_dense(n: int, k: int, dtype: str, max_rows: int, seed: int) -> dict:
     x = torch.randn(max_rows, k, generator=gen, device="cuda").to(x_dtype)
     op = (lambda rows: linear_fp8(rows, *weight)) if dtype == "fp8" else (lambda rows: linear(rows, weight))
     alone = torch.cat([op(x[r : r + 1]) for r in range(max_rows)])
-    differing = {}
-    for m in range(1, max_rows + 1):
-        rows = (op(x[:m]) != alone[:m]).any(dim=1).sum()
-        differing[m] = rows  # a device scalar: read once at the end, no sync per launch
-    return {m: int(v) for m, v in differing.items() if int(v)}
+    return _differing([(op(x[:m]) != alone[:m]).any(dim=1).sum() for m in range(1, max_rows + 1)])
+
+
+def _differing(counts: list[torch.Tensor]) -> dict[int, int]:
+    """Per row count M = 1.., the device scalar of its differing rows (read once at the end: no
+    sync per launch) -> {M: rows differing} for the Ms with any."""
+    return {m: n for m, n in enumerate(torch.stack(counts).tolist(), start=1) if n}
 
 
 def sweep_experts(e: int, i: int, h: int, top_k: int, dtype: str, max_rows: int, seed: int) -> dict:
@@ -159,8 +165,7 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, dtype: str, max_rows: int,
     ids = torch.rand(max_rows, e, generator=gen, device="cuda").argsort(dim=1)[:, :top_k].contiguous()
     weights = torch.rand(max_rows, top_k, generator=gen, device="cuda")
     alone = torch.cat([op(x[r : r + 1], ids[r : r + 1], weights[r : r + 1]) for r in range(max_rows)])
-    differing = {m: (op(x[:m], ids[:m], weights[:m]) != alone[:m]).any(dim=1).sum() for m in range(1, max_rows + 1)}
-    return {m: int(v) for m, v in differing.items() if int(v)}
+    return _differing([(op(x[:m], ids[:m], weights[:m]) != alone[:m]).any(dim=1).sum() for m in range(1, max_rows + 1)])
 
 
 def run(configs: dict[str, dict], max_rows: int, seed: int, log=print) -> dict:

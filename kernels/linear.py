@@ -24,9 +24,9 @@ still the same chunks summed in the same order. That the MMA instructions round 
 not documented, so it is swept on the device: `python -m bench.row_invariance` (and the GPU test
 tests/kernel_tests/test_row_sweep.py) multiplies every weight shape of every published config the
 README names, and of the bench models, with every row alone against the first M rows for every
-M = 1..1024, every tile boundary and every place in a tile; on the H200 every row was equal
-(bench/results/row_invariance_2026-12-04.json, 95 shapes with the FP8 and expert ones). Before a
-new weight shape is served on a new device, that sweep is what shows this path keeps its bits.
+M = 1..1024, every tile boundary and every place in a tile (its results file says which shapes and
+which device). Before a new weight shape is served on a new device, that sweep is what shows this
+path keeps its bits.
 Only operands that both arrive through memory in bf16 are known to round alike: the block-FP8
 GEMM, whose weight tile is made in registers, gave other bits at 16 rows than at 64 and keeps
 one tile (kernels/linear_fp8.py). fp32 (tests, the interpreter's reference checks) keeps one tile.
