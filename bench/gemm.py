@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m bench.gemm --out DIR
 
 For each weight shape and each row count M in 1, 9, 72, 576 (decode, one K=8 verify, 8 and 64
-sequences of K=8 verifies): kernels.linear (its tile for M rows) and torch.matmul (cuBLAS), each
+sequences of K=8 verifies): hybrid_kernels.linear (its tile for M rows) and torch.matmul (cuBLAS), each
 launch replayed from a CUDA graph (no Python in the timing), median of --repeats; TFLOP/s =
 2 M N K / time. Correctness first, no figure without it: `row_invariant` says that every row of
 the M-row product equals the same row in a 1024-row product and computed alone, bitwise; and
@@ -34,7 +34,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from bench.machine import device_name
-from kernels.linear import linear, linear_config, tile_for_rows
+from hybrid_kernels.linear import linear, linear_config, tile_for_rows
 from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
 from verifier.model.graphs import collector_paused
 
@@ -54,11 +54,11 @@ ROWS = (1, 9, 72, 576)
 CHECK_ROWS = 1024  # row_invariant's largest product
 SWEEP = [(bm, bn, wp, st) for bm in (16, 64, 128) for bn in (64, 128, 256) for wp, st in ((4, 3), (8, 4)) if not (bm == 16 and wp == 8)]
 
-# weights a model multiplies elsewhere than kernels.linear (the reasons `linear_weights` gives)
+# weights a model multiplies elsewhere than hybrid_kernels.linear (the reasons `linear_weights` gives)
 ROUTED_EXPERTS = "routed experts [E, N, K]: kernels/moe.py, grouped by expert (kernels/moe_grouped.py)"
 FP8_WEIGHTS = "block-FP8 weights: kernels/linear_fp8.py"
-MODEL_GEMM_WHAT = ("kernels.linear (its tile for M rows) against torch.matmul (cuBLAS) on each distinct [N, K] weight in the "
-                   "model's dtype that the engine multiplies through kernels.linear: the model's own weight, the first of that "
+MODEL_GEMM_WHAT = ("hybrid_kernels.linear (its tile for M rows) against torch.matmul (cuBLAS) on each distinct [N, K] weight in the "
+                   "model's dtype that the engine multiplies through hybrid_kernels.linear: the model's own weight, the first of that "
                    "shape in forward order, named 'layer i <mixer or mlp> <attribute>' (count: weights of that shape); "
                    "CUDA-graph replays, median; TFLOP/s = 2 M N K / time; row_invariant checked first, no timing when it "
                    "or the model's bitexact gate is red (untimed says why); biases left out. Not here (skipped): routed "
@@ -68,11 +68,11 @@ MODEL_GEMM_WHAT = ("kernels.linear (its tile for M rows) against torch.matmul (c
 
 @dataclass(frozen=True)
 class GemmWeight:
-    """A distinct weight shape the engine multiplies through kernels.linear: the first weight of that
+    """A distinct weight shape the engine multiplies through hybrid_kernels.linear: the first weight of that
     shape in forward order, its name, and how many of the model's weights have the shape."""
 
     name: str
-    weight: torch.Tensor  # [N, K], the model's dtype: the tensor the layer hands to kernels.linear
+    weight: torch.Tensor  # [N, K], the model's dtype: the tensor the layer hands to hybrid_kernels.linear
     count: int
 
 
@@ -94,8 +94,8 @@ def _named_weights(model):
 
 def linear_weights(model) -> tuple[list[GemmWeight], dict[str, int]]:
     """A loaded HybridModel -> (one GemmWeight per distinct [N, K] the engine multiplies through
-    kernels.linear in the model's dtype, in forward order; {why not: weights} of the others).
-    An OutFeatureGroups' plain groups go through kernels.linear ('<name> group j'), its FP8 groups not."""
+    hybrid_kernels.linear in the model's dtype, in forward order; {why not: weights} of the others).
+    An OutFeatureGroups' plain groups go through hybrid_kernels.linear ('<name> group j'), its FP8 groups not."""
     first: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}
     counts: Counter = Counter()
     skipped: Counter = Counter()
@@ -108,7 +108,7 @@ def linear_weights(model) -> tuple[list[GemmWeight], dict[str, int]]:
                 skipped[ROUTED_EXPERTS] += 1
             elif w.dtype != model.dtype:
                 dtype = str(w.dtype).removeprefix("torch.")
-                skipped[f"{dtype} weights, not the model's dtype (Kimi's router): kernels.linear in {dtype}, not timed"] += 1
+                skipped[f"{dtype} weights, not the model's dtype (Kimi's router): hybrid_kernels.linear in {dtype}, not timed"] += 1
             else:
                 shape = tuple(w.shape)
                 first.setdefault(shape, (name if j is None else f"{name} group {j}", w))

@@ -12,7 +12,7 @@ decode and K = 8 steps with programmatic dependent launch and without it, timed 
 A batch's `hbm_floor_ms` adds to the weights what its decode must move per sequence
 (`batch_state_bytes`: recurrent states and conv windows read and written, the KV prefix read).
 Per model a `gemm` section (bench/gemm.py's `model_gemm`): on each distinct [N, K] weight the engine
-multiplies through kernels.linear (the model's own, named by layer and attribute), for M = 1, 9, 72,
+multiplies through hybrid_kernels.linear (the model's own, named by layer and attribute), for M = 1, 9, 72,
 576 rows our GEMM and cuBLAS (ms, TFLOP/s, their ratio, our tile), each shape's rows first checked
 bitwise row-invariant; a shape that fails, or a model whose bitexact gate is red, gets no timing.
 Writes DIR/gpu_<date>.json.
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.gemm import model_gemm
-from kernels import dependent_launch
+from hybrid_kernels import dependent_launch
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
 from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.linear import LinearConfig, linear, linear_config
+from hybrid_kernels.linear import LinearConfig, linear, linear_config
 from verifier.arguments import DefaultsHelpFormatter
 
 SHAPES = {  # name: (N, K), the 2B model's weights (bench/gpu.py DENSE_2B)

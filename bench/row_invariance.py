@@ -35,9 +35,9 @@ import torch
 from bench import fp8_real_size
 from bench.gpu import MODELS
 from bench.machine import device_name
-from kernels import moe
-from kernels.linear import linear
-from kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
+from hybrid_kernels import moe
+from hybrid_kernels.linear import linear
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
 from verifier.model.fp8 import BlockFP8Format, BlockFP8Weight, OutFeatureGroups
 from verifier.model.fp8_checkpoint import ALWAYS_KEPT, is_quantized
 from verifier.model.hf_config import config_from_dict

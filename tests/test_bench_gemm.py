@@ -4,7 +4,7 @@
 the CPU: its distinct [N, K] and their counts equal those computed here from the HF config's fields
 (hidden size, heads, projections, LM head); each returned tensor is the layer attribute its name
 names (the same tensor, the same data_ptr); and they are exactly the weights a forward hands to
-kernels.linear, recorded with ops.linear dispatching as on CUDA. An FP8 checkpoint kept in FP8
+hybrid_kernels.linear, recorded with ops.linear dispatching as on CUDA. An FP8 checkpoint kept in FP8
 (as on CUDA) checks the FP8 weights and the bf16 groups beside them. The row-invariance check and
 the gates run on the CPU (the kernel under TRITON_INTERPRET=1); timing needs CUDA and skips without it.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import bench.gemm as gemm
-from kernels.linear_fp8 import dequantize_ref
+from hybrid_kernels.linear_fp8 import dequantize_ref
 from verifier.model import RowBatch, load_model
 from verifier.model import ops
 from verifier.model.checkpoint import TensorSource
@@ -33,7 +33,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="timing
 
 
 def expected_shapes(fields: dict, mixers: tuple[str, ...], mlps: tuple[str, ...]) -> Counter:
-    """{(N, K): weights} multiplied through kernels.linear in bf16, from the HF config's fields (the
+    """{(N, K): weights} multiplied through hybrid_kernels.linear in bf16, from the HF config's fields (the
     layer schedule from our parsed config). Not counted: routed experts, Kimi's fp32 router."""
     f = fields
     H, kimi = f["hidden_size"], "kv_lora_rank" in f
@@ -91,7 +91,7 @@ def resolve(model, name: str):
 
 def traced_forward(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A 3-row forward with ops.linear dispatching as on CUDA -> (weights it handed to
-    kernels.linear, FP8 weights' data it handed to kernels/linear_fp8.py), each once."""
+    hybrid_kernels.linear, FP8 weights' data it handed to kernels/linear_fp8.py), each once."""
     plain, fp8 = {}, {}
 
     def record(store, weight):
@@ -129,7 +129,7 @@ def check_against_forward(model, monkeypatch) -> tuple[list[gemm.GemmWeight], di
     assert {tuple(gw.weight.shape): gw.count for gw in weights} == dict(by_shape)
     traced = {(w.data_ptr(), tuple(w.shape)) for w in in_dtype}
     for gw in weights:
-        assert (gw.weight.data_ptr(), tuple(gw.weight.shape)) in traced, f"{gw.name}: not a weight the forward hands to kernels.linear"
+        assert (gw.weight.data_ptr(), tuple(gw.weight.shape)) in traced, f"{gw.name}: not a weight the forward hands to hybrid_kernels.linear"
     other_dtype = sum(n for why, n in skipped.items() if "not the model's dtype" in why)
     assert other_dtype == len(plain) - len(in_dtype)
     assert skipped.get(gemm.FP8_WEIGHTS, 0) == len(fp8)
@@ -153,7 +153,7 @@ def test_linear_weights_are_the_configs_shapes_and_the_forwards_weights(spec, hf
 
 def test_fp8_weights_are_skipped_and_their_bf16_groups_kept(tmp_path, monkeypatch):
     """The tiny Qwen3.6-FP8 checkpoint kept in FP8 (as the loader keeps it on CUDA): only the modules
-    the published files keep in bf16 go through kernels.linear: GDN's b | a (the bf16 group of its
+    the published files keep in bf16 go through hybrid_kernels.linear: GDN's b | a (the bf16 group of its
     fused input projection), the routers, the shared experts' gates and the LM head."""
     from bench import fp8_real_size
 

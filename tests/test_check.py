@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import delta_rule
+from hybrid_kernels import delta_rule
 from verifier import cli
 from verifier.arguments import flags_without_stated_default
 from verifier.check import add_check_parser
@@ -152,7 +152,7 @@ def test_layer_recorder_finishes_split_sums():
     splits' partial sums), which a mixer's (rows, record) tuple would suggest."""
     import torch
 
-    from kernels.linear import SplitSums
+    from hybrid_kernels.linear import SplitSums
     from verifier.check.layers import LayerOutputs
 
     class Part:

@@ -79,3 +79,25 @@ def test_the_model_drafter_loads_on_first_use():
               "assert p.ModelProposer.__module__ == 'verifier.proposers.model' and p.COUPLED == 'coupled'\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_pyproject_installs_every_package_and_the_kernels_under_their_own_name():
+    """pyproject.toml lists its packages by hand (the kernels folder is mapped to `hybrid_kernels`,
+    which discovery cannot do): the list must name every folder with an __init__.py, and kernels/
+    must have none, or a checkout on sys.path would shadow Hugging Face's `kernels` package."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(REPO).parts) for top in ("verifier", "drafter")
+               for p in (REPO / top).rglob("__init__.py")}
+    assert set(setup["packages"]) == folders | {"hybrid_kernels"}
+    assert setup["package-dir"] == {"hybrid_kernels": "kernels"}
+    assert not (REPO / "kernels" / "__init__.py").exists()
+
+
+def test_a_checkout_leaves_the_name_kernels_to_hugging_face():
+    """With the repository on sys.path first, `import kernels` must not find our folder as a regular
+    package (transformers >= 5.25 imports Hugging Face's `kernels` by that name)."""
+    probe = ("import importlib.util, sys; spec = importlib.util.find_spec('kernels'); "
+             "print('none' if spec is None else ('namespace' if spec.origin in (None, 'namespace') else spec.origin))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "none" or out == "namespace" or "site-packages" in out, out

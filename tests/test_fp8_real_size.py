@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from bench import fp8_real_size as bench
 from bench.gpu import decode_bytes, weight_bytes
-from kernels.linear_fp8 import BlockScales, standard_scale_row
+from hybrid_kernels.linear_fp8 import BlockScales, standard_scale_row
 from verifier.model.checkpoint import TensorSource
 from verifier.model.fp8 import FP8_DTYPE, BlockFP8Weight, OutFeatureGroups
 from verifier.model.hf_config import config_from_dict, load_config

@@ -120,7 +120,7 @@ def test_the_verify_graphs_ids_are_the_argmax_of_its_logits(model):
     """A graphed verify ends with each row's argmax copied to the host (graphs.py, Greedy ids): for
     a bucket the step fits exactly and for padded ones, the ids of its rows are argmax_rows of the
     logits it hands back."""
-    from kernels.sampling import argmax_rows
+    from hybrid_kernels.sampling import argmax_rows
     from verifier.model.rows import RowBatch
 
     engine = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, graph_rows=GRAPH_ROWS)

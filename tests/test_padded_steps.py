@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bitexact.serial import serial_run
-from kernels.short_conv import CONV_MAX_RUNS, conv_runs
+from hybrid_kernels.short_conv import CONV_MAX_RUNS, conv_runs
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
 from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, BucketShape, bucket_for, bucket_shapes, capture_batch,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ALL_SPECS
-from kernels import runtime
+from hybrid_kernels import runtime
 from verifier.model.padding import BucketShape, pad_batch
 from verifier.model.rollback import ROLLBACK_MODES, RollbackPlan, VerifyRecord, apply_rollback
 from verifier.model.rows import RowBatch

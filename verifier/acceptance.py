@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from kernels.runtime import pick
-from kernels.sampling import argmax_rows, argmax_rows_ref
+from hybrid_kernels.runtime import pick
+from hybrid_kernels.sampling import argmax_rows, argmax_rows_ref
 
 from .model.rows import RowBatch
 from .params import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingParams

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import argmax_rows
+from hybrid_kernels.sampling import argmax_rows
 
 from .acceptance import accept
 from .model import HybridModel, RowBatch

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.runtime import pick
-from kernels.sampling import coupled_choice, coupled_choice_ref, cumsum_rows, cumsum_rows_ref
+from hybrid_kernels.runtime import pick
+from hybrid_kernels.sampling import coupled_choice, coupled_choice_ref, cumsum_rows, cumsum_rows_ref
 
 from .params import STREAM_CHOOSE, SamplingParams
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.runtime import interpreting, triton_available
+from hybrid_kernels.runtime import interpreting, triton_available
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)

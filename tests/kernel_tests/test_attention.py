@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.attention import BLOCK_N, attend_rows, attend_rows_ref
+from hybrid_kernels.attention import BLOCK_N, attend_rows, attend_rows_ref
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 

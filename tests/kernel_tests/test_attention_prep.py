@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_prep import attention_prep, attention_prep_ref
+from hybrid_kernels.attention_prep import attention_prep, attention_prep_ref
 from verifier.model.ops import rope_cos_sin, rope_inv_freq, rope_table
 
 from .conftest import ROW_COUNTS

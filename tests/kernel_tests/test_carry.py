@@ -7,9 +7,9 @@ and nothing for one-row or padding sequences; the torch references do the same, 
 import pytest
 import torch
 
-from kernels.delta_rule import delta_rule_fold, delta_rule_verify, delta_rule_verify_ref
-from kernels import fused_rollback
-from kernels.fused_rollback import RecurrentLayers, keep_carry, keep_carry_ref
+from hybrid_kernels.delta_rule import delta_rule_fold, delta_rule_verify, delta_rule_verify_ref
+from hybrid_kernels import fused_rollback
+from hybrid_kernels.fused_rollback import RecurrentLayers, keep_carry, keep_carry_ref
 
 from . import test_delta_rule as delta
 from . import test_fused_rollback as fused

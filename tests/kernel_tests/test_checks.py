@@ -4,7 +4,7 @@ wanted and what came."""
 import pytest
 import torch
 
-from kernels.checks import check_contiguous, check_operand, check_ragged, check_tensor
+from hybrid_kernels.checks import check_contiguous, check_operand, check_ragged, check_tensor
 
 X = torch.zeros(3, 8)
 ON_X = ("x", X)

@@ -14,7 +14,7 @@ Everything between kernel launches is compared with torch.equal.
 import pytest
 import torch
 
-from kernels.delta_rule import (ONE_SEQUENCE_MIN_ROWS, DeltaRuleConfig, delta_rule_config, delta_rule_fold, delta_rule_fold_ref,
+from hybrid_kernels.delta_rule import (ONE_SEQUENCE_MIN_ROWS, DeltaRuleConfig, delta_rule_config, delta_rule_fold, delta_rule_fold_ref,
                                 delta_rule_verify, delta_rule_verify_ref)
 
 from .conftest import ROW_COUNTS, assert_close, nan_like

@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from kernels import dependent_launch
-from kernels.dependent_launch import launch_options
-from kernels.linear import linear
-from kernels.norms import add_rms_norm
+from hybrid_kernels import dependent_launch
+from hybrid_kernels.dependent_launch import launch_options
+from hybrid_kernels.linear import linear
+from hybrid_kernels.norms import add_rms_norm
 
 
 @pytest.fixture

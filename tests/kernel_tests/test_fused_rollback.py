@@ -13,11 +13,11 @@ interpreter it checks indexing, masks and the table."""
 import pytest
 import torch
 
-from kernels import fused_rollback
-from kernels.delta_rule import delta_rule_fold, delta_rule_verify
-from kernels.fused_rollback import RecurrentLayers, fold_states, keep_state_snapshots, next_windows
-from kernels.short_conv import next_window
-from kernels.snapshots import keep_snapshots
+from hybrid_kernels import fused_rollback
+from hybrid_kernels.delta_rule import delta_rule_fold, delta_rule_verify
+from hybrid_kernels.fused_rollback import RecurrentLayers, fold_states, keep_state_snapshots, next_windows
+from hybrid_kernels.short_conv import next_window
+from hybrid_kernels.snapshots import keep_snapshots
 
 from . import test_delta_rule as delta
 from .conftest import assert_close

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gdn_gates
+from hybrid_kernels import gdn_gates
 
 from .conftest import ROW_COUNTS, nan_like
 

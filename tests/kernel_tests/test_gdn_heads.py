@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gdn_heads, norms
+from hybrid_kernels import gdn_heads, norms
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -144,7 +144,7 @@ def test_gates_in_the_same_launch_are_gdn_gates_bits(device, dtype, shape):
     v bitwise as without them, decay and beta bitwise gdn_gates' of the same strided column slices,
     at every row count and for a row alone; the reference path returns gdn_gates_ref's; gates of
     the wrong row count are refused. (The interpreter takes a few row counts: ~1 s a launch.)"""
-    from kernels import gdn_gates
+    from hybrid_kernels import gdn_gates
 
     from .test_gdn_gates import make as make_gates
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import linear as linear_module
-from kernels.linear import BLOCK_M, WIDE_N, LinearConfig, SplitSums, linear, linear_config, linear_ref, tile_for_rows
+from hybrid_kernels import linear as linear_module
+from hybrid_kernels.linear import BLOCK_M, WIDE_N, LinearConfig, SplitSums, linear, linear_config, linear_ref, tile_for_rows
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from kernels import linear_fp8 as linear_fp8_module
-from kernels.linear import LinearConfig, linear
-from kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, fp8_config, linear_fp8, linear_fp8_ref, standard_scale_row
+from hybrid_kernels import linear_fp8 as linear_fp8_module
+from hybrid_kernels.linear import LinearConfig, linear
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, fp8_config, linear_fp8, linear_fp8_ref, standard_scale_row
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import MAX_TOP_K, moe_experts, moe_experts_ref
-from kernels.moe_grouped import grouped_config
+from hybrid_kernels.moe import MAX_TOP_K, moe_experts, moe_experts_ref
+from hybrid_kernels.moe_grouped import grouped_config
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.linear_fp8 import FP8, BlockScales, standard_scale_row
-from kernels.moe import moe_experts_fp8, moe_experts_fp8_ref
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, standard_scale_row
+from hybrid_kernels.moe import moe_experts_fp8, moe_experts_fp8_ref
 
 from .conftest import assert_close, nan_like
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import moe_experts, moe_experts_ref
-from kernels.moe_grouped import block_bound, grouped_config
+from hybrid_kernels.moe import moe_experts, moe_experts_ref
+from hybrid_kernels.moe_grouped import block_bound, grouped_config
 
 from .conftest import assert_close
 from .test_moe import DTYPES, TOLERANCE, make, on_cpu
@@ -129,7 +129,7 @@ def test_gpu_sizes(device):
 def test_many_experts_take_small_blocks_in_every_dtype():
     """A router of many experts per slot gives each expert few pairs per batch: its blocks are 16
     rows in bf16 too; few experts keep bf16's 64-row blocks. A function of the weights' shapes."""
-    from kernels.moe_grouped import MANY_EXPERTS_PER_SLOT
+    from hybrid_kernels.moe_grouped import MANY_EXPERTS_PER_SLOT
 
     assert grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2).BLOCK_M == 64
     assert grouped_config(2048, 512, torch.bfloat16, n_experts=256, top_k=8).BLOCK_M == 16

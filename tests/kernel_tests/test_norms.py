@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import norms
-from kernels.linear import SplitSums
+from hybrid_kernels import norms
+from hybrid_kernels.linear import SplitSums
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -271,7 +271,7 @@ def test_add_rms_norm(device, dtype, zero_centred, d):
 @pytest.mark.parametrize("d", [40, 130, 5000], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_add_rms_norm_finishes_split_sums(device, dtype, d, splits):
-    """A split-K projection's unfinished sums as the residual (kernels.linear.SplitSums): the sum
+    """A split-K projection's unfinished sums as the residual (hybrid_kernels.linear.SplitSums): the sum
     and the norm are bitwise those of the finished residual (linear's reduce: splits in ascending
     order, + bias, one rounding), with and without a bias, at every row count."""
     x, _, weight = make_inputs(17, d, dtype, device, seed=4)

@@ -6,8 +6,8 @@ of coupled sampling (verifier.sampling.choose_rows, keep_threshold) as the engin
 import pytest
 import torch
 
-import kernels.sampling
-from kernels.sampling import (BLOCK_V, CHUNK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice, cumsum_rows,
+import hybrid_kernels.sampling
+from hybrid_kernels.sampling import (BLOCK_V, CHUNK_V, GAMMA, MIX1, MIX2, U_BITS, argmax_rows, argmax_rows_ref, coupled_choice, cumsum_rows,
                               coupled_choice_ref, gumbel_rows, gumbel_rows_ref)
 from verifier.sampling import SamplingParams, choose, choose_rows, keep_threshold, keep_thresholds, masked_logits
 
@@ -70,7 +70,7 @@ def test_out_buffer_and_checks(device):
 def chunk(request, monkeypatch):
     """The chunk size argmax_rows runs with: the production one (several steps of BLOCK_V per
     chunk), and a small one (one step) so that the interpreter covers many chunks per row."""
-    monkeypatch.setattr(kernels.sampling, "CHUNK_V", request.param)
+    monkeypatch.setattr(hybrid_kernels.sampling, "CHUNK_V", request.param)
     return request.param
 
 
@@ -152,7 +152,7 @@ def test_vocab_sizes_against_torch(device, chunk, span, dtype):
 
 def test_row_invariant_across_chunks(device, monkeypatch):
     """Several chunks per row: each row's answer alone, in batches of every size, and strided."""
-    monkeypatch.setattr(kernels.sampling, "CHUNK_V", 128)
+    monkeypatch.setattr(hybrid_kernels.sampling, "CHUNK_V", 128)
     vocab = 2 * 128 + 17
     gen = torch.Generator().manual_seed(1)
     big = torch.randint(-20, 3, (64, vocab + 8), generator=gen).float().to(device)
@@ -165,7 +165,7 @@ def test_row_invariant_across_chunks(device, monkeypatch):
 
 
 def test_chunk_must_be_a_power_of_two(device, monkeypatch):
-    monkeypatch.setattr(kernels.sampling, "CHUNK_V", 3000)
+    monkeypatch.setattr(hybrid_kernels.sampling, "CHUNK_V", 3000)
     with pytest.raises(ValueError, match="power of two"):
         argmax_rows(torch.randn(2, 50, device=device))
 
@@ -459,7 +459,7 @@ def test_keep_thresholds_of_a_batch_equal_each_row_alone():
 
 
 def test_cumsum_rows_is_a_running_sum_and_row_invariant():
-    """kernels.sampling.cumsum_rows (top-p's running sum on the device) against torch.cumsum within
+    """hybrid_kernels.sampling.cumsum_rows (top-p's running sum on the device) against torch.cumsum within
     fp32 rounding (another association: a block scan and a carry), across several blocks of the walk;
     and each row's sums bitwise the same alone, in a batch, and at another offset."""
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ Tolerances (conv_rows vs conv_rows_ref, general inputs):
 import pytest
 import torch
 
-from kernels.short_conv import CONV_MAX_RUNS, conv_rows, conv_rows_ref, conv_runs, next_window, next_window_ref
+from hybrid_kernels.short_conv import CONV_MAX_RUNS, conv_rows, conv_rows_ref, conv_runs, next_window, next_window_ref
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
 TOLERANCES = {torch.float32: (1e-6, 1e-12), torch.bfloat16: (2**-7, 1e-12)}  # (rtol, atol)

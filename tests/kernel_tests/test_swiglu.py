@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import swiglu
+from hybrid_kernels import swiglu
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import SplitSums
+from hybrid_kernels.linear import SplitSums
 
 
 class LayerOutputs:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import delta_rule
-from kernels.runtime import pick
+from hybrid_kernels import delta_rule
+from hybrid_kernels.runtime import pick
 
 from .rows import RowBatch
 from .state import RecurrentState, SlotPool

@@ -26,7 +26,7 @@ from typing import Union
 
 import torch
 
-from kernels.linear_fp8 import BlockScales, dequantize_ref, standard_scale_row
+from hybrid_kernels.linear_fp8 import BlockScales, dequantize_ref, standard_scale_row
 
 from .hf_config import ConfigError, read_json_object
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels.linear_fp8 import dequantize_ref
+from hybrid_kernels.linear_fp8 import dequantize_ref
 
 from .checkpoint import canonical_name, checkpoint_files
 from .fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Format

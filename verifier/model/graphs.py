@@ -59,8 +59,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels import dependent_launch
-from kernels.sampling import argmax_rows
+from hybrid_kernels import dependent_launch
+from hybrid_kernels.sampling import argmax_rows
 
 from .padding import BucketShape, capture_batch, pad_batch
 from .rollback import RollbackPlan, VerifyRecord, apply_rollback
@@ -88,7 +88,7 @@ PDL_MAX_ROWS = 96
 
 
 def graphs_supported(model) -> bool:
-    from kernels.runtime import use_triton
+    from hybrid_kernels.runtime import use_triton
 
     return use_triton(model.embed)
 

@@ -27,10 +27,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import linear as linear_kernel
-from kernels import linear_fp8, moe, norms
-from kernels.linear import SplitSums
-from kernels.runtime import pick, use_triton
+from hybrid_kernels import linear as linear_kernel
+from hybrid_kernels import linear_fp8, moe, norms
+from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.runtime import pick, use_triton
 
 from .fp8 import BlockFP8Weight, LinearWeight, OutFeatureGroups
 
@@ -53,7 +53,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     weight: a tensor in x's dtype; a BlockFP8Weight (the W8A16 FP8 GEMM on CUDA); or
     OutFeatureGroups (one GEMM per group, outputs side by side).
     into_add_norm: the result goes only to add_rms_norm (a mixer's or an MLP's output projection):
-    on CUDA a weight whose K is split then hands over its unfinished sums (kernels.linear.SplitSums),
+    on CUDA a weight whose K is split then hands over its unfinished sums (hybrid_kernels.linear.SplitSums),
     which the norm's kernel finishes bitwise as the split's reduce would: one launch fewer each
     (48 a step for the 2B model)."""
     if isinstance(weight, OutFeatureGroups):

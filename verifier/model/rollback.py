@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import delta_rule, short_conv, snapshots
-from kernels.fused_rollback import (RecurrentLayers, TableStore, fold_states, fold_states_ref, keep_carry, keep_carry_ref,
+from hybrid_kernels import delta_rule, short_conv, snapshots
+from hybrid_kernels.fused_rollback import (RecurrentLayers, TableStore, fold_states, fold_states_ref, keep_carry, keep_carry_ref,
                                     keep_state_snapshots, keep_state_snapshots_ref, next_windows, next_windows_ref)
-from kernels.runtime import pick
+from hybrid_kernels.runtime import pick
 
 from .carry import note_kept
 from .rows import RowBatch

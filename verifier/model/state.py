@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.delta_rule import carry_shapes
+from hybrid_kernels.delta_rule import carry_shapes
 
 from .config import ATTENTION, GDN, KDA, MLA, ModelConfig
 

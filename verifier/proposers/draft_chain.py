@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fused_rollback import TableStore
-from kernels.runtime import pick
-from kernels.sampling import argmax_rows, argmax_rows_ref, coupled_choice
+from hybrid_kernels.fused_rollback import TableStore
+from hybrid_kernels.runtime import pick
+from hybrid_kernels.sampling import argmax_rows, argmax_rows_ref, coupled_choice
 
 from ..model import RowBatch
 from ..model.graphs import collector_paused

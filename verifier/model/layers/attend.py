@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import attend_rows
-from kernels.runtime import use_triton
+from hybrid_kernels.attention import attend_rows
+from hybrid_kernels.runtime import use_triton
 
 from ..rows import RowBatch
 from ..state import AttentionState

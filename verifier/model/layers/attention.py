@@ -11,8 +11,8 @@ import torch
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..fp8 import cat_out_features
-from kernels.attention_prep import attention_prep, output_gate, project_heads_ref
-from kernels.runtime import use_triton
+from hybrid_kernels.attention_prep import attention_prep, output_gate, project_heads_ref
+from hybrid_kernels.runtime import use_triton
 
 from ..ops import each_row, linear, rope_cos_sin, rope_inv_freq, rope_table
 from ..rollback import COMMIT

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gdn_heads
-from kernels.runtime import pick
+from hybrid_kernels import gdn_heads
+from hybrid_kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig

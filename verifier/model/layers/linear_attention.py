@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from kernels import delta_rule, short_conv
-from kernels.runtime import pick
+from hybrid_kernels import delta_rule, short_conv
+from hybrid_kernels.runtime import pick
 
 from ..ops import each_row
 from ..padding import walk_sequences

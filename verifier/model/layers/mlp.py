@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import swiglu
-from kernels.linear import SplitSums
-from kernels.runtime import pick
+from hybrid_kernels import swiglu
+from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..fp8 import cat_out_features, same_kind, select_rows, stack_experts
