@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import re
+from pathlib import Path
 
 import torch
 
@@ -18,3 +20,19 @@ def device_name(device: str = "cpu") -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+NAME_HELP = ("what differs from the default run (model, config, host or variant), appended to the file name: "
+             "<bench>_<date>_<name>.json; letters, digits, '.', '_' and '-'")
+
+
+def check_name(name: str) -> str:
+    """name, or ValueError: a results file's suffix names what differs in letters, digits, '.', '_' and '-'."""
+    if name and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise ValueError(f"--name {name!r}: letters, digits, '.', '_' and '-' only")
+    return name
+
+
+def results_path(out: Path, bench: str, date: str, name: str = "") -> Path:
+    """out/<bench>_<date>[_<name>].json, the one naming rule of bench/results (bench.report reads it back)."""
+    return Path(out) / f"{bench}_{date}{'_' + check_name(name) if name else ''}.json"

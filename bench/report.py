@@ -1,0 +1,383 @@
+"""The tables of bench/README.md and README.md, generated from the newest results files.
+
+    python -m bench.report            # rewrite the tables in place
+    python -m bench.report --check    # exit 1 when a table differs from what the results give
+
+A results file is named `<bench>_<date>[_<variant>].json` (bench.machine.results_path; the variant
+says what differs: a model, a config, a host); `python -m drafter bench` writes a folder
+`acceptance_<date>[_<variant>]/results.json`. For each bench and variant the newest date is read.
+Each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->` in its markdown file and
+names the files it was made from. Figures are the files' own, rounded; ratios are of two figures
+of one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+BENCH_README = REPO / "bench" / "README.md"
+README = REPO / "README.md"
+NAME = re.compile(r"^(?P<bench>[a-z0-9_]+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:_(?P<variant>[A-Za-z0-9._-]+?))?(?:\.json)?$")
+MARKER = re.compile(r"(<!-- report:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
+
+
+def parse_name(name: str) -> tuple[str, str, str] | None:
+    """'gpu_2026-12-03_x.json' -> ('gpu', '2026-12-03', 'x'); None for a name outside the rule."""
+    m = NAME.match(name)
+    return (m["bench"], m["date"], m["variant"] or "") if m else None
+
+
+def newest(results: Path, bench: str) -> dict[str, Path]:
+    """{variant: the newest file of bench and that variant}, variants sorted ('' first)."""
+    best: dict[str, tuple[str, Path]] = {}
+    for path in results.iterdir():
+        parsed = parse_name(path.name)
+        if parsed is None or parsed[0] != bench:
+            continue
+        if path.is_dir():
+            path = path / "results.json"
+            if not path.exists():
+                continue
+        elif path.suffix != ".json":
+            continue
+        _, date, variant = parsed
+        if variant not in best or date > best[variant][0]:
+            best[variant] = (date, path)
+    return {v: best[v][1] for v in sorted(best)}
+
+
+class Tables:
+    """Reads results files once; each method returns one table's markdown, sources named."""
+
+    def __init__(self, results: Path = RESULTS):
+        self.results = results
+        self._cache: dict[Path, dict] = {}
+
+    def load(self, path: Path) -> dict:
+        if path not in self._cache:
+            self._cache[path] = json.loads(path.read_text())
+        return self._cache[path]
+
+    def files(self, bench: str) -> dict[str, Path]:
+        found = newest(self.results, bench)
+        if not found:
+            raise FileNotFoundError(f"no {bench}_<date>*.json under {self.results}")
+        return found
+
+    def one(self, bench: str, variant: str = "") -> tuple[Path, dict]:
+        files = self.files(bench)
+        if variant not in files:
+            raise FileNotFoundError(f"no {bench}_<date>{'_' + variant if variant else ''}.json under {self.results}")
+        return files[variant], self.load(files[variant])
+
+    def rel(self, path: Path) -> str:
+        return str(path.relative_to(self.results)) if path.is_relative_to(self.results) else str(path)
+
+    def source(self, *paths: Path) -> str:
+        return "Source: " + ", ".join(f"`{self.rel(p)}`" for p in paths) + "."
+
+    # --- bench/README.md -------------------------------------------------------------------------
+
+    def rollback(self) -> str:
+        path, d = self.one("rollback")
+        rows = [f"{r['heads']} x {r['d_k']} x {r['d_v']} ({r['state_mib']:.2f} MiB) | {r['k']} | {r['accepted']} | {r['mode']} | "
+                f"{r['total_bytes'] / 2**20:.2f} MiB | {r['verify_ms']:.2f} | {r['rollback_ms']:.3f} | "
+                f"{'yes' if r['state_equal_serial'] else 'NO'}" for r in d["rows"] if r["k"] == max(x["k"] for x in d["rows"])]
+        return table(["state (heads x d_k x d_v)", "K", "a", "mode", "state traffic / seq / layer", "verify ms",
+                      "rollback ms", "state = serial"], rows,
+                     f"{d['device']}, {d['backend']}, torch {d['torch']}, median of {d['repeats']}. " + self.source(path))
+
+    def gpu(self) -> str:
+        path, d = self.one("gpu")
+        rows = []
+        for name, m in d["models"].items():
+            b8, b64 = m["batch"]["8"], m["batch"]["64"]
+            v = m["verify_ms"]
+            woa = m["rollback"]["woa"]
+            rows.append(f"{name} | {m['model_params'] / 1e9:.2f} B | {m['hbm_floor_ms']:.2f} | {m['decode_ms']:.2f} "
+                        f"({m['decode_ms'] / m['hbm_floor_ms']:.2f}x) | {v['1']:.2f} | {v['4']:.2f} | {v['8']:.2f} "
+                        f"({v['8'] / m['decode_ms']:.2f}x) | {v['16']:.2f} | {b8['verify8_ms']:.2f} | {b64['hbm_floor_ms']:.2f} | "
+                        f"{b64['decode_ms']:.2f} ({b64['decode_ms'] / b64['hbm_floor_ms']:.2f}x) | {b64['verify8_ms']:.2f} "
+                        f"({b64['verify8_ms'] / b64['decode_ms']:.2f}x) | {woa['rollback_ms']:.3f} "
+                        f"({woa['rollback_ms'] / woa['verify_ms']:.1%}) | {m['bitexact_rows_equal']}/{m['bitexact_rows_total']}")
+        return table(["model", "params", "HBM floor ms", "decode ms (x floor)", "K=1", "K=4", "K=8 (x decode)", "K=16",
+                      "b=8 K=8", "b=64 floor ms", "b=64 decode (x its floor)", "b=64 K=8 (x b=64 decode)", "WOA rollback ms (of its K=8 verify)",
+                      "rows = serial"], rows,
+                     f"{d['device']}, torch {d['torch']}, triton {d['triton']}, {d['date']}; ms per engine step. " + self.source(path))
+
+    def gpu_time(self) -> str:
+        path, d = self.one("gpu")
+        rows = []
+        for name, m in d["models"].items():
+            t = m.get("step_timeline")
+            if not t:
+                continue
+            top0 = m["kernel_breakdown_k0"]["top"][0]
+            top8 = m["kernel_breakdown_k8"]["top"][0]
+            rows.append(f"{name} | {t['k0']['wall_ms']:.2f} / {t['k0']['device_busy_ms']:.2f} / {t['k0']['device_span_ms']:.2f} | "
+                        f"{t['k8']['wall_ms']:.2f} / {t['k8']['device_busy_ms']:.2f} / {t['k8']['device_span_ms']:.2f} | "
+                        f"{m['kernel_breakdown_k0']['launches']} | {top0['kernel']} {top0['device_ms']:.2f} | "
+                        f"{top8['kernel']} {top8['device_ms']:.2f}")
+        return table(["model", "decode: wall / GPU busy / first-to-last kernel, ms", "K=8: wall / busy / span, ms",
+                      "kernels a step", "largest kernel, decode (ms)", "largest kernel, K=8 (ms)"], rows,
+                     "Profiled graphed steps of batch 1 (the profiler widens the walls). " + self.source(path))
+
+    def gemm(self) -> str:
+        path, d = self.one("gemm")
+        rows = []
+        for shape, s in d["shapes"].items():
+            cells = " | ".join(f"{s['rows'][str(r)]['ours_tflops']:g} / {s['rows'][str(r)]['cublas_tflops']:g}" for r in d["rows"])
+            last = s["rows"][str(d["rows"][-1])]["ours_over_cublas"]
+            rows.append(f"{shape} [{s['N']}, {s['K']}] | {s['split_k']} | {cells} | {last:.2f} | "
+                        f"{'yes' if s['row_invariant'] else 'NO'} | {s['tiles_equal']}")
+        return table(["weight [N, K]", "split-K", *(f"M = {r}: ours / cuBLAS TFLOP/s" for r in d["rows"]),
+                      f"M = {d['rows'][-1]}: ours / cuBLAS", "row-invariant", "tiles equal"], rows,
+                     f"{d['device']}, torch {d['torch']}, triton {d['triton']}, {d['date']}. " + self.source(path))
+
+    def fp8_real_size(self) -> str:
+        rows, paths = [], []
+        for variant, path in self.files("fp8_real_size").items():
+            d = self.load(path)
+            paths.append(path)
+            rows.append(f"{d['config']} ({d['scale']}, {d['experts']} experts) | {d['params_total'] / 1e9:.2f} B "
+                        f"({d['params_active'] / 1e9:.2f} B) | {d['checkpoint_gb']:.1f} GB | {d['load_s']:.1f} s | "
+                        f"{d['hbm_floor_ms']:.2f} | {d['decode_ms_b1']:.2f} ({d['decode_ms_b1'] / d['hbm_floor_ms']:.1f}x) | "
+                        f"{d['verify_k8_ms_b1']:.2f} | {d['decode_ms_b64']:.2f} | {d['verify_k8_ms_b64']:.2f} | "
+                        f"{d['bitexact_rows']}; full batch {d.get('full_batch_rows', '-')} rows, "
+                        f"{d.get('full_batch_states', '-')} states | {d['gate']} | {d['gpu_memory_gib']:.1f} GiB")
+        return table(["config", "params (active)", "checkpoint", "load", "HBM floor ms", "decode b=1 ms (x floor)",
+                      "K=8 b=1", "decode b=64", "K=8 b=64", "rows = serial", "gate", "peak GPU memory"], rows,
+                     self.source(*paths))
+
+    def contract(self) -> str:
+        rows, paths = [], []
+        for variant, path in self.files("row_invariance").items():
+            d = self.load(path)
+            paths.append(path)
+            seconds = sum(s.get("seconds", 0) for s in d["shapes"])
+            rows.append(f"`bench.row_invariance`: {len(d['shapes'])} shapes of {len(d['configs'])} configs, "
+                        f"M = 1..{d['max_rows']} | {'every row equal alone' if d['invariant'] else 'ROWS DIFFER'} "
+                        f"({seconds:.0f} s) | {d['device']}, {d['date']} | `{self.rel(path)}`")
+        for variant, path in self.files("check").items():
+            d = self.load(path)
+            paths.append(path)
+            env, s = d["environment"], d["settings"]
+            what = f"{variant or 'default'}: {d['model']['model_type']}, {d['model']['layers']} layers, {env['dtype']}, {s['sequences']} sequences, K up to {s['max_k']}"
+            if d["passed"]:
+                result = f"PASS: {d['rows_equal']}/{d['rows_checked']} rows, {d['states_equal']}/{d['states_checked']} layer states, {d['seconds']:.0f} s"
+            else:
+                first = d["first_difference"] or {}
+                result = (f"FAIL: {d['rows_equal']}/{d['rows_checked']} rows equal; first difference in "
+                          f"{first.get('check', '?')}")
+            rows.append(f"`verifier check` {what} | {result} | {env.get('gpu') or env['device']}, {path.stem.split('_')[1]} | `{self.rel(path)}`")
+        for variant, path in self.files("gpu_tests").items():
+            d = self.load(path)
+            paths.append(path)
+            summary = next((line for line in reversed(d["tail"]) if re.search(r"\d+ (passed|failed)", line)), "no summary")
+            failed = [line.split(" ", 1)[1] for line in d["tail"] if line.startswith("FAILED ")]
+            result = f"exit {d['exit_status']}: {summary.strip('= ')}" + (f" ({', '.join(failed)})" if failed else "")
+            rows.append(f"`bench.gpu_tests` {' '.join(a for a in d['pytest_args'] if a.startswith('tests'))} | {result} | "
+                        f"{d['device']}, {d['date']} | `{self.rel(path)}`")
+        return table(["run", "result", "device, date", "file"], rows, "")
+
+    def acceptance(self) -> str:
+        path, d = self.one("acceptance")
+        rows = [f"{r['drafter']} | {r['k']} | {r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.3f} | "
+                f"{', '.join(f'{p:.2f}' for p in r['per_position_acceptance'])} | {r['tokens_per_s']:.1f} | "
+                f"{r['speedup_vs_plain']:.2f}x | {'yes' if r['streams_match_plain'] else 'NO'}" for r in d["rows"]]
+        return table(["drafter", "K", "mean acceptance length", "acceptance rate", "per-position acceptance", "tokens/s",
+                      "vs plain", "streams = plain"], rows,
+                     f"Plain decoding through the same server: {d['plain']['tokens_per_s']:.1f} tokens/s. " + self.source(path))
+
+    def load_table(self) -> str:
+        rows, paths = [], []
+        for variant, path in self.files("load").items():
+            d = self.load(path)
+            paths.append(path)
+            rows.append(f"{d['model']} ({d['device']}, {d['dtype']}) | {d['sessions']} | {d['processes']} | {d['steps']:,} | "
+                        f"{d['steps_per_s']:.1f} | {d['tokens_per_s']:.1f} | {d['p50_ms']:.1f} | {d['p99_ms']:.1f} | "
+                        f"{d['rows_per_batch_mean']:.1f} | {d['errors']} | {d.get('mismatches', '-')} | "
+                        f"{d.get('free_slots_before', '-')} -> {d.get('free_slots_after', '-')}")
+        return table(["model", "sessions", "processes", "steps", "steps/s", "tokens/s", "p50 ms", "p99 ms", "rows/batch",
+                      "errors", "mismatches", "free slots"], rows, self.source(*paths))
+
+    def serve(self) -> str:
+        rows, paths = [], []
+        for variant, path in self.files("serve").items():
+            d = self.load(path)
+            if not d["models"]:
+                continue
+            paths.append(path)
+            for name, m in d["models"].items():
+                label = name if not variant else f"{variant}"
+                rows.append(f"{label} | {m['engine_tokens_per_s']:,.0f} | {m['service_tokens_per_s']:,.0f} | "
+                            f"{m['service_over_engine']:.3f} | {m['service_tokens_per_s_more_processes']:,.0f} | "
+                            f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {m['graph_captures_during_load']} | "
+                            f"{m['random_drafts_vs_plain_b64']:.3f} | {m['oracle_trimmed_vs_untrimmed']:.3f} | {m['mismatches']} | "
+                            f"{d['device']}, {d['date']}")
+        return table(["model", "engine tok/s", "service tok/s", "service / engine", "2x processes tok/s", "p50 ms",
+                      "p99 ms", "captures during load", "random K=4 / plain", "oracle trimmed / untrimmed", "mismatches",
+                      "device, date"], rows, self.source(*paths))
+
+    def serve_remote(self) -> str:
+        rows, paths = [], []
+        for variant, path in self.files("serve").items():
+            r = self.load(path).get("remote_drafter")
+            if not r:
+                continue
+            paths.append(path)
+            engine = r.get("server_engine_ms_per_round", {}).get("remote_plain")
+            rows.append(f"{r['k']} | {r['plain_tokens_per_s']:.1f} | {r['remote_model_tokens_per_s']:.1f} | "
+                        f"{r['remote_model_speedup']:.2f}x | {r['inprocess_model_speedup']:.2f}x | "
+                        f"{r['ms_per_round']['remote_plain']:.2f} / {r['ms_per_round']['inprocess_plain']:.2f} | "
+                        f"{'-' if engine is None else f'{engine:.2f}'} | {'yes' if r['streams_equal'] else 'NO'} | `{self.rel(path)}`")
+        return table(["K", "plain tok/s (remote)", "model drafter tok/s (remote)", "remote speedup", "in-process speedup",
+                      "ms a plain round: remote / in process", "of it the server's engine", "streams equal", "file"], rows, "")
+
+    def service_floor(self) -> str:
+        rows, paths = [], []
+        for variant, path in self.files("rpc_floor").items():
+            d = self.load(path)
+            paths.append(path)
+            f = d["figures"]
+            rows.append(f"`bench.rpc_floor` | {d['device']} | empty unary call {f['grpc_empty_unary_us']:g} us; event loop "
+                        f"to engine thread and back {f['thread_handoff_us']:g} us; one-step Verify, no model {f['verify_one_step_us']:g} us")
+        for variant, path in self.files("server_overhead").items():
+            d = self.load(path)
+            paths.append(path)
+            for label, shapes in d["microseconds_per_step"].items():
+                figures = "; ".join(f"{shape} {s['server_cpu_us_per_step']:g} us CPU, {s['wall_us_per_step']:g} us wall"
+                                    for shape, s in shapes.items())
+                rows.append(f"`bench.server_overhead` ({d['sessions']} sessions) | {d['device']} | {figures}")
+        return table(["bench", "host", "per step"], rows, self.source(*paths))
+
+    def goodput_policy(self) -> str:
+        path, d = self.one("goodput_policy")
+        rows = []
+        for key, v in d["microseconds_per_call"].items():
+            sessions, k = re.match(r"(\d+)_sessions_k(\d+)", key).groups()
+            rows.append(f"{sessions} | {k} | {v['vectorised']['trim_us']:g} | {v['as_served']['trim_us']:g} | "
+                        f"{v['vectorised']['observe_us']:g} | {v['as_served']['observe_us']:g}")
+        return table(["sessions", "K", "trim, vectorised (us)", "trim, as served", "observe, vectorised", "observe, as served"],
+                     rows, f"{d['device']}, best of five runs of {d['calls']:,} calls. " + self.source(path))
+
+    def parity_unseen(self) -> str:
+        path, d = self.one("parity_unseen")
+        rows = []
+        for family, r in d["results"].items():
+            spec = r["speculative_equals_plain"]
+            rows.append(f"{family} | {'yes' if r['greedy_equals_hf'] else 'NO'} ({r['tokens']} tokens) | "
+                        f"{r['max_relative_logit_error']:.1e} | {sum(spec.values())}/{len(spec)}")
+        return table(["family", "greedy tokens = HF", "max relative logit error", "speculative runs = plain"], rows,
+                     f"{d['device']}, transformers {d['transformers']}. " + self.source(path))
+
+    # --- README.md -------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        gpu_path, g = self.one("gpu")
+        m = g["models"]["qwen35_2b"]
+        b64 = m["batch"]["64"]
+        woa = m["rollback"]["woa"]
+        fp8 = {v: p for v, p in self.files("fp8_real_size").items()}
+        fp8_path = fp8[max(fp8, key=lambda v: self.load(fp8[v])["date"])]
+        f = self.load(fp8_path)
+        checks = [(p, self.load(p)) for v, p in self.files("check").items() if "fp8" in v and self.load(p)["passed"]]
+        serve = [(p, self.load(p)) for p in self.files("serve").values() if self.load(p)["models"]]
+        rows = [
+            f"2B hybrid (Qwen3.5-style, bf16), decode at batch 1 | {m['decode_ms']:.2f} ms, {m['decode_ms'] / m['hbm_floor_ms']:.2f}x "
+            f"its HBM floor ({m['hbm_floor_ms']:.2f} ms) | `{self.rel(gpu_path)}`",
+            f"2B, verify K = 8 drafts at batch 1 | {m['verify_ms']['8']:.2f} ms, {m['verify_ms']['8'] / m['decode_ms']:.2f}x "
+            f"a decode step | `{self.rel(gpu_path)}`",
+            f"2B, 64 sequences: decode / verify K = 8 | {b64['decode_ms']:.2f} / {b64['verify8_ms']:.2f} ms "
+            f"({b64['verify8_ms'] / b64['decode_ms']:.2f}x); the decode {b64['decode_ms'] / b64['hbm_floor_ms']:.2f}x its floor "
+            f"(weights and fp32 states, {b64['hbm_floor_ms']:.2f} ms) | `{self.rel(gpu_path)}`",
+            f"2B, write-on-accept rollback (a = 4 of K = 8) | {woa['rollback_ms']:.3f} ms, {woa['rollback_ms'] / woa['verify_ms']:.1%} "
+            f"of its verify | `{self.rel(gpu_path)}`",
+        ]
+        if checks:
+            names = ", ".join(p.stem.split("_", 2)[2] for p, _ in checks)
+            rows.append(f"`verifier check` at full size in block FP8 ({names}): a batch of "
+                        f"{checks[0][1]['settings']['sequences']} against each sequence alone | PASS: "
+                        + "; ".join(f"{c['rows_equal']}/{c['rows_checked']} rows, {c['states_equal']}/{c['states_checked']} layer states"
+                                    for _, c in checks) + " | " + ", ".join(f"`{self.rel(p)}`" for p, _ in checks))
+        rows.append(f"{f['config']} block FP8 at full size: decode b=1 / K = 8 b=1 / decode b=64 | {f['decode_ms_b1']:.2f} / "
+                    f"{f['verify_k8_ms_b1']:.2f} / {f['decode_ms_b64']:.2f} ms ({f['decode_ms_b1'] / f['hbm_floor_ms']:.1f}x "
+                    f"its floor at batch 1), {f['gpu_memory_gib']:.1f} GiB | `{self.rel(fp8_path)}`")
+        for p, s in serve:
+            for name, mm in s["models"].items():
+                if name == "shipped":  # the 24M target's 1 ms step is outweighed by the round trip: bench/README.md
+                    continue
+                label = "2B" if name == "2b" else (p.stem.split("_", 2)[2] if p.stem.count("_") > 1 else name)
+                rows.append(f"Through the gRPC service, 64 sessions, {label}: tokens/s over the engine's alone | "
+                            f"{mm['service_over_engine']:.2f} ({mm['service_tokens_per_s']:,.0f} / {mm['engine_tokens_per_s']:,.0f}), "
+                            f"{mm['mismatches']} streams differ | `{self.rel(p)}`")
+        return table(["what (one H200)", "today", "results file (bench/results/)"], rows, "")
+
+    def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
+        return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,
+                "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "contract": self.contract,
+                "acceptance": self.acceptance, "load": self.load_table, "serve": self.serve,
+                "serve_remote": self.serve_remote, "service_floor": self.service_floor,
+                "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
+
+
+def table(head: list[str], rows: list[str], note: str) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *(f"| {row} |" for row in rows)]
+    return "\n".join(lines) + ("\n\n" + note if note else "") + "\n"
+
+
+def fill(text: str, tables: dict[str, Callable[[], str]], where: str) -> str:
+    """text with every marked table regenerated; ValueError for a marker with no table or a table with no marker."""
+    seen = set()
+
+    def one(m: re.Match) -> str:
+        name = m["name"]
+        if name not in tables:
+            raise ValueError(f"{where}: <!-- report:{name} --> names no table (known: {', '.join(sorted(tables))})")
+        seen.add(name)
+        return m.group(1) + tables[name]() + m.group(4)
+
+    out = MARKER.sub(one, text)
+    missing = sorted(set(tables) - seen)
+    if missing:
+        raise ValueError(f"{where}: no <!-- report:NAME --> ... <!-- /report:NAME --> markers for {', '.join(missing)}")
+    return out
+
+
+def generate(results: Path = RESULTS, bench_readme: Path = BENCH_README, readme: Path = README) -> dict[Path, str]:
+    """{markdown file: its text with the tables regenerated}."""
+    tables = Tables(results)
+    return {bench_readme: fill(bench_readme.read_text(), tables.bench_readme_tables(), str(bench_readme)),
+            readme: fill(readme.read_text(), {"summary": tables.summary}, str(readme))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file differs from what it would be")
+    args = parser.parse_args(argv)
+    try:
+        wanted = generate()
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"bench.report: {exc}", file=sys.stderr)
+        return 1
+    stale = [path for path, text in wanted.items() if path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"bench.report: the tables in {path.relative_to(REPO)} differ from what bench/results gives; "
+                  f"run `python -m bench.report` and commit the result", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
