@@ -5,7 +5,7 @@ its published -FP8 checkpoint with random weights, served through the normal loa
         [--steps N] [--scale full|tiny] [--experts per-expert|fused] [--keep]
 
 Phases, each timed on stderr:
-1. write: config.json is the published one (verifier/model/published_configs.py holds it; `--scale
+1. write: config.json is the published one (presets/published.py holds it; `--scale
    tiny` shrinks its sizes, every field kept) plus quantization_config {fp8, e4m3, dynamic,
    [128, 128], KEPT_MODULES}. Tensors as published, under `model.language_model.`: the linears in
    float8_e4m3fn beside fp32 `*_scale_inv`, experts per expert (`mlp.experts.{e}.gate_proj.weight`,
@@ -21,7 +21,7 @@ Phases, each timed on stderr:
    to each sequence's step alone. Red: no timings, exit status 1.
 4. time (CUDA only): HBM floor (decode_bytes over the measured copy bandwidth), decode and K = 8
    verify at batch 1 and 64 (engine steps replaying one CUDA graph bucket per shape), peak memory.
-Writes DIR/fp8_real_size_<date>.json; deletes the checkpoint unless --keep.
+Writes DIR/fp8_real_size_<date>_<config>.json; deletes the checkpoint unless --keep.
 
 Random weights are drawn in the stored form, on the GPU when there is one: fp8 values N(0, 112^2)
 clamped to +-448 (four standard deviations fit e4m3's range), and per 128 x 128 block a scale of
@@ -52,11 +52,11 @@ import torch
 from safetensors.torch import save_file
 
 from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, open_sequences, step_ms
-from bench.machine import device_name
+from bench.machine import device_name, results_path
+from presets.published import PUBLISHED
 from verifier.check.checks import CheckSettings, full_batch_vs_alone
 from verifier.engine import Engine
 from verifier.model import load_model
-from verifier.model.published_configs import PUBLISHED
 from verifier.model.config import ATTENTION, GDN, ModelConfig
 from verifier.model.fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Format
 from verifier.model.fp8_checkpoint import INDEX, is_quantized
@@ -94,7 +94,7 @@ def log(message: str) -> None:
 
 
 def published_configs() -> dict[str, dict]:
-    """{lower-case name: config.json} of the published configs (verifier/model/published_configs.py)."""
+    """{lower-case name: config.json} of the published configs (presets/published.py)."""
     return {name.lower(): config for name, config in PUBLISHED.items()}
 
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        out_file = args.out / f"fp8_real_size_{today}.json"
+        out_file = results_path(args.out, "fp8_real_size", today, args.config)
         out_file.write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {out_file}")
     return result

@@ -1,4 +1,4 @@
-"""The row-invariant GEMM against cuBLAS, on weight shapes the engine multiplies (issue 14, items 1 and 6).
+"""The row-invariant GEMM against cuBLAS, on weight shapes the engine multiplies.
 
     PYTHONPATH=. python -m bench.gemm --out DIR
 
@@ -35,21 +35,16 @@ from triton.runtime.errors import OutOfResources
 
 from bench.machine import device_name
 from hybrid_kernels.linear import linear, linear_config, tile_for_rows
+from presets.bench_models import DENSE_2B, weight_shapes
 from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
 from verifier.model.graphs import collector_paused
 
-HIDDEN, INTERMEDIATE, VOCAB = 2048, 6144, 151936
-# [N, K] as the engine multiplies (bench/gpu.py's 2B checkpoint): GDN's q|k|v|z|b|a, attention's
-# q(+gate)|k|v, the output projections (GDN's and attention's share a shape), the MLP's gate|up
-# and down, the LM head
-SHAPES = {
-    "gdn_in_proj": (2 * 2048 + 4096 + 4096 + 32 + 32, HIDDEN),
-    "attn_qkv": (2 * 16 * 256 + 2 * 2 * 256, HIDDEN),
-    "out_proj": (HIDDEN, 4096),
-    "mlp_gate_up": (2 * INTERMEDIATE, HIDDEN),
-    "mlp_down": (HIDDEN, INTERMEDIATE),
-    "lm_head": (VOCAB, HIDDEN),
-}
+_2B = weight_shapes(DENSE_2B)
+# [N, K] as the engine multiplies (the 2B model of presets/bench_models.py): GDN's q|k|v|z|b|a,
+# attention's q(+gate)|k|v, the output projections (GDN's and attention's share a shape), the MLP's
+# gate|up and down, the LM head
+SHAPES = {"gdn_in_proj": _2B["gdn_in"], "attn_qkv": _2B["attn_qkv"], "out_proj": _2B["attn_o"],
+          "mlp_gate_up": _2B["mlp_gate_up"], "mlp_down": _2B["mlp_down"], "lm_head": _2B["lm_head"]}
 ROWS = (1, 9, 72, 576)
 CHECK_ROWS = 1024  # row_invariant's largest product
 SWEEP = [(bm, bn, wp, st) for bm in (16, 64, 128) for bn in (64, 128, 256) for wp, st in ((4, 3), (8, 4)) if not (bm == 16 and wp == 8)]

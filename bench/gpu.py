@@ -34,38 +34,18 @@ import torch
 
 from bench.gemm import model_gemm
 from hybrid_kernels import dependent_launch
+from presets.bench_models import MODELS
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
 from verifier.model.fp8 import BlockFP8Weight, OutFeatureGroups
 from verifier.model.rollback import SNAPSHOT, WOA
 from verifier.model.state import RecurrentState, SlotPool
+from verifier.model.step import verify
 from verifier.params import SamplingParams
 
 PROMPT_LEN = 64
 KS = (1, 2, 4, 8, 16)
 GEMM_REPEATS = 10  # graph replays (of 20 launches) per GEMM figure: the section's GPU time stays a few seconds per model
-
-DENSE_2B = dict(  # the issue's Qwen3.5-style ~2B checkpoint
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, tie_word_embeddings=True,
-)
-NEXT_MOE = dict(  # Qwen3-Next-style: same mixers, MoE of similar active size (2 of 8 experts + a shared one)
-    DENSE_2B, model_type=None, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048,
-    shared_expert_intermediate_size=2048, intermediate_size=6144,
-)
-NEXT_MOE.pop("model_type")
-KIMI_MOE = dict(  # Kimi-style: KDA + MLA (3:1), MoE (2 of 8 + 1 shared), first layer dense
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-    num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    linear_num_heads=16, linear_head_dim=128, linear_conv_kernel_dim=4,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048, num_shared_experts=1, routed_scaling_factor=2.5,
-    first_k_dense_replace=1, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)
-MODELS = {"qwen35_2b": ("qwen3_5_text", DENSE_2B), "qwen3next_moe": ("qwen3_next", NEXT_MOE), "kimi_moe": ("kimi_linear", KIMI_MOE)}
 
 
 def sync() -> None:
@@ -210,7 +190,7 @@ def step_ms(engine: Engine, seqs: list, k: int, repeats: int) -> float:
 
 def rollback_figures(model, k: int, repeats: int) -> dict:
     """Verify of K+1 rows, then rollback to a = K/2 accepted, timed apart (CUDA-graphed when the engine graphs).
-    A write-on-accept engine carries the kept rows into the next verify (verifier/model/carry.py):
+    A write-on-accept engine carries the kept rows into the next verify (verifier/model/rollback.py):
     its rollback copies them, and each verify timed applies the last rollback's a + 1 rows first,
     so the fold's work is in verify_ms ('carries': True)."""
     out = {}
@@ -224,10 +204,11 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
         for _ in range(repeats + 2):
             sync()
             t0 = time.perf_counter()
-            _, record = engine.runner.verify(tokens, batch, mode)
+            step = engine.runner.step(tokens, batch, mode)
+            step.verify()
             sync()
             t1 = time.perf_counter()
-            engine.runner.rollback(record, [k // 2 + 1])
+            step.rollback([k // 2 + 1])
             sync()
             t2 = time.perf_counter()
             verify_ms.append((t1 - t0) * 1e3)
@@ -303,10 +284,10 @@ def kernel_breakdown(model, k: int) -> list[dict]:
     seq = open_sequences(engine, 1)[0]
     batch = RowBatch((seq.slot,), (seq.position,), (k + 1,))
     tokens = torch.arange(k + 1) + 5
-    model.verify(tokens, batch, engine.pool)
+    verify(model, engine.pool, tokens, batch)
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.verify(tokens, batch, engine.pool)
+        verify(model, engine.pool, tokens, batch)
         sync()
     rows = []
     for event in prof.key_averages():

@@ -1,6 +1,6 @@
 """The test suite's GPU run, recorded: pytest on this machine's CUDA device, its outcome as a results file.
 
-    PYTHONPATH=. python -m bench.gpu_tests --out DIR [--name WHAT] -- [pytest arguments]
+    PYTHONPATH=. python -m bench.gpu_tests --out DIR [--name WHAT_DIFFERS] -- [pytest arguments]
 
 Runs `python -m pytest -q -p no:cacheprovider <pytest arguments>` (default: the kernel tests, the
 bit-exactness suite on the CUDA model device, and the real-width tests) and writes
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import device_name
+from bench.machine import NAME_HELP, check_name, device_name, results_path
 
 DEFAULT_TESTS = ["tests/kernel_tests", "tests/test_real_width.py", "tests/bitexact", "tests/test_fp8_checkpoints.py", "--model-device", "cuda"]
 TAIL_LINES = 15
@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     ours, pytest_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
-    parser.add_argument("--name", default="", help="what this run is, appended to the file name (letters, digits, _ and -)")
+    parser.add_argument("--name", default="", help=NAME_HELP)
     args = parser.parse_args(ours)
-    if args.name and not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
-        parser.error(f"--name {args.name!r}: letters, digits, _ and - only")
+    try:
+        check_name(args.name)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         parser.error("no CUDA device: the GPU tests would only skip")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(pytest_args or DEFAULT_TESTS)]
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               "counts": counts(next((line for line in reversed(lines) if SUMMARY.search(line)), "")), "seconds": round(time.perf_counter() - start, 1),
               "tail": lines[-TAIL_LINES:]}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu_tests_{today}{'_' + args.name if args.name else ''}.json"
+    path = results_path(args.out, "gpu_tests", today, args.name)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return proc.returncode
 

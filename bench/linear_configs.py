@@ -19,17 +19,10 @@ from pathlib import Path
 import torch
 
 from hybrid_kernels.linear import LinearConfig, linear, linear_config
+from presets.bench_models import DENSE_2B, weight_shapes
 from verifier.arguments import DefaultsHelpFormatter
 
-SHAPES = {  # name: (N, K), the 2B model's weights (bench/gpu.py DENSE_2B)
-    "gdn_in": (8192 + 4096 + 64, 2048),
-    "gdn_out": (2048, 4096),
-    "attn_qkv": (8192 + 512 + 512, 2048),
-    "attn_o": (2048, 4096),
-    "mlp_gate_up": (12288, 2048),
-    "mlp_down": (2048, 6144),
-    "lm_head": (151936, 2048),
-}
+SHAPES = weight_shapes(DENSE_2B)  # name: (N, K), the 2B model's weights
 CANDIDATES = [LinearConfig(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 6))
               if not (n == 128 and k == 256 and s == 6)]
 

@@ -8,7 +8,7 @@ the state traffic per sequence and layer from the layouts (DESIGN.md section 4):
   snapshot: verify reads S, writes (K+1) S;             rollback reads S, writes S
   WOA:      verify reads S, writes (K+1) rows of stash; rollback reads (a+1) stash rows, reads S, writes S
 WOA here is the fold: the engines' pools carry nothing (max_k 0). A write-on-accept engine that
-drafts carries the kept rows into the slot's next verify instead (verifier/model/carry.py): its
+drafts carries the kept rows into the slot's next verify instead (verifier/model/rollback.py): its
 rollback copies (a+1) stash rows, and the next verify, which reads S anyway, writes it.
 Writes bench/results/rollback_<date>.json.
 
@@ -31,9 +31,9 @@ from bench.machine import device_name
 from verifier.arguments import DefaultsHelpFormatter, at_least
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
-from verifier.model.carry import committed_state
 from verifier.model.random_checkpoint import write_random_checkpoint
-from verifier.model.rollback import ROLLBACK_MODES, rollback
+from verifier.model.rollback import ROLLBACK_MODES, committed_state
+from verifier.model.step import verify
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
 
@@ -101,10 +101,10 @@ def measure(heads: int, dim: int, device: str, repeats: int) -> list[dict]:
                 tokens = torch.tensor([seq.pending, *drafts])
                 _sync(device)
                 t0 = time.perf_counter()
-                logits, record = model.verify(tokens, batch, engine.pool, mode)
+                step = verify(model, engine.pool, tokens, batch, mode)
                 _sync(device)
                 t1 = time.perf_counter()
-                rollback(engine.pool, record, [a + 1])
+                step.rollback([a + 1])
                 _sync(device)
                 t2 = time.perf_counter()
                 verify_ms.append((t1 - t0) * 1e3)

@@ -33,17 +33,17 @@ from pathlib import Path
 import torch
 
 from bench import fp8_real_size
-from bench.gpu import MODELS
 from bench.machine import device_name
 from hybrid_kernels import moe
 from hybrid_kernels.linear import linear
 from hybrid_kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
+from presets.bench_models import MODELS
+from presets.published import PUBLISHED, PUBLISHED_SIZES
 from verifier.model.fp8 import BlockFP8Format, BlockFP8Weight, OutFeatureGroups
 from verifier.model.fp8_checkpoint import ALWAYS_KEPT, is_quantized
 from verifier.model.hf_config import config_from_dict
 from verifier.model.hybrid import HybridModel
 from verifier.model.layers.mlp import MoE
-from verifier.model.published_configs import PUBLISHED, PUBLISHED_SIZES
 
 FP8_BLOCK = 128
 # what a block-FP8 checkpoint keeps in bf16: every writer's modules (the embedding, the head, the
@@ -53,7 +53,7 @@ FP8_FORMAT = BlockFP8Format(FP8_BLOCK, FP8_BLOCK, ALWAYS_KEPT + fp8_real_size.KE
 
 
 def sweep_configs() -> dict[str, dict]:
-    """{name: config.json}: the published configs, and the bench models of bench/gpu.py."""
+    """{name: config.json}: the published configs, and the bench models of presets/bench_models.py."""
     configs = {**PUBLISHED, **PUBLISHED_SIZES}
     configs.update({name: {"model_type": family, **fields} for name, (family, fields) in MODELS.items()})
     return configs

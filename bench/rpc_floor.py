@@ -1,5 +1,5 @@
 """The floor under one served step's latency, without a model: what a single session pays per step
-before any engine work (issue 13: the remote drafter's round trip, the served round's turnaround).
+before any engine work (the remote drafter's round trip, the served round's turnaround).
 
 Three figures, each the median of --repeats timed runs of --calls round trips:
   grpc_empty_unary_us      an empty unary call (GetStats of a bare servicer) to a grpc.aio server in
@@ -12,7 +12,7 @@ Three figures, each the median of --repeats timed runs of --calls round trips:
 
     python -m bench.rpc_floor [--calls 2000] [--repeats 3] [--out bench/results]
 
-Writes OUT/rpc_floor_<date>.json (device, date, versions, figures).
+Writes OUT/rpc_floor_<date>[_<name>].json (--name: what differs, e.g. the host; device, date, versions, figures).
 """
 
 from __future__ import annotations
@@ -33,22 +33,28 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.machine import device_name
+from bench.machine import NAME_HELP, check_name, device_name, results_path
 from verifier import rpc
-from verifier.v1 import verifier_pb2_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class _BareServicer(verifier_pb2_grpc.VerifierServicer):
+class _BareServicer:
+    """Answers GetStats with an empty Stats; every other RPC UNIMPLEMENTED."""
+
     async def GetStats(self, request, context):
         return rpc.Stats()
+
+    async def _unimplemented(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+
+    GetModelInfo = OpenSession = Verify = VerifyStream = VerifyRounds = CloseSession = _unimplemented
 
 
 def _bare_server(port_out, stop) -> None:
     async def main():
         server = grpc.aio.server()
-        verifier_pb2_grpc.add_VerifierServicer_to_server(_BareServicer(), server)
+        server.add_generic_rpc_handlers([rpc.servicer_handler(_BareServicer())])
         port_out.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         while not stop.is_set():
@@ -60,7 +66,7 @@ def _bare_server(port_out, stop) -> None:
 
 def _noop_server(address_out, stop) -> None:
     from bench.server_overhead import MODEL, NoOpEngine
-    from verifier.model.hf_reference import save_spec
+    from presets.hf_reference import save_spec
     from verifier.server.testing import LoopbackServer
 
     torch.manual_seed(0)
@@ -142,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000, help="round trips per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for rpc_floor_<date>.json")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for rpc_floor_<date>[_<name>].json")
+    parser.add_argument("--name", default="", help=NAME_HELP)
     args = parser.parse_args(argv)
+    try:
+        check_name(args.name)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.calls < 1 or args.repeats < 1:
         parser.error("--calls and --repeats must be >= 1")
     figures = {
@@ -155,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device_name("cpu"), "date": date, "python": platform.python_version(), "torch": torch.__version__,
               "grpcio": grpc.__version__, "calls": args.calls, "repeats": args.repeats, "figures": figures}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"rpc_floor_{date}.json"
+    path = results_path(args.out, "rpc_floor", date, args.name)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print("; ".join(f"{k} {v}" for k, v in figures.items()) + f" -> {path}")
     return 0

@@ -1,4 +1,4 @@
-"""The serving bench (issue 13): the engine alone and the same engine through the service, side by
+"""The serving bench: the engine alone and the same engine through the service, side by
 side in one run, and a remote drafter against the in-process pair.
 
     python -m bench.serve --out bench/results                                  # both models, this device
@@ -26,7 +26,7 @@ time, as `python -m drafter generate` runs them (drafter.loop.generate over a Ve
 then the model drafter at K in this process on --draft-device; and the same pair in process
 (verifier.generate), plain and speculative. Each mode runs every prompt once untimed first.
 
-Writes OUT/serve_<date>.json and prints a short table last; progress goes to stderr. Exit 1 when a
+Writes OUT/serve_<date>[_<name>].json (--name: what differs, e.g. the model) and prints a short table last; progress goes to stderr. Exit 1 when a
 stream differs from plain decoding or a step failed, 2 on bad options.
 """
 
@@ -50,7 +50,7 @@ from bench.load import processes, reference, report, workload
 from bench.load.drafters import FLEET, FLEET_VERIFY
 from bench.load.progress import StepProgress, say
 from bench.load.server import REPO, ServerProcess
-from bench.machine import device_name
+from bench.machine import NAME_HELP, check_name, device_name, results_path
 from drafter.client import VerifierClient
 from verifier.defaults import SHIPPED_DRAFT, SHIPPED_TARGET
 from verifier.engine import LENGTH
@@ -85,8 +85,10 @@ class ServeConfig:
     time_limit_s: float = 300.0
     seed: int = 0
     pairs: int = 1  # back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed); the median is reported
+    name: str = ""  # what differs from the default run (a model, a host), appended to the results file's name
 
     def __post_init__(self):
+        check_name(self.name)
         if not 1 <= self.processes <= self.sessions:
             raise ValueError(f"need 1 <= processes <= sessions, got processes {self.processes}, sessions {self.sessions}")
         if self.warmup_steps < 1 or self.steps < 1 or self.k < 1:
@@ -120,13 +122,14 @@ def checkpoint(name: str, scratch: Path) -> Path:
     if name == "shipped":
         return SHIPPED_TARGET
     if name == "2b":
-        from bench.gpu import DENSE_2B, build_checkpoint
+        from bench.gpu import build_checkpoint
+        from presets.bench_models import DENSE_2B
 
         say("writing the random 2B checkpoint (bench/gpu.py's writer)", TAG)
         build_checkpoint("qwen3_5_text", DENSE_2B, scratch / "qwen35_2b")
         return scratch / "qwen35_2b"
     if name == "tiny":
-        from bench.load.cli import TINY_CONFIG, TINY_EMBED_STD, TINY_NAME
+        from presets.bench_models import TINY_CONFIG, TINY_EMBED_STD, TINY_NAME
         from verifier.model.random_checkpoint import write_random_checkpoint
 
         return write_random_checkpoint(TINY_CONFIG, scratch / TINY_NAME, seed=0, std=TINY_EMBED_STD)
@@ -359,7 +362,7 @@ def run_serve(config: ServeConfig) -> dict:
     result["ok"] = all(m["mismatches"] == 0 and m["errors"] == 0 for m in result["models"].values()) and \
         (result["remote_drafter"] is None or result["remote_drafter"]["streams_equal"])
     config.out.mkdir(parents=True, exist_ok=True)
-    path = config.out / f"serve_{result['date']}.json"
+    path = results_path(config.out, "serve", result["date"], config.name)
     path.write_text(json.dumps(result, indent=1) + "\n")
     result["path"] = str(path)
     return result
@@ -390,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(ServeConfig)})
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="directory for serve_<date>.json")
+    p.add_argument("--out", type=Path, required=True, help="directory for serve_<date>[_<name>].json")
     p.add_argument("--model", default=",".join(defaults.models),
                    help=f"comma-separated: {', '.join(MODEL_NAMES)} or a checkpoint directory")
     p.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"], help="where the server and the engine run")
@@ -413,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=defaults.pairs,
                    help="back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed), alternating "
                         "which runs first; the median ratio is reported")
+    p.add_argument("--name", default=defaults.name, help=NAME_HELP)
     return p
 
 

@@ -7,14 +7,14 @@ client process (so that its Python is not counted) sends plain steps in two shap
   unary:  one Verify call carrying one step of each of 64 sessions, call after call.
 Figures: server process CPU microseconds per step (every server thread: event loop, engine worker,
 gRPC core) and wall microseconds per step, medians of --repeats timed runs after a warm-up run.
-The CPU figure is read around the timed steps only (labels before "session4_steps_only_cpu" in the
-results file also counted the opening of the sessions: 64 CPU prefills).
+The CPU figure is read around the timed steps only (not the opening of the sessions: 64 CPU prefills).
 Correctness first: every step must come back OK at the position it should reach.
 
     python -m bench.server_overhead [--label after] [--sessions 64] [--steps 200] [--repeats 3]
 
-Results are merged under `label` into bench/results/server_overhead_<date>.json (run it on the
-tree before a change with --label before, and after it with --label after).
+Results are merged under `label` into bench/results/server_overhead_<date>[_<name>].json (--name:
+what differs, e.g. the host; run it on the tree before a change with --label before, and after it
+with --label after).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.machine import device_name
+from bench.machine import NAME_HELP, check_name, device_name, results_path
+from presets.hf_reference import save_spec
 from verifier import rpc
 from verifier.engine import Engine, StepResult
-from verifier.model.hf_reference import save_spec
 from verifier.server.testing import LoopbackServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,10 +139,15 @@ def measure(server: LoopbackServer, shape: str, sessions: int, steps: int) -> di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--label", default="after", help="key of these figures in the results file")
+    parser.add_argument("--name", default="", help=NAME_HELP)
     parser.add_argument("--sessions", type=int, default=64, help="sessions stepping at once")
     parser.add_argument("--steps", type=int, default=200, help="steps per session per run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median is kept)")
     args = parser.parse_args(argv)
+    try:
+        check_name(args.name)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_spec(MODEL, Path(tmp) / MODEL)
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [measure(server, shape, args.sessions, args.steps) for _ in range(args.repeats)]
                 figures[shape] = {key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}
     date = datetime.date.today().isoformat()
-    path = RESULTS / f"server_overhead_{date}.json"
+    path = results_path(RESULTS, "server_overhead", date, args.name)
     report = json.loads(path.read_text()) if path.exists() else {}
     report.update(device=device_name("cpu"), date=date, python=platform.python_version(), torch=torch.__version__,
                   grpcio=grpc.__version__, sessions=args.sessions, steps_per_session=args.steps)

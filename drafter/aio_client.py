@@ -78,7 +78,7 @@ class AsyncVerifierClient(ClientChannel):
         return (await self._call("CloseSession", rpc.CloseSessionRequest(session_id=session_id))).closed
 
     async def stats(self) -> Stats:
-        return Stats.from_proto(await self._call("GetStats", rpc.GetStatsRequest()))
+        return await self._call("GetStats", rpc.GetStatsRequest())
 
 
 class AsyncStepStream:

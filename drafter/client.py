@@ -102,7 +102,7 @@ class VerifierClient(ClientChannel):
         return self._call("CloseSession", rpc.CloseSessionRequest(session_id=session_id)).closed
 
     def stats(self) -> Stats:
-        return Stats.from_proto(self._call("GetStats", rpc.GetStatsRequest()))
+        return self._call("GetStats", rpc.GetStatsRequest())
 
 
 _CLOSE = object()  # ends the request iterator: the client is done writing

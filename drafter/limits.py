@@ -1,5 +1,5 @@
 """The server's limits, checked on the command line before any work: a request past them exits 2
-with a line naming the limit, rather than being cut silently (issue 12).
+with a line naming the limit, rather than being cut silently.
 
 The generation loop itself (drafter/loop.py) still cuts each step's drafts to what fits (the
 rule of verifier.generation.draft_room): a library caller asking for more gets what the server

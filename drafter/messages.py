@@ -1,5 +1,5 @@
-"""The drafter's wire layer: what the client returns (plain dataclasses) and the conversions to and
-from the wire messages. Sampling parameters are verifier.params.SamplingParams, the one home of
+"""The drafter's wire layer: what the client returns (plain dataclasses; the server's counters as their
+wire message) and the conversions to and from the wire messages. Sampling parameters are verifier.params.SamplingParams, the one home of
 the concept; `sampling_to_proto` puts them on the wire.
 
 Wire conventions (proto/verifier/v1/verifier.proto): logits travel as little-endian float32 bytes
@@ -141,44 +141,10 @@ class StepOutcome:
                    m.verified_drafts if m.HasField("verified_drafts") else None)
 
 
-@dataclass(frozen=True)
-class Histogram:
-    upper_bounds: tuple[float, ...]  # the last bucket (not listed) is +inf
-    counts: tuple[int, ...]  # len(upper_bounds) + 1
-    sum: float
-    count: int
-
-    @classmethod
-    def from_proto(cls, m) -> "Histogram":
-        return cls(tuple(m.upper_bounds), tuple(m.counts), m.sum, m.count)
-
-
-@dataclass(frozen=True)
-class Stats:
-    engine_steps: int
-    steps: int
-    rows: int
-    drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    drafted_per_position: tuple[int, ...]  # [max_k]
-    accepted_per_position: tuple[int, ...]  # [max_k]
-    mean_acceptance_length: float
-    rows_per_batch: Histogram
-    step_latency_ms: Histogram
-    open_sessions: int
-    free_slots: int
-    errors: int
-    graph_captures: int  # CUDA graphs the server's engine captured, startup included
-    trimmed_drafts: int  # drafts sent but not verified (goodput-aware K)
-    engine_seconds: float  # wall time of the server's engine steps (0.0 from a server before the field)
-
-    @classmethod
-    def from_proto(cls, m) -> "Stats":
-        return cls(m.engine_steps, m.steps, m.rows, m.drafts, m.draft_tokens, m.accepted_tokens,
-                   tuple(m.drafted_per_position), tuple(m.accepted_per_position), m.mean_acceptance_length,
-                   Histogram.from_proto(m.rows_per_batch), Histogram.from_proto(m.step_latency_ms),
-                   m.open_sessions, m.free_slots, m.errors, m.graph_captures, m.trimmed_drafts, m.engine_seconds)
+# What `stats()` returns: the server's GetStats message itself, rpc.Stats (the proto documents each counter
+# and verifier_pb2.pyi types it; repeated fields are sequences, histograms rpc.Histogram). Counters only,
+# nothing to convert, so no copy of its field list is kept here.
+Stats = rpc.Stats
 
 
 def logits_array(m) -> np.ndarray:

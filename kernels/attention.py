@@ -50,9 +50,9 @@ MIN_DOT = 16  # tl.dot needs every tile side >= 16 on the GPU
 NUM_WARPS = 4
 # Two stages: the next block's keys and values load while this block is multiplied. The same
 # operations in the same order, so the same bits as one stage; on the H200 at the 2B model's shape
-# (16 query heads, 2 kv heads, d 256) 64 sequences x 9 rows at position ~100 take 30 us against
-# 46, at ~600 100 against 183, one decode row 5.8 against 7.5 us. Three stages, 32 or 128 positions
-# a block, 8 warps were slower or other bits (bench/results/attention_configs_2026-12-01.json).
+# (16 query heads, 2 kv heads, d 256) at every batch and position measured; three stages, 32 or
+# 128 positions a block and 8 warps were slower or gave other bits. `python -m bench.gpu` times the
+# steps this kernel is part of.
 NUM_STAGES = 2
 DTYPES = (torch.float32, torch.bfloat16)
 

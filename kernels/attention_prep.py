@@ -1,4 +1,4 @@
-"""Gated attention's pre-processing in one launch (issue 14, item 4): per row, every query head
+"""Gated attention's pre-processing in one launch: per row, every query head
 normalised and rotated, every key head normalised, rotated and written to the KV cache beside its
 value head.
 

@@ -27,7 +27,7 @@ commits that row at once (kernels/one_row_commit.py: the rule, and why); a seque
 leaves `state` alone (write-on-accept). delta_rule_fold applies each sequence's first consumed[s]
 rows (the WOA stash: key, value, decay, beta) to state[slot] in place: WOA rollback, and prefill's
 commit with consumed = all rows; a one-row sequence has nothing left to fold.
-With a carry (verifier/model/carry.py) a verify first applies its slot's carried rows (the last
+With a carry (verifier/model/rollback.py) a verify first applies its slot's carried rows (the last
 step's kept stash rows, which its rollback copied rather than folded) and commits the result
 (a one-row sequence commits once, after its row too); its rows then start from there. The carried
 rows go through `_update_state` in the fold's order (one walk with the step's rows, the kernel
@@ -97,11 +97,9 @@ def delta_rule_config(d_k: int, d_v: int, sequences: int = 0, rows: int = 0) -> 
     128 x 128 head runs as 4 programs per (sequence, head) to spread a decode over the SMs; tiles
     under 2048 values use one warp. One sequence of at least ONE_SEQUENCE_MIN_ROWS rows (a batch-1
     verify: its walk's latency is the launch's) takes 16 columns in 2 warps, 2 of its 4 sums'
-    levels across warps instead of 4 (H200, 2B GDN shape, after one carried row: 9 rows 5.85 ->
-    5.56 us, 17 rows 9.12 -> 8.43, 5 rows 4.20 -> 4.11; 2 rows 2.98 -> 3.09, hence the bound;
-    bench/results/delta_rule_tiles_2026-12-03.json). Every tile gives the same bits (`_sum_halves`);
-    the 32-column tile was the fastest or within 0.4 us of it at 1 to 64 sequences of 1 to 9 rows
-    otherwise (bench/results/delta_rule_sums_2026-12-03.json)."""
+    levels across warps instead of 4: faster from 5 rows on, slower at 2 rows, hence the bound
+    (H200, 2B GDN shape). Every tile gives the same bits (`_sum_halves`); the 32-column tile is the
+    fastest, or close to it, at 1 to 64 sequences otherwise. `python -m bench.gpu` times the steps."""
     block_k = triton.next_power_of_2(d_k)
     narrow = sequences == 1 and rows >= ONE_SEQUENCE_MIN_ROWS
     block_v = min(16 if narrow else 32, triton.next_power_of_2(d_v))
@@ -131,9 +129,8 @@ def _sum_halves(b_lo_s, b_hi_s, b_lo_x, b_hi_x):
     row j + n/2 to row j, down to one row. The order is written out, so the sum's bits depend on
     BLOCK_K alone, not on which threads hold which rows (tl.sum's order follows the register
     layout, which the tile shape and num_warps pick). It is also shallower than a sum along a
-    thread's registers: at the 2B GDN shape, one sequence of 9 rows after a carried row, 7.2 -> 6.0
-    us a launch; 64 x 9 rows 152.5 -> 145.0; 64 decodes unchanged (82 us), H200
-    (bench/results/delta_rule_sums_2026-12-03.json)."""
+    thread's registers: a shorter, shallower walk, faster where rows walk and even at 64 decodes
+    (H200, 2B GDN shape; `python -m bench.gpu` times the steps)."""
     b_p = tl.fma(b_lo_s, b_lo_x, b_hi_s * b_hi_x)  # [N/2, BLOCK_V]
     for _ in tl.static_range(MAX_SUM_LEVELS):  # N/2 rows, a power of two, halved to 1 (unrolled)
         if b_p.shape[0] > 1:
@@ -156,8 +153,8 @@ def _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K: tl.constexpr):
     b_recalled = _sum_halves(b_lo_s, b_hi_s, b_lo_k, b_hi_k)  # [BLOCK_V]
     b_delta = tl.broadcast_to(((b_v - b_recalled) * b_beta)[None, :], b_lo_s.shape)
     # b_s + k delta^T as one fused multiply-add an element (one rounding, one instruction): written
-    # out, since contraction is off and every walk must give these bits (H200, 2B GDN shape, 64
-    # sequences x 9 rows after a carried row: 159 -> 152 us; delta_rule_fma_2026-12-01.json). On the
+    # out, since contraction is off and every walk must give these bits; it is also faster than a
+    # separate multiply and add at 64 sequences x 9 rows (H200, 2B GDN shape). On the
     # halves the key was split into for the sum, so the key reaches one register layout once a row.
     return _unhalve(tl.fma(b_lo_k, b_delta, b_lo_s), tl.fma(b_hi_k, b_delta, b_hi_s))
 
@@ -193,8 +190,7 @@ def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K
     b_v = tl.load(p_value + o_v, mask=m_v, other=0.0)
     if DECAY_K == 1:
         # a scalar: its [BLOCK_K] broadcast (and the next row's) held registers that cost occupancy
-        # (H200, 2B GDN shape, 64 sequences x 9 rows: 154 -> 129 us, the same bits;
-        # bench/results/delta_rule_variants_2026-12-01.json)
+        # (faster at 64 sequences x 9 rows on the H200, the same bits)
         b_decay = tl.load(p_decay)
     else:
         b_decay = tl.load(p_decay + o_k, mask=m_k, other=0.0)
@@ -266,7 +262,7 @@ def _delta_rule_kernel(
 
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
-    i_carried = 0  # the slot's carried rows (verifier/model/carry.py): walked first, then committed
+    i_carried = 0  # the slot's carried rows (verifier/model/rollback.py): walked first, then committed
     i_ch = i_h.to(tl.int64)  # row 0 of the slot's carry, this head
     if CARRY_ROWS > 0:
         i_carried = tl.load(carried + i_s)
@@ -275,8 +271,7 @@ def _delta_rule_kernel(
     i_walk = i_carried + i_rows
 
     # One walk over the carried rows, then the step's rows: one loop, one set of prefetch registers
-    # (a loop of their own before this one took 182 us where this takes 158, H200, 64 sequences x 9
-    # rows after one carried row: bench/results/delta_rule_carry_2026-12-01.json). Row t + 1's inputs are
+    # (a loop of their own before this one is slower: more registers held across two loops). Row t + 1's inputs are
     # loaded while row t is applied (the last row loads itself again, unused): the same values reach
     # _update_state in the same order as a walk that loads each row when it applies it, and the
     # carried rows' as the fold's `_walk_rows`.
@@ -296,10 +291,8 @@ def _delta_rule_kernel(
     for i_t in range(0, i_walk):
         # the next row's pointers stepped from this row's: one row on (H heads), from the last carried
         # row to the step's row 0, past the last row this one again. Stepped, not computed from the
-        # row's index: 347 -> 340 instructions a row (sm_90), 64 x 9 rows after a carried row
-        # 143.3 -> 141.9 us, a carried row and one row 3.30 -> 2.90, the same bits (H200, 2B GDN
-        # shape; bench/results/delta_row_pointers_2026-12-03.json). With row 0's pointers kept (r_k
-        # ...) rather than recomputed for the jump: 336 instructions, not timed
+        # row's index: fewer instructions a row on sm_90, the same bits. Row 0's pointers are kept
+        # (r_k ...) rather than recomputed for the jump, for the same reason
         i_next = i_t + 1
         more = i_next < i_walk
         jump = i_next == i_carried
@@ -311,8 +304,7 @@ def _delta_rule_kernel(
         n_k, n_v, n_decay, n_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
         if not FOLD and CARRY_ROWS > 0:
             # the next query: loaded before the update with a carry, after it without one; each the
-            # faster schedule (H200, 64 x 9 rows, one carried row: 172 -> 159 us; no carry: 146 -> 132 us;
-            # the same bits: delta_rule_carry_2026-12-01.json)
+            # faster schedule on the H200, with or without carried rows, the same bits
             n_q = tl.load(p_q + o_k, mask=m_k, other=0.0)
         b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
         step_row = True  # a row of this step, not a carried one
@@ -396,7 +388,7 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned.
     carry: (keys [n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [n_slots, C, H])
     fp32 with carried int32 [S]: sequence s first applies its slot's first carried[s] carry rows
-    and commits the result (verifier/model/carry.py); its rows then start from there.
+    and commits the result (verifier/model/rollback.py); its rows then start from there.
     config: another tile than delta_rule_config's (tests: every tile gives the same bits); its
     BLOCK_K must be delta_rule_config's, the one that fixes the sums' order."""
     op = "delta_rule_verify"

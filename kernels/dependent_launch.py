@@ -17,8 +17,8 @@ Off: on the CPU (Triton's interpreter has no grid dependency control), below com
 9.0, when VERIFIER_PDL=0 (A/B runs, or to rule it out when debugging), and for the launches made
 inside `suspended()`: the CUDA graphs of large buckets are captured so (verifier/model/graphs.py,
 PDL_MAX_ROWS), where their kernels run several waves and a kernel's blocks, resident early and
-waiting, slowed the step (H200, 2B model, in turns: 64 x 9 rows 9.82 ms with PDL, 9.55 without;
-64 x 1 rows 3.88 and 4.00; bench/results/pdl_buckets_2026-12-02.json).
+waiting, slow the step (H200, 2B model, timed in turns with and without PDL; bench.gpu's `pdl`
+section times the batch-1 steps both ways).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Rollback of every recurrent layer of a step in one launch per state: the conv windows of all
 layers in one (`next_windows`), the recurrent states of all layers in another (`fold_states`,
 write-on-accept; `keep_carry`, write-on-accept in a pool that carries its kept rows into the next
-verify, verifier/model/carry.py; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
-kin gives, bit for bit: short_conv.next_window, delta_rule.delta_rule_fold, snapshots.keep_snapshots.
+verify, verifier/model/rollback.py; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
+kin gives, bit for bit: short_conv.next_window, delta_rule.delta_rule_fold, keep_snapshots (One layer's snapshot
+copy, below).
 
 A RecurrentLayers is L alike layers (the same C, W, conv dtype, H, D_K, D_V and DECAY_K); per layer l:
     windows[l]      [n_slots, C, W-1]       conv dtype: committed conv windows (written)
@@ -38,6 +39,26 @@ its `_state_tile` and `_walk_rows`, num_stages 1, FMA contraction off. A pointer
 specialised on alignment) carry none, so the compiler lays the [BLOCK_K, BLOCK_V] state tile and
 its sums over D_K out as it does there: the float instructions are delta_rule_fold's, only the
 address arithmetic differs. next_windows, keep_carry and keep_state_snapshots copy values.
+
+One layer's snapshot copy (`keep_snapshots`, `keep_snapshots_ref`), the rollback's last part kept
+here so that the rollback kernels have one module: keep_snapshots_ref is the CPU backend's op, which
+keep_state_snapshots_ref runs per layer; the one-layer Triton launch is no product path (the product
+rolls back through keep_state_snapshots), only the reference the fused launch is tested against
+(tests/kernel_tests). kernels/one_row_commit.py stays apart: its rule is the verify kernels' too
+(delta_rule.py, short_conv.py), which this module imports, so here it would close an import circle.
+Snapshot-mode rollback of one layer: each sequence's slot takes the snapshot of its last kept row.
+
+    state      [n_slots, H, D_K, D_V]  fp32: the committed recurrent state of each slot (written)
+    snapshots  [R, H, D_K, D_V]        fp32: verify's state after each row, rows stacked by sequence
+    seq_slots  [S]                     int32: each sequence's slot in the pool
+    cu_rows    [S+1]                   int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
+    kept       [S]                     int32: 0 <= kept[s] <= rows of s
+
+state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] for every s with kept[s] > 0 and more
+than one row; a sequence with kept[s] = 0 (a padding sequence of a graph bucket,
+verifier/model/padding.py) neither reads nor writes anything, so padding sequences may share one
+slot and cost nothing; nor does one of one row, whose verify committed that row, bitwise its
+snapshot (kernels/delta_rule.py). A copy: the bits are the snapshot's.
 """
 
 from __future__ import annotations
@@ -47,22 +68,19 @@ import triton
 import triton.language as tl
 
 from . import delta_rule, short_conv
-from .checks import check_launchable, check_ragged, check_tensor
+from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
 from .delta_rule import _state_tile, _walk_rows
 from .dependent_launch import after_previous, launch_options
 from .one_row_commit import rows_to_roll
 from .rounding import TL_DTYPES
 from .runtime import interpreting
 from .short_conv import _shift_window
-from .snapshots import BLOCK as SNAPSHOT_BLOCK
-from .snapshots import NUM_WARPS as SNAPSHOT_NUM_WARPS
-from .snapshots import _copy_head_block, keep_snapshots_ref
 
 # The copies' programs: a few large ones per (sequence, layer), not one per head or per 256 channels.
 # A rollback's copies are kilobytes; what they cost is programs, each a chain of dependent loads (the
 # counts, the table, the data). At 64 sequences x 9 rows of the 2B model (the 576-row bucket: 136
 # sequences, 18 layers) one program per head and per 256 channels made 78k programs each for
-# keep_carry and next_windows, ~95 us apiece on the H200 (bench/results/k8_tail_2026-12-02.json).
+# keep_carry and next_windows, each slower than the copy it does (bench.gpu times the steps).
 CARRY_BLOCK, CARRY_NUM_WARPS = 1024, 4  # values of a row's tensor per program: a 32 x 128 key row is 4 programs
 # Sequences x row programs up to which keep_carry deals a sequence's rows to programs of their own
 # (carry_row_programs): a batch-1 bucket of 9 sequences (one real) gets a program per row.
@@ -80,6 +98,73 @@ KEY, KEY_ROW_STRIDE, VALUE, VALUE_ROW_STRIDE = (tl.constexpr(FIELDS.index(f)) fo
 DECAY, DECAY_ROW_STRIDE, BETA, BETA_ROW_STRIDE, SNAPSHOTS = (tl.constexpr(FIELDS.index(f)) for f in FIELDS[8:13])
 CARRY_FIELDS = FIELDS[13:]  # in CarriedRows' order: keys, values, decays, betas
 CARRY_KEY, CARRY_VALUE, CARRY_DECAY, CARRY_BETA = (tl.constexpr(FIELDS.index(f)) for f in CARRY_FIELDS)
+
+
+SNAPSHOT_BLOCK = 1024  # fp32 values per program of a snapshot copy: a 128 x 128 head is 16 programs
+SNAPSHOT_NUM_WARPS = 4
+
+
+@triton.jit
+def _copy_head_block(src, dst, i_b, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Block i_b of one head's HEAD = D_K * D_V values from src to dst (both at the head's first value)."""
+    o_x = i_b * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] within the head
+    m_x = o_x < HEAD
+    tl.store(dst + o_x, tl.load(src + o_x, mask=m_x), mask=m_x)
+
+
+@triton.jit
+def _keep_snapshots_kernel(state, snapshots, seq_slots, cu_rows, kept, HEAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)  # a head of the slot
+    i_b = tl.program_id(2)  # a block of that head's D_K * D_V values
+    i_kept = rows_to_roll(cu_rows, kept, i_s)
+    if i_kept == 0:  # padding, or one row, which its verify committed
+        return
+    i_slot = tl.load(seq_slots + i_s).to(tl.int64)
+    i_row = (tl.load(cu_rows + i_s) + i_kept - 1).to(tl.int64)
+    n_heads = tl.num_programs(1)
+    _copy_head_block(snapshots + (i_row * n_heads + i_h) * HEAD, state + (i_slot * n_heads + i_h) * HEAD, i_b, HEAD, BLOCK)
+
+
+def _check_snapshots(op: str, state: torch.Tensor, snapshots: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+           kept: torch.Tensor) -> None:
+    if state.dim() != 4 or state.dtype != torch.float32:
+        raise ValueError(f"{op}: state must be fp32 [n_slots, H, D_K, D_V], got {state.dtype} {list(state.shape)}")
+    on_state = ("state", state)
+    if snapshots.dim() != 4:
+        raise ValueError(f"{op}: snapshots must be 4-D [R, H, D_K, D_V], got shape {list(snapshots.shape)}")
+    check_tensor(op, "snapshots", snapshots, (snapshots.shape[0], *state.shape[1:]), torch.float32, on_state,
+                 layout="[R, H, D_K, D_V]", contiguous=True)
+    check_ragged(op, seq_slots, cu_rows, on_state)
+    check_tensor(op, "kept", kept, seq_slots.shape, torch.int32, on_state, layout="[S]")
+
+
+def keep_snapshots(state: torch.Tensor, snapshots: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+                   kept: torch.Tensor) -> None:
+    """In place: state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] where kept[s] > 0 and s
+    has more than one row. kept[s] in 0 .. rows of s is not checked (that would sync)."""
+    op = "keep_snapshots"
+    _check_snapshots(op, state, snapshots, seq_slots, cu_rows, kept)
+    check_launchable(op, "state", state)
+    check_contiguous(op, "state", state)
+    n_seqs, heads = seq_slots.shape[0], state.shape[1]
+    head = state.shape[2] * state.shape[3]
+    if n_seqs == 0 or snapshots.shape[0] == 0:
+        return
+    _keep_snapshots_kernel[(n_seqs, heads, triton.cdiv(head, SNAPSHOT_BLOCK))](
+        state, snapshots, seq_slots, cu_rows, kept, HEAD=head, BLOCK=SNAPSHOT_BLOCK, num_warps=SNAPSHOT_NUM_WARPS, **launch_options(state.device),
+    )
+
+
+def keep_snapshots_ref(state: torch.Tensor, snapshots: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor,
+                       kept: torch.Tensor) -> None:
+    """keep_snapshots in torch, one sequence at a time: the CPU reference backend's snapshot rollback."""
+    _check_snapshots("keep_snapshots_ref", state, snapshots, seq_slots, cu_rows, kept)
+    bounds = cu_rows.tolist()
+    for s, (slot, n) in enumerate(zip(seq_slots.tolist(), kept.tolist())):
+        if n > 0 and bounds[s + 1] - bounds[s] > 1:
+            state[slot] = snapshots[bounds[s] + n - 1]
 
 
 @triton.jit
@@ -417,7 +502,7 @@ def keep_state_snapshots(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_ro
 def keep_carry(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
     """Every layer l: rows 0 .. kept[s]-1 of sequence s's stash (keys, values, decays, betas) copied
     to its slot's carried rows, for s of more than one row (a one-row verify committed its row):
-    write-on-accept rollback where the next verify applies them (verifier/model/carry.py). A copy:
+    write-on-accept rollback where the next verify applies them (verifier/model/rollback.py). A copy:
     the bits are the stash's."""
     n_seqs = _check_launch("keep_carry", layers, seq_slots, cu_rows, kept, holding="carries")
     if n_seqs == 0:
@@ -437,8 +522,7 @@ def carry_row_programs(n_seqs: int, carry_rows: int) -> int:
     copied one program each (a batch-1 rollback walked a sequence's rows in one program, one
     row's load latency after another, most of the rollback graph's GPU time under the profiler),
     many sequences' in one (programs are what the copies cost there). A copy: the bits do not
-    depend on it. With the step's host changes beside it, the H200's K = 8 WOA rollback at batch 1
-    went 0.032 -> 0.022 ms (bench/results/host_ab_2026-12-03.json)."""
+    depend on it. bench.gpu's `rollback` section times the WOA rollback a K = 8 verify pays."""
     return max(1, min(carry_rows, CARRY_SEQUENCE_PROGRAMS // max(n_seqs, 1)))
 
 
@@ -468,7 +552,7 @@ def fold_states_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: t
 
 
 def keep_state_snapshots_ref(layers: RecurrentLayers, seq_slots: torch.Tensor, cu_rows: torch.Tensor, kept: torch.Tensor) -> None:
-    """keep_state_snapshots in torch: snapshots.keep_snapshots_ref on each layer."""
+    """keep_state_snapshots in torch: keep_snapshots_ref on each layer."""
     if layers.snapshots is None:
         raise ValueError("keep_state_snapshots_ref: the layers hold no snapshots (a write-on-accept record)")
     for state, snapshot in zip(layers.states, layers.snapshots):

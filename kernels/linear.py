@@ -88,23 +88,16 @@ class LinearConfig(NamedTuple):
 # 128 rows on, timed on the H200 at M = 576 on the 2B model's shapes against cuBLAS: TMA loads
 # (`_linear_tma_kernel`, the same bits) and 64-row tiles for the split-K output projections and the
 # LM head, whose 2048 features (16 tiles of 128) or 152k give too few or too long programs for
-# 128-row tiles: output projections 29.9 -> 23.8 us, MLP down 42.0 -> 33.6, LM head ~690 -> 676
-# (bench/results/gemm_tma_2026-12-01.json; the 12k-feature input projections keep 128-row tiles,
-# as fast either way). 32 to 127 rows (64 decoding sequences, a few verifies): 64 features a tile,
-# so that a 2048-wide output projection runs 32 tiles x its split of K, not 16, on 132 SMs; at
-# M = 64 this tile took the 2B model's GEMMs from 1.61 to 1.34 ms a step by the per-shape times
-# (bench/results/linear_tiles_2026-12-01.json, eleven tiles on six shapes, every one bitwise the
-# pinned tile's output). Weights of at least WIDE_N features (an LM head) have tiles enough, and keep
-# 128 features a tile there (208 against 246 us at M = 96 in that file). Split-K weights (the
-# output projections and MLP down, 2048 features) walk BLOCK_K 128 there, faster at every row count
-# that file timed (M = 32, 64, 96, 127). Up to 64 rows (one M tile) 32 features a tile: more,
+# 128-row tiles, which are slower there (the 12k-feature input projections keep 128-row tiles,
+# as fast either way; `python -m bench.gemm` times each shape against cuBLAS). 32 to 127 rows
+# (64 decoding sequences, a few verifies): 64 features a tile, so that a 2048-wide output projection runs 32 tiles x its split of K, not 16, on 132 SMs (every
+# tile tried gave the pinned tile's bits). Weights of at least WIDE_N features (an LM head) have
+# tiles enough, and keep 128 features a tile there, which is faster. Split-K weights (the output
+# projections and MLP down, 2048 features) walk BLOCK_K 128 there, faster at every row count from
+# 32 to 127. Up to 64 rows (one M tile) 32 features a tile: more,
 # shorter programs stream the weights faster there, and from 65 rows (two M tiles, each weight tile
-# read twice) they are far slower. Timed in the engine (kernels' device time a step, PDL off, the 2B
-# model, graphed steps; bench/results/linear_row_tiles_2026-12-03.json): 64 decodes 1613 us (the
-# 64 x 64 tile everywhere) -> 1571 (split-K weights at BLOCK_K 128) -> 1502 (and 32 features up to
-# 64 rows); 32 decodes 1575 -> 1533 -> 1473; at 72 and 96 rows the 32-feature tiles took 2392 and
-# 2393 us against 1634 and 1681. No TMA below 128 rows: at M = 72 its 64 x 64 tile took 1.5-2x
-# the pointer loads' time on the wide weights (gemm_tma).
+# read twice) they are far slower (the engine's steps, timed by `python -m bench.gpu`). No TMA
+# below 128 rows: there its 64 x 64 tile is slower than the pointer loads on the wide weights.
 ROW_TILES = ((128, (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 4, 3), True),
              (65, (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), False),
              (32, (64, 32, 64, 4, 4), (64, 128, 64, 4, 3), (64, 32, 128, 4, 4), False))
@@ -140,7 +133,7 @@ def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     on) at 1 and 9 rows, (32, 4 warps, 4 stages) was the fastest of 36 (BLOCK_N, warps, stages)
     tiles or within 2% of it on all six 2B layer shapes, 6-19% faster than 6 stages (MLP down
     10.29 -> 8.34 us, output projections 7.6 -> 6.4, input projections 15.0 -> 14.1: about 0.12 ms
-    of a 2B decode step; bench/results/gemm_m1_sweep_2026-12-02.json). None of those three changes
+    of a 2B decode step; `python -m bench.gemm` times the shapes). None of those three changes
     the K walk, so every tile gave the same bits. The LM head (not in that sweep) keeps 6.
     """
     if dtype == torch.bfloat16:
@@ -192,13 +185,48 @@ def _dot_rows_apart(b_x, b_w):
     return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
 
 
+@triton.jit
+def _dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
+    """b_acc + b_a [BLOCK_M, K] @ b_b [K, N] in fp32, each output row from its own input row: the one
+    accumulate step of every GEMM's K walk here (linear, linear_fp8, the grouped experts).
+
+    Under the interpreter not tl.dot (see _dot_rows_apart): bf16 products are exact in fp32, so
+    upcasting keeps the MMA's math up to summation order. fp32 operands: an IEEE dot (no TF32)."""
+    if INTERPRET:
+        return b_acc + _dot_rows_apart(b_a.to(tl.float32), b_b.to(tl.float32))
+    elif b_a.dtype == tl.float32:
+        return tl.dot(b_a, b_b, b_acc, input_precision="ieee")
+    else:
+        return tl.dot(b_a, b_b, b_acc)  # bf16 MMA, fp32 accumulate
+
+
+@triton.jit
+def _tile_start(x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What a GEMM program of grid (row blocks, feature blocks, splits of K) walks: its split i_s,
+    rows o_m [BLOCK_M] and output features o_n [BLOCK_N] with their masks, the K offsets o_k
+    [BLOCK_K] of a step, its range of K (k_start .. k_end) and its first x [BLOCK_M, BLOCK_K] and
+    weight^T [BLOCK_K, BLOCK_N] tile pointers (x rows stride_xm apart, weight rows stride_wn)."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_s = tl.program_id(2)  # which range of K (0 without a split)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    # int64 row offsets: an LM head's N * K can pass 2^31 elements
+    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + (k_start + o_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
+    return i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end, p_x, p_w
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x, weight, bias, out, partial,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
-    IS_FP32: tl.constexpr,
     INTERPRET: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -207,33 +235,15 @@ def _linear_kernel(
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_s = tl.program_id(2)  # which range of K (0 without a split)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    m_m = o_m < M
-    m_n = o_n < N
-    k_start = i_s * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-    # int64 row offsets: an LM head's N * K can pass 2^31 elements
-    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + (k_start + o_k)[None, :]  # [BLOCK_M, BLOCK_K]
-    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
+    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = _tile_start(
+        x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
 
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         m_k = (k0 + o_k) < k_end
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        if INTERPRET:
-            # not tl.dot: see _dot_rows_apart. bf16 products are exact in fp32, so upcasting keeps
-            # the MMA's math up to summation order
-            b_acc += _dot_rows_apart(b_x.to(tl.float32), b_w.to(tl.float32))
-        elif IS_FP32:
-            b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
-        else:
-            b_acc = tl.dot(b_x, b_w, b_acc)  # bf16 MMA, fp32 accumulate
+        b_acc = _dot_acc(b_x, b_w, b_acc, INTERPRET)
         p_x += BLOCK_K
         p_w += BLOCK_K
 
@@ -273,7 +283,7 @@ def _linear_tma_kernel(
 ):
     """_linear_kernel's K walk (bf16, the GPU only) with the x and weight tiles loaded by tensor
     descriptors (TMA): the same 16-wide K chunks into the same MMAs in the same order, so the same
-    bits (measured: bench/results/gemm_tma_2026-12-01.json, every tile on every 2B weight shape). Rows
+    bits (measured on every tile and every 2B weight shape: `python -m bench.gemm`'s tiles_equal). Rows
     past M and K past its end read 0, as the masked loads do; split ranges end on whole BLOCK_K steps."""
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0)
@@ -431,7 +441,6 @@ def linear(
         m, n, k, split_bounds(k, pinned),
         x.stride(0), weight.stride(0), out.stride(0) if out is not None else n,
         **flags,
-        IS_FP32=x.dtype == torch.float32,
         BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,

@@ -64,7 +64,8 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .linear import REDUCE_BLOCK_N, LinearConfig, _dot_rows_apart, _reduce_splits_kernel, linear_config, linear_ref, split_bounds
+from .linear import (REDUCE_BLOCK_N, LinearConfig, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear_config,
+                     linear_ref, split_bounds)
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
 
@@ -103,6 +104,13 @@ def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
     return cast_rtne(b_w8.to(tl.float32) * b_s, DTYPE, INTERPRET)
 
 
+@triton.jit
+def scale_row_offsets(scale_row, o_n, m_n, stride_sn):
+    """[1, BLOCK_N] offsets in scale_inv of the scale rows of weight rows o_n [BLOCK_N] (mask m_n):
+    `dequantize_tile`'s p_srow, read once per program."""
+    return (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+
+
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"], do_not_specialize_on_alignment=["x", "out"])
 def _linear_fp8_kernel(
     x, weight, scale_inv, scale_row, bias, out, partial,
@@ -111,7 +119,6 @@ def _linear_fp8_kernel(
     SCALE_BLOCK_K: tl.constexpr,
     ONE_SCALE_COLUMN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    IS_FP32: tl.constexpr,
     INTERPRET: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -119,21 +126,12 @@ def _linear_fp8_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """kernels/linear.py's _linear_kernel (its tile, K walk and store) with each weight tile
+    dequantized in registers before its dot."""
     after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_s = tl.program_id(2)  # which range of K (0 without a split)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    m_m = o_m < M
-    m_n = o_n < N
-    k_start = i_s * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + (k_start + o_k)[None, :]  # [BLOCK_M, BLOCK_K]
-    p_w = weight + o_n[None, :].to(tl.int64) * stride_wn + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_N]: weight^T
-    # [1, BLOCK_N] offsets of each output feature's scale row, read once per program
-    p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = _tile_start(
+        x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    p_srow = scale_row_offsets(scale_row, o_n, m_n, stride_sn)
 
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -143,23 +141,12 @@ def _linear_fp8_kernel(
         b_w8 = tl.load(p_w, mask=m_w, other=0.0)  # fp8 [BLOCK_K, BLOCK_N]
         b_w = dequantize_tile(b_w8, scale_inv, p_srow, m_n[None, :], k0, (k0 + o_k)[:, None], m_w,
                               SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
-        if INTERPRET:  # as kernels/linear.py: numpy's matmul mixes rows; bf16 products are exact in fp32
-            b_acc += _dot_rows_apart(b_x.to(tl.float32), b_w.to(tl.float32))
-        elif IS_FP32:
-            b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
-        else:
-            b_acc = tl.dot(b_x, b_w, b_acc)  # bf16 MMA, fp32 accumulate
+        b_acc = _dot_acc(b_x, b_w, b_acc, INTERPRET)
         p_x += BLOCK_K
         p_w += BLOCK_K
 
-    m_out = m_m[:, None] & m_n[None, :]
-    if SPLIT_K > 1:  # this range's fp32 partial: linear.py's _reduce_splits_kernel adds them in order
-        tl.store(partial + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :], b_acc, mask=m_out)
-    else:
-        if HAS_BIAS:
-            b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-        b_out = cast_rtne(b_acc, out.dtype.element_ty, INTERPRET)
-        tl.store(out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :], b_out, mask=m_out)
+    # out is in x's dtype (checked): rounded once to it; a split's partial is left to _reduce_splits_kernel
+    _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
 def fp8_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -246,7 +233,6 @@ def linear_fp8(
         SCALE_BLOCK_K=scales.block_k,
         ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0,
         **flags,
-        IS_FP32=x.dtype == torch.float32,
         BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,

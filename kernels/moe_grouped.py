@@ -37,8 +37,8 @@ are not specialised on, and the caller's row-side pointers are not specialised o
 sum over a row's experts is the combine's, in ascending id order: the listing order of a row's ids
 and its block-mates never reach it. Decode and verify take this one path.
 
-Under the interpreter tl.dot is replaced by kernels/linear.py's `_dot_rows_apart` (tiles upcast to
-fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
+The dot is kernels/linear.py's `_dot_acc`: under the interpreter not tl.dot but `_dot_rows_apart`
+(tiles upcast to fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
 round on the bits (`cast_rtne`).
 
 Block-FP8 experts: with FP8 the weight tiles are float8_e4m3fn and `dequantize_tile` makes each
@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 
 from .dependent_launch import after_previous, launch_options
-from .linear import _dot_rows_apart
-from .linear_fp8 import BlockScales, dequantize_tile
+from .linear import _dot_acc
+from .linear_fp8 import BlockScales, dequantize_tile, scale_row_offsets
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -94,12 +94,9 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     Many experts (n_experts >= MANY_EXPERTS_PER_SLOT x top_k: the published Qwen3-Next, Qwen3.5-MoE
     and Kimi Linear routers, 256-512 experts for 8-10 slots) get 16-row blocks in bf16 too: a
     batch-64 K = 8 verify gives an expert ~18 pairs there, and a 64-row block padded from a few
-    pairs spent the MMAs on padding (H200, the 35B FP8 config of bench/fp8_real_size.py, 256 experts,
-    top 8: with 64-row blocks a K = 8 verify at batch 1 took 18.1 ms and a batch-64 decode 52.9,
-    `fp8_real_size_2026-11-30_grouped_m64.json`; with 16-row blocks 13.3 and 34.2,
-    `fp8_real_size_2026-11-30.json`; the per-row kernels before them 11.6 and 37.7,
-    `fp8_real_size_2026-11-30_per_row_experts.json`). The block is still a function of the
-    weights' shapes only.
+    pairs spends the MMAs on padding (on the 35B FP8 config, 256 experts, top 8, 64-row blocks
+    were slower at batch 1 and at batch 64; `python -m bench.fp8_real_size` times it). The block is
+    still a function of the weights' shapes only.
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
     if n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k:
@@ -138,10 +135,13 @@ def _lower_bound(sorted_ids, n_pairs, n_steps, keys):
 
 
 @triton.jit
-def _expert_block(sorted_ids, n_pairs, n_steps, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's block (program id 0) -> (its expert: an int64 scalar, >= E past the last
-    block; the sorted positions of its pairs: [BLOCK_M] int64; their mask: false past the
-    expert's last pair)."""
+def _expert_block(sorted_ids, n_pairs, n_steps, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                  PDL: tl.constexpr):
+    """A grouped kernel's opening: this program's block (program id 0) -> (its expert: an int64
+    scalar, >= E past the last block; the sorted positions of its pairs: [BLOCK_M] int64; their
+    mask: false past the expert's last pair). It first waits for the kernel before (after_previous,
+    before any global memory is touched: kernels/dependent_launch.py), whose output sorted_ids is."""
+    after_previous(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BLOCK_E).to(tl.int64)  # [BLOCK_E] one lane per expert (lanes >= E own no pair)
     b_start = _lower_bound(sorted_ids, n_pairs, n_steps, o_e)  # [BLOCK_E]
@@ -155,17 +155,6 @@ def _expert_block(sorted_ids, n_pairs, n_steps, E: tl.constexpr, BLOCK_E: tl.con
     end = tl.sum(tl.where(m_e, b_end, 0), axis=0)
     o_p = start + tl.arange(0, BLOCK_M)
     return i_e, o_p, o_p < end
-
-
-@triton.jit
-def _dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
-    """b_acc + b_a [BLOCK_M, K] @ b_b [K, N] in fp32, each output row from its own input row."""
-    if INTERPRET:  # see kernels/linear.py's _dot_rows_apart
-        return b_acc + _dot_rows_apart(b_a.to(tl.float32), b_b.to(tl.float32))
-    elif b_a.dtype == tl.float32:
-        return tl.dot(b_a, b_b, b_acc, input_precision="ieee")
-    else:
-        return tl.dot(b_a, b_b, b_acc)  # bf16 MMA, fp32 accumulate
 
 
 @triton.jit
@@ -192,8 +181,8 @@ def _grouped_hidden_kernel(
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M)  # o_p, m_p: [BLOCK_M]
+    # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
+    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M, PDL)
     if i_e >= E:
         return
     b_row = tl.load(order + o_p, mask=m_p, other=0) // T  # [BLOCK_M] each pair's row of x
@@ -208,8 +197,8 @@ def _grouped_hidden_kernel(
     p_sg = o_n[None, :]  # FP8: [1, BLOCK_N] scale row offsets of each feature (else unused)
     p_su = p_sg
     if FP8:
-        p_sg = (tl.load(gate_scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
-        p_su = (tl.load(up_scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+        p_sg = scale_row_offsets(gate_scale_row, o_n, m_n, stride_sn)
+        p_su = scale_row_offsets(up_scale_row, o_n, m_n, stride_sn)
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -243,8 +232,8 @@ def _grouped_down_kernel(
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M)  # o_p, m_p: [BLOCK_M]
+    # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
+    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M, PDL)
     if i_e >= E:
         return
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
@@ -255,7 +244,7 @@ def _grouped_down_kernel(
     m_srow = m_n[None, :]
     p_srow = o_n[None, :]  # FP8: [1, BLOCK_N] scale row offsets of each output feature (else unused)
     if FP8:
-        p_srow = (tl.load(down_scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]
+        p_srow = scale_row_offsets(down_scale_row, o_n, m_n, stride_sn)
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):

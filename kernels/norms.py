@@ -171,8 +171,8 @@ def norm_config(d: int) -> tuple[int, int, int]:
     row count. Below 2048 num_warps gives each thread at most 16 elements of a block (1 warp for a
     128-wide head); blocks of 2048 and more (the hidden-size norms) take 16 warps: a one-row
     decode runs one program a norm, and its latency falls with the threads that share its row
-    (the 2B model's verify graph 25-30 us faster at 1, 9 and 64 rows than at 4 or 8 warps:
-    bench/results/norm_warps_2026-12-02.json)."""
+    (the 2B model's verify graph is faster at 1, 9 and 64 rows than at 4 or 8 warps; `python -m
+    bench.gpu` times it)."""
     block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
     return block_d, triton.cdiv(d, block_d), 16 if block_d >= 2048 else min(8, max(1, block_d // 512))
 

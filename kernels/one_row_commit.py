@@ -9,7 +9,7 @@ committed: padding sequences may share it, and it stays zero.
 
 Why: a decode then reads and writes its state once. At 64 decoding sequences of the 2B model the
 GDN states are 2.4 GB; a read-only verify and a fold moved them three times. And a step of
-one-row sequences only needs no rollback at all (verifier/model/runner.py skips it).
+one-row sequences only needs no rollback at all (verifier/model/step.py skips it).
 """
 
 import triton

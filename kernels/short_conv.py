@@ -34,8 +34,7 @@ inputs), so each input row is read once by the run it is in and row t + 1 is loa
 is computed; every element is computed on its own from the same loaded values, its W taps
 combined in the same order whatever the number of rows or runs. (The kernel before this one
 took a verify's rows in 16-row tiles and read every input row once per tap: on the H200, 64
-sequences of 9 rows took 44 us, L1-bound at 25% occupancy, per Nsight Compute,
-bench/results/ncu_2026-12-01.json.) fp32 contraction into FMA is turned off
+sequences of 9 rows were L1-bound at 25% occupancy, per Nsight Compute.) fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
 bf16 rounding (`_round_to`) is the GPU's fp32 -> bf16 cast, which rounds to nearest even; under the
 interpreter, which truncates on that cast, it is done with integer ops first (`rounding.cast_rtne`),
@@ -75,9 +74,8 @@ def _block_c(channels: int) -> int:
 # W-1 before a run. A batch of few sequences splits each sequence's rows into runs, up to
 # CONV_MAX_RUNS and about CONV_TARGET_PROGRAMS programs in all (`conv_runs`): one sequence's walk
 # of K + 1 rows was the conv's whole latency at batch 1 on 64 programs. H200, 2B GDN conv (8192
-# channels, bf16): 1 x 10 rows 3.10 -> 1.98 us in 4 runs, 1 x 5 rows 2.19 -> 1.79; but with 4 runs
-# at more sequences, 8 x 9 rows 3.25 -> 4.65, 64 x 9 10.0 -> 20.9 (bench/results/conv_runs_2026-12-02.json),
-# so a batch whose sequences fill the GPU walks each in one run, as a decode always does.
+# channels, bf16): several runs make one sequence's walk faster, but with several runs at more
+# sequences (8 or 64 x 9 rows) it is slower, so a batch whose sequences fill the GPU walks each in one run, as a decode always does.
 CONV_BLOCK_C, CONV_NUM_WARPS = 128, 1
 CONV_MAX_RUNS, CONV_TARGET_PROGRAMS = 4, 256
 MAX_WIDTH = 4  # conv_rows keeps the W-1 inputs before a row in registers: at most three
@@ -111,9 +109,12 @@ def _round_to(b_x, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _program_sequence(seq_slots, cu_rows, C: tl.constexpr, BLOCK_C: tl.constexpr):
-    """What a program of grid (S, cdiv(C, BLOCK_C)) owns: its sequence i_s, that sequence's slot
-    (int64) and first row (int32, as cu_rows holds it), and its channels o_c [BLOCK_C] with mask m_c."""
+def _program_sequence(seq_slots, cu_rows, C: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """A conv kernel's opening: what a program of grid (S, cdiv(C, BLOCK_C)) owns: its sequence i_s,
+    that sequence's slot (int64) and first row (int32, as cu_rows holds it), and its channels o_c
+    [BLOCK_C] with mask m_c. It first waits for the kernel before (after_previous, before any global
+    memory is touched: kernels/dependent_launch.py)."""
+    after_previous(PDL)
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_slot = tl.load(seq_slots + i_s).to(tl.int64)
@@ -167,8 +168,8 @@ def _conv_rows_kernel(
     RUNS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
+    # first (it calls after_previous: kernels/dependent_launch.py)
+    i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C, PDL)
     i_rows = tl.load(cu_rows + i_s + 1) - i_bos
     # this program's run of the sequence's rows: t0 .. t1 - 1, run program_id(2) of RUNS equal ones
     i_run_rows = tl.cdiv(i_rows, RUNS)
@@ -241,8 +242,8 @@ def _next_window_kernel(
     BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C)
+    # first (it calls after_previous: kernels/dependent_launch.py)
+    i_s, i_slot, i_bos, o_c, m_c = _program_sequence(seq_slots, cu_rows, C, BLOCK_C, PDL)
     i_bos = i_bos.to(tl.int64)
     i_n = rows_to_roll(cu_rows, consumed, i_s).to(tl.int64)
     if i_n == 0:

@@ -1,5 +1,6 @@
-"""Published config.json files of the Qwen3.5-MoE family, as users bring them (tests parse them,
-bench/fp8_real_size.py writes full-size checkpoints from them).
+"""Published config.json files at their real sizes, as users bring them: PUBLISHED (the Qwen3.5-MoE
+35B-A3B pair; tests parse them, bench/fp8_real_size.py writes full-size checkpoints from them) and
+PUBLISHED_SIZES (the other checkpoints the README names; bench/row_invariance.py sweeps their shapes).
 
 QWEN35_35B_A3B reconstructs the config.json of Qwen/Qwen3.5-35B-A3B from transformers'
 Qwen3_5MoeConfig defaults and docstring (which mirror that checkpoint) with every field and

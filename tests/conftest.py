@@ -20,7 +20,8 @@ torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from verifier.model.hf_reference import SPECS, save_spec  # noqa: E402
+from presets.hf_reference import save_spec  # noqa: E402
+from presets.tiny import SPECS  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 import bench.gemm as gemm
 from hybrid_kernels.linear_fp8 import dequantize_ref
+from presets.tiny import SPECS
 from verifier.model import RowBatch, load_model
 from verifier.model import ops
 from verifier.model.checkpoint import TensorSource
 from verifier.model.config import DENSE, GDN, MIXERS, MOE
 from verifier.model.hf_config import load_config
-from verifier.model.hf_reference import SPECS
 from verifier.model.hybrid import HybridModel
 
 FAMILY_SPECS = ["qwen3_5_text", "qwen3_next_moe", "qwen3_next_odd", "qwen3_5_moe_text", "qwen3_5_moe", "kimi_linear", "kimi_linear_qlora"]

@@ -1,4 +1,4 @@
-"""Carried rows at the engine level (verifier/model/carry.py): a write-on-accept engine's rollback
+"""Carried rows at the engine level (verifier/model/rollback.py): a write-on-accept engine's rollback
 leaves a multi-row step's kept rows in the slot's carry, not in its recurrent state; the slot's
 next verify commits them; a slot's state read from outside (the serial oracle's committed_state)
 applies them and is bitwise the serial decode's at every step; a reused slot carries nothing;
@@ -9,8 +9,7 @@ import torch
 
 from bitexact.serial import serial_run, slot_state, states_equal
 from verifier.engine import Engine, StepRequest
-from verifier.model.carry import committed_state
-from verifier.model.rollback import SNAPSHOT
+from verifier.model.rollback import SNAPSHOT, committed_state
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
@@ -75,14 +74,14 @@ def test_a_verify_longer_than_the_carry_is_refused_before_it_runs(model):
     before = slot_state(engine, seq.slot, seq.position)
     batch = RowBatch((seq.slot,), (seq.position,), (5,))
     with pytest.raises(ValueError, match="a verify of 5 rows in a pool that carries at most 3"):
-        engine.runner.verify(torch.tensor([seq.pending, 1, 2, 3, 4]), batch, engine.rollback_mode)
+        engine.runner.step(torch.tensor([seq.pending, 1, 2, 3, 4]), batch, engine.rollback_mode)
     assert states_equal(slot_state(engine, seq.slot, seq.position), before)
 
 
 def test_the_model_api_applies_the_carry_too(model):
-    """HybridModel.verify and rollback (the API under the engine, which bench.rollback and the
-    drafter call) on a carrying pool: two verifies with rollbacks in a row land on serial decode."""
-    from verifier.model.rollback import rollback
+    """A Step outside an engine (verifier.model.step.verify and its rollback, which bench.rollback
+    calls) on a carrying pool: two verifies with rollbacks in a row land on serial decode."""
+    from verifier.model.step import verify
 
     serial = serial_run(Engine(model, 1, 48, max_k=0), [5, 6, 7], 20)
     engine = Engine(model, 1, 48, max_k=4)
@@ -92,8 +91,8 @@ def test_the_model_api_applies_the_carry_too(model):
         index = position - 3  # serial.tokens[index] is the pending token at this position
         drafts = serial.tokens[index + 1 : index + kept] + [(serial.tokens[index + kept] + 1) % 90]
         batch = RowBatch((seq.slot,), (position,), (len(drafts) + 1,))
-        _, record = model.verify(torch.tensor([pending, *drafts]), batch, engine.pool)
-        rollback(engine.pool, record, [kept])
+        step = verify(model, engine.pool, torch.tensor([pending, *drafts]), batch)
+        step.rollback([kept])
         assert engine.pool.carried[seq.slot] == kept
         position, pending = position + kept, serial.tokens[index + kept]
         assert states_equal(slot_state(engine, seq.slot, position), serial.states[position]), kept

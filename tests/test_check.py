@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from hybrid_kernels import delta_rule
+from presets.tiny import SPECS
 from verifier import cli
 from verifier.arguments import flags_without_stated_default
 from verifier.check import add_check_parser
-from verifier.model.hf_reference import SPECS
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_K, NEW_TOKENS = 3, 5

@@ -113,7 +113,7 @@ def test_wrapper_tie_word_embeddings_means_what_it_means_to_transformers(wrapper
     without lm_head, then still loads)."""
     import transformers as tf
 
-    from verifier.model.hf_reference import SPECS
+    from presets.tiny import SPECS
 
     text = dict(SPECS["qwen3_5_composite" if wrapper == "qwen3_5" else "qwen3_5_moe"][1])
     text.pop("tie_word_embeddings")

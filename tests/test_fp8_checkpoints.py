@@ -35,6 +35,7 @@ from verifier.model.hf_config import load_config
 from verifier.model.hybrid import HybridModel
 from verifier.model.rollback import ROLLBACK_MODES
 from verifier.model.rows import RowBatch
+from verifier.model.step import decode, verify
 
 BLOCK = (16, 24)
 FORMAT = BlockFP8Format(*BLOCK)
@@ -63,10 +64,10 @@ def _logits(model, prompt=(3, 4, 5, 6, 7, 8), drafts=(9, 10, 11)) -> torch.Tenso
     pool = model.new_pool(1, 32)
     slot = pool.admit()
     engine_free = torch.cat([model.prefill(pool, slot, list(prompt), all_logits=True),
-                             model.decode(pool, [slot], [len(prompt)], [prompt[-1]])])
+                             decode(model, pool, [slot], [len(prompt)], [prompt[-1]])])
     batch = RowBatch(slots=(slot,), starts=(len(prompt) + 1,), counts=(len(drafts) + 1,))
-    verify, _ = model.verify(torch.tensor([prompt[0], *drafts]), batch, pool)
-    return torch.cat([engine_free, verify])
+    verify_logits = verify(model, pool, torch.tensor([prompt[0], *drafts]), batch).logits
+    return torch.cat([engine_free, verify_logits])
 
 
 # ---- the writer -------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_warm_engine_captures_nothing_and_matches_eager(model, mode, pdl_max_row
     eager = Engine(model, N_SLOTS, MAX_SEQ_LEN, max_k=MAX_K, rollback_mode=mode, cuda_graphs=False)
     graphed.warm_up()
     captures = graphed.graph_captures
-    assert captures == BUCKETS and graphed.max_graph_rows == GRAPH_ROWS[-1]
+    assert captures == BUCKETS and graphed.runner.max_graph_rows == GRAPH_ROWS[-1]
     rng_g, rng_e = random.Random(0), random.Random(0)
     pairs = list(zip(_open_all(graphed, rng_g), _open_all(eager, rng_e)))
     rng = random.Random(1)
@@ -113,7 +113,7 @@ def test_step_costs_cover_every_bucket(model):
 def test_default_buckets_capture_at_startup(model):
     engine = Engine(model, 64, 1024)  # max_k 8: one-sequence buckets of 2 .. 9 rows besides the shared ones
     engine.warm_up()
-    assert engine.graph_captures == len(DEFAULT_GRAPH_ROWS) + 8 and engine.max_graph_rows == DEFAULT_GRAPH_ROWS[-1]
+    assert engine.graph_captures == len(DEFAULT_GRAPH_ROWS) + 8 and engine.runner.max_graph_rows == DEFAULT_GRAPH_ROWS[-1]
 
 
 def test_the_verify_graphs_ids_are_the_argmax_of_its_logits(model):
@@ -132,9 +132,10 @@ def test_the_verify_graphs_ids_are_the_argmax_of_its_logits(model):
         chosen = seqs[:n_seqs]
         batch = RowBatch(tuple(s.slot for s in chosen), tuple(positions[s.slot] for s in chosen), (k + 1,) * n_seqs)
         tokens = [rng.randrange(3, 90) for _ in range(batch.n_rows)]
-        logits, verified = engine.runner.verify(tokens, batch, engine.rollback_mode)
-        assert verified.greedy_ids is not None, "a graphed verify hands back its ids"
-        assert verified.greedy_ids(batch.n_rows) == argmax_rows(logits).tolist(), (n_seqs, k)
-        engine.runner.rollback(verified, [1] * n_seqs)  # each keeps its first row
+        step = engine.runner.step(tokens, batch, engine.rollback_mode)
+        logits = step.verify()
+        assert step.greedy_ids is not None, "a graphed verify hands back its ids"
+        assert step.greedy_ids(batch.n_rows) == argmax_rows(logits).tolist(), (n_seqs, k)
+        step.rollback([1] * n_seqs)  # each keeps its first row
         for s in chosen:
             positions[s.slot] += 1

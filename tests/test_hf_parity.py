@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import ALL_SPECS
+from presets.hf_reference import load_hf
 from verifier.engine import Engine
 from verifier.generate import generate
-from verifier.model.hf_reference import load_hf
 
 REL_TOL = 1e-4
 PROMPT_LEN = 11

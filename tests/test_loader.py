@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from presets.hf_reference import build_hf_model, fuse_experts
+from presets.tiny import SPECS
 from verifier.model import CheckpointError, ConfigError, load_model
-from verifier.model.hf_reference import SPECS, build_hf_model, fuse_experts
 
 
 def _copy(src, dst):

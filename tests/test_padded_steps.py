@@ -12,9 +12,9 @@ from bitexact.serial import serial_run
 from hybrid_kernels.short_conv import CONV_MAX_RUNS, conv_runs
 from verifier.engine import Engine, StepRequest
 from verifier.model.graphs import DEFAULT_GRAPH_ROWS
-from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, BucketShape, bucket_for, bucket_shapes, capture_batch,
-                                    one_sequence_shapes, pad_batch, smallest_bucket, walk_sequences)
-from verifier.model.rollback import ROLLBACK_MODES, apply_rollback
+from verifier.model.padding import (PAD_CHUNK, WALK_ROWS, BucketShape, bucket_for, bucket_shapes, buckets, capture_batch,
+                                    pad_batch, walk_sequences)
+from verifier.model.rollback import ROLLBACK_MODES
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
@@ -83,14 +83,17 @@ def _assert_scratch_clean(engine):
 def test_buckets_fit_the_context(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, 20)
-    assert [s.rows for s in engine.runner.shapes] == [r for r in DEFAULT_GRAPH_ROWS if r <= 20]
+    assert [s.rows for s in engine.runner.shared] == [r for r in DEFAULT_GRAPH_ROWS if r <= 20]
     # min(rows, n_slots + ceil(rows / PAD_CHUNK)): rows 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20
-    assert [s.sequences for s in engine.runner.shapes] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 5]
+    assert [s.sequences for s in engine.runner.shared] == [1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 5]
     # one-sequence buckets up to max_k + 1 = 9 rows, and never past the largest shared bucket
-    assert sorted(engine.runner.one_sequence) == list(range(1, 10))
-    assert sorted(Engine(model, 2, 20, max_k=30).runner.one_sequence) == list(range(1, 21))
-    assert sorted(Engine(model, 2, 20, max_k=0).runner.one_sequence) == [1]
-    assert len(engine.runner.buckets) == len(engine.runner.shapes) + 8  # (1, 1) once
+    def one_sequence(e):
+        return sorted(s.rows for s in e.runner.buckets if s.sequences == 1)
+    assert one_sequence(engine) == list(range(1, 10))
+    assert one_sequence(Engine(model, 2, 20, max_k=30)) == list(range(1, 21))
+    assert one_sequence(Engine(model, 2, 20, max_k=0)) == [1]
+    assert len(engine.runner.buckets) == len(engine.runner.shared) + 8  # (1, 1) once
+    assert engine.runner.buckets == sorted(engine.runner.buckets, key=lambda s: (s.rows, s.sequences))
     with pytest.raises(ValueError, match="passes max_seq_len 20"):
         Engine(model, 2, 20, graph_rows=(4, 32))
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -101,7 +104,7 @@ def test_eager_step_costs_touch_no_real_slot(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, MAX_SEQ_LEN, graph_rows=BUCKETS, cuda_graphs=False)
     engine.warm_up()  # eager: nothing to capture
-    assert engine.graph_captures == 0 and engine.max_graph_rows is None
+    assert engine.graph_captures == 0 and engine.runner.max_graph_rows is None
     seq = engine.open([5, 6, 7], SamplingParams(), 10, eos_ids=())
     before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
     costs = engine.step_costs()
@@ -153,7 +156,7 @@ def test_k_mixes_pad_with_several_padding_sequences():
     [1, 3, 0] (7 rows) pads to bucket 16 with padding sequences of 8 and 1 rows."""
     shapes = bucket_shapes(BUCKETS, len(PROMPTS))
     batch = RowBatch((0, 1, 2), (3, 5, 2), (2, 4, 1))
-    padded = pad_batch(batch, smallest_bucket(shapes, batch.n_rows), len(PROMPTS))
+    padded = pad_batch(batch, bucket_for(shapes, batch), len(PROMPTS))
     assert padded.counts[3:] == (8, 1) and padded.starts[3:] == (0, 8)
     assert padded.slots[3:] == (len(PROMPTS),) * 2
 
@@ -174,16 +177,18 @@ def test_a_padded_batch_splits_its_walks_for_its_rows_not_its_padding():
 
 
 def test_a_step_of_one_sequence_replays_a_bucket_of_exactly_its_rows():
-    """bucket_for: one sequence of R <= the one-sequence rows -> (R, 1), nothing to pad; past them, or
-    two sequences, the smallest shared bucket that fits, padded; past the largest, none (eager)."""
-    shapes, one = bucket_shapes((1, 2, 4, 16), 8), {s.rows: s for s in one_sequence_shapes(9)}
+    """bucket_for over the one list of buckets: one sequence of R <= the one-sequence rows -> (R, 1),
+    nothing to pad; past them, or two sequences, the smallest shared bucket that fits, padded; past
+    the largest, none (eager)."""
+    shapes = bucket_shapes((1, 2, 4, 16), 8)
+    every = buckets((1, 2, 4, 16), 8, 9)
     for rows in range(1, 10):
         batch = RowBatch((3,), (7,), (rows,))
-        shape = bucket_for(shapes, one, batch)
+        shape = bucket_for(every, batch)
         assert shape == BucketShape(rows, 1) and pad_batch(batch, shape, 8) is batch
-    assert bucket_for(shapes, one, RowBatch((3,), (7,), (10,))) == smallest_bucket(shapes, 10) == shapes[-1]
-    assert bucket_for(shapes, one, RowBatch((3, 4), (7, 2), (2, 1))) == smallest_bucket(shapes, 3) == BucketShape(4, 4)
-    assert bucket_for(shapes, one, RowBatch((3,), (7,), (17,))) is None
+    assert bucket_for(every, RowBatch((3,), (7,), (10,))) == bucket_for(shapes, RowBatch((3,), (7,), (10,))) == shapes[-1]
+    assert bucket_for(every, RowBatch((3, 4), (7, 2), (2, 1))) == bucket_for(shapes, RowBatch((3, 4), (7, 2), (2, 1))) == BucketShape(4, 4)
+    assert bucket_for(every, RowBatch((3,), (7,), (17,))) is None
 
 
 def test_a_one_sequence_bucket_is_captured_on_one_scratch_sequence():
@@ -207,9 +212,7 @@ def test_a_one_sequence_buckets_capture_touches_no_real_slot(load_target, mode):
     seqs = [e.open([5, 6, 7], SamplingParams(), 10, eos_ids=()) for e in engines]
     engine = engines[1]
     before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
-    static = capture_batch(BucketShape(MAX_K + 1, 1), engine.pool.scratch_slot)
-    _, verified = engine.runner._eager(None, static, None, mode)  # the runner's eager verify, token 0 a row
-    apply_rollback(engine.pool, verified.record, torch.zeros(1, dtype=torch.int32, device=model.device))
+    engine.runner.padding_step(BucketShape(MAX_K + 1, 1), mode)  # capture_batch's step, eagerly: token 0 rows, keeping none
     after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
     for a, b in zip(before, after):
         assert torch.equal(a[: engine.pool.n_slots], b[: engine.pool.n_slots]), "the capture's step changed a real slot"

@@ -1,5 +1,5 @@
-"""The wire protocol: the committed generated code matches proto/, `verifier.rpc` exports it, and stubs and
-servicers built from it talk over sync and grpc.aio servers."""
+"""The wire protocol: the committed generated code matches proto/, `verifier.rpc` exports it, and the stub
+and servicer handler built from the service's descriptor talk over sync and grpc.aio servers."""
 
 import asyncio
 from concurrent import futures
@@ -10,7 +10,7 @@ from google.protobuf import descriptor_pool
 
 from verifier import rpc
 from verifier.rpc import build
-from verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier.v1 import verifier_pb2
 
 
 def test_generated_code_matches_proto():
@@ -19,17 +19,17 @@ def test_generated_code_matches_proto():
 
 
 def test_generated_code_carries_no_version_gate():
-    """Why the generator is pinned: newer protoc gencode checks the protobuf runtime's version, newer grpc
-    gencode checks grpcio's and passes `_registered_method` (a TypeError on grpcio 1.60)."""
+    """Why the generator is pinned: newer protoc gencode checks the protobuf runtime's version. No grpc
+    gencode is committed (newer releases' checks grpcio's version and passes `_registered_method`, a
+    TypeError on grpcio 1.60): the service's code is built from its descriptor."""
     messages = (build.ROOT / "verifier/v1/verifier_pb2.py").read_text()
-    service = (build.ROOT / "verifier/v1/verifier_pb2_grpc.py").read_text()
     assert "runtime_version" not in messages
-    assert "GRPC_GENERATED_VERSION" not in service and "_registered_method" not in service
+    assert build.GENERATED == ("verifier/v1/verifier_pb2.py", "verifier/v1/verifier_pb2.pyi")
+    assert not (build.ROOT / "verifier/v1/verifier_pb2_grpc.py").exists()
 
 
 def test_exports_are_the_generated_code():
     assert rpc.VerifyStep is verifier_pb2.VerifyStep and rpc.StepResult is verifier_pb2.StepResult
-    assert rpc.VerifierStub is verifier_pb2_grpc.VerifierStub
     assert (rpc.FINISH_NONE, rpc.FINISH_EOS, rpc.FINISH_LENGTH) == (0, 1, 2)
     assert (rpc.PACKAGE, rpc.SERVICE_NAME, rpc.PROTOCOL_VERSION) == ("verifier.v1", "verifier.v1.Verifier", "verifier.v1")
     # server reflection reads the default pool: the file must be there under its proto path
@@ -37,6 +37,55 @@ def test_exports_are_the_generated_code():
     assert pool.FindFileByName("verifier/v1/verifier.proto").package == "verifier.v1"
     assert {method.name for method in pool.FindServiceByName(rpc.SERVICE_NAME).methods} == {
         "GetModelInfo", "OpenSession", "Verify", "VerifyStream", "VerifyRounds", "CloseSession", "GetStats"}
+
+
+class _RecordingChannel:
+    """Stands in for a channel: records what the stub asks it to make."""
+
+    def __init__(self) -> None:
+        self.made: dict[str, tuple] = {}
+
+    def __getattr__(self, kind):
+        def make(path, request_serializer, response_deserializer):
+            self.made[path] = (kind, request_serializer, response_deserializer)
+            return path
+        return make
+
+
+# Every RPC of the proto as the generated code spelled it: name, kind, request and response classes.
+_METHODS = [
+    ("GetModelInfo", "unary_unary", rpc.GetModelInfoRequest, rpc.ModelInfo),
+    ("OpenSession", "unary_unary", rpc.OpenSessionRequest, rpc.OpenSessionResponse),
+    ("Verify", "unary_unary", rpc.VerifyRequest, rpc.VerifyResponse),
+    ("VerifyStream", "stream_stream", rpc.VerifyStep, rpc.StepResult),
+    ("VerifyRounds", "stream_stream", rpc.VerifyRequest, rpc.VerifyResponse),
+    ("CloseSession", "unary_unary", rpc.CloseSessionRequest, rpc.CloseSessionResponse),
+    ("GetStats", "unary_unary", rpc.GetStatsRequest, rpc.Stats),
+]
+
+
+def test_stub_and_handler_follow_the_descriptor():
+    """The stub's callables and the server's handlers: each RPC's path, kind and message classes."""
+    channel = _RecordingChannel()
+    stub = rpc.VerifierStub(channel)
+    assert channel.made == {f"/verifier.v1.Verifier/{name}": (kind, request.SerializeToString, response.FromString)
+                            for name, kind, request, response in _METHODS}
+    assert all(getattr(stub, name) == f"/verifier.v1.Verifier/{name}" for name, *_ in _METHODS)
+
+    servicer = _Echo()
+    handler = rpc.servicer_handler(servicer)
+    for name, kind, request, response in _METHODS:
+        method = handler.service(_CallDetails(f"/verifier.v1.Verifier/{name}"))
+        assert (method.request_streaming, method.response_streaming) == (kind == "stream_stream",) * 2
+        assert method.request_deserializer == request.FromString
+        assert method.response_serializer == response.SerializeToString
+        assert getattr(method, kind) == getattr(servicer, name)
+    assert handler.service(_CallDetails("/verifier.v1.Verifier/Nope")) is None  # grpc answers UNIMPLEMENTED
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str) -> None:
+        self.method, self.invocation_metadata = method, ()
 
 
 def test_messages_round_trip():
@@ -80,7 +129,7 @@ class _Echo:
         return rpc.CloseSessionResponse(closed=False)
 
     async def GetStats(self, request, context):
-        return rpc.Stats()
+        return rpc.Stats(steps=7)
 
 
 def test_every_method_kind_over_loopback():
@@ -104,6 +153,8 @@ def test_every_method_kind_over_loopback():
                 assert got == [("0", 1), ("1", 2), ("2", 3)]
                 rounds = [rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id="a", draft_ids=[1] * k)]) for k in (2, 0, 1)]
                 assert [r.results[0].accepted async for r in stub.VerifyRounds(iter(rounds))] == [2, 0, 1]
+                assert (await stub.CloseSession(rpc.CloseSessionRequest(session_id="a"))).closed is False
+                assert (await stub.GetStats(rpc.GetStatsRequest())).steps == 7
         finally:
             await server.stop(None)
 

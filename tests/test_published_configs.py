@@ -1,6 +1,6 @@
 """Published Qwen3.5-MoE config.json files, as a user brings them.
 
-The configs themselves live in verifier/model/published_configs.py (how they were reconstructed).
+The configs themselves live in presets/published.py (how they were reconstructed).
 
 The full-size files must parse; shrunk copies (sizes reduced, nothing else) get random weights
 saved by transformers and one greedy decode step that matches transformers.
@@ -11,14 +11,14 @@ import copy
 import pytest
 import torch
 
+from presets.hf_reference import load_hf, save_random_hf_checkpoint
+from presets.published import PUBLISHED, PUBLISHED_SIZES, QWEN35_35B_A3B, QWEN36_35B_A3B
 from test_hf_parity import assert_close_to_hf  # its docstring says the tolerance and why
 from verifier.engine import Engine
 from verifier.generate import generate
 from verifier.model import load_model
 from verifier.model.config import ATTENTION, GDN, MOE
 from verifier.model.hf_config import config_from_dict
-from verifier.model.hf_reference import load_hf, save_random_hf_checkpoint
-from verifier.model.published_configs import PUBLISHED, PUBLISHED_SIZES, QWEN35_35B_A3B, QWEN36_35B_A3B
 
 
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from bench import fp8_real_size
+from presets.published import KIMI_LINEAR_48B_A3B, QWEN3_NEXT_80B_A3B
 from verifier.check.checks import CheckSettings, full_batch_vs_alone
 from verifier.model import load_model
 from verifier.model.fp8_checkpoint import write_block_fp8_checkpoint
-from verifier.model.published_configs import KIMI_LINEAR_48B_A3B, QWEN3_NEXT_80B_A3B
 from verifier.model.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the published widths on the Triton kernels")

@@ -1,7 +1,8 @@
 """verifier.model.rollback.RollbackPlan (every recurrent layer in one launch per state,
-kernels/fused_rollback.py) on real verify records of every SPECS family (GDN and KDA layers), both
-rollback modes: the committed conv windows and recurrent states after rollback are torch.equal to
-the per-layer rollback's, for kept counts 0 .. K+1 in a batch padded as a graph bucket pads it
+kernels/fused_rollback.py), the one rollback, on real verify records of every SPECS family (GDN and
+KDA layers), both rollback modes: the committed conv windows and recurrent states after rollback
+are torch.equal to the per-layer rollback's (`per_layer_rollback`: one launch per layer and state,
+the reference kept here, no product path), for kept counts 0 .. K+1 in a batch padded as a graph bucket pads it
 (padding sequences sharing the scratch slot keep nothing). One plan serves every kept count, as a
 graph bucket's plan serves every step: the pool's tensors are restored in place between them.
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from conftest import ALL_SPECS
-from hybrid_kernels import runtime
+from hybrid_kernels import delta_rule, fused_rollback, runtime, short_conv
+from hybrid_kernels.runtime import pick
 from verifier.model.padding import BucketShape, pad_batch
-from verifier.model.rollback import ROLLBACK_MODES, RollbackPlan, VerifyRecord, apply_rollback
+from verifier.model.rollback import ROLLBACK_MODES, RollbackPlan, VerifyRecord
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.model.step_inputs import StepInputs
@@ -39,6 +41,23 @@ def verified(model, mode: str):
     record = VerifyRecord(mode, padded)
     model.compute(inputs.tokens, padded, pool, True, False, mode, record)
     return pool, record
+
+
+def per_layer_rollback(pool, record: VerifyRecord, kept: torch.Tensor) -> None:
+    """The reference: each recurrent layer's conv window, then its recurrent state (a snapshot copy
+    or a fold), one launch each, with the one-layer ops (Triton or torch, as pick chooses)."""
+    for index, layer_record in record.layers.items():
+        state = pool.layers[index]
+        device = state.recurrent.device
+        seq_slots, cu_rows = record.batch.seq_slots(device), record.batch.cu_rows(device)
+        pick(short_conv.next_window, short_conv.next_window_ref, state.conv)(state.conv, layer_record.conv_inputs, seq_slots, cu_rows, kept)
+        if layer_record.snapshots is not None:
+            keep = pick(fused_rollback.keep_snapshots, fused_rollback.keep_snapshots_ref, state.recurrent)
+            keep(state.recurrent, layer_record.snapshots, seq_slots, cu_rows, kept)
+        else:
+            fold = pick(delta_rule.delta_rule_fold, delta_rule.delta_rule_fold_ref, state.recurrent)
+            fold(state.recurrent, layer_record.keys, layer_record.values, layer_record.decays, layer_record.betas,
+                 seq_slots, cu_rows, kept)
 
 
 def committed(pool) -> list[torch.Tensor]:
@@ -67,11 +86,11 @@ def test_plan_equals_per_layer_rollback(load_target, name, mode, backend, monkey
         kept = torch.tensor([first, first % (DRAFTS[1] + 2), 0, 0], dtype=torch.int32, device=model.device)
         for t, s in zip(state, start):
             t.copy_(s)
-        apply_rollback(pool, record, kept)  # per layer
+        per_layer_rollback(pool, record, kept)
         want = [t.clone() for t in state]
         for t, s in zip(state, start):
             t.copy_(s)
-        apply_rollback(pool, record, kept, plan)
+        plan.apply(kept)
         for i, (got, expected, before) in enumerate(zip(state, want, start)):
             what = f"{name} {mode} {backend}: {'conv window' if i % 2 == 0 else 'recurrent state'} of recurrent layer {i // 2}"
             assert torch.equal(got, expected), f"{what}, kept {kept.tolist()}"

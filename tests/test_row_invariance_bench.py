@@ -6,7 +6,7 @@ import pytest
 
 from bench.gpu_tests import counts
 from bench.row_invariance import main, model_weights, sweep_configs
-from verifier.model.published_configs import PUBLISHED, PUBLISHED_SIZES
+from presets.published import PUBLISHED, PUBLISHED_SIZES
 
 
 def test_every_published_config_is_swept():

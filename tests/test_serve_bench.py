@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.load.cli import TINY_CONFIG, TINY_EMBED_STD
 from bench.serve import ServeConfig, _expected, main, run_serve, server_has_flag
+from presets.bench_models import TINY_CONFIG, TINY_EMBED_STD
 
 SESSIONS, PROCESSES, WARMUP, STEPS, K = 4, 2, 2, 4, 2
 MODEL_FIELDS = ("sessions", "engine_tokens_per_s", "service_tokens_per_s", "service_over_engine", "p50_ms", "p99_ms",

@@ -5,6 +5,7 @@ import torch
 
 from verifier.model import PoolFullError, RowBatch
 from verifier.model.state import RecurrentState
+from verifier.model.step import decode
 
 FAMILIES = ["qwen3_next_moe", "qwen3_5_text", "kimi_linear", "kimi_linear_qlora"]
 
@@ -32,10 +33,10 @@ def test_batched_decode_is_bitwise_equal_to_decoding_each_slot_alone(load_target
         for _ in range(6):
             tokens = [int(l.argmax()) for l in last]
             if together:
-                out = model.decode(pool, slots, positions, tokens)
+                out = decode(model, pool, slots, positions, tokens)
                 last = list(out)
             else:
-                last = [model.decode(pool, [s], [p], [t])[0] for s, p, t in zip(slots, positions, tokens)]
+                last = [decode(model, pool, [s], [p], [t])[0] for s, p, t in zip(slots, positions, tokens)]
             rows.append(torch.stack(last))
             positions = [p + 1 for p in positions]
         return torch.stack(rows), [_snapshot(pool, s) for s in slots]
@@ -85,9 +86,9 @@ def test_bad_rows_are_asserted_before_any_state_changes(load_target):
     model.prefill(pool, s1, [7, 8])
     before = _snapshot(pool, s0) + _snapshot(pool, s1)
     with pytest.raises(AssertionError, match="token id out of range"):
-        model.decode(pool, [s0, s1], [3, 2], [5, model.config.vocab_size])
+        decode(model, pool, [s0, s1], [3, 2], [5, model.config.vocab_size])
     with pytest.raises(AssertionError, match="past the pool's max_seq_len 16"):
-        model.decode(pool, [s0, s1], [3, 16], [5, 6])
+        decode(model, pool, [s0, s1], [3, 16], [5, 6])
     with pytest.raises(AssertionError, match="a slot appears twice"):
         RowBatch(slots=(s0, s0), starts=(3, 4), counts=(1, 1))
     after = _snapshot(pool, s0) + _snapshot(pool, s1)

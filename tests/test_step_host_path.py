@@ -8,9 +8,9 @@ import torch
 
 from verifier import engine as engine_module
 from verifier.engine import Engine, StepRequest, StepResult
-from verifier.model.carry import with_carried
-from verifier.model.padding import BucketShape, bucket_shapes, pad_batch, smallest_bucket
-from verifier.model.rows import RowBatch
+from verifier.model.padding import BucketShape, bucket_for, bucket_shapes, pad_batch
+from verifier.model.rollback import with_carried
+from verifier.model.rows import RowBatch, check_rows
 from verifier.model.step_inputs import StepInputs
 
 BATCHES = [
@@ -62,10 +62,10 @@ def test_a_batch_that_fits_its_bucket_is_its_own_padding():
     bucket's shape with its own sequences first (test_padded_steps holds the padding itself)."""
     n_slots = 8
     for batch in (RowBatch((4,), (30,), (1,)), RowBatch((0, 1), (2, 3), (1, 1))):
-        shape = smallest_bucket(bucket_shapes((batch.n_rows,), n_slots), batch.n_rows)
+        shape = bucket_for(bucket_shapes((batch.n_rows,), n_slots), batch)
         assert (shape.rows, shape.sequences) == (batch.n_rows, len(batch.slots))
         assert pad_batch(batch, shape, n_slots) is batch
-        wider = smallest_bucket(bucket_shapes((batch.n_rows + 3,), n_slots), batch.n_rows)
+        wider = bucket_for(bucket_shapes((batch.n_rows + 3,), n_slots), batch)
         padded = pad_batch(batch, wider, n_slots)
         assert padded is not batch and (padded.n_rows, len(padded.slots)) == (wider.rows, wider.sequences)
         assert padded.slots[: len(batch.slots)] == batch.slots and padded.scratch_slot == n_slots
@@ -95,15 +95,16 @@ def test_check_rows_takes_a_list(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, 32, cuda_graphs=False)
     batch = RowBatch((0,), (0,), (3,))
-    model.check_rows([0, 5, model.config.vocab_size - 1], batch, engine.pool)
+    vocab, room = model.config.vocab_size, engine.pool.max_seq_len
+    check_rows([0, 5, vocab - 1], batch, room, vocab)
     with pytest.raises(AssertionError, match="token id out of range"):
-        model.check_rows([0, model.config.vocab_size, 1], batch, engine.pool)
+        check_rows([0, vocab, 1], batch, room, vocab)
     with pytest.raises(AssertionError, match="token id out of range"):
-        model.check_rows([-1, 2, 1], batch, engine.pool)
+        check_rows([-1, 2, 1], batch, room, vocab)
     with pytest.raises(AssertionError, match=r"tokens has shape \[2\], expected \[3\]"):
-        model.check_rows([1, 2], batch, engine.pool)
+        check_rows([1, 2], batch, room, vocab)
     with pytest.raises(AssertionError, match="token id out of range"):  # a tensor, as other callers pass
-        model.check_rows(torch.tensor([1, 2, model.config.vocab_size]), batch, engine.pool)
+        check_rows(torch.tensor([1, 2, vocab]), batch, room, vocab)
 
 
 # (first row, emitted rows) of each sequence wanting its logits: one range as a decode's (each

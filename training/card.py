@@ -11,8 +11,8 @@ from . import PROG
 METRICS_FILE = "training_metrics.json"
 CARD_FILE = "MODEL_CARD.md"
 PLOT_FILE = "loss_curves.png"
-GOAL_BPB = 1.5  # issue 7: the target's validation bits per byte, at most
-GOAL_AGREEMENT = 0.60  # issue 7: the draft's greedy choice equals the target's, at least
+GOAL_BPB = 1.5  # the target's validation bits per byte, at most
+GOAL_AGREEMENT = 0.60  # the draft's greedy choice equals the target's, at least
 
 
 def plot_curves(metrics: dict, out: Path) -> None:

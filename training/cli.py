@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from presets.training import PRESETS
 from verifier.arguments import DefaultsHelpFormatter, at_least
 
 from . import PROG
-from .configs import PRESETS
 from .evaluate import EvalConfig
 from .pipeline import DRAFT_LR, EVAL_RESERVE_S, TARGET_SHARE, RunConfig, evaluate_models, run
 from .prompts import write_prompts

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from presets.hf_reference import load_hf
 from verifier.model import load_model
-from verifier.model.hf_reference import load_hf
 
 PARITY_TOLERANCE = 1e-2  # of the reference's largest |logit|: a sanity bound (GPU kernels may use TF32), not the parity tests' 1e-4
 

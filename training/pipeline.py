@@ -20,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from presets.training import PRESETS
+
 from . import PROG
 from .card import METRICS_FILE, write_card
-from .configs import PRESETS, SIZE_LIMIT_BYTES, build_model, count_parameters, shape_parameters
+from .configs import SIZE_LIMIT_BYTES, build_model, count_parameters, shape_parameters
 from .data import DEV, SPLITS, TRAIN, VALIDATION, load_corpus, stdlib_root
 from .evaluate import EvalConfig, evaluate_pair
 from .tokenizer import EOT_ID, encode_stream, load_trained_tokenizer, token_byte_lengths, train_tokenizer

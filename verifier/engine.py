@@ -27,7 +27,7 @@ from .model.device_scope import on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS
 from .model.padding import check_graph_rows
 from .model.rollback import ROLLBACK_MODES, WOA
-from .model.runner import StepRunner
+from .model.step import Step, StepRunner
 from .params import SamplingParams
 from .sampling import choose, choose_rows
 
@@ -63,7 +63,7 @@ class Sequence:
     finish_reason: str | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] the first token came from (model's device)
     # an engine step failed midway with this sequence in it: a decode's verify commits its row, and
-    # any verify the rows its slot carried (kernels/one_row_commit.py, model/carry.py), so the state
+    # any verify the rows its slot carried (kernels/one_row_commit.py, model/rollback.py), so the state
     # may be past the position and the carried count stale; it steps no more
     lost: bool = False
 
@@ -100,20 +100,14 @@ def _one_range(wanted: list[tuple[StepResult, int, int]], counts: list[int]) -> 
     return all(start == first + offset for (_, start, _), offset in zip(wanted, itertools.accumulate(counts, initial=0)))
 
 
-def _keep_early_rows(early: tuple[int, torch.Tensor], wanted: list[tuple[StepResult, int, int]]) -> None:
-    """Engine._keep_rows from Engine._copy_early's copy (its first row, the rows): each result a view
-    of its emitted rows, one split where they are the whole copy in order (a decode)."""
-    first, rows = early
-    counts = [n for _, _, n in wanted]
-    if wanted[0][1] == first and sum(counts) == rows.shape[0] and _one_range(wanted, counts):
-        if len(wanted) == 1:
-            wanted[0][0].logits = rows
-            return
-        for (result, _, _), kept in zip(wanted, rows.split(counts)):
-            result.logits = kept
+def _hand_out(rows: torch.Tensor, wanted: list[tuple[StepResult, int, int]], counts: list[int]) -> None:
+    """Each result of `wanted` a view of its rows of `rows`, which holds exactly the wanted rows in
+    order: the whole of it for one sequence (a batch-1 step: no split), else one split."""
+    if len(wanted) == 1:
+        wanted[0][0].logits = rows
         return
-    for result, start, n in wanted:
-        result.logits = rows[start - first : start - first + n]
+    for (result, _, _), kept in zip(wanted, rows.split(counts)):
+        result.logits = kept
 
 
 class Engine:
@@ -131,12 +125,12 @@ class Engine:
             graph_rows = tuple(r for r in DEFAULT_GRAPH_ROWS if r <= max_seq_len)
         graph_rows = check_graph_rows(tuple(graph_rows), max_seq_len)
         self.model = model
-        # write-on-accept carries each step's kept rows into the next verify instead of folding them (model/carry.py)
+        # write-on-accept carries each step's kept rows into the next verify instead of folding them (model/rollback.py)
         self.pool = model.new_pool(n_slots, max_seq_len, carry_rows=max_k + 1 if rollback_mode == WOA and max_k > 0 else 0)
         self.max_k = max_k
         self.rollback_mode = rollback_mode
-        # verify and rollback, eager or CUDA-graphed (same bits, minus the launch cost)
-        # a step of one sequence at any K <= max_k replays a bucket of exactly its rows (model/padding.py)
+        # every step's verify and rollback (model/step.py), eager or CUDA-graphed (same bits, minus the
+        # launch cost); a step of one sequence at any K <= max_k replays a bucket of exactly its rows (model/padding.py)
         self.runner = StepRunner(model, self.pool, cuda_graphs, graph_rows, one_sequence_rows=max_k + 1)
 
     @property
@@ -148,7 +142,7 @@ class Engine:
         """Capture every graph bucket for the engine's rollback mode now, before the first step, so
         that serving never captures (nothing to do when eager); and on CUDA compile the kernels that
         choose tokens from a step's logits (outside the graphs), so that the first served step does
-        not compile them (0.43 s inside the first served step on the H200: serve_profile_2026-11-30.json)."""
+        not compile them (a compile inside a served step stalls every session in its batch)."""
         self.runner.capture(self.rollback_mode)
         if self.model.device.type == "cuda":
             logits = torch.zeros(2, self.vocab_size, dtype=torch.float32, device=self.model.device)  # as _logits gives
@@ -159,13 +153,9 @@ class Engine:
 
     @property
     def graph_captures(self) -> int:
-        """Graph buckets (a verify and a rollback graph each) captured since construction."""
+        """Graph buckets (a verify and a rollback graph each) captured since construction (the
+        runner's: its max_graph_rows, buckets and the rest are read there, not mirrored here)."""
         return self.runner.captures
-
-    @property
-    def max_graph_rows(self) -> int | None:
-        """The largest bucket's rows (a step with more runs eagerly); None when not graphed."""
-        return self.runner.max_graph_rows
 
     @on_model_device
     def step_costs(self) -> dict[int, float]:
@@ -246,9 +236,9 @@ class Engine:
         # a list, not a tensor: checked with builtins and written into the step's pinned inputs as it is
         # (a batch-1 step's host time is on its critical path: the GPU waits for it)
         tokens = [t for r in requests for t in (r.sequence.pending, *r.drafts)]
-        self.model.check_rows(tokens, batch, self.pool)  # a caller bug: asserted before any state changes
+        step = self.runner.step(tokens, batch, self.rollback_mode)  # rows checked (a caller bug: asserted) before any state changes
         try:
-            return self._verify_accept_rollback(requests, sequences, batch, tokens)
+            return self._verify_accept_rollback(requests, sequences, step)
         except BaseException:
             # the verify may have committed one-row sequences' rows and slots' carried rows, and the
             # rollback may not have run:
@@ -257,15 +247,13 @@ class Engine:
                 seq.lost = True
             raise
 
-    def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], batch: RowBatch,
-                                tokens: list[int]) -> list[StepResult]:
-        logits, verified = self.runner.verify(tokens, batch, self.rollback_mode, checked=True)
+    def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], step: Step) -> list[StepResult]:
+        logits, batch = step.verify(), step.batch
         early = self._copy_early(logits, batch, requests)  # queued behind the verify, before its ids are waited for
         verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
-                          [r.draft_probs for r in requests], verified.greedy_ids)
+                          [r.draft_probs for r in requests], step.greedy_ids)
         # per sequence after the ids reach the host, the GPU idle until the rollback: few operations
-        # each (64 sequences' results, rows' copy and checks: 479 -> 180 us on the H200's host,
-        # bench/results/step_host_2026-12-01.json lease_4_session12 against step_host_2026-12-02.json)
+        # each (64 sequences' results, rows' copy and checks; bench.gpu's step_timeline shows the gap)
         results, consumed, wanted = [], [], []
         for req, seq, first, (accepted, bonus) in zip(requests, sequences, batch.offsets, verdicts):
             emitted = req.drafts[:accepted]
@@ -283,7 +271,7 @@ class Engine:
             if req.want_logits:
                 wanted.append((result, first, n))
         self._keep_rows(logits, wanted, early)
-        self.runner.rollback(verified, consumed)
+        step.rollback(consumed)
         return results
 
     @staticmethod
@@ -292,9 +280,8 @@ class Engine:
         want their logits, queued right after the verify while the GPU still runs it, when that span
         is at most EARLY_LOGITS_BYTES; else None (the emitted rows are copied after acceptance).
         Copied after acceptance, the rows cost a step's critical path the copy's launch and run with
-        the GPU idle (H200, 2B model, a batch-1 decode: 16-19 us after the ids, 3 us for the views of
-        an early copy; the GPU's idle gap 62-75 -> 57 us; bench/results/host_fine_2026-12-03.json;
-        at batch 64 the gap's change was within its noise); copied here, a decode's rows are exactly
+        the GPU idle (at batch 1 the early copy shortens the GPU's idle gap between steps; at batch 64
+        the change is within the noise); copied here, a decode's rows are exactly
         its emitted ones, and a small verify copies its K + 1 rows of which the results keep views."""
         wanting = [s for s, req in enumerate(requests) if req.want_logits]
         if not wanting:
@@ -309,30 +296,33 @@ class Engine:
     def _keep_rows(logits: torch.Tensor, wanted: list[tuple[StepResult, int, int]],
                    early: tuple[int, torch.Tensor] | None = None) -> None:
         """Each (result, its first row in logits, its emitted rows) gets those rows, since a graph's
-        next replay overwrites the logits: views of `early` (_copy_early's copy) where there is one,
-        else all copied together once. Only the emitted rows: at 64 sequences x 9 rows the 2B
-        model's verify holds 350 MB of fp32 logits, of which a step whose drafts are all rejected
-        returns a ninth. One copy and one split, not a slice per sequence: a tensor slice costs
-        microseconds of host time, and 64 sequences took two per sequence after their rows reached
-        the host, with the GPU idle (H200 host, 2B decode at batch 64: ~0.9 ms from the ids to the
-        end of the step)."""
+        next replay overwrites the logits: views of one copy, `early` (_copy_early's, made before
+        the acceptance) where there is one, else one made now of the emitted rows alone. Only the
+        emitted rows: at 64 sequences x 9 rows the 2B model's verify holds 350 MB of fp32 logits, of
+        which a step whose drafts are all rejected returns a ninth. One copy and one split, not a
+        slice per sequence: a tensor slice costs microseconds of host time, and 64 sequences took two
+        per sequence after their rows reached the host, with the GPU idle (H200 host, 2B decode at
+        batch 64: ~0.9 ms from the ids to the end of the step). One mechanism either way: the copy
+        is made early when it is small, late when only the emitted rows are affordable."""
         if not wanted:
             return
-        if early is not None:
-            _keep_early_rows(early, wanted)
-            return
         counts = [n for _, _, n in wanted]
+        one_range = _one_range(wanted, counts)
         first, total = wanted[0][1], sum(counts)
-        if _one_range(wanted, counts):
+        if early is not None:
+            start, rows = early
+            if one_range and first == start and total == rows.shape[0]:  # the copy is the emitted rows (a decode)
+                _hand_out(rows, wanted, counts)
+            else:
+                for result, row, n in wanted:
+                    result.logits = rows[row - start : row - start + n]
+            return
+        if one_range:
             kept = logits[first : first + total].clone()  # one range: every sequence's rows follow the last's (a decode)
         else:
             index = [start + r for _, start, n in wanted for r in range(n)]
             kept = logits.index_select(0, torch.tensor(index, dtype=torch.int64).to(logits.device))
-        if len(wanted) == 1:  # one sequence (a batch-1 step): its rows are the copy, no split
-            wanted[0][0].logits = kept
-            return
-        for (result, _, _), rows in zip(wanted, kept.split(counts)):
-            result.logits = rows
+        _hand_out(kept, wanted, counts)
 
     @staticmethod
     def _cut(seq: Sequence, emitted: list[int]) -> tuple[list[int], str | None]:

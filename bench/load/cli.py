@@ -13,7 +13,8 @@ from pathlib import Path
 from drafter.client import VerifierClient
 from drafter.loop import STREAM, UNARY
 
-from bench.machine import device_name
+from bench.machine import NAME_HELP, check_name, device_name
+from presets.bench_models import TINY_CONFIG, TINY_EMBED_STD, TINY_NAME
 
 from . import processes, reference, report, workload
 from .drafters import FLEET, FLEET_VERIFY
@@ -23,29 +24,13 @@ from .server import ServerProcess
 TRANSPORTS = (FLEET, FLEET_VERIFY, STREAM, UNARY)
 LOAD_DRAFTERS = ("ngram", "random", "mixed", "none")  # the oracle needs plain streams first: bench.serve has them
 
-# A tiny hybrid model (3 Gated DeltaNet layers, 1 attention layer, byte-sized vocabulary) so the
-# CPU run measures the service, not the matmuls. Written deterministically by the engine's own
-# random-checkpoint writer, no transformers needed. Tied embeddings at TINY_EMBED_STD make its
-# greedy text repeat in runs (n-gram drafts accepted 1 to 4 at a time, not never nor always),
-# so accepted-prefix rollbacks of every length are exercised.
-TINY_CONFIG = {
-    "model_type": "qwen3_5_text", "vocab_size": 257, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "tie_word_embeddings": True, "max_position_embeddings": 4096, "eos_token_id": 256,
-}
-TINY_EMBED_STD = 0.5
-TINY_NAME = "tiny-qwen3_5_text-h64-l4-tied"
 WARMUP_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadConfig:
     out: Path
-    model: Path | None = None  # None: the tiny checkpoint above, written to a temporary directory
+    model: Path | None = None  # None: TINY_CONFIG's checkpoint, written to a temporary directory
     server: str | None = None  # HOST:PORT of a running verifier (then --model names its checkpoint)
     sessions: int = 64
     processes: int = 4
@@ -60,8 +45,10 @@ class LoadConfig:
     time_limit_s: float = 900.0
     max_new_tokens: int = 128
     seed: int = 0
+    name: str = ""  # what differs from the default run, appended to the results file's name
 
     def __post_init__(self):
+        check_name(self.name)
         if self.sessions < 1 or self.processes < 1 or self.processes > self.sessions:
             raise ValueError(f"need 1 <= processes <= sessions, got processes {self.processes}, sessions {self.sessions}")
         if self.server is not None and self.model is None:
@@ -135,14 +122,14 @@ def run_load(config: LoadConfig) -> dict:
     }
     result["errors"] += warm_errors
     result["ok"] = result["errors"] == 0 and not wrong and rss_ok and slots_ok and server_rc in (None, 0)
-    result["path"] = str(report.write(config.out, result))
+    result["path"] = str(report.write(config.out, result, config.name))
     return result
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="directory for load_<date>.json")
+    p.add_argument("--out", type=Path, required=True, help="directory for load_<date>[_<name>].json")
     p.add_argument("--model", type=Path, default=None, help="checkpoint to serve; None: a tiny random one")
     p.add_argument("--server", default=None, help="HOST:PORT of a running verifier; None: start one")
     p.add_argument("--sessions", type=int, default=64, help="concurrent sessions in all")
@@ -165,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit-s", type=float, default=900.0, help="stop the sessions then and report what was done")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per generation; a session reopens until its steps are done")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, samplings and random drafts")
+    p.add_argument("--name", default="", help=NAME_HELP)
     return p
 
 

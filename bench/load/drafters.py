@@ -8,7 +8,7 @@ Transports. fleet (the default): drafter.fleet drives every session of the proce
 blocking client, one request per round carrying every unfinished session's step on one
 VerifyRounds stream, as a real multi-session drafter does; fleet-verify: the same with one Verify
 call per round (the fleet before VerifyRounds). stream / unary: per session, its own asyncio task
-on one grpc.aio channel, over a VerifyStream or one Verify call per step (the drafters of issue 8).
+on one grpc.aio channel, over a VerifyStream or one Verify call per step.
 
 CONFIG: {"address", "plan" (workload.Plan), "sessions": [indices], "deadline" (time.time()),
 "transport", and optionally "references" {session: plain tokens} (the oracle's drafts) and

@@ -1,4 +1,4 @@
-"""A remote drafter against the in-process pair (bench.serve; issue 13, item 3).
+"""A remote drafter against the in-process pair (bench.serve).
 
 Held-out prompts, greedy, one session at a time as `python -m drafter generate` runs them
 (drafter.loop.generate over a VerifyStream to a `python -m verifier serve` subprocess with the
@@ -6,10 +6,9 @@ server's defaults): plain decoding, then the model drafter at K in this process 
 Then the same pair in this process (verifier.generate on one engine), plain and speculative. Each
 mode first runs every prompt once untimed, so start-up, Triton compilation and graph capture stay
 out of the timed part. (Every prompt, not the first alone: a prompt of a new length compiles
-kernels for the prefill, on the server and in the drafter. Warmed on the first prompt alone, the
-plain mode, which runs first, paid the server's compilations for the model mode: on the H200,
-plain ran at 491-513 tokens/s against 652 warm, and the model drafter looked 1.5-1.8x plain where
-warm it is 1.5-1.6x: `remote_warmup_2026-11-30.json`.) Greedy streams of all four modes must be
+kernels for the prefill, on the server and in the drafter: warmed on the first prompt alone, the
+plain mode, which runs first, would pay the server's compilations for the model mode and the model
+drafter's speedup would read high.) Greedy streams of all four modes must be
 equal, token for token.
 """
 

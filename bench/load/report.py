@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.machine import results_path
 from verifier.generation import mean_acceptance_length
 
 # RSS may move by allocator noise (arenas, grpc buffers) without a leak: a leak under this load
@@ -87,9 +88,9 @@ def versions() -> dict:
     return out
 
 
-def write(out_dir: Path, result: dict) -> Path:
+def write(out_dir: Path, result: dict, name: str = "") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"load_{result['date']}.json"
+    path = results_path(out_dir, "load", result["date"], name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

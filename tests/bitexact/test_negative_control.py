@@ -12,6 +12,7 @@ from bitexact.conftest import prompt_for
 from bitexact.serial import serial_run
 from verifier.engine import Engine
 from verifier.model import RowBatch
+from verifier.model.step import verify
 from verifier.params import SamplingParams
 
 
@@ -26,7 +27,7 @@ def test_batched_rows_differ_from_serial_but_verify_rows_do_not(model_of, name):
     engine = Engine(model, 1, 64, max_k=8)
     seq = engine.open(prompt, SamplingParams(), 10, eos_ids=())
     batch = RowBatch(slots=(seq.slot,), starts=(seq.position,), counts=(len(rows),))
-    verify_logits = model.verify(torch.tensor(rows), batch, engine.pool)[0].cpu()
+    verify_logits = verify(model, engine.pool, torch.tensor(rows), batch).logits.cpu()
     assert torch.equal(verify_logits, serial_logits)
 
     batched = model.forward(torch.tensor(rows), batch, engine.pool, row_invariant=False).cpu()

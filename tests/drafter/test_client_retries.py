@@ -163,7 +163,7 @@ def test_close_session_is_idempotent_and_stats_convert(server):
         assert client.close_session(session.id) is True
         assert client.close_session(session.id) is False
         stats = client.stats()
-    assert stats.drafted_per_position == (3, 2) and stats.rows_per_batch.counts == (2, 1)
+    assert stats.drafted_per_position == [3, 2] and stats.rows_per_batch.counts == [2, 1]
 
 
 def test_the_async_client_retries_the_same_way(server):

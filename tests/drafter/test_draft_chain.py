@@ -198,18 +198,18 @@ def test_the_target_as_its_own_chained_drafter_has_every_draft_accepted():
 
 @on_gpu
 def test_chained_proposals_run_no_eager_forward(shipped_draft):
-    """Proposals take the chain (one replay) rather than k - 1 runner forwards; speed is bench/serve.py's."""
+    """Proposals take the chain (one replay) rather than k - 1 runner steps; speed is bench/serve.py's."""
     vocab = shipped_draft.config.vocab_size
     for chain, forwards_per_proposal in ((True, 0), (False, 3)):
         proposer = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, draft_chain=chain)
         runner, calls = proposer.engine.runner, []
-        verify = runner.verify
+        step = runner.step
         context = _gpu_prompt(vocab)
         for step in range(10):
             proposer.sync(context)
-            runner.verify = lambda *args, **kwargs: calls.append(1) or verify(*args, **kwargs)
+            runner.step = lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs)
             drafts = proposer.propose(context, 4)
-            runner.verify = verify
+            runner.step = step
             assert len(calls) == forwards_per_proposal * (step + 1), f"draft_chain={chain}: {len(calls)} forwards"
             context = context + drafts[:2] + [(drafts[2] + 1) % vocab]  # d3 rejected: the next sync restores
 

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from drafter.loop import UNARY, generate
+from presets.hf_reference import build_hf_model
+from presets.tiny import QWEN35_TEXT
 from verifier.model import load_model
-from verifier.model.hf_reference import _QWEN35_TEXT, build_hf_model
 from verifier.model.state import RecurrentState
+from verifier.model.step import decode
 from verifier.params import SamplingParams
 from verifier.proposers import COUPLED, REJECTION, ModelProposer, ProbabilityProposer
 from verifier.sampling import masked_logits
@@ -23,7 +25,7 @@ from verifier.sampling import masked_logits
 from drafter_setup import MAX_SEQ_LEN, client, plain_in_process, served_checkpoint, server, target  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
-VOCAB = _QWEN35_TEXT["vocab_size"]
+VOCAB = QWEN35_TEXT["vocab_size"]
 NEW = 24
 PROMPT = [5, 9, 14, 3, 5, 9, 14, 3, 7, 22, 40]
 SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, seed=42)
@@ -33,7 +35,7 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, seed=42)
 def small_dir(tmp_path_factory):
     """A different, smaller model over the served model's vocabulary: it agrees with the target
     now and then, so streams through it see both acceptances and rejections."""
-    fields = dict(_QWEN35_TEXT, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    fields = dict(QWEN35_TEXT, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     path = tmp_path_factory.mktemp("small_draft")
     build_hf_model("qwen3_5_text", fields, seed=3).save_pretrained(path)
     return path
@@ -75,7 +77,7 @@ class SerialDecode:
     def advance(self, context):
         assert context[: len(self.tokens)] == self.tokens, "the reference only follows an accepted stream"
         for token in context[len(self.tokens):]:
-            self.logits = self.model.decode(self.pool, [self.slot], [len(self.tokens)], [token])[0]
+            self.logits = decode(self.model, self.pool, [self.slot], [len(self.tokens)], [token])[0]
             self.tokens.append(token)
         return self.logits
 

@@ -24,6 +24,15 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
+def assert_refused(case, device: str, *ops) -> None:
+    """Every one of `ops` (a launcher, and its torch reference where it checks the same arguments) refuses
+    the arguments `case = (build, message)` builds for `device` with a ValueError matching `message`."""
+    build, message = case
+    for op in ops:
+        with pytest.raises(ValueError, match=message):
+            op(**build(device))
+
+
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> None:
     """One comparison helper: names the tensor, reports max/mean error, fails on NaN."""
     assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"

@@ -1,4 +1,4 @@
-"""Carried rows (verifier/model/carry.py) at the kernel level: a rollback that copies the kept stash
+"""Carried rows (verifier/model/rollback.py) at the kernel level: a rollback that copies the kept stash
 rows into the slot's carry (kernels/fused_rollback.py keep_carry), then a verify that applies them
 first (kernels/delta_rule.py), give bitwise what a fold then a plain verify give: the outputs,
 the snapshots and the committed state. keep_carry copies exactly the rows the fold would apply,

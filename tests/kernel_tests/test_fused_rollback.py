@@ -1,6 +1,6 @@
 """kernels/fused_rollback.py: the rollback of several recurrent layers in one launch per state gives,
 layer by layer, torch.equal what the one-layer launchers give (short_conv.next_window,
-delta_rule.delta_rule_fold, snapshots.keep_snapshots), for GDN and KDA decays, fp32 and bf16 conv
+delta_rule.delta_rule_fold, fused_rollback.keep_snapshots), for GDN and KDA decays, fp32 and bf16 conv
 windows, kept counts 0 .. K+1 in a padded batch (padding sequences sharing the scratch slot keep
 nothing and write nothing; a one-row sequence's state, which its verify committed, is left alone), records whose rows are strided (as a layer's conv inputs are: a
 column block of its input projection's output). The references agree: exactly for the copies,
@@ -17,7 +17,7 @@ from hybrid_kernels import fused_rollback
 from hybrid_kernels.delta_rule import delta_rule_fold, delta_rule_verify
 from hybrid_kernels.fused_rollback import RecurrentLayers, fold_states, keep_state_snapshots, next_windows
 from hybrid_kernels.short_conv import next_window
-from hybrid_kernels.snapshots import keep_snapshots
+from hybrid_kernels.fused_rollback import keep_snapshots
 
 from . import test_delta_rule as delta
 from .conftest import assert_close

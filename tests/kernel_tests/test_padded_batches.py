@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybrid_kernels.short_conv import conv_rows, next_window
-from hybrid_kernels.snapshots import keep_snapshots, keep_snapshots_ref
+from hybrid_kernels.fused_rollback import keep_snapshots, keep_snapshots_ref
 
 from . import test_delta_rule as delta, test_short_conv as conv
 from .conftest import nan_like

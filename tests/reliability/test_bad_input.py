@@ -1,4 +1,4 @@
-"""Bad input on one session, among witness sessions that must not notice (issue 8 item 1): each
+"""Bad input on one session, among witness sessions that must not notice: each
 case asserts its exact status code, that the faulty session itself did not move, and (on leaving
 `Witnesses`) that every other session's tokens and logits bytes equal plain decoding."""
 

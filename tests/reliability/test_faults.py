@@ -1,4 +1,4 @@
-"""Faults around a step in the engine (issue 8 item 1): a client that cancels mid-step, a
+"""Faults around a step in the engine: a client that cancels mid-step, a
 deadline shorter than a step, a session closed while its step runs and under load, reopening
 after close, a full pool freed and reused. The engine is slowed for the faulty session only, so
 its step is reliably inside the engine when the fault comes; witness sessions must not notice."""

@@ -1,4 +1,4 @@
-"""Fuzzing (issue 8 item 3): hypothesis-generated OpenSession / Verify / CloseSession sequences
+"""Fuzzing: hypothesis-generated OpenSession / Verify / CloseSession sequences
 (random fields and sizes, ids negative and huge, random request ids with repeats) against ONE
 live server. No crash, no hang (every call has a deadline), only documented status codes,
 health stays SERVING, and every slot comes back once everything is closed."""

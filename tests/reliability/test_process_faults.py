@@ -1,4 +1,4 @@
-"""Faults of whole processes (issue 8 item 1): a reaped session; a drafter process SIGKILLed
+"""Faults of whole processes: a reaped session; a drafter process SIGKILLed
 with open sessions (the reaper frees its slots); SIGTERM to `python -m verifier serve` with
 steps in flight (they finish, health says NOT_SERVING while draining, new calls get UNAVAILABLE)."""
 

@@ -1,4 +1,4 @@
-"""TLS and bearer-token auth end to end (issue 8 items 1 and 4): over TLS the right token steps
+"""TLS and bearer-token auth end to end: over TLS the right token steps
 sessions bit-exactly, a missing or wrong token is UNAUTHENTICATED on every method, and health
 checks are exempt; witness sessions with the right token never notice."""
 

@@ -1,4 +1,4 @@
-"""The contract's corners (DESIGN.md section 8, issue 12): a request id reused with other content,
+"""The contract's corners (DESIGN.md section 8): a request id reused with other content,
 how many results a session keeps for retries, the position of an error result, `accepted` at a
 budget cut, and state checked once per step."""
 

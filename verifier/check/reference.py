@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import Engine, StepRequest
-from ..model.carry import committed_state
+from ..model.rollback import committed_state
 from ..model.state import AttentionState
 from ..params import SamplingParams
 from .layers import LayerOutputs

@@ -8,6 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
+def _check_multiple(section: str, config, name: str, of: str) -> None:
+    """Heads (or experts) split evenly into groups: config.<name> must be a multiple of config.<of>."""
+    value, divisor = getattr(config, name), getattr(config, of)
+    if value % divisor:
+        raise ValueError(f"{section}: {name} {value} is not a multiple of {of} {divisor}")
+
+
+def _check_conv_width(section: str, conv_width: int) -> None:
+    """A short conv keeps conv_width - 1 inputs of window: at least one."""
+    if conv_width < 2:
+        raise ValueError(f"{section}: conv_width {conv_width} must be at least 2")
+
+
 # Token mixers (per layer).
 ATTENTION = "attention"  # gated full attention (Qwen3-Next / Qwen3.5)
 MLA = "mla"  # multi-head latent attention without rotary (Kimi Linear)
@@ -33,10 +47,9 @@ class AttentionConfig:
     bias: bool = False
 
     def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"attention: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if not 0 <= self.rotary_dim + self.rotary_dim % 2 <= self.head_dim:
             raise ValueError(f"attention: rotary_dim {self.rotary_dim} does not fit in head_dim {self.head_dim}")
+        _check_multiple("attention", self, "n_heads", "n_kv_heads")
 
 
 @dataclass(frozen=True)
@@ -67,10 +80,8 @@ class GDNConfig:
     interleaved_projection: bool  # Qwen3-Next in_proj_qkvz/in_proj_ba versus Qwen3.5 in_proj_qkv/z/b/a
 
     def __post_init__(self):
-        if self.n_v_heads % self.n_k_heads:
-            raise ValueError(f"gdn: n_v_heads {self.n_v_heads} is not a multiple of n_k_heads {self.n_k_heads}")
-        if self.conv_width < 2:
-            raise ValueError(f"gdn: conv_width {self.conv_width} must be at least 2")
+        _check_multiple("gdn", self, "n_v_heads", "n_k_heads")
+        _check_conv_width("gdn", self.conv_width)
 
     @property
     def key_dim(self) -> int:
@@ -98,12 +109,11 @@ class KDAConfig:
     gate_lower_bound: float | None = None
 
     def __post_init__(self):
+        _check_conv_width("kda", self.conv_width)
         if self.gate_law not in ("softplus", "bounded"):
             raise ValueError(f"kda: unknown gate_law {self.gate_law!r}")
         if self.gate_law == "bounded" and self.gate_lower_bound is None:
             raise ValueError("kda: the bounded gate law needs gate_lower_bound")
-        if self.conv_width < 2:
-            raise ValueError(f"kda: conv_width {self.conv_width} must be at least 2")
 
     @property
     def proj_dim(self) -> int:
@@ -137,12 +147,11 @@ class MoEConfig:
     topk_group: int = 1
 
     def __post_init__(self):
+        _check_multiple("moe", self, "n_experts", "n_group")
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"moe: unknown router {self.router!r}")
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"moe: top_k {self.top_k} must be within 1..n_experts {self.n_experts}")
-        if self.n_experts % self.n_group:
-            raise ValueError(f"moe: n_experts {self.n_experts} is not a multiple of n_group {self.n_group}")
 
 
 @dataclass(frozen=True)

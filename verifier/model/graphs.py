@@ -6,10 +6,10 @@ path's bits; only the launch cost goes.
 
 Buckets. The kernels read a batch from device tensors (seq_slots, cu_rows, row_slots, positions);
 no launch bakes in a per-sequence count (grids carry only R and S, loop bounds are read on the
-device), so a graph depends on the shape (R rows, S sequences) alone. A step of one sequence
-replays its exact one-sequence bucket (R rows, 1 sequence) where the runner has one; any other step
-of R rows the smallest shared bucket of at least R rows, padded to its shape (padding.py); a step
-past the largest shared bucket runs eagerly. `capture` makes every bucket's pair before serving; a
+device), so a graph depends on the shape (R rows, S sequences) alone. A step replays the first
+bucket it fits (padding.py bucket_for: one sequence's exact bucket, else the smallest shared bucket
+of at least its rows, padded to its shape); a step past the largest bucket runs eagerly
+(verifier/model/step.py decides). `capture` makes every bucket's pair before serving; a
 bucket first met later (an engine that skipped warm-up, another rollback mode) is captured then,
 and counted.
 
@@ -18,10 +18,7 @@ are the graph's inputs, a pinned host twin the step is packed into, and a kept-c
 the rollback graph with its pinned twin. Each graph begins with the copy of its pinned inputs to
 the device, captured as a node of the graph (a copy from pinned memory reads it when the graph
 replays): a step writes its inputs into the pinned buffers and replays, one launch where a copy
-and a replay were two. (On the H200 the separate copy of the kept counts took ~20 of a rollback's
-~56 us of host time; with the copy in the graph the rollback took 54 us, its replay a little
-longer: bench/results/rollback_parts_2026-12-01.json. The gain is one API call, not measured
-past the host's noise.) All
+and a replay were two (the gain is one API call a rollback, within the host's noise). All
 buckets write their logits into one shared buffer [largest R_b, vocab] fp32, and every graph is
 captured into one shared memory pool: a step's logits are consumed (copied out) before the next
 verify replays, and its record is consumed by its rollback before any other replay, so the
@@ -32,7 +29,7 @@ Greedy ids. The verify graph ends with each row's argmax (kernels/sampling.py ar
 acceptance launches for an eager step) and a copy of the ids to pinned memory, so a greedy step's
 host waits for its graph and reads R ints. Launched after the replay, the two argmax kernels ran
 behind the graph without PDL and the ids came back in a synchronous copy of their own, all on the
-critical path once the graph had finished (bench/results/host_ab_2026-12-02.json). Every bucket row
+critical path once the graph had finished. Every bucket row
 gets its argmax, padding rows and sampled steps' rows too: at most the largest bucket's, 576 rows
 of a 248k vocabulary (~0.14 ms at 4 TB/s) beside a step of ~10 ms.
 
@@ -63,7 +60,7 @@ from hybrid_kernels import dependent_launch
 from hybrid_kernels.sampling import argmax_rows
 
 from .padding import BucketShape, capture_batch, pad_batch
-from .rollback import RollbackPlan, VerifyRecord, apply_rollback
+from .rollback import RollbackPlan, VerifyRecord
 from .rows import RowBatch
 from .step_inputs import StepInputs
 
@@ -79,11 +76,8 @@ DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 8
                       576)
 
 # Buckets of more rows are captured without programmatic dependent launch (kernels/dependent_launch.py):
-# their kernels run in several waves, and early-resident waiting blocks slowed the step. H200, 2B
-# model, one engine with PDL and one without, in turns: 64 x 9 rows 9.82 ms with, 9.55 without, 16 x 9
-# rows (the 160-row bucket) 4.87 and 4.72, 64 x 2 rows equal; 64 x 1 rows 3.88 with, 4.00 without,
-# 8 x 9 rows (80) 3.33 and 3.36, one sequence's 1 and 9 rows 1.64 and 1.76, 1.97 and 2.06
-# (bench/results/pdl_buckets_2026-12-02.json).
+# their kernels run in several waves, and early-resident waiting blocks slow the step (H200, 2B
+# model, timed in turns with and without it; smaller buckets gain from it)
 PDL_MAX_ROWS = 96
 
 
@@ -193,7 +187,7 @@ class GraphedSteps:
         warm = VerifyRecord(mode, static)
         self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out)
         argmax_rows(logits_out, out=ids_out)
-        apply_rollback(self.pool, warm, kept, RollbackPlan(self.pool, warm))
+        RollbackPlan(self.pool, warm).apply(kept)
         torch.cuda.synchronize()
         record = VerifyRecord(mode, static)
         host_kept = torch.zeros(shape.sequences, dtype=torch.int32).pin_memory()
@@ -209,7 +203,7 @@ class GraphedSteps:
         plan = RollbackPlan(self.pool, record)
         def rollback_step():
             kept.copy_(host_kept, non_blocking=True)  # captured, as the verify's inputs
-            apply_rollback(self.pool, record, kept, plan)
+            plan.apply(kept)
 
         rollback_graph = self._capture(rollback_step)
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph

@@ -1,18 +1,16 @@
 """The hybrid decoder: embedding, pre-norm blocks (token mixer, then MLP/MoE), final norm, LM head.
 
-`forward` computes logits for a ragged RowBatch and writes every row into its slot's state.
-Prefill and decode are the same forward; decode runs it row-invariantly (see ops.py).
+`forward` computes logits for a ragged RowBatch and writes every row into its slot's state
+(prefill). `compute` is the forward itself, which a step (verifier/model/step.py: verify, then
+rollback) runs row-invariantly (see ops.py) on inputs it has checked and moved to the device.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
-
 import torch
 
-from .carry import with_carried
 from .checkpoint import CheckpointError, TensorSource
 from .config import ATTENTION, GDN, KDA, MLA, MOE, ModelConfig
 from .hf_config import load_config
@@ -23,8 +21,8 @@ from .layers.mla import LatentAttention
 from .layers.mlp import DenseMLP, MoE
 
 from .ops import add_rms_norm, each_row, head_logits, rms_norm
-from .rollback import COMMIT, WOA, VerifyRecord, rollback
-from .rows import RowBatch
+from .rollback import COMMIT, VerifyRecord
+from .rows import RowBatch, check_rows
 from .state import SlotPool
 
 log = logging.getLogger(__name__)
@@ -77,34 +75,8 @@ class HybridModel:
 
         Commits every row: KV at the row's position, conv window and recurrent state advanced
         past the sequence's last row. Prefill runs this."""
-        return self._run(tokens, batch, pool, row_invariant, last_only, COMMIT, None)
-
-    @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, mode: str = WOA) -> tuple[torch.Tensor, VerifyRecord]:
-        """decode_k: tokens [rows] (per sequence its pending token then its drafts) -> (logits [rows, vocab] fp32,
-        the record `rollback` needs). Row-invariant; writes KV at the rows' positions, and a slot's
-        committed conv window and recurrent state only where it commits rows every step consumes: a
-        one-row sequence's row, the rows its slot carried (kernels/one_row_commit.py, carry.py)."""
-        batch = batch if batch.carried else with_carried(batch, pool)
-        record = VerifyRecord(mode, batch)
-        return self._run(tokens, batch, pool, True, False, mode, record), record
-
-    def check_rows(self, tokens: torch.Tensor | Sequence[int], batch: RowBatch, pool: SlotPool) -> None:
-        """Assert what callers guarantee (the server and the in-process path check their inputs, the
-        engine the context room), before the batch touches any state: a failure is a caller bug.
-        tokens: [rows] int64 on the host, or a list of ints (the engine's: builtins, no tensor ops)."""
-        is_tensor = isinstance(tokens, torch.Tensor)
-        shape = tuple(tokens.shape) if is_tensor else (len(tokens),)
-        assert shape == (batch.n_rows,), f"tokens has shape {list(shape)}, expected [{batch.n_rows}]"
-        end = max(p + c for p, c in zip(batch.starts, batch.counts))
-        assert end <= pool.max_seq_len, f"rows reach position {end - 1}, past the pool's max_seq_len {pool.max_seq_len}"
-        # on the host tokens, before they move: no device sync
-        low, high = (int(tokens.min()), int(tokens.max())) if is_tensor else (min(tokens), max(tokens))
-        assert 0 <= low and high < self.config.vocab_size, f"token id out of range 0..{self.config.vocab_size - 1}"
-
-    def _run(self, tokens, batch, pool, row_invariant, last_only, mode, record):
-        self.check_rows(tokens, batch, pool)
-        return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, mode, record)
+        check_rows(tokens, batch, pool.max_seq_len, self.config.vocab_size)
+        return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, COMMIT, None)
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, row_invariant: bool, last_only: bool,
                 mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,15 +117,6 @@ class HybridModel:
             logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits)
             outs.append(logits)
         return torch.cat(outs) if all_logits else outs[-1][0]
-
-    def decode(self, pool: SlotPool, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each of several slots, each at its own position -> logits [len(slots), vocab].
-
-        Decode is verify with no drafts: one row per slot, then rollback keeps that row."""
-        batch = RowBatch(slots=tuple(slots), starts=tuple(positions), counts=(1,) * len(slots))
-        logits, record = self.verify(torch.tensor(tokens, dtype=torch.int64), batch, pool)
-        rollback(pool, record, [1] * len(slots))
-        return logits
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:

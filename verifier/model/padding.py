@@ -18,14 +18,15 @@ scratch slot, up to S_b. Rollback keeps 0 rows of every padding sequence. So pad
     the whole step; in chunks, no padding walk is longer than PAD_CHUNK rows.
 
 One sequence's buckets. A step of one sequence (batch 1: a decode, or a verify of K <= max_k)
-replays a bucket of exactly its rows and that one sequence (`one_sequence_shapes`, `bucket_for`), so
+replays a bucket of exactly its rows and that one sequence (`buckets`, `bucket_for`), so
 it runs with no padding at all: in a shared bucket its walks ran among padding sequences' programs
-(at K = 8 its 9 rows shared the 9-row bucket with 8 padding sequences of no rows). On the H200 (2B,
-kernels' own device time a graphed step), one sequence after a carried row: the delta rule at K = 8
-152.5 us in the shared bucket, with its walk's programs put first, -> 138.9 in its own, at K = 4
-129.6 -> 100.3; the step 2.03-2.09 -> 1.86-1.87 ms at K = 8, 1.90-2.00 -> 1.75-1.76 at K = 4
-(bench/results/one_sequence_buckets_2026-12-03.json). Such a bucket holds no padding row, so it is
-captured on one scratch-slot sequence of its rows (`capture_batch`).
+(at K = 8 its 9 rows shared the 9-row bucket with 8 padding sequences of no rows), and its own
+bucket is faster at K = 4 and 8 on the H200 (`python -m bench.gpu` times those steps). Such a bucket holds no padding row, so it is
+captured on one scratch-slot sequence of its rows (`capture_batch`). They are buckets of another
+shape, not another mechanism: one list holds every bucket, and one rule (`bucket_for`: the first
+that the step fits, fewest rows then fewest sequences) picks exact ones for one sequence and shared
+ones for the rest. The shared buckets alone are the step-cost table's (verifier/model/step.py
+StepRunner.step_costs): a one-sequence bucket times a batch-1 step, not R rows of any batch.
 
 S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) always fits a step of R <= R_b rows in
 S <= min(R, n_slots) sequences, which needs S + ceil((R_b - R) / PAD_CHUNK) sequences: at most
@@ -34,7 +35,6 @@ n_slots + ceil(R_b / PAD_CHUNK), and at most R + (R_b - R) = R_b since a chunk h
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 from .rows import RowBatch
@@ -74,19 +74,36 @@ def bucket_shapes(graph_rows: tuple[int, ...], n_slots: int) -> list[BucketShape
     return [BucketShape(rows, min(rows, n_slots - (-rows // PAD_CHUNK))) for rows in graph_rows]
 
 
-def one_sequence_shapes(max_rows: int) -> list[BucketShape]:
-    """The exact buckets of a one-sequence step (module docstring): (R, 1) for R in 1 .. max_rows."""
-    return [BucketShape(rows, 1) for rows in range(1, max_rows + 1)]
+def buckets(graph_rows: tuple[int, ...], n_slots: int, one_sequence_rows: int) -> list[BucketShape]:
+    """Every bucket a step may replay, in one list sorted by (rows, sequences): the shared buckets
+    (`bucket_shapes`) and one sequence's, (R, 1) for R in 1 .. one_sequence_rows capped at the largest
+    shared bucket's rows (so that which steps run eagerly is graph_rows' choice alone), each once
+    ((1, 1) is both)."""
+    shared = bucket_shapes(graph_rows, n_slots)
+    largest = shared[-1].rows if shared else 0
+    one_sequence = [BucketShape(rows, 1) for rows in range(1, min(one_sequence_rows, largest) + 1)]
+    return sorted(set(shared + one_sequence), key=lambda s: (s.rows, s.sequences))
 
 
-def bucket_for(shapes: list[BucketShape], one_sequence: dict[int, BucketShape], batch: RowBatch) -> BucketShape | None:
-    """The bucket a step replays: its exact one-sequence bucket (one_sequence: rows -> shape) when it
-    is one sequence that has one, else the smallest shared bucket that fits it; None past the largest."""
-    if len(batch.slots) == 1:
-        exact = one_sequence.get(batch.n_rows)
-        if exact is not None:
-            return exact
-    return smallest_bucket(shapes, batch.n_rows)
+def fits(shape: BucketShape, batch: RowBatch) -> bool:
+    """Whether `batch` pads to `shape`: its rows fit, and its sequences with the padding sequences
+    its missing rows need (PAD_CHUNK rows each)."""
+    n_rows = batch.n_rows
+    return n_rows <= shape.rows and len(batch.slots) - (-(shape.rows - n_rows) // PAD_CHUNK) <= shape.sequences
+
+
+def bucket_for(shapes: list[BucketShape], batch: RowBatch) -> BucketShape | None:
+    """The bucket a step replays: the first of `shapes` (sorted by rows, then sequences) that it
+    fits; None past the largest. One rule for every step: a step of one sequence of R rows fits its
+    exact one-sequence bucket (R, 1) first, where there is one (nothing to pad), and any other step
+    the smallest shared bucket of at least its rows (a shared bucket always holds a step of its rows
+    or fewer: the module docstring's S_b; a one-sequence bucket never holds two sequences, nor one
+    with padding)."""
+    n_rows, n_seqs = batch.n_rows, len(batch.slots)
+    for shape in shapes:  # fits(shape, batch), its counts summed once (a step's critical path)
+        if n_rows <= shape.rows and n_seqs - (-(shape.rows - n_rows) // PAD_CHUNK) <= shape.sequences:
+            return shape
+    return None
 
 
 def capture_batch(shape: BucketShape, scratch_slot: int) -> RowBatch:
@@ -96,12 +113,6 @@ def capture_batch(shape: BucketShape, scratch_slot: int) -> RowBatch:
     if shape.sequences == 1:
         return RowBatch((scratch_slot,), (0,), (shape.rows,), scratch_slot=scratch_slot)
     return pad_batch(RowBatch((), (), ()), shape, scratch_slot)
-
-
-def smallest_bucket(shapes: list[BucketShape], n_rows: int) -> BucketShape | None:
-    """The smallest bucket of at least n_rows rows (shapes sorted by rows); None past the largest."""
-    i = bisect.bisect_left([s.rows for s in shapes], n_rows)
-    return shapes[i] if i < len(shapes) else None
 
 
 def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatch:

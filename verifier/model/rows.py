@@ -1,10 +1,12 @@
-"""A ragged batch of rows: for each sequence its slot, committed position and number of rows."""
+"""A ragged batch of rows: for each sequence its slot, committed position and number of rows; and
+the one check of a batch's rows against a pool (`check_rows`)."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -28,7 +30,7 @@ class RowBatch:
     counts: tuple[int, ...]  # rows per sequence
     scratch_slot: int | None = None
     # rows each sequence's slot carries from its last step, not yet in its committed recurrent
-    # state (verifier/model/carry.py); () for none
+    # state (verifier/model/rollback.py); () for none
     carried: tuple[int, ...] = ()
     # device -> (seq_slots, cu_rows, row_slots, positions, carried): built once per batch and device, so a
     # forward makes no host-to-device copies after its first use (and a CUDA graph can own them)
@@ -110,3 +112,21 @@ class RowBatch:
     def carried_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows each sequence's slot carries from its last step: [sequences] int32 (zeros for none)."""
         return self._tensors(device)[4]
+
+
+def check_rows(tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, max_seq_len: int, vocab_size: int) -> None:
+    """Assert what callers guarantee (the server and the in-process path check their inputs, the
+    engine the context room), before the batch touches any state: a failure is a caller bug. The one
+    check of a batch's rows: a step's (verifier/model/step.py, once per step) and prefill's
+    (HybridModel.forward). tokens: [rows] int64 on the host, or a list of ints (the engine's:
+    builtins, no tensor ops); None: padding rows only (token 0)."""
+    if tokens is not None:
+        is_tensor = isinstance(tokens, torch.Tensor)
+        shape = tuple(tokens.shape) if is_tensor else (len(tokens),)
+        assert shape == (batch.n_rows,), f"tokens has shape {list(shape)}, expected [{batch.n_rows}]"
+    end = max((p + c for p, c in zip(batch.starts, batch.counts)), default=0)
+    assert end <= max_seq_len, f"rows reach position {end - 1}, past the pool's max_seq_len {max_seq_len}"
+    if tokens is not None and batch.n_rows:
+        # on the host tokens, before they move: no device sync
+        low, high = (int(tokens.min()), int(tokens.max())) if is_tensor else (min(tokens), max(tokens))
+        assert 0 <= low and high < vocab_size, f"token id out of range 0..{vocab_size - 1}"

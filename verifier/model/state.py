@@ -7,7 +7,7 @@ Per layer (n_slots + 1 slots: the last one, `scratch_slot`, is never admitted):
   GDN / KDA: conv window [n_slots + 1, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
       recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness),
       and in a write-on-accept engine's pool the rows each slot carries from its last step into its
-      next verify (CarriedRows, C = max_k + 1 rows a slot; verifier/model/carry.py): the slot's state
+      next verify (CarriedRows, C = max_k + 1 rows a slot; verifier/model/rollback.py): the slot's state
       is its recurrent state with its first SlotPool.carried[slot] carried rows applied.
 
 The scratch slot holds the padding rows of a graph bucket (verifier/model/padding.py): they write
@@ -39,7 +39,7 @@ class AttentionState:
 @dataclass
 class CarriedRows:
     """Per slot, the stash rows of its last step that its committed recurrent state does not hold
-    yet (verifier/model/carry.py): rows 0 .. SlotPool.carried[slot] - 1 of each, C = max_k + 1 rows."""
+    yet (verifier/model/rollback.py): rows 0 .. SlotPool.carried[slot] - 1 of each, C = max_k + 1 rows."""
 
     keys: torch.Tensor  # [n_slots + 1, C, heads, d_k] fp32
     values: torch.Tensor  # [n_slots + 1, C, heads, d_v] fp32
@@ -78,7 +78,7 @@ class SlotPool:
     def __init__(self, config: ModelConfig, n_slots: int, max_seq_len: int, device: torch.device | str, dtype: torch.dtype,
                  carry_rows: int = 0):
         """carry_rows: C > 0 gives every recurrent layer CarriedRows of C rows a slot (a
-        write-on-accept engine of max_k = C - 1: verifier/model/carry.py); 0: rollback folds."""
+        write-on-accept engine of max_k = C - 1: verifier/model/rollback.py); 0: rollback folds."""
         if n_slots < 1 or max_seq_len < 1 or carry_rows < 0:
             raise ValueError(f"SlotPool: n_slots {n_slots} and max_seq_len {max_seq_len} must be positive, carry_rows "
                              f"{carry_rows} not negative")

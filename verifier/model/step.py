@@ -1,45 +1,96 @@
-"""The one verify entry point: verify rows and roll back, eager or through CUDA graphs.
+"""The engine step's one home: a Step (one verify and its rollback) and the StepRunner that makes them.
 
-Callers (the engine's step, the model drafter) never ask which: a graph replays the eager path's
-kernels with the same arguments, so both give the same bits (DESIGN.md section 6, rule 9).
+    step = runner.step(tokens, batch, mode)   the rows checked (rows.check_rows) and each slot's
+                                              carried rows attached (rollback.with_carried), once;
+                                              no state touched yet
+    logits = step.verify()                    [rows, vocab] fp32: the inputs packed into one buffer
+                                              (step_inputs.py) and copied to the device once; eager
+                                              or through a CUDA graph, chosen here
+    step.greedy_ids                           graphed: rows -> the verify graph's argmax of its first
+                                              rows (graphs.py, Greedy ids); None eager
+    step.rollback(consumed)                   the kept counts checked, once; the one rollback (the
+                                              record's RollbackPlan, or the bucket's rollback graph
+                                              replaying that plan); the carried rows noted
 
-Both paths pack a step's tokens and batch into one buffer (step_inputs.py) and move it to the
-device in one copy. Graphed, a step of one sequence of R <= one_sequence_rows rows replays its exact
-one-sequence bucket, and any other step of R rows runs padded to the smallest shared bucket of at
-least R rows (padding.py); eager, it runs as it is, or padded the same way with pad_eagerly (tests: the
-graphs' padding on the CPU reference backend).
+Callers never ask which path ran: a graph replays the eager path's kernels with the same
+arguments, so both give the same bits (DESIGN.md section 6, rule 9). The engine's step and the
+model drafter's consume go through `StepRunner.step`; `verify` and `decode` below are the same
+Step outside an engine (tests, benches). The draft chain, whose one CUDA graph holds several
+steps whose tokens and positions device ops write, takes its steps from here too (`FixedStep`,
+`StepGraph`): the same forward and the same rollback plan, so the engine's bits.
+
+Buckets. Graphed, a step replays the first bucket it fits (padding.py `bucket_for`: one list of
+buckets, one sequence's exact ones and the shared ones); a step past the largest runs eagerly, as it
+is, or padded the same way with pad_eagerly (tests: the graphs' padding on the CPU reference backend).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from .graphs import GraphedSteps, graphs_supported
-from .padding import BucketShape, bucket_for, bucket_shapes, one_sequence_shapes, pad_batch, padded_kept
-from .carry import note_kept, with_carried
-from .rollback import WOA, VerifyRecord, apply_rollback, check_consumed
-from .rows import RowBatch
-from .state import SlotPool
+from hybrid_kernels.fused_rollback import TableStore
+
+from .graphs import GraphedSteps, collector_paused, graphs_supported
+from .padding import BucketShape, bucket_for, bucket_shapes, buckets, capture_batch, pad_batch, padded_kept
+from .rollback import WOA, RollbackPlan, VerifyRecord, check_consumed, note_kept, with_carried
+from .rows import RowBatch, check_rows
+from .state import RecurrentState, SlotPool
 from .step_inputs import StepInputs
 
 
-@dataclass
-class Verified:
-    """What `StepRunner.verify` hands back for its `rollback` (and, graphed, the step's argmax ids)."""
+class Step:
+    """One verify of a ragged batch and its rollback (module docstring). Made by StepRunner.step."""
 
-    batch: RowBatch  # the step as the caller sent it: kept counts are checked against it
-    shape: BucketShape | None  # the bucket it was padded to; None: unpadded
-    record: VerifyRecord | None  # eager: the forward's record (graphed: the bucket owns it)
-    bucket: object | None = None  # graphed: the bucket whose rollback graph replays
-    mode: str | None = None  # the verify's rollback mode
-    # graphed: rows -> the argmax of the verify's first `rows` rows as host ints, which its graph
-    # computed (graphs.py, Greedy ids); None: eager (the caller computes them from the logits)
-    greedy_ids: Callable[[int], list[int]] | None = None
+    def __init__(self, runner: StepRunner, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, rows: RowBatch,
+                 mode: str, shape: BucketShape | None):
+        self.runner = runner
+        self.tokens = tokens  # [rows] int64 on the host or a list of ints: per sequence its pending token, then its drafts
+        self.batch = batch  # the step as the caller sent it: kept counts are checked against it
+        self.rows = rows  # `batch` with its slots' carried rows: what the forward runs
+        self.mode = mode  # the rollback mode
+        self.shape = shape  # the bucket it fits (None: past the largest, or no buckets)
+        self.logits: torch.Tensor | None = None  # after verify: [rows, vocab] fp32, valid until the next verify
+        self.greedy_ids: Callable[[int], list[int]] | None = None
+        self._padded_to: BucketShape | None = None  # the shape its verify ran padded to (None: as it is)
+        self._record: VerifyRecord | None = None  # eager: the forward's record (graphed: the bucket owns it)
+        self._bucket = None  # graphed: the bucket whose rollback graph replays
+        self._rolled_back = False
+
+    def verify(self) -> torch.Tensor:
+        """Run the verify -> logits [rows, vocab] fp32. They may live in a graph's output buffer:
+        valid until the next verify, so copy what must outlive it."""
+        if self.logits is not None:
+            raise RuntimeError("a step verifies once")
+        runner = self.runner
+        if runner.graphs is not None and self.shape is not None:
+            self.logits, self._bucket = runner.graphs.verify(self.tokens, self.rows, self.shape, self.mode)
+            self.greedy_ids = runner.graphs.greedy_ids
+            self._padded_to = self.shape
+        else:
+            self._padded_to = self.shape if runner.pad_eagerly else None
+            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, self.mode)
+        return self.logits
+
+    def rollback(self, consumed: list[int]) -> None:
+        """Keep rows 0 .. consumed[s]-1 of each sequence (consumed = accepted + 1), in one copy of
+        the counts to the device; a step of decodes only has nothing to roll back (its verify
+        committed every row: kernels/one_row_commit.py)."""
+        if self.logits is None or self._rolled_back:
+            raise RuntimeError("a step rolls back once, after its verify")
+        check_consumed(self.batch, consumed)
+        runner = self.runner
+        if not self.batch.committed_in_verify:
+            kept = list(consumed) if self._padded_to is None else padded_kept(list(consumed), self._padded_to)
+            if self._bucket is not None:
+                runner.graphs.rollback(self._bucket, kept)
+            elif self._record.layers:
+                RollbackPlan(runner.pool, self._record).apply(torch.tensor(kept, dtype=torch.int32).to(runner.model.device))
+        self._rolled_back = True
+        note_kept(runner.pool, self.batch, consumed, carried=self.mode == WOA)
 
 
 class StepRunner:
@@ -48,18 +99,13 @@ class StepRunner:
         """cuda_graphs: use graphs where the backend supports them (Triton on a GPU); eager otherwise.
         graph_rows: the shared buckets' row counts (checked by the caller: padding.check_graph_rows).
         one_sequence_rows: a step of one sequence of up to this many rows (the engine's max_k + 1) has
-        a bucket of its own, exactly its shape (padding.py: One sequence's buckets); at most the
-        largest shared bucket's rows, so that which steps run eagerly is graph_rows' choice alone."""
+        a bucket of its own, exactly its shape (padding.py: One sequence's buckets)."""
         self.model, self.pool = model, pool
-        self.shapes = bucket_shapes(graph_rows, pool.n_slots)  # shared buckets, fewest rows first
-        largest = self.shapes[-1].rows if self.shapes else 0
-        # rows -> the one-sequence bucket of a step of one sequence of that many rows
-        self.one_sequence = {s.rows: s for s in one_sequence_shapes(min(one_sequence_rows, largest))}
+        self.shared = bucket_shapes(graph_rows, pool.n_slots)  # the step-cost table's buckets, fewest rows first
+        self.buckets = buckets(graph_rows, pool.n_slots, one_sequence_rows)  # every bucket a step may replay
         self.pad_eagerly = pad_eagerly
-        # every bucket a step may replay, each once ((1, 1) is shared and one sequence's)
-        self.buckets = list(dict.fromkeys(self.shapes + list(self.one_sequence.values())))
         # None when eager
-        self.graphs = GraphedSteps(model, pool, self.buckets) if cuda_graphs and self.shapes and graphs_supported(model) else None
+        self.graphs = GraphedSteps(model, pool, self.buckets) if cuda_graphs and self.buckets and graphs_supported(model) else None
 
     @property
     def graphed(self) -> bool:
@@ -67,59 +113,55 @@ class StepRunner:
 
     @property
     def captures(self) -> int:
+        """Graph buckets (a verify and a rollback graph each) captured since construction."""
         return 0 if self.graphs is None else self.graphs.captures
 
     @property
     def max_graph_rows(self) -> int | None:
-        return self.shapes[-1].rows if self.graphs is not None else None
+        """The largest bucket's rows (a step with more runs eagerly); None when not graphed."""
+        return self.buckets[-1].rows if self.graphs is not None else None
 
     def capture(self, mode: str) -> None:
         """Capture every bucket's graphs for `mode` now (nothing when eager)."""
         if self.graphs is not None:
             self.graphs.capture(mode)
 
-    def verify(self, tokens: torch.Tensor | Sequence[int], batch: RowBatch, mode: str, checked: bool = False) -> tuple[torch.Tensor, Verified]:
-        """tokens [rows] int64 on the host, or a list of ints (per sequence its pending token, then its drafts) ->
-        (logits [rows, vocab] fp32, what `rollback` needs). The logits may live in a graph's output:
-        valid until the next verify, so copy what must outlive it. checked: the caller has run
-        model.check_rows on these rows already."""
-        if not checked:
-            self.model.check_rows(tokens, batch, self.pool)
-        caller = batch
-        batch = with_carried(batch, self.pool)  # each slot's carried rows go first (carry.py)
-        shape = bucket_for(self.shapes, self.one_sequence, batch)
-        if self.graphs is not None and shape is not None:
-            logits, bucket = self.graphs.verify(tokens, batch, shape, mode)
-            return logits, Verified(caller, shape, None, bucket, mode, self.graphs.greedy_ids)
-        logits, verified = self._eager(tokens, batch, shape if self.pad_eagerly else None, mode)
-        return logits, Verified(caller, verified.shape, verified.record, None, mode)
+    def step(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, mode: str) -> Step:
+        """The Step of `batch` (tokens [rows] int64 on the host or a list of ints; None: padding
+        rows, token 0): its rows checked, its slots' carried rows attached; no state touched."""
+        check_rows(tokens, batch, self.pool.max_seq_len, self.model.config.vocab_size)
+        rows = with_carried(batch, self.pool)  # each slot's carried rows go first (rollback.py, Carried rows)
+        shape = bucket_for(self.buckets, rows) if self.graphs is not None or self.pad_eagerly else None
+        return Step(self, tokens, batch, rows, mode, shape)
 
     @torch.inference_mode()
-    def _eager(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, shape: BucketShape | None, mode: str) -> tuple[torch.Tensor, Verified]:
+    def eager(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, shape: BucketShape | None,
+              mode: str) -> tuple[torch.Tensor, VerifyRecord]:
+        """The eager verify of a checked batch (padded to `shape` unless None) -> (logits of its
+        own rows, the record its rollback reads)."""
         padded = batch if shape is None else pad_batch(batch, shape, self.pool.scratch_slot)
         device = self.model.device
         inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(device)
         padded.attach(device, inputs.batch_tensors())
         record = VerifyRecord(mode, padded)
         logits = self.model.compute(inputs.tokens, padded, self.pool, True, False, mode, record)
-        return logits[: batch.n_rows], Verified(batch, shape, record)
+        return logits[: batch.n_rows], record
 
-    def rollback(self, verified: Verified, consumed: list[int]) -> None:
-        """Keep rows 0 .. consumed[s]-1 of each sequence of the last verify (consumed = accepted + 1),
-        in one copy of the counts to the device."""
-        check_consumed(verified.batch, consumed)
-        if not verified.batch.committed_in_verify:  # decodes only: no launch, no copy (rows.py)
-            kept = list(consumed) if verified.shape is None else padded_kept(list(consumed), verified.shape)
-            if verified.bucket is not None:
-                self.graphs.rollback(verified.bucket, kept)
-            elif verified.record.layers:
-                apply_rollback(self.pool, verified.record, torch.tensor(kept, dtype=torch.int32).to(self.model.device))
-        note_kept(self.pool, verified.batch, consumed, carried=verified.mode == WOA)
+    def padding_step(self, shape: BucketShape, mode: str) -> None:
+        """A step of padding rows only, of `shape`, in the scratch slot (no real state changes): what
+        a bucket's capture runs (padding.capture_batch, a rollback keeping nothing), through the
+        bucket's graphs where graphed, else eagerly."""
+        if self.graphs is not None:
+            self.graphs.replay_padding(shape, mode)
+            return
+        _, record = self.eager(None, capture_batch(shape, self.pool.scratch_slot), None, mode)
+        if record.layers:
+            RollbackPlan(self.pool, record).apply(torch.zeros(shape.sequences, dtype=torch.int32, device=self.model.device))
 
     def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each shared bucket (a one-sequence bucket runs the
-        same rows without padding: faster on the H200, bench/results/one_sequence_buckets_2026-12-03.json):
-        the median of `repeats` steps of padding rows only (the scratch slot: no real state changes),
+        same rows without padding, faster: it times a batch-1 step, not R rows of any batch):
+        the median of `repeats` padding steps (`padding_step`: no real state changes),
         after one untimed step. That is a realistic shape of R_b rows, not a worst case: padding comes in sequences of at
         most padding.PAD_CHUNK rows, so the recurrent kernels walk no sequence longer than a real
         verify does, as they would for a real batch of R_b rows (one sequence of R_b rows would
@@ -133,27 +175,99 @@ class StepRunner:
             repeats = min(repeats, 3)
         costs: dict[int, float] = {}
         began = time.perf_counter()
-        for shape in self.shapes:
+        for shape in self.shared:
             if self.graphs is None and costs and time.perf_counter() - began > budget_s:
                 break
             times = []
             for _ in range(repeats + 1):
                 self._sync()
                 start = time.perf_counter()
-                self._padding_step(shape, mode)
+                self.padding_step(shape, mode)
                 self._sync()
                 times.append(time.perf_counter() - start)
             costs[shape.rows] = statistics.median(times[1:])
         return costs
 
-    def _padding_step(self, shape: BucketShape, mode: str) -> None:
-        if self.graphs is not None:
-            self.graphs.replay_padding(shape, mode)
-            return
-        empty = RowBatch((), (), ())
-        _, verified = self._eager(None, empty, shape, mode)
-        self.rollback(verified, [])
-
     def _sync(self) -> None:
         if torch.device(self.model.device).type == "cuda":
             torch.cuda.synchronize()
+
+
+def verify(model, pool: SlotPool, tokens: torch.Tensor | Sequence[int], batch: RowBatch, mode: str = WOA) -> Step:
+    """An eager Step outside an engine (tests, benches), verified: its `logits`, then its `rollback`."""
+    step = StepRunner(model, pool, cuda_graphs=False).step(tokens, batch, mode)
+    step.verify()
+    return step
+
+
+def decode(model, pool: SlotPool, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
+    """One token for each of several slots, each at its own position -> logits [len(slots), vocab].
+    Decode is verify with no drafts: one row per slot, then the rollback keeps that row."""
+    batch = RowBatch(slots=tuple(slots), starts=tuple(positions), counts=(1,) * len(slots))
+    step = verify(model, pool, list(tokens), batch)
+    step.rollback([1] * len(slots))
+    return step.logits
+
+
+class FixedStep:
+    """Steps of one sequence of `rows` rows in `slot` whose inputs sit at fixed device addresses,
+    written by device ops between steps (`tokens`, `positions`: [rows] int64 views of one device
+    StepInputs): the steps a CUDA graph chains (the model drafter's draft chain,
+    verifier/proposers/draft_chain.py). `run` is the eager Step's forward and rollback plan, so its
+    bits are the engine's. A pool that carries no rows only (the drafter's engine, max_k 0): a
+    chained step has no host count of its slot's carried rows to attach."""
+
+    def __init__(self, model, pool: SlotPool, slot: int, rows: int, mode: str = WOA):
+        if pool.carry_rows:
+            raise ValueError(f"FixedStep: the pool carries {pool.carry_rows} rows a slot; chained steps run on a pool that carries none")
+        self.model, self.pool, self.slot, self.rows, self.mode = model, pool, slot, rows, mode
+        self.device = torch.device(model.device)
+        batch = RowBatch(slots=(slot,), starts=(0,), counts=(rows,))
+        self.inputs = StepInputs(rows, 1, "cpu").fill(None, batch).to(self.device)
+        self.tokens, self.positions = self.inputs.tokens, self.inputs.positions  # [rows] int64, the caller writes them
+
+    def run(self, start: int, kept: torch.Tensor, logits_out: torch.Tensor, graph: StepGraph | None = None) -> None:
+        """Verify the rows (writing logits_out [rows, vocab] fp32), then roll back to kept [1] int32
+        rows. start: the sequence's position on the host, for the batch's host fields (the CPU
+        reference's attention reads them; kernels read only the device tensors, so a capture may pass
+        any value). graph: the StepGraph being captured, whose store holds the rollback's tables."""
+        batch = RowBatch(slots=(self.slot,), starts=(start,), counts=(self.rows,))
+        batch.attach(self.device, self.inputs.batch_tensors())
+        record = VerifyRecord(self.mode, batch)
+        self.model.compute(self.inputs.tokens, batch, self.pool, True, False, self.mode, record, logits_out)
+        # every recurrent layer's window in one launch and state in another, as a graph bucket rolls
+        # back; in a capture the tables are written when it ends (StepGraph.capture)
+        plan = RollbackPlan(self.pool, record, None if graph is None else graph.store)
+        if graph is not None:
+            graph.plans.append(plan)
+        plan.apply(kept)
+        # a batch read under another device key would be built from its host fields: stale positions in a graph
+        assert len(batch._on_device) == 1, f"a fixed step's batch was read on more than one device key: {list(batch._on_device)}"
+
+
+class StepGraph:
+    """One CUDA graph of up to `steps` FixedStep runs (and whatever device ops the caller puts
+    between them), captured into the graph memory pool `memory`. A rollback plan's pointer table is
+    written by a host to device copy, never inside a capture, so each run's plan takes its table from
+    `store` (allocated here, before the capture) and the tables are written once the capture has
+    ended; the graph reads them in every replay, so whoever keeps the graph keeps this object."""
+
+    def __init__(self, pool: SlotPool, steps: int, memory, device: torch.device):
+        recurrent = sum(isinstance(layer, RecurrentState) for layer in pool.layers)
+        self.graph = torch.cuda.CUDAGraph()
+        self.store = TableStore(steps * recurrent, device)  # a table row per recurrent layer and step
+        self.memory = memory
+        self.plans: list[RollbackPlan] = []  # during the capture: its plans, tables unwritten
+
+    def capture(self, body: Callable[[], None]) -> None:
+        """Capture body() (its FixedStep runs pass graph=self), then write their tables."""
+        try:
+            with collector_paused(), torch.cuda.graph(self.graph, pool=self.memory):  # (graphs.py: why)
+                body()
+            for plan in self.plans:
+                plan.fill_tables()
+        finally:
+            self.plans = []
+
+    def replay(self) -> None:
+        self.graph.replay()

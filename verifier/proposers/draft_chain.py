@@ -1,4 +1,4 @@
-"""The model drafter's k drafts of one proposal in one CUDA graph replay (issue 13, item 3).
+"""The model drafter's k drafts of one proposal in one CUDA graph replay.
 
 Eager, each draft costs a choice with a host sync, clones of every recurrent layer's state, and a
 one-row verify and rollback through the engine's runner (host packing, two copies to the device,
@@ -37,6 +37,12 @@ overwrites all of them, so what a proposal hands out (its boundaries, its last l
 until the next proposal; the drafter settles every boundary in its sync, which runs before the
 next proposal (ModelProposer asserts it).
 
+Steps. Every consume is a step of the engine's step API (verifier/model/step.py FixedStep: the
+forward and the rollback plan a Step runs, on inputs at fixed device addresses that in-graph ops
+write), and each chain is one StepGraph of them, which writes the rollback plans' pointer tables
+after its capture. The chain reaches no further down: no step inputs, graph buckets or rollback
+kernels of its own.
+
 Capture happens at construction, for every catch-up and every k up to max_k, after one eager run
 of the largest chain in the pool's scratch slot (it compiles the kernels; its rollback keeps nothing and the
 scratch slot's KV is padding's anyway). Without CUDA graphs (graphed=False, the CPU reference:
@@ -48,15 +54,11 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_kernels.fused_rollback import TableStore
 from hybrid_kernels.runtime import pick
 from hybrid_kernels.sampling import argmax_rows, argmax_rows_ref, coupled_choice
 
-from ..model import RowBatch
-from ..model.graphs import collector_paused
-from ..model.rollback import WOA, RollbackPlan, VerifyRecord, apply_rollback
 from ..model.state import RecurrentState, SlotPool
-from ..model.step_inputs import StepInputs
+from ..model.step import FixedStep, StepGraph
 from ..params import SamplingParams
 from ..sampling import keep_threshold, mask_limits, masks_on, seed_as_int64
 
@@ -119,13 +121,13 @@ class DraftChain:
         self._catch_start = self._control[_CATCH_START : _CATCH_START + 1]  # [1]: where the caught-up tokens sit
         self._restore_index = self._control[_RESTORE : _RESTORE + 1]  # [1]: the boundary RESTORE_BONUS restores
         self._row_offsets = torch.arange(2, dtype=torch.int64, device=device)  # [2]: 0, 1
-        self._catch_inputs = {n: _sequence_inputs(slot, n, device) for n in (1, 2)}
+        self._catch_steps = {n: FixedStep(model, pool, slot, n) for n in (1, 2)}  # the catch-up's consume
         self._keep_caught = {n: torch.full((1,), n, dtype=torch.int32, device=device) for n in (1, 2)}
         self._caught_logits = torch.zeros(2, vocab, dtype=torch.float32, device=device)  # [2, vocab]: the catch-up rows'
         self._logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)  # running: predicts the next draft
         self._drafts = torch.zeros(max_k, dtype=torch.int64, device=device)  # [max_k] the draft ids
         self._host_drafts = torch.zeros(max_k, dtype=torch.int64, pin_memory=graphed)
-        self._inputs = _sequence_inputs(slot, 1, device)
+        self._step = FixedStep(model, pool, slot, 1)  # a draft's consume
         self._keep_row = torch.ones(1, dtype=torch.int32, device=device)  # rollback keeps the consumed draft
         boundaries = max_k - 1
         layers = [layer for layer in pool.layers if isinstance(layer, RecurrentState)]
@@ -137,11 +139,8 @@ class DraftChain:
         self._saved_logits = torch.zeros(boundaries, vocab, dtype=torch.float32, device=device)  # [max_k - 1, vocab]
         self.captures = 0  # chain graphs captured since construction
         self.catch_ups = (NONE, BONUS, TWO) + ((RESTORE_BONUS,) if boundaries else ())
-        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        # the rollback pointer tables each graph reads, allocated before its capture (kept as long as the graph)
-        self._tables: dict[tuple[str, int], TableStore] = {}
-        self._capture_plans: list[RollbackPlan] | None = None  # during a capture: its plans, tables unwritten
-        self._capture_store: TableStore | None = None
+        self._graphs: dict[tuple[str, int], StepGraph] = {}
+        self._capturing: StepGraph | None = None  # the graph being captured (its steps' rollback tables)
         if graphed:
             self._capture_all()
 
@@ -184,61 +183,46 @@ class DraftChain:
         if self.graphed:
             self._graphs[catch_up, k].replay()
         else:
-            self._catch_up(catch_up, self.slot, start - len(new_tokens))
-            self._run(k, self.slot, self._inputs, self._keep_row, start)
+            self._catch_up(catch_up, start - len(new_tokens))
+            self._run(k, self._step, self._keep_row, start)
         self._host_drafts[:k].copy_(self._drafts[:k], non_blocking=True)
         if self.device.type == "cuda":
             # the ids are needed now; this also settles both copies from the pinned buffers
             torch.cuda.current_stream(self.device).synchronize()
         return self._host_drafts[:k].tolist()
 
-    def _catch_up(self, kind: str, slot: int, catch_start: int) -> None:
+    def _catch_up(self, kind: str, catch_start: int) -> None:
         """The slot brought to the proposal's context (module docstring); the running logits then
-        predict the first draft. `catch_start` on the host, for the one-sequence batch's host field
-        (as `_run`'s start)."""
+        predict the first draft. `catch_start` on the host, for the step's host fields (as `_run`'s start)."""
         if kind == NONE:
             return
         if kind == RESTORE_BONUS:  # the boundary's rows gathered straight into the slot: one launch per state
+            slot = self.slot
             for layer, conv, recurrent in zip(self._layers, self._saved_conv, self._saved_recurrent):
                 torch.index_select(conv, 0, self._restore_index, out=layer.conv[slot : slot + 1])
                 torch.index_select(recurrent, 0, self._restore_index, out=layer.recurrent[slot : slot + 1])
         n = CATCH_UP_TOKENS[kind]
-        inputs = self._catch_inputs[n]
-        inputs.tokens.copy_(self._control[_NEW_TOKENS : _NEW_TOKENS + n])
-        torch.add(self._catch_start, self._row_offsets[:n], out=inputs.positions)
-        self._consume(slot, catch_start, inputs, self._keep_caught[n], self._caught_logits[:n])
+        step = self._catch_steps[n]
+        step.tokens.copy_(self._control[_NEW_TOKENS : _NEW_TOKENS + n])
+        torch.add(self._catch_start, self._row_offsets[:n], out=step.positions)
+        # the engine's own consume: a verify writing the rows' logits, a rollback keeping them all
+        step.run(catch_start, self._keep_caught[n], self._caught_logits[:n], self._capturing)
         self._logits[0].copy_(self._caught_logits[n - 1])
 
-    def _consume(self, slot: int, start: int, inputs: StepInputs, kept: torch.Tensor, logits_out: torch.Tensor) -> None:
-        """inputs' rows (one sequence of `slot`, from position `start`; the host value for the
-        batch's host fields) through the decode path: a verify writing logits_out [rows, vocab],
-        then the rollback keeping kept [1] int32 rows, as the engine's own consume does."""
-        batch = RowBatch(slots=(slot,), starts=(start,), counts=(inputs.rows,))
-        batch.attach(self.device, inputs.batch_tensors())
-        record = VerifyRecord(WOA, batch)
-        self.model.compute(inputs.tokens, batch, self.pool, True, False, WOA, record, logits_out)
-        # every recurrent layer's window in one launch and state in another, as the engine's graph
-        # buckets roll back; in a capture the tables are written when it ends (_capture_all)
-        plan = RollbackPlan(self.pool, record, self._capture_store)
-        if self._capture_plans is not None:
-            self._capture_plans.append(plan)
-        apply_rollback(self.pool, record, kept, plan)
-        # a batch read under another device key would be built from its host fields: stale positions in a graph
-        assert len(batch._on_device) == 1, f"the chain's batch was read on more than one device key: {list(batch._on_device)}"
-
-    def _run(self, k: int, slot: int, inputs: StepInputs, kept: torch.Tensor, start: int) -> None:
-        """The chain's body (module docstring). `start` is p on the host, for the host fields of the
-        one-row batches (the CPU reference's attention reads them; kernels read only the device
-        tensors, so a capture passes any value)."""
+    def _run(self, k: int, step: FixedStep, kept: torch.Tensor, start: int) -> None:
+        """The chain's body (module docstring) through `step` (a one-row consume of the chain's
+        slot, or of the scratch slot in the warm-up run), each consume keeping kept [1] rows.
+        `start` is p on the host, for the host fields of the one-row batches (the CPU reference's
+        attention reads them; kernels read only the device tensors, so a capture passes any value)."""
         for i in range(k):
-            torch.add(self._start, i, out=inputs.positions)  # where drafts[i] sits
+            torch.add(self._start, i, out=step.positions)  # where drafts[i] sits
             choice = self._drafts[i : i + 1]
-            self.choose(self._logits, inputs.positions, choice)
+            self.choose(self._logits, step.positions, choice)
             if i + 1 == k:
                 break  # the last draft is consumed only if the verifier keeps it
-            self._save(i, slot)
-            inputs.tokens.copy_(choice)
-            self._consume(slot, start + i, inputs, kept, self._logits)
+            self._save(i, step.slot)
+            step.tokens.copy_(choice)
+            step.run(start + i, kept, self._logits, self._capturing)
 
     def _save(self, i: int, slot: int) -> None:
         destinations = [conv[i] for conv in self._saved_conv] + [recurrent[i] for recurrent in self._saved_recurrent]
@@ -253,25 +237,24 @@ class DraftChain:
         scratch = self.pool.scratch_slot
         keep_none = torch.zeros(1, dtype=torch.int32, device=self.device)
         for n in (1, 2):
-            self._consume(scratch, 0, _sequence_inputs(scratch, n, self.device), keep_none, self._caught_logits[:n])
-        self._run(self.max_k, scratch, _sequence_inputs(scratch, 1, self.device), keep_none, 0)
+            FixedStep(self.model, self.pool, scratch, n).run(0, keep_none, self._caught_logits[:n])
+        self._run(self.max_k, FixedStep(self.model, self.pool, scratch, 1), keep_none, 0)
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.graph_pool_handle()  # one replays at a time and keeps nothing in its temporaries
         for kind in self.catch_ups:
             for k in range(1, self.max_k + 1):
-                graph = torch.cuda.CUDAGraph()
-                # a consume per catch-up and per draft but the last, each a table row per recurrent layer
-                self._capture_store = TableStore((1 + k - 1) * len(self._layers), self.device)
-                self._capture_plans = []
+                # a consume per catch-up and per draft but the last
+                graph = StepGraph(self.pool, 1 + k - 1, memory, self.device)
+
+                def body(kind=kind, k=k):
+                    self._catch_up(kind, 0)
+                    self._run(k, self._step, self._keep_row, 0)
+
+                self._capturing = graph
                 try:
-                    with collector_paused(), torch.cuda.graph(graph, pool=memory):  # (graphs.py: why)
-                        self._catch_up(kind, self.slot, 0)
-                        self._run(k, self.slot, self._inputs, self._keep_row, 0)
-                    for plan in self._capture_plans:
-                        plan.fill_tables()
-                    self._tables[kind, k] = self._capture_store
+                    graph.capture(body)
                 finally:
-                    self._capture_plans, self._capture_store = None, None
+                    self._capturing = None
                 self._graphs[kind, k] = graph
                 self.captures += 1
 
@@ -286,8 +269,3 @@ def _copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor])
         pair[1].append(source)
     for group_destinations, group_sources in by_dtype.values():
         torch._foreach_copy_(group_destinations, group_sources)
-
-
-def _sequence_inputs(slot: int, rows: int, device: torch.device) -> StepInputs:
-    """The step inputs of `rows` rows in one sequence of `slot`: tokens and positions are written per proposal."""
-    return StepInputs(rows, 1, "cpu").fill(None, RowBatch(slots=(slot,), starts=(0,), counts=(rows,))).to(device)

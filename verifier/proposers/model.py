@@ -256,11 +256,10 @@ class ModelProposer:
         """Consume `new` at the slot's position through the decode path (verify, then rollback
         keeping every row); return the last row's logits."""
         batch = RowBatch(slots=(self.slot,), starts=(len(self.tokens),), counts=(len(new),))
-        ids = torch.tensor(new, dtype=torch.int64)
-        # the runner hides graphed vs eager; a graph replay overwrites its output, hence the copy
-        logits, record = self.engine.runner.verify(ids, batch, WOA)
-        last = logits[-1].clone()
-        self.engine.runner.rollback(record, [len(new)])
+        # the step hides graphed vs eager; a graph replay overwrites its output, hence the copy
+        step = self.engine.runner.step(new, batch, WOA)
+        last = step.verify()[-1].clone()
+        step.rollback([len(new)])
         self.tokens += new
         self.rows += len(new)
         self.logits = last

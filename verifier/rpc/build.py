@@ -1,16 +1,16 @@
 """Regenerate the committed wire code from proto/: the one build step of the protocol.
 
-    python -m verifier.rpc.build          # rewrites verifier/v1/verifier_pb2.py, .pyi and _pb2_grpc.py
+    python -m verifier.rpc.build          # rewrites verifier/v1/verifier_pb2.py and verifier_pb2.pyi
     python -m verifier.rpc.build --check  # exit 1 if a committed file differs from what proto/ generates
 
 The generator is pinned (GRPCIO_TOOLS): generated code depends on the release that wrote it, and newer
 releases write code that refuses older runtimes (protobuf gencode from 5.27, e.g. grpcio-tools 1.66's, imports
-`google.protobuf.runtime_version`, absent from 4.25, and refuses runtimes older than itself; `_pb2_grpc.py` from
-1.63 passes `_registered_method`, a TypeError on grpcio 1.60, and checks grpcio's version). 1.59.0 is the oldest release
-with wheels for CPython 3.10-3.12, and its output loads on every protobuf (4.25 through 7.x) and grpcio
+`google.protobuf.runtime_version`, absent from 4.25, and refuses runtimes older than itself). 1.59.0 is the oldest
+release with wheels for CPython 3.10-3.12, and its output loads on every protobuf (4.25 through 7.x) and grpcio
 (1.60 on) that pyproject.toml allows: proto/README.md says how that was checked. It is installed on first
 use, wheel only and without dependencies, into a cache folder of its own (never into the environment) and
-run in a subprocess, so whichever grpcio-tools the environment has does not matter.
+run in a subprocess, so whichever grpcio-tools the environment has does not matter. No service code is
+generated: `verifier.rpc` builds the stub and the servicer handler from the service's descriptor.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 GRPCIO_TOOLS = "1.59.0"  # bundles protoc 24.3
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_FILE = "verifier/v1/verifier.proto"  # below proto/; also the file name registered in the descriptor pool
-GENERATED = ("verifier/v1/verifier_pb2.py", "verifier/v1/verifier_pb2.pyi", "verifier/v1/verifier_pb2_grpc.py")
+GENERATED = ("verifier/v1/verifier_pb2.py", "verifier/v1/verifier_pb2.pyi")
 DEFAULT_CACHE = Path.home() / ".cache" / "hybrid-spec-verifier"
 
 # What `python -m grpc_tools.protoc` runs. Its module is not used: in 1.59 it imports pkg_resources,
@@ -61,7 +61,7 @@ def generate(out: Path, cache: Path = DEFAULT_CACHE) -> None:
     """Run the pinned protoc on proto/, writing GENERATED below `out` (the repo root, or a folder to compare)."""
     tools = grpcio_tools(cache)
     protoc = ["protoc", "-Iproto", f"-I{tools / 'grpc_tools' / '_proto'}",  # the same includes grpc_tools.protoc adds
-              f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", f"proto/{PROTO_FILE}"]
+              f"--python_out={out}", f"--pyi_out={out}", f"proto/{PROTO_FILE}"]
     # relative paths from the repo root: the generated files name the proto as PROTO_FILE, nothing of this machine
     done = subprocess.run([sys.executable, "-c", _RUN_PROTOC, *protoc], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(tools)})

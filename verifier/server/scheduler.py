@@ -99,7 +99,7 @@ class Scheduler:
         self.sessions = sessions
         self.metrics = metrics
         # a batch past the largest graph bucket would run eagerly (None: the engine is not graphed)
-        self.max_batch_rows = min(max_batch_rows, engine.max_graph_rows or math.inf)
+        self.max_batch_rows = min(max_batch_rows, engine.runner.max_graph_rows or math.inf)
         self.max_wait_s = max_wait_ms / 1000.0
         self.policy = policy
         self._queue: list[PendingStep] = []

@@ -50,7 +50,7 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     # them so, and a cast after the recurrence would be one more launch per layer
     out = torch.empty(value.shape, dtype=conv_inputs.dtype, device=device)
     carry = {}
-    if state.carry is not None and mode != COMMIT:  # the slot's carried rows go first (verifier/model/carry.py)
+    if state.carry is not None and mode != COMMIT:  # the slot's carried rows go first (verifier/model/rollback.py)
         carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
     out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
                  scratch_slot=state.scratch_slot, **carry)
