@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python -m bench.gpu_tests --out DIR [--name WHAT_DIFFERS] -- [pytest arguments]
 
-Runs `python -m pytest -q -p no:cacheprovider <pytest arguments>` (default: the kernel tests, the
-bit-exactness suite on the CUDA model device, and the real-width tests) and writes
+Runs `python -m pytest -q -p no:cacheprovider <pytest arguments>` (default: DEFAULT_TESTS, the kernel
+tests, the bit-exactness suite and the step's GPU paths on the CUDA model device) and writes
 DIR/gpu_tests_<date>[_<name>].json: device, date, versions, the arguments, pytest's exit status,
-its counts (passed, failed, skipped, errors) and its last lines. Exit status: pytest's.
+its counts (passed, failed, skipped, errors), every failed test and its last lines. Exit status: pytest's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ import torch
 
 from bench.machine import NAME_HELP, check_name, device_name, results_path
 
-DEFAULT_TESTS = ["tests/kernel_tests", "tests/test_real_width.py", "tests/bitexact", "tests/test_fp8_checkpoints.py", "--model-device", "cuda"]
+# the kernels, the contract (bit-exactness suite, real widths, FP8) and the step's GPU paths (graphs,
+# fused rollback, padded buckets, the draft chain's graph, verifier check), on the CUDA model device
+DEFAULT_TESTS = ["tests/kernel_tests", "tests/test_real_width.py", "tests/bitexact", "tests/test_fp8_checkpoints.py",
+                 "tests/test_graphs.py", "tests/test_rollback_plan.py", "tests/test_padded_steps.py", "tests/test_engine.py",
+                 "tests/test_step_host_path.py", "tests/drafter/test_draft_chain.py", "tests/test_check.py", "--model-device", "cuda"]
 TAIL_LINES = 15
 SUMMARY = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")  # pytest's last line, before any warnings after it
 
@@ -33,12 +37,19 @@ def counts(summary: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary)}
 
 
+def failed_tests(lines: list[str]) -> list[str]:
+    """Every test pytest's short summary names as failed or in error (its "FAILED id - why" lines,
+    which -ra, the project's default, prints), in its order: all of them, where the tail keeps a few."""
+    return [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, pytest_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
     parser.add_argument("--name", default="", help=NAME_HELP)
+    parser.add_argument("--log", type=Path, default=None, help="also write pytest's whole output to this file (tracebacks)")
     args = parser.parse_args(ours)
     try:
         check_name(args.name)
@@ -50,14 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     lines = proc.stdout.rstrip().splitlines()
-    print("\n".join(lines[-TAIL_LINES:]))
+    if args.log is not None:
+        args.log.parent.mkdir(parents=True, exist_ok=True)
+        args.log.write_text(proc.stdout + proc.stderr)
+    failures = failed_tests(lines)
+    print("\n".join(failures + lines[-TAIL_LINES:]))
     import triton
 
     today = datetime.date.today().isoformat()
     result = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
               "pytest_args": pytest_args or DEFAULT_TESTS, "exit_status": proc.returncode,
               "counts": counts(next((line for line in reversed(lines) if SUMMARY.search(line)), "")), "seconds": round(time.perf_counter() - start, 1),
-              "tail": lines[-TAIL_LINES:]}
+              "failures": failures, "tail": lines[-TAIL_LINES:]}
     args.out.mkdir(parents=True, exist_ok=True)
     path = results_path(args.out, "gpu_tests", today, args.name)
     path.write_text(json.dumps(result, indent=2) + "\n")

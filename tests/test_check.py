@@ -169,7 +169,9 @@ def test_layer_recorder_finishes_split_sums():
     class Model:
         config, blocks = Config(), [Block()]
 
-    rows = torch.arange(15, dtype=torch.float32).view(5, 3)
+    # SplitSums.finish launches the reduce kernel: on the GPU where there is one, else the interpreter
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = torch.arange(15, dtype=torch.float32, device=device).view(5, 3)
     with LayerOutputs(Model()) as recorder:
         Model.blocks[0].mlp.forward(rows)
         recorded = recorder.take()

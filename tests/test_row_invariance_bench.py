@@ -4,7 +4,7 @@ bench/gpu_tests.py reads pytest's summary line."""
 
 import pytest
 
-from bench.gpu_tests import counts
+from bench.gpu_tests import counts, failed_tests
 from bench.row_invariance import main, model_weights, sweep_configs
 from presets.published import PUBLISHED, PUBLISHED_SIZES
 
@@ -45,3 +45,9 @@ def test_needs_a_gpu(tmp_path, capsys):
 def test_pytest_summary_counts():
     assert counts("2 failed, 766 passed, 2 skipped in 207.90s (0:03:27)") == {"failed": 2, "passed": 766, "skipped": 2}
     assert counts("1 error in 3.1s") == {"error": 1}
+
+
+def test_every_failed_test_is_kept_not_only_the_tail():
+    lines = ["x" * 10] + [f"FAILED tests/t.py::test_{i} - AssertionError" for i in range(30)] + ["ERROR tests/u.py - ImportError",
+                                                                                         "30 failed, 1 error in 9.0s"]
+    assert failed_tests(lines) == lines[1:-1]

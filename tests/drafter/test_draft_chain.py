@@ -203,14 +203,14 @@ def test_chained_proposals_run_no_eager_forward(shipped_draft):
     for chain, forwards_per_proposal in ((True, 0), (False, 3)):
         proposer = ModelProposer(shipped_draft, vocab, GPU_CONTEXT, draft_chain=chain)
         runner, calls = proposer.engine.runner, []
-        step = runner.step
+        runner_step = runner.step
         context = _gpu_prompt(vocab)
-        for step in range(10):
+        for proposal in range(10):
             proposer.sync(context)
-            runner.step = lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs)
+            runner.step = lambda *args, **kwargs: calls.append(1) or runner_step(*args, **kwargs)
             drafts = proposer.propose(context, 4)
-            runner.step = step
-            assert len(calls) == forwards_per_proposal * (step + 1), f"draft_chain={chain}: {len(calls)} forwards"
+            runner.step = runner_step
+            assert len(calls) == forwards_per_proposal * (proposal + 1), f"draft_chain={chain}: {len(calls)} forwards"
             context = context + drafts[:2] + [(drafts[2] + 1) % vocab]  # d3 rejected: the next sync restores
 
 
