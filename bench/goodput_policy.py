@@ -2,12 +2,10 @@
 
     python -m bench.goodput_policy [--out DIR] [--calls 5000]
 
-Both run once per engine batch on the server's hot path (verifier/server/goodput.py). Batches of
-at most SMALL_BATCH sessions take a plain-Python path; larger ones are vectorised with numpy. Each
-shape is timed both ways in this process: as served, and with the plain path off (SMALL_BATCH = 0),
-so the two columns compare the paths on the same machine. A policy is warmed with 50 rounds, then
-`--calls` trims and as many observations are timed (best of 5 runs: the figures are per-call
-floors of a host-bound loop). Writes DIR/goodput_policy_<date>.json.
+Both run once per engine batch on the server's hot path (verifier/server/goodput.py), one path
+for every batch size. A policy is warmed with 50 rounds, then `--calls` trims and as many
+observations are timed (best of 5 runs: the figures are per-call floors of a host-bound loop).
+Writes DIR/goodput_policy_<date>.json.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import numpy as np
 import torch
 
 from bench.machine import device_name
-from verifier.server import goodput
 from verifier.server.goodput import GoodputPolicy, StepCost
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,21 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--calls", type=int, default=5000, help="timed calls of each per run")
     args = parser.parse_args(argv)
-    served_limit = goodput.SMALL_BATCH
     figures = {}
     for sessions, k in SHAPES:
-        row = {}
-        for label, limit in (("as_served", served_limit), ("vectorised", 0)):
-            goodput.SMALL_BATCH = limit
-            try:
-                row[label] = per_call_us(sessions, k, args.calls)
-            finally:
-                goodput.SMALL_BATCH = served_limit
-        figures[f"{sessions}_sessions_k{k}"] = row
+        figures[f"{sessions}_sessions_k{k}"] = row = per_call_us(sessions, k, args.calls)
         print(f"{sessions} sessions, K = {k}: {row}", flush=True)
     date = datetime.date.today().isoformat()
     report = {"device": device_name("cpu"), "date": date, "python": platform.python_version(), "numpy": np.__version__,
-              "torch": torch.__version__, "small_batch": served_limit, "max_k": MAX_K, "calls": args.calls,
+              "torch": torch.__version__, "max_k": MAX_K, "calls": args.calls,
               "microseconds_per_call": figures}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"goodput_policy_{date}.json"

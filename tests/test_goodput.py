@@ -1,7 +1,7 @@
 """The goodput policy as a pure function (verifier/server/goodput.py): optimal against brute force,
 and the three regimes the service relies on (useless drafts trimmed away, good drafts kept, rows
-that fill a graph bucket taken because they are free); the plain-Python path of small batches equal
-to the vectorised one, bit for bit."""
+that fill a graph bucket taken because they are free); the policy equal to a plain-Python reference
+(tests/goodput_reference.py) bit for bit, at every batch size."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import random
 import numpy as np
 import pytest
 
+import goodput_reference
+from goodput_reference import ReferencePolicy, add_reduce
 from verifier.server import goodput as goodput_module
-from verifier.server.goodput import (MAX_TURNAROUND_S, DecayedRates, GoodputPolicy, StepCost, _add_reduce,
-                                     _trim_drafts_few, expected_tokens, trim_drafts)
+from verifier.server.goodput import MAX_TURNAROUND_S, DecayedRates, GoodputPolicy, StepCost, expected_tokens, trim_drafts
 
 
 def goodput(ks, rates, cost):
@@ -208,13 +209,16 @@ def test_the_turnaround_between_batches_buys_draft_rows():
     assert policy.turnaround_s <= 0.9 * 0.010 + 0.1 * MAX_TURNAROUND_S + 1e-12
 
 
-# --- small batches: the plain-Python path (SMALL_BATCH) against the vectorised one, bit for bit ---
+# --- the policy against the plain-Python reference (tests/goodput_reference.py), bit for bit ---
+
+BATCH_SIZES = [1, 2, 3, 8, 64]
+
 
 def test_add_reduce_has_the_bits_of_numpys_sum():
     rng = np.random.default_rng(0)
     for n in list(range(300)) + [1000, 1025]:
         values = (rng.random(n) * 10.0 ** rng.integers(-8, 8, n)).tolist()  # magnitudes where the order shows
-        assert _add_reduce(values) == float(np.add.reduce(np.array(values, dtype=np.float64))), n
+        assert add_reduce(values) == float(np.add.reduce(np.array(values, dtype=np.float64))), n
 
 
 def _random_cost(rng):
@@ -241,11 +245,12 @@ def _near_tie(requested, rates, rng):
     return StepCost({base + n: 1e-3, base + m: dearer, base + len(drafts) + 1: 1.0})
 
 
+@pytest.mark.parametrize("sessions", BATCH_SIZES)
 @pytest.mark.parametrize("seed", range(8))
-def test_trim_drafts_few_is_trim_drafts(seed):
+def test_trim_drafts_is_the_reference(sessions, seed):
     rng = random.Random(seed)
-    for _ in range(300):
-        sessions, width = rng.randint(1, 6), rng.randint(1, 12)
+    for _ in range(300 if sessions < 64 else 60):
+        width = rng.randint(1, 12)
         requested = [rng.randint(0, width) for _ in range(sessions)]
         if not any(requested):
             continue
@@ -253,59 +258,67 @@ def test_trim_drafts_few_is_trim_drafts(seed):
         rates = [[rng.choice(levels) if rng.random() < 0.5 else rng.random() for _ in range(width)]
                  for _ in range(sessions)]
         cost = _near_tie(requested, rates, rng) if rng.random() < 0.5 else _random_cost(rng)
-        assert _trim_drafts_few(requested, rates, cost) == trim_drafts(requested, np.array(rates), cost)
+        want = goodput_reference.trim_drafts(requested, rates, cost)
+        assert trim_drafts(requested, np.array(rates), cost) == want
+        assert trim_drafts(requested, rates, cost) == want
 
 
-def _same_state(a: GoodputPolicy, b: GoodputPolicy) -> None:
-    assert a.sessions == b.sessions and a._free_rows == b._free_rows and a.batch == b.batch
-    assert a.probe_credit == b.probe_credit and a.turnaround_s == b.turnaround_s
-    assert np.array_equal(a._counts, b._counts) and np.array_equal(a._reached_at, b._reached_at)
-    assert a.server.drafted == b.server.drafted and a.server.accepted == b.server.accepted
+def _same_state(policy: GoodputPolicy, reference: ReferencePolicy) -> None:
+    assert policy.batch == reference.batch and policy.probe_credit == reference.probe_credit
+    assert policy.turnaround_s == reference.turnaround_s
+    assert policy.server.drafted == reference.server_drafted and policy.server.accepted == reference.server_accepted
+    assert sorted(policy.sessions) == sorted(reference.sessions)
+    rows = [policy.sessions[s] for s in reference.sessions]
+    drafted, accepted, reached_at = (np.array([counts[i] for counts in reference.sessions.values()]).reshape(len(rows), reference.max_k)
+                                     for i in range(3))
+    assert np.array_equal(policy._counts[0, rows], drafted) and np.array_equal(policy._counts[1, rows], accepted)
+    assert np.array_equal(policy._reached_at[rows], reached_at)
+    empty = [0, *policy._free_rows]  # the row of sessions with no counts, and forgotten sessions' rows: cleared
+    assert not policy._counts[:, empty].any() and not policy._reached_at[empty].any()
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_small_batch_path_is_the_vectorised_path_bit_for_bit(seed, monkeypatch):
-    """Two policies, one forced onto the plain-Python path for every batch size, one onto the
-    vectorised path, through the same random turnarounds, trims, observations and forgotten
-    sessions: the same returns, the same numbers trimmed and sorted, the same state after every call."""
+@pytest.mark.parametrize("sessions", BATCH_SIZES)
+@pytest.mark.parametrize("seed", range(8))
+def test_policy_is_the_reference_bit_for_bit(sessions, seed, monkeypatch):
+    """The policy and the plain-Python reference through the same random turnarounds, trims,
+    observations and forgotten sessions, in batches of up to `sessions` sessions: the same returns,
+    the same numbers trimmed and sorted, the same state after every call."""
     rng = random.Random(seed)
-    if seed % 2:  # relax ** age nudged off numpy's pow in the table: then the lone element (raised by
+    if seed % 2:  # relax ** age nudged off numpy's pow in both tables: then the lone element (raised by
         # numpy's scalar path, see GoodputPolicy._relaxed) and the table differ on any host
-        tabulate = GoodputPolicy._tabulate_relax
+        tabulate, table = GoodputPolicy._tabulate_relax, ReferencePolicy.power_table
 
         def nudged(policy, ages):
             tabulate(policy, ages)
             policy._relax_powers = policy._relax_powers * (1 - 2.0 ** -30)
-            policy._relax_list = policy._relax_powers.tolist()
 
         monkeypatch.setattr(GoodputPolicy, "_tabulate_relax", nudged)
+        monkeypatch.setattr(ReferencePolicy, "power_table",
+                            lambda reference, ages: (np.array(table(reference, ages)) * (1 - 2.0 ** -30)).tolist())
 
-    # the numbers each path's trim is given (rates) and each path sorts (the drafts' values, the
-    # probe's): seen bit for bit, not only through the choices they lead to
-    seen = {"few": [], "vectorised": []}
+    # the numbers each trim is given (rates) and each sorts (the drafts' values, the probe's): seen
+    # bit for bit, not only through the choices they lead to
+    seen = {"policy": [], "reference": []}
 
-    def recording(name, path, numbers):
-        function = getattr(goodput_module, name)
+    def recording(module, name, side, numbers):
+        function = getattr(module, name)
 
         def record(*args):
-            seen[path].append(np.array(args[numbers], dtype=np.float64))
+            seen[side].append(np.array(args[numbers], dtype=np.float64))
             return function(*args)
-        monkeypatch.setattr(goodput_module, name, record)
+        monkeypatch.setattr(module, name, record)
 
-    recording("_trim_drafts_few", "few", 1)
-    recording("_best_first_few", "few", 0)
-    recording("trim_drafts", "vectorised", 1)
-    recording("_best_first", "vectorised", 0)
+    recording(goodput_module, "trim_drafts", "policy", 1)
+    recording(goodput_module, "_best_first", "policy", 0)
+    recording(goodput_reference, "trim_drafts", "reference", 1)
+    recording(goodput_reference, "best_first", "reference", 0)
 
     def on_both(call):
-        monkeypatch.setattr(goodput_module, "SMALL_BATCH", 1 << 30)
-        got = call(few)
-        monkeypatch.setattr(goodput_module, "SMALL_BATCH", 0)
-        want = call(vectorised)
+        got, want = call(policy), call(reference)
         assert got == want
-        _same_state(few, vectorised)
-        assert len(seen["few"]) == len(seen["vectorised"])
-        assert all(map(np.array_equal, seen["few"], seen["vectorised"]))
+        _same_state(policy, reference)
+        assert len(seen["policy"]) == len(seen["reference"])
+        assert all(map(np.array_equal, seen["policy"], seen["reference"]))
         for numbers in seen.values():
             numbers.clear()
         return got
@@ -315,8 +328,8 @@ def test_small_batch_path_is_the_vectorised_path_bit_for_bit(seed, monkeypatch):
         options = dict(decay=rng.choice([0.9, 0.5, 1.0]), prior=rng.choice([0.7, 0.0, 1.0, rng.random()]),
                        relax=rng.choice([0.98, 0.9, 0.1, 1e-3, 1.0]), probe_share=rng.choice([0.02, 0.3, 0.0]))
         cost = _random_cost(rng)
-        few, vectorised = (GoodputPolicy(max_k, cost, **options) for _ in range(2))
-        pool = [f"s{i}" for i in range(6)]
+        policy, reference = GoodputPolicy(max_k, cost, **options), ReferencePolicy(max_k, cost, **options)
+        pool = [f"s{i}" for i in range(3 * sessions + 4)]  # enough active sessions for full batches
         accept = {s: rng.choice([0.0, 1.0, 0.5, rng.random()]) for s in pool}  # each drafter's acceptance
         # how often each session steps: some rarely, so that the age of its counts passes the power
         # table's end (64 ages at first; 130 for relax 1e-3, whose powers underflow there)
@@ -334,8 +347,9 @@ def test_small_batch_path_is_the_vectorised_path_bit_for_bit(seed, monkeypatch):
             if roll < 0.2:
                 pool.append(f"s{len(accept)}")
                 accept[pool[-1]], active[pool[-1]] = rng.choice([0.0, 1.0, rng.random()]), rng.choice([1.0, 0.3])
-            ids = [s for s in pool if rng.random() < active[s]][: rng.choice([1, 1, 1, 2, 2, 3, 5])]
-            ids = rng.sample(ids, len(ids)) or [rng.choice(pool)]
+            size = rng.choice([1, sessions, sessions, sessions]) if sessions > 1 else 1
+            ids = [s for s in pool if rng.random() < active[s]]
+            ids = rng.sample(ids, min(size, len(ids))) or [rng.choice(pool)]
             requested = [rng.randint(0, max_k) for _ in ids]
             if rng.random() < 0.85:
                 verified = on_both(lambda p: p.trim(ids, requested))
@@ -353,9 +367,7 @@ def test_small_batch_path_is_the_vectorised_path_bit_for_bit(seed, monkeypatch):
                 on_both(lambda p: p.observe_batch(ids, requested, verified, accepted))
 
 
-@pytest.mark.parametrize("small", [0, 1 << 30])
-def test_small_batches_refuse_what_the_vectorised_path_refuses(small, monkeypatch):
-    monkeypatch.setattr(goodput_module, "SMALL_BATCH", small)
+def test_the_policy_refuses_what_trim_drafts_refuses():
     policy = GoodputPolicy(max_k=2, cost=linear_cost(0.1))
     with pytest.raises(ValueError, match="session 0 asks for 3 drafts with 2 rates"):
         policy.trim(["a"], [3])
@@ -363,20 +375,16 @@ def test_small_batches_refuse_what_the_vectorised_path_refuses(small, monkeypatc
         policy.trim(["a", "b"], [2, -1])
 
 
-def test_policy_bench_writes_both_paths(tmp_path):
-    """bench.goodput_policy: per shape, the served and the vectorised path's per-call figures, and
-    SMALL_BATCH restored after."""
+def test_policy_bench_writes_one_figure_per_shape(tmp_path):
+    """bench.goodput_policy: per shape, the per-call figures of trim and observe_batch."""
     import json
 
     from bench import goodput_policy
-    from verifier.server import goodput
 
-    limit = goodput.SMALL_BATCH
     assert goodput_policy.main(["--out", str(tmp_path), "--calls", "3"]) == 0
-    assert goodput.SMALL_BATCH == limit
     (path,) = tmp_path.glob("goodput_policy_*.json")
     report = json.loads(path.read_text())
-    assert report["small_batch"] == limit and report["device"] and report["date"]
+    assert report["device"] and report["date"]
     for shape in ("1_sessions_k4", "64_sessions_k4"):
-        for label in ("as_served", "vectorised"):
-            assert report["microseconds_per_call"][shape][label]["trim_us"] > 0
+        figures = report["microseconds_per_call"][shape]
+        assert figures["trim_us"] > 0 and figures["observe_us"] > 0

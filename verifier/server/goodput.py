@@ -74,20 +74,8 @@ import numpy as np
 # size), so the code below keeps that count small: one stable sort instead of a lexsort, take()
 # instead of fancy indexing, the ufuncs' own reduce/accumulate (the same arithmetic as sum, cumsum
 # and cumprod, without their Python wrappers), a table of relax ** age instead of a pow per count.
-# Every change keeps the bits: the same operations on the same numbers, in the same order.
-
-# A batch of at most SMALL_BATCH sessions (a remote drafter alone: the latency-critical case) is
-# trimmed and observed in plain Python (GoodputPolicy._trim_few with _trim_drafts_few, _observe_few):
-# at one session numpy's per-call overhead is nearly all the cost, while plain Python's grows with
-# every draft. Per batch, vectorised -> plain, max_k 8, CPython 3.11 and numpy 2.4 on the dev host
-# (`python -m bench.goodput_policy`, goodput_policy_2026-12-01.json has a run of them):
-# one session of 4 drafts, trim 44 -> 16 us and observe_batch 25 -> 8 us (8 drafts: 46 -> 24, 24 -> 8);
-# two sessions, 48 -> 28 and 26 -> 13 us (8 drafts: 58 -> 42); three, 38 -> 29 (8 drafts: 61 -> 51)
-# and 26 -> 17 us; four of 8 drafts, trim 61 -> 63 us. So 2: a clear gain at any K.
-# The plain path must stay equal to the vectorised one bit for bit (returned lists, probe credit,
-# counts, server-wide rates): tests/test_goodput.py drives both through the same random batches.
-# Both share _probe_size, numpy calls and all: it gets that far only when the credit covers a probe.
-SMALL_BATCH = 2
+# Every change keeps the bits: the same operations on the same numbers, in the same order. One path
+# serves every batch size; `python -m bench.goodput_policy` times it per batch size.
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -103,30 +91,6 @@ def _best_first(values: np.ndarray) -> np.ndarray:
     """Order of `values` (drafts in row-major order: session, then position) by value, highest
     first; a stable sort, so ties keep row-major order: the lower session, then the earlier position."""
     return (-values).argsort(kind="stable")
-
-
-def _best_first_few(values: list[float]) -> list[int]:
-    """_best_first of a list: Python's sort is stable with reverse=True too."""
-    return sorted(range(len(values)), key=values.__getitem__, reverse=True)
-
-
-def _add_reduce(values: list[float]) -> float:
-    """float(np.add.reduce(values)) bit for bit: numpy adds left to right from 0.0 under 8 values;
-    from 8 on pairwise: 8 running sums over the whole blocks of 8, added as a tree, then the values
-    left over; past 128 values, the two halves (the first a multiple of 8) each so."""
-    n = len(values)
-    if n > 128:
-        half = n // 2 - n // 2 % 8
-        return _add_reduce(values[:half]) + _add_reduce(values[half:])
-    total, blocks = 0.0, (n - n % 8 if n >= 8 else 0)
-    if blocks:
-        sums = values[:8]
-        for i in range(8, blocks, 8):
-            sums = [a + b for a, b in zip(sums, values[i:i + 8])]
-        total += ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]))
-    for value in values[blocks:]:
-        total += value
-    return total
 
 
 def _span_costs(cost: Callable[[int], float], first: int, stop: int) -> np.ndarray:
@@ -183,36 +147,6 @@ def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -
     if best == len(order):
         return asked.tolist()
     return np.bincount(wanted.nonzero()[0][order[:best]], minlength=base_rows).tolist()
-
-
-def _trim_drafts_few(requested: Sequence[int], rates: list[list[float]], cost: Callable[[int], float]) -> list[int]:
-    """trim_drafts of a batch of at most SMALL_BATCH sessions (valid requests), in plain Python: the
-    vectorised path's arithmetic in its order (the running product, the sum as numpy's, the stable
-    order, the running sum, then base_rows added; the last prefix of the largest goodput)."""
-    base_rows = len(requested)
-    drafts, owner = [], []  # [drafts sent], row-major: P_s(j), and s
-    for s, k in enumerate(requested):
-        alive = 1.0
-        for rate in rates[s][:k]:
-            alive *= rate
-            drafts.append(alive)
-            owner.append(s)
-    base_rate = base_rows / cost(base_rows)
-    if (base_rows + _add_reduce(drafts)) / cost(base_rows + 1) < base_rate:
-        return [0] * base_rows
-    order = _best_first_few(drafts)
-    best, best_goodput, tokens = 0, 0.0, 0.0
-    for n, i in enumerate(order, 1):
-        tokens += drafts[i]
-        goodput = (base_rows + tokens) / cost(base_rows + n)
-        if goodput >= best_goodput:
-            best, best_goodput = n, goodput
-    if best_goodput < base_rate:
-        return [0] * base_rows
-    verified = [0] * base_rows
-    for i in order[:best]:
-        verified[owner[i]] += 1
-    return verified
 
 
 class StepCost:
@@ -369,39 +303,12 @@ class GoodputPolicy:
             return list(requested)
         cost = _WithTurnaround(self.cost, self.turnaround_s)
         width = max(requested)  # rates past the longest draft are never read
-        server = self.server.rates(None, self.prior)[:width]  # [width]
-        if len(requested) <= SMALL_BATCH and width <= self.max_k and min(requested) >= 0:  # (else trim_drafts raises)
-            return self._trim_few(session_ids, requested, width, cost, server)
+        server = np.array(self.server.rates(None, self.prior)[:width])  # [width]
         counts, reached_at = self._gather(self._rows(session_ids))
         counts = counts[:, :, :width] * self._relaxed(reached_at)[:, :width]  # [2, S, width], aged
-        verified = trim_drafts(requested, self._rates(counts, np.asarray(server)), cost)
+        verified = trim_drafts(requested, self._rates(counts, server), cost)
         size = self._probe_size(requested, verified, cost)
         return self._probe(counts, requested, verified, size) if size else verified
-
-    def _trim_few(self, session_ids: Sequence[str], requested: Sequence[int], width: int, cost,
-                  server: list[float]) -> list[int]:
-        """trim for a batch of at most SMALL_BATCH sessions, in plain Python (see SMALL_BATCH): the
-        vectorised path's aged counts, rates, trim and probe, bit for bit."""
-        rows = [self.sessions.get(s, 0) for s in session_ids]
-        aged = []  # per session: (drafted, accepted) [width], aged
-        for row, relaxed in zip(rows, self._relaxed_few(rows)):
-            aged.append([[c * r for c, r in zip(counts[:width], relaxed)] for counts in self._counts[:, row].tolist()])
-        rates = [[(a + b) / (d + 1.0) for d, a, b in zip(drafted, accepted, server)] for drafted, accepted in aged]
-        verified = _trim_drafts_few(requested, rates, cost)
-        size = self._probe_size(requested, verified, cost)
-        if not size:
-            return verified
-        value, owner = [], []  # the trimmed drafts' values (as _probe's), row-major, and their sessions
-        for s, ((drafted, accepted), kept) in enumerate(zip(aged, verified)):
-            alive = 1.0
-            for j in range(requested[s]):
-                alive *= (accepted[j] + self.prior) / (drafted[j] + 1.0)
-                if j >= kept:
-                    value.append(alive)
-                    owner.append(s)
-        for i in _best_first_few(value)[:size]:
-            verified[owner[i]] += 1
-        return verified
 
     @staticmethod
     def _rates(counts: np.ndarray, base: np.ndarray | float) -> np.ndarray:
@@ -418,9 +325,8 @@ class GoodputPolicy:
             self._tabulate_relax(2 * self.batch)
 
     def _tabulate_relax(self, ages: int) -> None:
-        """The table of relax ** age for ages 0 .. ages - 1 (see _relaxed), and a list of it for _relaxed_few."""
+        """The table of relax ** age for ages 0 .. ages - 1 (see _relaxed)."""
         self._relax_powers = self.relax ** np.arange(ages)
-        self._relax_list = self._relax_powers.tolist()
 
     def _relaxed(self, reached_at: np.ndarray) -> np.ndarray:
         """relax ** the age of counts last reached in batches `reached_at` [rows, max_k]: the batches
@@ -436,15 +342,6 @@ class GoodputPolicy:
         if age.size == 1:
             return self.relax ** np.maximum(age, 0)
         return self._relax_powers.take(age, mode="clip")
-
-    def _relaxed_few(self, rows: list[int]) -> list[list[float]]:
-        """_relaxed of the rows' reached_at, as lists [rows][max_k] (the plain path's): the same table
-        entries, clipped alike, and for one row of one position _relaxed itself (its scalar path)."""
-        if len(rows) * self.max_k == 1:
-            return self._relaxed(self._reached_at[rows]).tolist()
-        powers, now, last = self._relax_list, self.batch - 1, len(self._relax_list) - 1
-        return [[powers[now - at if 0 <= now - at <= last else (0 if now < at else last)]
-                 for at in self._reached_at[row].tolist()] for row in rows]
 
     def _probe_size(self, requested: Sequence[int], verified: list[int], cost) -> int:
         """How many trimmed drafts a probe takes (0: none): when the batch trimmed drafts, the credit
@@ -497,8 +394,6 @@ class GoodputPolicy:
             for s in session_ids:
                 if s not in self.sessions:
                     self.sessions[s] = self._new_row()
-        if len(session_ids) <= SMALL_BATCH:
-            return self._observe_few(session_ids, verified, accepted)
         rows = self._rows(session_ids)
         steps = np.array((verified, accepted))  # [2, steps]
         ends = np.minimum(steps, steps[1] + 1)  # [2, steps]: positions reached (the first rejected one too), accepted
@@ -511,26 +406,6 @@ class GoodputPolicy:
         self._counts[:, rows] = counts
         self._reached_at[rows] = reached_at
         self.server.observe_counts(*np.add.reduce(marks, axis=1).tolist())  # steps per position
-
-    def _observe_few(self, session_ids: Sequence[str], verified: Sequence[int], accepted: Sequence[int]) -> None:
-        """observe_batch's update for a batch of at most SMALL_BATCH sessions, all judged, in plain
-        Python (see SMALL_BATCH): the same counts and server-wide counts, bit for bit."""
-        reached, taken = [0] * self.max_k, [0] * self.max_k  # steps per position
-        rows = [self.sessions[s] for s in session_ids]
-        for row, relaxed, k, a in zip(rows, self._relaxed_few(rows), verified, accepted):
-            drafted, took = self._counts[:, row].tolist()
-            end = min(k, a + 1)  # positions reached (the first rejected one too)
-            for j in range(end):
-                keep = self.decay * relaxed[j]  # what old counts keep
-                drafted[j] = drafted[j] * keep + 1.0
-                took[j] *= keep
-                reached[j] += 1
-            for j in range(a):
-                took[j] += 1.0
-                taken[j] += 1
-            self._counts[:, row] = (drafted, took)
-            self._reached_at[row, :end] = self.batch
-        self.server.observe_counts(reached, taken)
 
     def forget(self, session_id: str) -> None:
         row = self.sessions.pop(session_id, None)
