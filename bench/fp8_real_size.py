@@ -21,7 +21,13 @@ Phases, each timed on stderr:
    to each sequence's step alone. Red: no timings, exit status 1.
 4. time (CUDA only): HBM floor (decode_bytes over the measured copy bandwidth), decode and K = 8
    verify at batch 1 and 64 (engine steps replaying one CUDA graph bucket per shape), peak memory.
-Writes DIR/fp8_real_size_<date>_<config>.json; deletes the checkpoint unless --keep.
+5. own floors: each timed figure's steps replayed in an eager engine (the same prompts and drafts;
+   greedy and bitwise equal to the graphed steps, so the same rows route to the same experts), the
+   routers hooked: `step_floors[figure]` is the step's own floor (bench/step_floor.py: the weights
+   its rows route to, the dense weights, recurrent states, stash and KV), `floor_ms` (CUDA) and
+   `ratio` (the figure over it); on CUDA `kernel_breakdowns[figure]`, the kernels of the figure's
+   last step by device time (bench.gpu.kernel_table). The CPU reference counts the bytes, untimed.
+Writes DIR/fp8_real_size_<date>_<config>[_fused].json; deletes the checkpoint unless --keep.
 
 Random weights are drawn in the stored form, on the GPU when there is one: fp8 values N(0, 112^2)
 clamped to +-448 (four standard deviations fit e4m3's range), and per 128 x 128 block a scale of
@@ -51,8 +57,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, open_sequences, step_ms
+from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, kernel_table, median_ms, open_sequences, rejected_step
 from bench.machine import device_name, results_path
+from bench.step_floor import SequenceStep, distinct_experts, mean_floor, model_sizes, recorded_routing, step_floor
 from presets.published import PUBLISHED
 from verifier.check.checks import CheckSettings, full_batch_vs_alone
 from verifier.engine import Engine
@@ -72,8 +79,12 @@ K = 8
 BATCH = 64
 # the gate's full batch: BATCH sequences, prompts of 16..23 tokens, 12 tokens each, K up to 8
 FULL_BATCH = CheckSettings(max_k=K, prompt_len=16, new_tokens=12, sequences=BATCH, seed=0)
+WARMUP = 3  # untimed steps before each figure's timed ones
+# the timed figures: (sequences, drafts K, results key), in the order they are timed
+FIGURES = tuple((n, k, f"decode_ms_b{n}" if k == 0 else f"verify_k{k}_ms_b{n}") for n in (1, BATCH) for k in (0, K))
+BUCKETS = (1, K + 1, BATCH, BATCH * (K + 1))  # one graph bucket per timed shape: no padding rows
 # figures timed on CUDA only, after a green gate (None otherwise)
-TIMED = ("hbm_floor_ms", "decode_ms_b1", f"verify_k{K}_ms_b1", f"decode_ms_b{BATCH}", f"verify_k{K}_ms_b{BATCH}", "gpu_memory_gib")
+TIMED = ("hbm_floor_ms", *(key for _, _, key in FIGURES), "gpu_memory_gib", "kernel_breakdowns")
 
 # --scale tiny: sizes only (every other field as published); partial 128-blocks everywhere, and
 # the fused gate | up split (I = 160) inside a block row. Vocabulary past the bench prompts' ids (< 1000).
@@ -259,22 +270,54 @@ def logits_check(model) -> dict:
             "logits_sane": finite and bool(logits.max() > logits.min())}
 
 
+def max_seq_len(steps: int) -> int:
+    """The engines' max_seq_len: the prompt, every figure's steps (a rejected step advances one position), a verify."""
+    return max(BUCKETS[-1], PROMPT_LEN + 2 * (steps + WARMUP) + K + 1)
+
+
 def time_steps(model, steps: int) -> dict:
     """Engine steps (verify + acceptance + rollback, drafts all rejected), medians in ms, each
     shape replaying its own CUDA graph bucket: batch 1 and 64, K = 0 and 8."""
-    buckets = (1, K + 1, BATCH, BATCH * (K + 1))
-    engine = Engine(model, BATCH, max(buckets[-1], PROMPT_LEN + 2 * (steps + 3) + K + 1), max_k=K, graph_rows=buckets)
+    engine = Engine(model, BATCH, max_seq_len(steps), max_k=K, graph_rows=BUCKETS)
     start = time.perf_counter()
     engine.warm_up()
-    out = {"graph_buckets": list(buckets), "warm_up_s": time.perf_counter() - start}
+    out = {"graph_buckets": list(BUCKETS), "warm_up_s": time.perf_counter() - start}
     for n in (1, BATCH):
         seqs = open_sequences(engine, n)
-        out[f"decode_ms_b{n}"] = step_ms(engine, seqs, 0, steps)
-        out[f"verify_k{K}_ms_b{n}"] = step_ms(engine, seqs, K, steps)
+        for _, k, key in (f for f in FIGURES if f[0] == n):
+            out[key] = median_ms(lambda: rejected_step(engine, seqs, k), steps, WARMUP)
         for s in seqs:
             engine.close(s)
     out["graph_captures"] = engine.graph_captures
     return out
+
+
+def own_floors(model, steps: int, bandwidth: float | None) -> dict:
+    """Each figure's own floor (bench/step_floor.py) from the routing of its steps: an eager engine
+    (the routers run in Python, hooked) opens the same prompts and runs the steps time_steps runs,
+    in its order; the floor is the mean over the timed steps (not the warm-ups). With a bandwidth
+    (CUDA): floor_ms, and the kernel table of each figure's last step (bench.gpu.kernel_table)."""
+    engine = Engine(model, BATCH, max_seq_len(steps), max_k=K, cuda_graphs=False)
+    sizes = model_sizes(model, engine.pool)
+    floors, kernels = {}, {}
+    for n in (1, BATCH):
+        seqs = open_sequences(engine, n)
+        for _, k, key in (f for f in FIGURES if f[0] == n):
+            timed = []
+            for i in range(WARMUP + steps):
+                before = [SequenceStep(s.position, k + 1, engine.pool.carried[s.slot]) for s in seqs]
+                with recorded_routing(model) as routed:
+                    if bandwidth is not None and i == WARMUP + steps - 1:
+                        kernels[key] = kernel_table(lambda: rejected_step(engine, seqs, k))
+                    else:
+                        rejected_step(engine, seqs, k)
+                kept = [SequenceStep(b.start, b.rows, b.carried, s.position - b.start) for s, b in zip(seqs, before)]
+                if i >= WARMUP:
+                    timed.append(step_floor(sizes, kept, distinct_experts(routed), bandwidth))
+            floors[key] = mean_floor(timed, sizes.n_experts)
+        for s in seqs:
+            engine.close(s)
+    return {"step_floors": floors, "kernel_breakdowns": kernels if bandwidth is not None else None}
 
 
 def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> dict:
@@ -304,16 +347,28 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> d
         f"{out['bitexact_rows']} verify rows equal serial decode, full batch of {BATCH}: {out['full_batch_rows']} rows and "
         f"{out['full_batch_states']} layer states equal alone, {out['gate_s']:.1f} s")
     out.update(dict.fromkeys(TIMED, None))
-    if out["gate"] != "green" or not cuda:
-        return out  # no timing when the gate is red; the CPU reference is not timed
-    out["hbm_copy_bandwidth_bytes_per_s"] = bandwidth
-    out["hbm_floor_ms"] = out["decode_weight_bytes"] / bandwidth * 1e3
+    if out["gate"] != "green":
+        return out  # no timing and no floors when the gate is red
+    if cuda:  # the CPU reference is not timed
+        out["hbm_copy_bandwidth_bytes_per_s"] = bandwidth
+        out["hbm_floor_ms"] = out["decode_weight_bytes"] / bandwidth * 1e3
+        start = time.perf_counter()
+        out.update(time_steps(model, steps))
+        out["time_s"] = time.perf_counter() - start
+        out["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30  # the timed engine's peak, before the floors' engine
+        log(f"time: {out['time_s']:.0f} s; floor {out['hbm_floor_ms']:.2f} ms, decode b1 {out['decode_ms_b1']:.2f} ms, "
+            f"K={K} b1 {out[f'verify_k{K}_ms_b1']:.2f}, decode b64 {out['decode_ms_b64']:.2f}, K={K} b64 {out[f'verify_k{K}_ms_b64']:.2f}")
+        gc.collect()  # the timed engine's pool goes before the floors' engine makes one as large
+        torch.cuda.empty_cache()
     start = time.perf_counter()
-    out.update(time_steps(model, steps))
-    out["time_s"] = time.perf_counter() - start
-    out["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    log(f"time: {out['time_s']:.0f} s; floor {out['hbm_floor_ms']:.2f} ms, decode b1 {out['decode_ms_b1']:.2f} ms, "
-        f"K={K} b1 {out[f'verify_k{K}_ms_b1']:.2f}, decode b64 {out['decode_ms_b64']:.2f}, K={K} b64 {out[f'verify_k{K}_ms_b64']:.2f}")
+    out.update(own_floors(model, steps, bandwidth if cuda else None))
+    out["floors_s"] = time.perf_counter() - start
+    for _, _, key in FIGURES:
+        floor = out["step_floors"][key]
+        floor["ratio"] = out[key] / floor["floor_ms"] if cuda else None  # the figure over its own floor
+        experts = floor["distinct_experts"]
+        log(f"{key}: {floor['total_bytes'] / 1e9:.3f} GB a step, distinct experts a layer {experts['mean']:.1f} of {experts['of']}"
+            + (f"; own floor {floor['floor_ms']:.2f} ms, measured {out[key]:.2f} ms ({floor['ratio']:.1f}x)" if cuda else ""))
     return out
 
 
@@ -375,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        out_file = results_path(args.out, "fp8_real_size", today, args.config)
+        out_file = results_path(args.out, "fp8_real_size", today, args.config + ("_fused" if args.experts == "fused" else ""))
         out_file.write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {out_file}")
     return result

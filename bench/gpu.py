@@ -110,6 +110,11 @@ def expert_bytes(stacked) -> int:
     return weight_bytes(stacked[0])
 
 
+def layer_expert_bytes(mlp) -> int:
+    """Bytes of one routed expert of a MoE layer: its gate, up and down weights (expert_bytes)."""
+    return sum(expert_bytes(w) for w in (mlp.w_gate, mlp.w_up, mlp.w_down))
+
+
 def decode_bytes(model) -> int:
     """Weights one single-row decode step reads: everything but the unchosen experts and the
     embedding table (one row of it; a tied table is read whole as the LM head). FP8 weights count
@@ -122,7 +127,7 @@ def decode_bytes(model) -> int:
                 total += weight_bytes(value)
         mlp = block.mlp
         if hasattr(mlp, "w_router"):
-            total += cfg.moe.top_k * sum(expert_bytes(w) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)) + weight_bytes(mlp.w_router)
+            total += cfg.moe.top_k * layer_expert_bytes(mlp) + weight_bytes(mlp.w_router)
             if mlp.shared is not None:
                 total += weight_bytes(mlp.shared.w_gate_up) + weight_bytes(mlp.shared.w_down)
             if hasattr(mlp, "w_shared_gate"):
@@ -278,16 +283,23 @@ def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
 
 def kernel_breakdown(model, k: int) -> list[dict]:
     """Device time per kernel name for one eager verify of K+1 rows (graphs replay the same kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, cuda_graphs=False)
     seq = open_sequences(engine, 1)[0]
     batch = RowBatch((seq.slot,), (seq.position,), (k + 1,))
     tokens = torch.arange(k + 1) + 5
     verify(model, engine.pool, tokens, batch)
     sync()
+    return kernel_table(lambda: verify(model, engine.pool, tokens, batch))
+
+
+def kernel_table(fn, top: int = 15) -> dict:
+    """Device time per kernel name of one call of fn (run once before, unprofiled, by the caller):
+    launches and device ms of its kernels (copies and memsets apart), and the `top` rows by device
+    time, each with its share of the kernels' device time."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        verify(model, engine.pool, tokens, batch)
+        fn()
         sync()
     rows = []
     for event in prof.key_averages():
@@ -296,7 +308,10 @@ def kernel_breakdown(model, k: int) -> list[dict]:
             rows.append({"kernel": event.key[:80], "calls": event.count, "device_ms": device_us / 1e3})
     rows.sort(key=lambda r: -r["device_ms"])
     kernels = [r for r in rows if not r["kernel"].startswith(("cudaGraph", "Memcpy", "Memset"))]
-    return {"launches": sum(r["calls"] for r in kernels), "device_ms": sum(r["device_ms"] for r in kernels), "top": rows[:15]}
+    device_ms = sum(r["device_ms"] for r in kernels)
+    for r in rows:
+        r["share"] = r["device_ms"] / device_ms if device_ms else None
+    return {"launches": sum(r["calls"] for r in kernels), "device_ms": device_ms, "top": rows[:top]}
 
 
 def hf_figures(path: Path, repeats: int) -> dict:

@@ -41,3 +41,23 @@ def test_check_fails_with_a_message_when_a_table_drifts(tmp_path, monkeypatch, c
     assert "bench.md" in capsys.readouterr().err
     assert report.main([]) == 0
     assert report.main(["--check"]) == 0
+
+
+def test_fp8_real_size_table_shows_each_figure_against_its_own_floor(tmp_path):
+    """Files without own floors (the committed ones) keep the decode against the weights' floor; a
+    file with `step_floors` shows every figure over its own floor, and the experts its rows route to."""
+    old = json.loads(next(report.RESULTS.glob("fp8_real_size_*.json")).read_text())
+    for key in ("step_floors", "kernel_breakdowns"):  # as a file from before own floors
+        old.pop(key, None)
+    (tmp_path / "fp8_real_size_2026-01-01_old.json").write_text(json.dumps(old))
+    assert "x its own floor" not in report.Tables(tmp_path).fp8_real_size()
+    figures = ("decode_ms_b1", "verify_k8_ms_b1", "decode_ms_b64", "verify_k8_ms_b64")
+    floors = {key: {"floor_ms": 2.0 * (i + 1), "ratio": old[key] / (2.0 * (i + 1)), "distinct_experts": {"mean": 8.0 * (i + 1), "of": 256}}
+              for i, key in enumerate(figures)}
+    (tmp_path / "fp8_real_size_2026-01-02_new.json").write_text(json.dumps({**old, "step_floors": floors}))
+    text = report.Tables(tmp_path).fp8_real_size()
+    assert "decode b=1 ms (x its own floor ms)" in text
+    new_row, old_row = sorted((line for line in text.splitlines() if line.startswith("| qwen")), key=lambda line: "(-)" in line)
+    assert f"{old['verify_k8_ms_b64']:.2f} ({old['verify_k8_ms_b64'] / 8.0:.1f}x of 8.00)" in new_row
+    assert "| 8 / 16 / 24 / 32 of 256 |" in new_row
+    assert old_row.count("(-)") == 4 and "| - |" in old_row

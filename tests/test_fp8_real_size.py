@@ -1,9 +1,10 @@
 """bench/fp8_real_size.py at --scale tiny on the CPU, end to end: the checkpoint it writes is the
 published block-FP8 form (names, dtypes, scale shapes, quantization_config), the normal loader
 serves it, and the correctness gate runs (36 verify rows bitwise equal to serial decode, and the
-full batch of 64 sequences equal to each alone). The
-full-size plan is checked against the published model's sizes without writing it; decode_bytes
-is checked exactly on FP8 weights kept as BlockFP8Weight.
+full batch of 64 sequences equal to each alone), and each figure's own floor is counted
+(bench/step_floor.py). The full-size plan is checked against the published model's sizes without
+writing it; decode_bytes and the floor's sizes and arithmetic are checked exactly on FP8 weights
+kept as BlockFP8Weight.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ from safetensors import safe_open
 
 from bench import fp8_real_size as bench
 from bench.gpu import decode_bytes, weight_bytes
+from bench.step_floor import SequenceStep, distinct_experts, model_sizes, recorded_routing, step_bytes, step_floor
 from hybrid_kernels.linear_fp8 import BlockScales, standard_scale_row
+from verifier.model import load_model
 from verifier.model.checkpoint import TensorSource
 from verifier.model.fp8 import FP8_DTYPE, BlockFP8Weight, OutFeatureGroups
 from verifier.model.hf_config import config_from_dict, load_config
@@ -29,14 +33,49 @@ KEPT_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "sh
                  "in_proj_b.weight", "conv1d.weight", "layernorm.weight", "norm.weight", "dt_bias")
 
 
-def run_tiny(tmp_path: Path, experts: str, keep: bool) -> tuple[dict, Path | None]:
+def run_tiny(tmp_path: Path, experts: str, keep: bool, config: str = "qwen3.6-35b-a3b") -> tuple[dict, Path | None]:
     """main() at tiny scale on the CPU -> (results, the checkpoint folder when kept)."""
     work = tmp_path / "work"
     work.mkdir()
-    result = bench.main(["--out", str(tmp_path / "out"), "--scale", "tiny", "--device", "cpu", "--workdir", str(work),
+    result = bench.main(["--out", str(tmp_path / "out"), "--scale", "tiny", "--device", "cpu", "--workdir", str(work), "--config", config,
                          "--experts", experts, "--shard-gb", "0.0005", "--steps", "3"] + (["--keep"] if keep else []))
-    kept = list(work.glob("*/qwen3.6-35b-a3b-fp8"))
+    kept = list(work.glob(f"*/{config}-fp8"))
     return result, (kept[0] if kept else None)
+
+
+def stored_bytes(t: bench.Planned, shape: tuple[int, ...] | None = None) -> int:
+    """Bytes of a planned tensor (or one expert of its stack: shape) as the GPU holds it: an FP8
+    weight [N, K] its values, block scales and int32 scale rows; any other in the model's bf16 (the
+    loader casts the fp32 A_log too)."""
+    shape = t.shape if shape is None else shape
+    if t.fp8:
+        return math.prod(shape) + 4 * math.prod(bench.FORMAT.scale_shape(shape)) + 4 * shape[-2]
+    return 2 * math.prod(shape)
+
+
+def check_floors(result: dict, top_k: int, n_experts: int) -> None:
+    """Each figure's own floor (CPU: bytes only) is there and sane."""
+    floors = result["step_floors"]
+    assert list(floors) == [key for _, _, key in bench.FIGURES]
+    for n, k, key in bench.FIGURES:
+        f = floors[key]
+        assert (f["rows"], f["sequences"], f["steps"]) == (n * (k + 1), n, 3)
+        assert f["floor_ms"] is None and f["ratio"] is None  # no bandwidth measured on the CPU
+        assert all(f["bytes"][c] > 0 for c in ("dense_weights", "embedding_rows", "routed_experts", "recurrent_state", "kv_read", "kv_written"))
+        assert math.isclose(f["total_bytes"], sum(f["bytes"].values()))
+        # a decode commits in its verify and its slot carries nothing (fresh, or after decodes): no stash
+        assert (f["bytes"]["woa_stash"] > 0) == (k > 0), key
+        d = f["distinct_experts"]
+        assert d["of"] == n_experts and top_k <= d["min"] <= d["mean"] <= d["max"] <= n_experts, key
+        assert len(d["per_layer"]) == 4  # every tiny layer is MoE
+    # one row routes to exactly top_k distinct experts; 9 rows to at least that many in every layer
+    decode, verify = floors["decode_ms_b1"]["distinct_experts"], floors[f"verify_k{bench.K}_ms_b1"]["distinct_experts"]
+    assert decode["min"] == decode["max"] == top_k
+    assert all(verify["per_layer"][layer] >= decode["per_layer"][layer] for layer in decode["per_layer"])
+    # the same weights a step, whatever the rows; the routed experts' bytes grow with the experts routed to
+    assert len({f["bytes"]["dense_weights"] for f in floors.values()}) == 1
+    per_expert = {f["bytes"]["routed_experts"] / (f["distinct_experts"]["mean"] * 4) for f in floors.values()}
+    assert max(per_expert) - min(per_expert) < 1e-6 * max(per_expert)
 
 
 def stored_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -62,6 +101,8 @@ def test_tiny_checkpoint_is_published_fp8_and_gates_green(tmp_path, experts):
     assert result["full_batch_step_rows"][:2] == [bench.BATCH, bench.BATCH * (bench.K + 1)]
     assert result["logits_finite"] and result["logits_sane"]
     assert all(result[key] is None for key in bench.TIMED)  # the CPU reference is not timed
+    text_sizes = bench.TINY_TEXT_SIZES
+    check_floors(result, text_sizes["num_experts_per_tok"], text_sizes["num_experts"])
     written = json.loads(next((tmp_path / "out").glob("fp8_real_size_*.json")).read_text())
     assert written == json.loads(json.dumps(result))
 
@@ -100,9 +141,11 @@ def test_tiny_checkpoint_is_published_fp8_and_gates_green(tmp_path, experts):
 
 
 def test_checkpoint_deleted_unless_kept(tmp_path):
-    result, path = run_tiny(tmp_path, "per-expert", keep=False)
-    assert result["gate"] == "green" and path is None
+    """Also the other published config (Qwen3.5-35B-A3B) at tiny scale: written, gated, floors counted."""
+    result, path = run_tiny(tmp_path, "per-expert", keep=False, config="qwen3.5-35b-a3b")
+    assert result["gate"] == "green" and path is None and result["config"] == "qwen3.5-35b-a3b"
     assert not any((tmp_path / "work").iterdir())
+    check_floors(result, bench.TINY_TEXT_SIZES["num_experts_per_tok"], bench.TINY_TEXT_SIZES["num_experts"])
 
 
 def test_full_size_plan_is_the_published_model():
@@ -134,19 +177,68 @@ def test_decode_bytes_counts_fp8_weights_and_chosen_experts(tmp_path):
     plan = bench.write_checkpoint(tmp_path, config_json, "per-expert", 0, torch.device("cpu"), 10**9)
     model = HybridModel(load_config(tmp_path), TensorSource(tmp_path, "cpu", torch.bfloat16, keep_fp8=True))
     top_k = config_json["text_config"]["num_experts_per_tok"]
-
-    def fp8_bytes(shape) -> int:  # one weight [N, K]: values, block scales, scale rows
-        return math.prod(shape) + 4 * math.prod(bench.FORMAT.scale_shape(shape)) + 4 * shape[0]
-
     expected = 0
     for t in plan:
         if t.name.endswith("embed_tokens.weight"):
             continue
-        if t.per_expert:
-            expected += top_k * fp8_bytes(t.shape[1:])
-        else:
-            expected += fp8_bytes(t.shape) if t.fp8 else 2 * t.params
+        expected += top_k * stored_bytes(t, t.shape[1:]) if t.per_expert else stored_bytes(t)
     assert decode_bytes(model) == expected
+
+
+def test_step_floor_counts_by_hand(tmp_path):
+    """The floor's sizes of the tiny config in its GPU form (FP8 kept as BlockFP8Weight, bf16), and
+    one step's bytes, against hand counts: exact integers."""
+    config_json = bench.checkpoint_config("qwen3.6-35b-a3b", "tiny")
+    plan = bench.write_checkpoint(tmp_path, config_json, "per-expert", 0, torch.device("cpu"), 10**9)
+    model = HybridModel(load_config(tmp_path), TensorSource(tmp_path, "cpu", torch.bfloat16, keep_fp8=True))
+    sizes = model_sizes(model, model.new_pool(4, 64, carry_rows=bench.K + 1))
+    # every tensor but the embedding and the routed experts; one expert of layer 0 (every layer alike)
+    assert sizes.dense == sum(stored_bytes(t) for t in plan if not t.per_expert and not t.name.endswith("embed_tokens.weight"))
+    expert = sum(stored_bytes(t, t.shape[1:]) for t in plan if t.per_expert and ".layers.0." in t.name)
+    # gate and up [160, 64]: 10240 fp8 + 2 x 1 block scales + 160 scale rows; down [64, 160]: 10240 + 1 x 2 + 64
+    assert expert == 2 * (10240 + 2 * 4 + 160 * 4) + (10240 + 2 * 4 + 64 * 4) == 32280
+    assert sizes.expert == {0: expert, 1: expert, 2: expert, 3: expert} and sizes.n_experts == 8
+    assert sizes.embed_row == 64 * 2  # hidden 64 in bf16
+    # 3 GDN layers: fp32 state 4 heads x 16 x 16, conv window (2 x 32 + 64 channels) x 3 in bf16
+    assert sizes.recurrent_state == 3 * (4 * 16 * 16 * 4 + 128 * 3 * 2) == 14592
+    # a stash row: per head key 16, value 16, decay 1, beta 1 in fp32
+    assert sizes.stash_row == 3 * 4 * (16 + 16 + 1 + 1) * 4 == 1632
+    # 1 attention layer: keys and values of 2 heads x 32 in bf16
+    assert sizes.kv_position == 2 * 2 * 32 * 2 == 256
+
+    # a verify of 9 rows at position 40 carrying 1 row and keeping 3, beside a decode at 7 carrying 2
+    steps = [SequenceStep(40, 9, carried=1, kept=3), SequenceStep(7, 1, carried=2, kept=1)]
+    distinct = {0: 3, 1: 8, 2: 5, 3: 2}
+    assert step_bytes(sizes, steps, distinct) == {
+        "dense_weights": sizes.dense,
+        "embedding_rows": 10 * 128,
+        "routed_experts": (3 + 8 + 5 + 2) * 32280,
+        "recurrent_state": 2 * 2 * 14592,  # each sequence's state and window read and written
+        "woa_stash": (9 + 2 * 3 + 1 + 2) * 1632,  # 9 written, 3 kept copied (read, written), 1 + 2 carried read
+        "kv_read": (40 + 7) * 256,
+        "kv_written": 10 * 256,
+    }
+    floor = step_floor(sizes, steps, distinct, bandwidth=2e12)
+    assert floor["total_bytes"] == sum(step_bytes(sizes, steps, distinct).values())
+    assert floor["floor_ms"] == floor["total_bytes"] / 2e12 * 1e3 and (floor["rows"], floor["sequences"]) == (10, 2)
+    with pytest.raises(ValueError):  # a routing of other layers than the MoE ones
+        step_bytes(sizes, steps, {0: 3})
+
+
+def test_recorded_routing_counts_distinct_ids_and_unhooks():
+    class Router:
+        w_router = None
+
+        def route(self, x):
+            return x, x.float()
+
+    moe, dense = Router(), SimpleNamespace()
+    model = SimpleNamespace(blocks=[SimpleNamespace(mlp=moe), SimpleNamespace(mlp=dense)])
+    with recorded_routing(model) as routed:
+        moe.route(torch.tensor([[1, 3], [3, 5]]))
+        moe.route(torch.tensor([[5, 7]]))  # the CPU reference routes row by row: one call a row
+    assert distinct_experts(routed) == {0: 4}
+    assert "route" not in vars(moe) and moe.route(torch.tensor([[2, 4]]))[0].tolist() == [[2, 4]]
 
 
 def test_same_seed_writes_the_same_bytes(tmp_path):
@@ -156,3 +248,21 @@ def test_same_seed_writes_the_same_bytes(tmp_path):
     shard = "model-00001-of-00001.safetensors"
     assert (tmp_path / "a" / shard).read_bytes() == (tmp_path / "b" / shard).read_bytes()
     assert (tmp_path / "a" / shard).read_bytes() != (tmp_path / "c" / shard).read_bytes()
+
+
+def test_own_floors_with_a_bandwidth(tmp_path, monkeypatch):
+    """The CUDA branch of own_floors on the CPU: floor_ms is the mean bytes over the bandwidth, and
+    each figure's last step goes through the kernel table (faked here: the profiler needs CUDA)."""
+    bench.write_checkpoint(tmp_path, bench.checkpoint_config("qwen3.6-35b-a3b", "tiny"), "fused", 0, torch.device("cpu"), 10**9)
+    profiled = []
+
+    def fake_table(fn):
+        fn()
+        profiled.append(True)
+        return {"launches": 1, "device_ms": 0.5, "top": []}
+
+    monkeypatch.setattr(bench, "kernel_table", fake_table)
+    out = bench.own_floors(load_model(tmp_path, "cpu", torch.float32), steps=1, bandwidth=1e9)
+    assert len(profiled) == len(bench.FIGURES) and list(out["kernel_breakdowns"]) == [key for _, _, key in bench.FIGURES]
+    for floor in out["step_floors"].values():
+        assert floor["steps"] == 1 and floor["floor_ms"] == floor["floor_ms_min"] == floor["total_bytes"] / 1e9 * 1e3
