@@ -11,6 +11,16 @@ reports `streams_match_plain` (normally false) and does not fail the command. Ev
 `"acceptance": "exact"`: greedy or coupled, its stream must equal plain decoding token for token.
 Timing is wall-clock around each whole generation (open, steps, close); a plain run of the first
 prompt warms the server up first and is not counted.
+
+The bench measures the drafter, not the server's goodput policy: its sessions are opened with
+verify_all_drafts (proto: OpenSessionRequest), so a server that trims drafts for its other
+sessions verifies every draft of these, and the acceptance figures do not depend on what the policy
+has learnt. `allow_trimming` (`--allow-trimming`) opens them without it, to see what a served
+drafter gets. Either way the figures count verified drafts (StepResult.verified_drafts): a trimmed
+draft was never judged, so it counts neither as accepted nor as refused. results.json's
+`trimming` and the line under the table say whether trimming was on; each row's `trimmed_drafts`
+is the server's count (Stats.trimmed_drafts) over the row, so another client of the same server
+adds to it.
 """
 
 from __future__ import annotations
@@ -98,6 +108,7 @@ class Run:
     seconds: float = 0.0
     mismatched: list[int] = field(default_factory=list)  # prompts whose stream differs from plain
     acceptance: str = EXACT  # REJECTION once any step carried draft probabilities
+    trimmed_drafts: int = 0  # drafts the server did not verify during the row (Stats.trimmed_drafts, server-wide)
 
     @property
     def failed(self) -> bool:
@@ -129,6 +140,7 @@ class Run:
             "rejected_steps": self.counts.rejections,
             "drafted_per_position": list(self.counts.drafted_at),
             "accepted_per_position": list(self.counts.accepted_at),
+            "trimmed_drafts": self.trimmed_drafts,
         }
 
 
@@ -151,9 +163,11 @@ ProposerFactory = Callable[[str], "Proposer | None"]  # drafter name -> a fresh 
 
 def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str], ks: list[int], *,
               max_new_tokens: int, sampling: SamplingParams, make_proposer: ProposerFactory, adaptive: bool = False,
-              progress: bool = True) -> tuple[Plain, list[Run]]:
+              progress: bool = True, allow_trimming: bool = False) -> tuple[Plain, list[Run]]:
     """Plain decoding of every prompt, then every (drafter, k) over every prompt (and, with
-    `adaptive`, one adaptive-K row per drafter). Raises VerifierError when the server refuses."""
+    `adaptive`, one adaptive-K row per drafter). Sessions ask for every draft to be verified unless
+    `allow_trimming` (see the module docstring). Raises VerifierError when the server refuses."""
+    verify_all = not allow_trimming
     if any(k < 1 for k in ks):
         raise ValueError(f"--k values must be >= 1, got {ks}")
     if info.max_k < 1:
@@ -170,10 +184,12 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
         for drafter, k in plans:
             bar.set_postfix_str(f"{drafter} k={k}")
             run = Run(drafter, k, max(ks) if k == ADAPTIVE else k)
+            trimmed_before = client.stats().trimmed_drafts
             for i, prompt in enumerate(prompts):
                 proposer = _watch(make_proposer(drafter), sampling)  # built before the clock starts: a model drafter loads
                 start = time.perf_counter()
-                gen = _generate(client, info, prompt, proposer, k, max_new_tokens, sampling, max_k=run.max_k)
+                gen = _generate(client, info, prompt, proposer, k, max_new_tokens, sampling, max_k=run.max_k,
+                                verify_all=verify_all)
                 run.seconds += time.perf_counter() - start
                 if isinstance(proposer, _ProbabilityWatch) and proposer.sent:
                     run.acceptance = REJECTION
@@ -182,6 +198,7 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
                 if gen.tokens != plain.tokens[i] or gen.finish_reason != plain.finish_reasons[i]:
                     run.mismatched.append(i)
                 bar.update()
+            run.trimmed_drafts = client.stats().trimmed_drafts - trimmed_before
             runs.append(run)
     return plain, runs
 
@@ -200,13 +217,13 @@ def _plain(client, info, prompts, max_new_tokens, sampling, bar) -> Plain:
     return plain
 
 
-def _generate(client, info, prompt: Prompt, proposer, k, max_new_tokens, sampling, max_k: int = 0):
+def _generate(client, info, prompt: Prompt, proposer, k, max_new_tokens, sampling, max_k: int = 0, verify_all: bool = False):
     """One generation; a text prompt that the server tokenizes past the context is refused at its open."""
     adaptive = None
     if k == ADAPTIVE:  # a fresh rule per sequence: it learns from that sequence's steps alone
         k, adaptive = max_k, AdaptiveK(max_k)
     return generate(client, proposer, prompt_ids=prompt.prompt_ids, text=prompt.text, max_new_tokens=max_new_tokens,
-                    sampling=sampling, k=k, info=info, adaptive=adaptive,
+                    sampling=sampling, k=k, info=info, adaptive=adaptive, verify_all_drafts=verify_all,
                     on_open=lambda session: check_budget(max_new_tokens, info, len(session.prompt_ids),
                                                          where=f"{prompt.text[:20]!r}: " if prompt.text else ""))
 
@@ -232,9 +249,13 @@ def _watch(proposer, sampling: SamplingParams):
 
 
 def results(server: str, info: ModelInfo, prompts_file: str, plain: Plain, runs: list[Run], max_new_tokens: int,
-            sampling: SamplingParams) -> dict:
+            sampling: SamplingParams, allow_trimming: bool = False) -> dict:
     """The results.json object."""
     return {
+        # on: the server's policy could verify fewer drafts than were sent (the figures count verified ones)
+        "trimming": {"on": info.trims_drafts and allow_trimming, "server_trims_drafts": info.trims_drafts,
+                     "verify_all_drafts": not allow_trimming,
+                     "trimmed_drafts": sum(run.trimmed_drafts for run in runs)},
         "server": server,
         "model_id": info.model_id,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -266,6 +287,19 @@ def summary_table(data: dict) -> str:
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*line) for line in lines)])
+
+
+def trimming_line(data: dict) -> str:
+    """One line saying whether the server's goodput policy could trim the bench's drafts."""
+    t = data["trimming"]
+    if t["on"]:
+        state = ("ON (--allow-trimming): the server's goodput policy verified only the drafts it chose "
+                 f"({t['trimmed_drafts']} not verified); the figures count verified drafts")
+    elif t["server_trims_drafts"]:
+        state = "off: every draft verified (sessions opened with verify_all_drafts; the server trims others' drafts)"
+    else:
+        state = "off: every draft verified (the server does not trim drafts)"
+    return f"draft trimming: {state}"
 
 
 def _match(row: dict) -> str:

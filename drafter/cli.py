@@ -200,13 +200,16 @@ def _add_bench_parser(sub) -> None:
     add_drafter_arguments(bench.add_argument_group("drafting"), many=True)
     add_sampling_arguments(bench)
     _add_connection(bench)
+    bench.add_argument("--allow-trimming", action="store_true",
+                       help="let the server's goodput policy trim the bench's drafts (default: every draft is verified, "
+                            "so the figures measure the drafter, not the policy)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     bench.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
 def _bench(args) -> int:
     # matplotlib and tqdm load only for the bench
-    from .bench import REJECTION, load_prompts, results, run_bench, summary_table, write_results
+    from .bench import REJECTION, load_prompts, results, run_bench, summary_table, trimming_line, write_results
     from .bench_plots import write_plots
 
     try:
@@ -225,17 +228,19 @@ def _bench(args) -> int:
             info = client.model_info()
             plain, runs = run_bench(client, info, prompts, args.drafter, ks, max_new_tokens=args.max_new_tokens,
                                     sampling=sampling, make_proposer=lambda name: make_proposer(name, args, info, sampling),
-                                    adaptive=args.adaptive_k, progress=not args.no_progress)
+                                    adaptive=args.adaptive_k, progress=not args.no_progress,
+                                    allow_trimming=args.allow_trimming)
         except ValueError as exc:
             return _fail(str(exc), 2)
         except VerifierError as err:
             return _fail(str(err), 1)
         except KeyboardInterrupt:
             return _fail("interrupted (no results written)", 130)
-    data = results(args.server, info, args.prompts, plain, runs, args.max_new_tokens, sampling)
+    data = results(args.server, info, args.prompts, plain, runs, args.max_new_tokens, sampling, args.allow_trimming)
     path = write_results(args.out, data)
     write_plots(args.out, data)
     print(summary_table(data))
+    print(trimming_line(data))
     print(f"wrote {path} and the plots beside it", file=sys.stderr)
     differ = [f"{run.drafter} k={run.k}" for run in runs if run.failed]
     if differ:

@@ -61,6 +61,7 @@ class Job:
     k: int = 0  # drafts per step asked of the proposer (the loop cuts to the server's limits)
     sampling: SamplingParams = SamplingParams()
     return_logits: bool = False
+    verify_all_drafts: bool = False  # the server never trims this generation's drafts (a measurement)
     adaptive: AdaptiveK | None = None
     max_steps: int | None = None  # cut the generation after this many verify steps (None: to its end)
 
@@ -74,7 +75,8 @@ class Job:
     def open_arguments(self) -> dict:
         """Keyword arguments of either client's open_session."""
         return {"prompt_ids": self.prompt_ids, "text": self.text, "sampling": self.sampling,
-                "max_new_tokens": self.max_new_tokens, "return_logits": self.return_logits}
+                "max_new_tokens": self.max_new_tokens, "return_logits": self.return_logits,
+                "verify_all_drafts": self.verify_all_drafts}
 
 
 @dataclass

@@ -136,18 +136,19 @@ def _internal(message: str) -> VerifierError:
 def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
            max_new_tokens: int, sampling: SamplingParams = SamplingParams(), k: int = 4, return_logits: bool = False,
            transport: str = STREAM, info: ModelInfo | None = None, adaptive: AdaptiveK | None = None,
-           on_open: Callable[[Session], None] | None = None) -> Iterator[list[int]]:
+           on_open: Callable[[Session], None] | None = None, verify_all_drafts: bool = False) -> Iterator[list[int]]:
     """Generate through a blocking VerifierClient: yields each step's new tokens as they arrive (the
     first token first) and returns the Generation (StopIteration.value; `generate` unwraps it). The
     session is closed at the end, on error, on KeyboardInterrupt and when the caller stops early.
     `on_open(session)` runs once the session is open, before anything is yielded: the place for
     checks that need the server's view of the prompt (a --text prompt's length); what it raises
-    closes the session and propagates."""
+    closes the session and propagates. `verify_all_drafts`: the session asks the server to verify
+    every draft (no goodput trimming), as measuring the drafter needs."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
     info = info or client.model_info()
     session = client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
-                                  return_logits=return_logits)
+                                  return_logits=return_logits, verify_all_drafts=verify_all_drafts)
     try:
         if on_open is not None:
             on_open(session)
@@ -182,13 +183,14 @@ def generate(client, proposer: Proposer | None, *, on_tokens: Callable[[list[int
 async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
                     max_new_tokens: int, sampling: SamplingParams = SamplingParams(), k: int = 4, return_logits: bool = False,
                     transport: str = STREAM, info: ModelInfo | None = None,
-                    on_tokens: Callable[[list[int]], None] | None = None, adaptive: AdaptiveK | None = None) -> Generation:
+                    on_tokens: Callable[[list[int]], None] | None = None, adaptive: AdaptiveK | None = None,
+                    verify_all_drafts: bool = False) -> Generation:
     """The same loop through an AsyncVerifierClient."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
     info = info or await client.model_info()
     session = await client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
-                                        return_logits=return_logits)
+                                        return_logits=return_logits, verify_all_drafts=verify_all_drafts)
     try:
         loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive)
         if on_tokens is not None:

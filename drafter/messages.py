@@ -60,11 +60,13 @@ class ModelInfo:
     n_slots: int
     device: str
     dtype: str
+    trims_drafts: bool = False  # the server's goodput-aware K may verify fewer drafts than a step sends
 
     @classmethod
     def from_proto(cls, m) -> "ModelInfo":
         return cls(m.protocol_version, m.model_id, m.model_type, m.vocab_size, tuple(m.eos_ids), m.max_context,
-                   m.max_k, tuple(m.layer_kinds), m.rollback_mode, m.has_tokenizer, m.n_slots, m.device, m.dtype)
+                   m.max_k, tuple(m.layer_kinds), m.rollback_mode, m.has_tokenizer, m.n_slots, m.device, m.dtype,
+                   m.trims_drafts)
 
 
 @dataclass
@@ -162,13 +164,14 @@ def sampling_to_proto(sampling: SamplingParams):
 
 
 def open_request(prompt_ids: list[int] | None, text: str | None, sampling: SamplingParams, max_new_tokens: int,
-                 request_id: str | None, return_logits: bool):
+                 request_id: str | None, return_logits: bool, verify_all_drafts: bool = False):
     """An OpenSessionRequest; its request id is fixed here, before the first try, so that a retried
-    OpenSession returns the same session."""
+    OpenSession returns the same session. `verify_all_drafts`: the server never trims this session's
+    drafts (proto: OpenSessionRequest.verify_all_drafts)."""
     if (prompt_ids is None) == (text is None):
         raise ValueError("pass exactly one of prompt_ids and text")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     return rpc.OpenSessionRequest(prompt_ids=list(prompt_ids or ()), text=text or "", sampling=sampling_to_proto(sampling),
                                   max_new_tokens=max_new_tokens, request_id=request_id or uuid.uuid4().hex,
-                                  return_logits=return_logits)
+                                  return_logits=return_logits, verify_all_drafts=verify_all_drafts)

@@ -17,6 +17,7 @@ from drafter.bench import ADAPTIVE, load_prompts, results, run_bench, summary_ta
 from drafter.bench_plots import LENGTH_PNG, POSITION_PNG, SPEEDUP_PNG, pooled_alpha, write_plots
 from drafter.bench_stats import Counts, count, figures, iid_acceptance_length, token_acceptance_probability
 from drafter.choose import make_proposer
+from verifier.engine import Engine
 from verifier.params import SamplingParams
 
 from drafter_setup import client, plain_in_process, served_checkpoint, server, target  # noqa: F401 (fixtures)
@@ -250,7 +251,9 @@ def test_cli_writes_results_plots_and_a_table(server, served_checkpoint, prompts
         assert row["streams_match_plain"] or row["acceptance"] == "rejection"
     assert all((out / name).read_bytes()[:8] == PNG_MAGIC for name in (POSITION_PNG, LENGTH_PNG, SPEEDUP_PNG))
     lines = proc.stdout.splitlines()
-    assert lines[0].split()[:2] == ["drafter", "k"] and len(lines) == 2 + 1 + 9
+    assert lines[0].split()[:2] == ["drafter", "k"] and len(lines) == 2 + 1 + 9 + 1
+    assert lines[-1] == "draft trimming: off: every draft verified (the server does not trim drafts)"
+    assert data["trimming"] == {"on": False, "server_trims_drafts": False, "verify_all_drafts": True, "trimmed_drafts": 0}
     assert "bench:" in proc.stderr and "100%" in proc.stderr  # the progress bar
     assert "note: rows marked (rejection)" in proc.stderr
 
@@ -278,3 +281,38 @@ def test_cli_errors_name_the_problem(server, prompts_file, tmp_path):
         proc = _run("--server", server.address, *budget, "--out", tmp_path / "o", "--no-progress", *args)
         assert proc.returncode == status and message in proc.stderr, (args, proc.returncode, proc.stderr)
     assert not (tmp_path / "o" / "results.json").exists()
+
+
+# --- trimming: the bench measures the drafter, not the server's goodput policy -----------------------
+
+class _NoDraftPays(Engine):
+    """Every verify row past the first costs a thousand one-row steps: the goodput policy trims every
+    draft it may trim (decided by the test, not this machine's timing)."""
+
+    def step_costs(self):
+        return {rows: 1.0 + 1000.0 * (rows - 1) for rows in range(1, 65)}
+
+
+def test_bench_verifies_every_draft_by_default_and_says_whether_trimming_was_on(served_checkpoint, prompts_file, tmp_path,
+                                                                                capsys):
+    from verifier.server.testing import LoopbackServer
+
+    with LoopbackServer(served_checkpoint, n_slots=2, max_seq_len=96, max_k=8, engine_class=_NoDraftPays, goodput=True) as trimming:
+        args = ["bench", "--server", trimming.address, "--prompts", str(prompts_file), "--drafter", "random", "--k", "2",
+                "--max-new-tokens", "6", "--no-progress"]
+        assert cli.main([*args, "--out", str(tmp_path / "default")]) == 0
+        default_out = capsys.readouterr().out
+        assert cli.main([*args, "--out", str(tmp_path / "allowed"), "--allow-trimming"]) == 0
+        allowed_out = capsys.readouterr().out
+    default = json.loads((tmp_path / "default" / "results.json").read_text())
+    (row,) = default["rows"]
+    # the policy trims every draft it may, and these sessions' drafts were all verified (the figures count them)
+    assert row["trimmed_drafts"] == 0 and row["drafts"] > 0 and row["drafted_per_position"][0] == row["drafts"]
+    assert default["trimming"] == {"on": False, "server_trims_drafts": True, "verify_all_drafts": True, "trimmed_drafts": 0}
+    assert "draft trimming: off: every draft verified (sessions opened with verify_all_drafts" in default_out
+    allowed = json.loads((tmp_path / "allowed" / "results.json").read_text())
+    (row,) = allowed["rows"]
+    # the policy trimmed every draft: nothing was judged, so nothing counts as drafted
+    assert row["drafts"] == row["draft_tokens"] == 0 and row["trimmed_drafts"] > 0
+    assert row["per_position_acceptance"] == [None, None]
+    assert allowed["trimming"]["on"] is True and "draft trimming: ON (--allow-trimming)" in allowed_out

@@ -3,8 +3,11 @@ health checking, reflection), optional auth, TLS and a Prometheus endpoint; drai
 
 Shutdown order: health says NOT_SERVING and OpenSession answers UNAVAILABLE (drain_s, so load
 balancers notice), then the port closes to new calls (UNAVAILABLE from grpc itself) while
-in-flight calls get grace_s to finish, then whatever steps were accepted run, then the worker
-thread stops.
+in-flight calls get grace_s to finish: steps already accepted run at once (the gather window
+closes), streams end UNAVAILABLE once their accepted requests are answered, and when grace_s runs
+out every call still waiting is answered UNAVAILABLE by the service itself (VerifierService.cut).
+gRPC's own cut, which would end those calls CANCELLED, is only a backstop CUT_MARGIN_S later. Then
+the worker finishes what it runs and stops.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from .service import VerifierService
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", rpc.SERVICE_NAME)  # "" is the whole server
+# gRPC cancels the calls still in flight this long after grace_s; by then the service has answered
+# every one of them UNAVAILABLE (handlers return within a turn of the event loop), so it never does
+CUT_MARGIN_S = 1.0
 
 
 def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine) -> Engine:
@@ -135,10 +141,20 @@ class VerifierServer:
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
         config = self.config
+        grace_s = config.grace_s if grace_s is None else grace_s
         await self.drain()
         await asyncio.sleep(config.drain_s if drain_s is None else drain_s)
+        if self.service is not None:
+            self.service.begin_stop()
         if self._server is not None:
-            await self._server.stop(config.grace_s if grace_s is None else grace_s)
+            closing = asyncio.ensure_future(self._server.stop(grace_s + CUT_MARGIN_S))
+            try:  # done early once every call has ended
+                await asyncio.wait_for(asyncio.shield(closing), grace_s)
+            except asyncio.TimeoutError:
+                if self.service is not None:
+                    self.service.cut(f"the server is stopping and its grace period ({grace_s:g} s, --grace-s) ran out "
+                                     f"before this was answered: retry on another replica")
+                await closing
         if self.service is not None:
             await self.service.stop()
         self._stop_metrics()

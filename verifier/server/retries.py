@@ -28,7 +28,7 @@ def step_fingerprint(step: rpc.VerifyStep, drafts: list[int] | None = None) -> F
 def open_fingerprint(request: rpc.OpenSessionRequest) -> Fingerprint:
     s = request.sampling
     return (tuple(request.prompt_ids), request.text, (s.temperature, s.top_k, s.top_p, s.seed),
-            request.max_new_tokens, request.return_logits)
+            request.max_new_tokens, request.return_logits, request.verify_all_drafts)
 
 
 def reused_step_id(request_id: str) -> Invalid:
@@ -40,4 +40,4 @@ def reused_step_id(request_id: str) -> Invalid:
 def reused_open_id(request_id: str) -> Invalid:
     return Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                    f"request_id {request_id!r} was used by another OpenSession (other prompt, sampling, "
-                   f"max_new_tokens or return_logits): a new session needs a new request_id")
+                   f"max_new_tokens, return_logits or verify_all_drafts): a new session needs a new request_id")

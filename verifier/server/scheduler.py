@@ -15,12 +15,16 @@ awaited).
 
 Goodput-aware K: with a GoodputPolicy, each batch verifies only the first k_s drafts of session s
 (verifier/server/goodput.py); later drafts are neither verified nor accepted, the result says how
-many were verified, and the stream is unchanged.
+many were verified, and the stream is unchanged. A session opened with verify_all_drafts is never
+trimmed (the policy trims the others, and still observes its outcomes).
 
 Steps are checked against their session (still open, expected position) when they are taken into
 a batch, not when they arrive: by then any earlier step of the same session has finished, so the
 check sees the position the engine will run from. The sequence's own state (finished, room in the
-context) is the engine's check, run once, inside the step. A step whose session was closed while
+context) is the engine's check (Engine.check), judged on the drafts AS SENT: with a policy that
+may trim, the batch runs it before trimming, so a step past the context is OUT_OF_RANGE whatever
+the policy would have verified (an error must not depend on policy state); without one, the
+engine runs it inside the step, on the same drafts. A step whose session was closed while
 it queued gets NOT_FOUND; one the engine already runs completes and is answered. The batcher runs one batch at
 a time and the worker writes sequences only inside a step, so no session is read on the event
 loop while the worker is writing it.
@@ -28,6 +32,11 @@ loop while the worker is writing it.
 A caller that goes away (cancel, deadline) withdraws its steps that are still queued; a step
 already handed to the engine completes, and its result is stored under its request id, so a
 retry gets it and nothing accepted is lost.
+
+Shutdown (verifier/server/app.py): `begin_stop` ends the gather window at once (no batch waits for
+sessions any more) so every step already queued runs; `cut` answers UNAVAILABLE to every step
+still unanswered when the grace period runs out, so a call never outlives the grace and gets
+CANCELLED by gRPC; `stop` then waits for the batcher (and the engine step it may still run).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import grpc
 import torch
 
 from .. import rpc
-from ..engine import LENGTH, Engine, StepRequest
+from ..engine import LENGTH, Engine, StepError, StepRequest
 from .answer import Answer
 from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, ok_result
 from .goodput import GoodputPolicy
@@ -113,17 +122,38 @@ class Scheduler:
         self._last_step_s = 0.0  # how long the last engine step took (the gather window's ceiling)
         self._cut_short = False  # the last batch left steps queued for want of rows (max_batch_rows)
         self._bookkeeping: tuple | None = None  # the last batch's outcomes, until keep_books records them
+        self._running: list[PendingStep] = []  # the steps of the batch on the engine now
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
 
-    async def stop(self) -> None:
-        """Run what is still queued, then end the batcher."""
+    def begin_stop(self) -> None:
+        """The server is stopping: no batch waits for awaited sessions any more; what is queued runs."""
         self._stopping = True
         self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Run what is still queued, then end the batcher."""
+        self.begin_stop()
         if self._task is not None:
             await self._task
         self.keep_books()
+
+    def cut(self, message: str) -> None:
+        """The grace period ran out: every step not yet answered (queued, or in the engine step now
+        running) is answered UNAVAILABLE with `message` at the position it expected; queued steps
+        leave the queue. A running step still completes on the engine (its session goes with the
+        server), its late result is dropped."""
+        now = self.sessions.clock()
+        queued, self._queue, self._queued_rows = self._queue, [], 0
+        for pending in queued:
+            self._deliver(pending, error_result(pending.step, grpc.StatusCode.UNAVAILABLE, message,
+                                                pending.step.expected_position), now)
+        for pending in self._running:
+            if pending.result is None:  # its release comes when the engine step returns (_deliver)
+                self.metrics.record_error(grpc.StatusCode.UNAVAILABLE.name)
+                pending.finish(error_result(pending.step, grpc.StatusCode.UNAVAILABLE, message,
+                                            pending.step.expected_position))
 
     @staticmethod
     def answered(step: rpc.VerifyStep, result: rpc.StepResult) -> PendingStep:
@@ -282,7 +312,30 @@ class Scheduler:
         if step.expected_position != position:
             return error_result(step, grpc.StatusCode.ABORTED, f"expected_position {step.expected_position} is stale: "
                                 f"the session is at position {position} (Status.current_position)", position)
+        if self.policy is not None:
+            # the engine's state check on the drafts as sent, before the policy trims them (the
+            # engine checks again, inside the step, what it runs): see the module docstring
+            try:
+                self.engine.check(StepRequest(session.sequence, pending.drafts, pending.draft_probs, want_logits=False))
+            except StepError as err:
+                return error_result(step, STEP_ERROR_CODES[err.code], str(err), position)
         return None
+
+    def _trim(self, live: list[PendingStep], requested: list[int]) -> list[int]:
+        """Drafts each step of the batch verifies: the policy's choice, except for sessions that
+        asked to have every draft verified (verify_all_drafts), which keep all theirs. The policy
+        chooses among the others only (its cost model sees their rows, not the exempt ones')."""
+        exempt = [i for i, p in enumerate(live) if p.session.verify_all_drafts]
+        if not exempt:
+            return self.policy.trim([p.session.id for p in live], requested)
+        verified = list(requested)
+        exempted = set(exempt)
+        trimmable = [i for i in range(len(live)) if i not in exempted]
+        if trimmable:
+            chosen = self.policy.trim([live[i].session.id for i in trimmable], [requested[i] for i in trimmable])
+            for i, k in zip(trimmable, chosen):
+                verified[i] = k
+        return verified
 
     def keep_books(self) -> None:
         """The last batch's metrics and goodput observations (at the latest before the next batch
@@ -309,10 +362,14 @@ class Scheduler:
             return
         policy = self.policy
         requested = [p.rows - 1 for p in live]
-        verified = policy.trim([p.session.id for p in live], requested) if policy is not None else requested
+        verified = self._trim(live, requested) if policy is not None else requested
         requests = [_request(p, k) for p, k in zip(live, verified)]
         started = time.perf_counter()
-        results, logits = await self.worker.run(_step, self.engine, requests)
+        self._running = live
+        try:
+            results, logits = await self.worker.run(_step, self.engine, requests)
+        finally:
+            self._running = []
         self._last_step_s = time.perf_counter() - started
         max_seq_len = self.engine.pool.max_seq_len
         now, clock_now = time.perf_counter(), self.sessions.clock()

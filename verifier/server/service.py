@@ -4,6 +4,13 @@ Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Ver
 and VerifyRounds errors are per step (StepResult.status) and the call itself succeeds, so one bad
 step never fails the others. An error result's position is the session's current position, 0 when
 the server holds no such session.
+
+Stopping (verifier/server/app.py): `begin_stop` when the port closes: the scheduler runs what is
+queued without gathering, and each stream, once the requests it accepted are answered, reads no
+more and ends UNAVAILABLE (a drafter's next step goes to another replica, never into a call gRPC
+cuts at the end of the grace period). `cut` when the grace period runs out: every step still
+unanswered gets UNAVAILABLE, every OpenSession still admitting ends UNAVAILABLE, so every call
+has ended before gRPC would cancel it: no call ends CANCELLED.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _VERIFY_STREAM = f"/{rpc.SERVICE_NAME}/VerifyStream"
 _VERIFY_ROUNDS = f"/{rpc.SERVICE_NAME}/VerifyRounds"
+_STOPPING = "the server is stopping: this stream takes no more requests (its earlier ones are answered); resend on a new call"
 
 
 class RequestAnswer(Answer):
@@ -77,6 +85,10 @@ class VerifierService:
         self.worker = Worker()
         self.scheduler: Scheduler | None = None
         self.draining = False
+        self.stopping = False  # begin_stop: streams end once answered; steps of a cut server get UNAVAILABLE
+        self._cut_message: str | None = None  # set by cut
+        self._stream_wakers: set = set()  # each open stream's answering loop, woken by begin_stop
+        self._admission_waits: set[asyncio.Future] = set()  # OpenSession calls waiting for their admission, ended by cut
         self._reaper: asyncio.Task | None = None
         metrics.watch_sessions(self.sessions)
 
@@ -93,6 +105,26 @@ class VerifierService:
                                    self.config.max_batch_rows, self.config.max_wait_ms, policy)
         self.scheduler.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
+
+    def begin_stop(self) -> None:
+        """The port is closing: queued steps run now (no gather window), streams end once their
+        accepted requests are answered (UNAVAILABLE: a stream reads nothing more)."""
+        self.draining = self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.begin_stop()
+        for wake in list(self._stream_wakers):
+            wake()
+
+    def cut(self, message: str) -> None:
+        """The grace period ran out: answer UNAVAILABLE to everything still waiting (see the module
+        docstring); what the engine runs still completes, unanswered."""
+        self.begin_stop()
+        self._cut_message = message
+        if self.scheduler is not None:
+            self.scheduler.cut(message)
+        for waiter in list(self._admission_waits):
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def stop(self) -> None:
         """After the gRPC server has stopped: run what is queued, free every slot, stop the worker."""
@@ -113,7 +145,7 @@ class VerifierService:
             vocab_size=config.vocab_size, eos_ids=list(config.eos_token_ids), max_context=self.engine.pool.max_seq_len,
             max_k=self.engine.max_k, layer_kinds=list(config.mixers), rollback_mode=self.engine.rollback_mode,
             has_tokenizer=self.tokenizer is not None, n_slots=self.engine.pool.n_slots,
-            device=str(self.engine.model.device), dtype=self.config.dtype,
+            device=str(self.engine.model.device), dtype=self.config.dtype, trims_drafts=self.config.goodput,
         )
 
     async def OpenSession(self, request: rpc.OpenSessionRequest, context) -> rpc.OpenSessionResponse:
@@ -126,7 +158,7 @@ class VerifierService:
             if earlier != fingerprint:
                 error = reused_open_id(rid)
                 await self._abort_open(context, error.code, error.message)
-            return await asyncio.shield(task)  # the admission runs on if this caller leaves
+            return await self._admitted(task, context)
         try:
             prompt = open_prompt(request, self.tokenizer, self.vocab, self.engine.pool.max_seq_len)
             sampling, max_new_tokens = open_limits(request)
@@ -141,11 +173,26 @@ class VerifierService:
         if rid:
             self.sessions.opens[rid] = (fingerprint, task)  # a retry after a cancel or deadline finds the session
         try:
-            return await asyncio.shield(task)  # the admission runs on if this caller leaves
+            return await self._admitted(task, context)
         except asyncio.CancelledError:
             if not rid:  # no one can ever name this session: close it once it is admitted
                 task.add_done_callback(self._close_orphan)
             raise
+
+    async def _admitted(self, task: asyncio.Future, context) -> rpc.OpenSessionResponse:
+        """The admission's response; the admission runs on if this caller leaves. UNAVAILABLE when
+        the server's grace period runs out first (cut)."""
+        if not task.done():
+            waiter = asyncio.get_running_loop().create_future()
+            task.add_done_callback(lambda _: waiter.done() or waiter.set_result(None))
+            self._admission_waits.add(waiter)
+            try:
+                await waiter
+            finally:
+                self._admission_waits.discard(waiter)
+            if not task.done():
+                await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, self._cut_message)
+        return task.result()
 
     async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
         answer = self._submit_request(request)
@@ -183,15 +230,19 @@ class VerifierService:
         loop = asyncio.get_running_loop()
         woken: asyncio.Future | None = None  # what the answering loop awaits, None while it runs
         reading = True
+        refused_more = False  # the reader stopped at a request because the server is stopping
 
         def wake() -> None:
             if woken is not None and not woken.done():
                 woken.set_result(None)
 
         async def read():
-            nonlocal reading
+            nonlocal reading, refused_more
             try:
                 async for request in request_iterator:
+                    if self.stopping:  # not accepted: the stream ends UNAVAILABLE, the client resends elsewhere
+                        refused_more = True
+                        break
                     if isinstance(request, Malformed):  # the guard leaves stream requests unwrapped
                         await refuse(context, method, request)
                     ticket = submit(request)
@@ -203,19 +254,26 @@ class VerifierService:
                 wake()
 
         reader = loop.create_task(read())
+        self._stream_wakers.add(wake)
         try:
             while True:
                 while outstanding and outstanding[0].result is not None:
                     yield outstanding.popleft().result
-                if not outstanding and not reading:
+                if not outstanding and (not reading or self.stopping):
                     break
                 woken = loop.create_future()
                 if outstanding:
                     outstanding[0].on_done(wake)
                 await woken
                 woken = None
+            if self.stopping and (reading or refused_more):
+                # requests it did not read (or read and did not accept) were never taken: UNAVAILABLE
+                # tells the client to resend them elsewhere (an ended stream, OK, would say it is done)
+                reader.cancel()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING)
             await reader  # a broken request stream raises here
         finally:
+            self._stream_wakers.discard(wake)
             reader.cancel()
             for ticket in outstanding:
                 ticket.withdraw(self.scheduler)
@@ -246,7 +304,7 @@ class VerifierService:
             if request.request_id:
                 self.sessions.opens.pop(request.request_id, None)
             raise
-        session = self.sessions.add(seq, request.request_id)
+        session = self.sessions.add(seq, request.request_id, request.verify_all_drafts)
         response = rpc.OpenSessionResponse(session_id=session.id, position=seq.position, first_token=seq.pending,
                                            finish_reason=FINISH_REASONS[seq.finish_reason], prompt_ids=prompt)
         if logits is not None:
@@ -290,6 +348,8 @@ class VerifierService:
         """Check the step's wire fields, find its session, answer a retry from the stored result or
         join it to the same step in flight, else queue it. `session_id`: the step's, read once;
         `arrived` (perf_counter) and `now` (the session table's clock) are read once per request."""
+        if self._cut_message is not None:  # the grace period is over: nothing more runs
+            return self._refuse(step, grpc.StatusCode.UNAVAILABLE, self._cut_message)
         try:
             drafts, draft_probs = step_drafts(step, session_id, self.engine.max_k, self.vocab)
         except Invalid as exc:

@@ -43,6 +43,9 @@ class Session:
     results: OrderedDict[str, StoredResult] = field(default_factory=OrderedDict)  # request id -> its answer
     inflight: dict[str, Answer] = field(default_factory=dict)  # request id -> its queued or running step (scheduler.PendingStep)
     busy: int = 0  # steps queued or running: a busy session is never reaped
+    # OpenSessionRequest.verify_all_drafts: the goodput policy never trims this session's drafts
+    # (a drafter being measured, not served); its outcomes still inform the policy
+    verify_all_drafts: bool = False
 
 
 class SessionTable:
@@ -73,9 +76,9 @@ class SessionTable:
         assert self.reserved > 0, "unreserve without reserve"
         self.reserved -= 1
 
-    def add(self, sequence: Sequence, open_request_id: str = "") -> Session:
+    def add(self, sequence: Sequence, open_request_id: str = "", verify_all_drafts: bool = False) -> Session:
         """Register an admitted sequence (its slot was reserved before the prefill)."""
-        session = Session(secrets.token_hex(16), sequence, open_request_id, self.clock())
+        session = Session(secrets.token_hex(16), sequence, open_request_id, self.clock(), verify_all_drafts=verify_all_drafts)
         self._sessions[session.id] = session
         return session
 
