@@ -228,8 +228,8 @@ def step_timeline(engine: Engine, seqs: list, k: int, steps: int = 10) -> dict:
     """Where a graphed engine step's wall time goes (the step step_ms times, under the profiler):
     per step its wall ms, the ms the GPU was busy (the union of the step's kernels and copies on the
     device timeline) and the span from the first to the last of them. wall - busy is host work and
-    the gaps between graph nodes. The profiler widens the gaps and the wall (on the H200, 2B model:
-    3.07 ms a profiled decode step against 2.23 unprofiled), so compare its figures with each other."""
+    the gaps between graph nodes. The profiler widens the gaps and the wall (its own host work sits
+    between the nodes), so compare its figures with each other, never with step_ms's unprofiled ones."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

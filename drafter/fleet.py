@@ -244,9 +244,9 @@ def _checked(outcome: StepOutcome | VerifierError) -> StepOutcome:
 
 class _Blocking:
     """Carries out actions with blocking calls; VerifierErrors come back as answers. Rounds go on one
-    VerifyRounds stream (a Verify call per round pays a call's setup on the server every round:
-    four callers of 16 sessions on a loopback server with no model cost 59.0 us per step as Verify
-    calls against 35.5 on VerifyRounds, bench.server_overhead, `server_overhead_2026-11-30.json`),
+    VerifyRounds stream (a Verify call per round pays a call's setup on the server every round, a
+    stream once: `python -m bench.server_overhead` measures both, four callers of 16 sessions on a
+    loopback server with no model, as its unary_x4 and rounds_x4 shapes, `server_overhead_2026-11-30.json`),
     or as Verify calls with `rounds_stream` off or when the server does not serve VerifyRounds
     (UNIMPLEMENTED: a server from before it)."""
 

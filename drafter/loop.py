@@ -53,7 +53,8 @@ class DraftLoop:
         self.session, self.info, self.proposer = session, info, proposer
         self.k, self.max_new_tokens, self.return_logits = k, max_new_tokens, return_logits
         self.send_probs = not sampling.greedy  # rejection sampling needs q; greedy never sends it
-        # decided once: isinstance against a runtime-checkable Protocol walks its members (~40 us a step)
+        # decided once: isinstance against a runtime-checkable Protocol walks its members, host work
+        # that would otherwise recur every step
         self.gives_probs = isinstance(proposer, ProbabilityProposer)
         self.adaptive = adaptive
         self.position = session.position

@@ -25,7 +25,8 @@ rules 1-4). The grid carries the row count; no kernel argument depends on it.
 Products: fp32 inputs use fp32 ieee dots (TF32 off). bf16 inputs use the tensor cores: q k^T
 is a bf16 MMA with fp32 accumulate, and the unnormalised probabilities are rounded to bf16 before
 the p v MMA, as the reference rounds its probabilities to the input dtype before that product.
-(fp32 tiles of a 256-wide head held in registers spill, and the walk then runs ~20x slower.)
+(fp32 tiles of a 256-wide head held in registers spill to local memory, and the walk then runs
+many times slower.)
 Triton's interpreter cannot run bf16 dots (it multiplies the raw bits, triton-lang/triton#11584):
 under TRITON_INTERPRET=1 the INTERPRET constexpr upcasts the bf16 tiles to fp32 (bf16 products are
 exact in fp32) and rounds the probabilities on the bits, the same values the GPU multiplies.

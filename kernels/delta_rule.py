@@ -190,7 +190,7 @@ def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K
     b_v = tl.load(p_value + o_v, mask=m_v, other=0.0)
     if DECAY_K == 1:
         # a scalar: its [BLOCK_K] broadcast (and the next row's) held registers that cost occupancy
-        # (faster at 64 sequences x 9 rows on the H200, the same bits)
+        # (faster at 64 sequences x 9 rows, the same bits; `python -m bench.gpu` times those steps)
         b_decay = tl.load(p_decay)
     else:
         b_decay = tl.load(p_decay + o_k, mask=m_k, other=0.0)
@@ -304,7 +304,7 @@ def _delta_rule_kernel(
         n_k, n_v, n_decay, n_beta = _load_stash_row(p_k, p_v, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K)
         if not FOLD and CARRY_ROWS > 0:
             # the next query: loaded before the update with a carry, after it without one; each the
-            # faster schedule on the H200, with or without carried rows, the same bits
+            # faster schedule, with or without carried rows, the same bits (`python -m bench.gpu`)
             n_q = tl.load(p_q + o_k, mask=m_k, other=0.0)
         b_s = _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K)
         step_row = True  # a row of this step, not a carried one

@@ -112,29 +112,30 @@ MIN_K_STEPS_PER_SPLIT = 4  # each split walks at least this many BLOCK_K steps
 def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     """The pinned launch config for a weight of shape [n, k]; never a function of the row count.
 
-    bf16 (the GPU's serving dtype) is measured: `bench/linear_configs.py` timed 69 candidates on
-    the 2B checkpoint's seven weight shapes at 1 and 9 rows on an H200
-    (bench/results/linear_configs_2026-11-29.json). BLOCK_N 32, BLOCK_K 128, 4 warps, 6 stages
-    is within 6% of the best candidate on every shape (3% on average), from the 2048-wide output
-    projections (64 tiles, too few for 132 SMs, so deep pipelining of each tile's K walk is what
-    helped; that sweep predates SPLIT_K and ran every candidate unsplit) to the 152k-row LM head.
+    bf16 (the GPU's serving dtype) is measured: `python -m bench.linear_configs` times candidate
+    (BLOCK_N, BLOCK_K, warps, stages) configs on the 2B checkpoint's weight shapes at 1 and 9 rows
+    (bench/results/linear_configs_2026-11-29.json). The rule: one config for every shape, chosen
+    because it stays close to the best candidate on each of them rather than best on one. BLOCK_N
+    32, BLOCK_K 128, 4 warps, 6 stages is that config from the 2048-wide output projections (64
+    tiles, too few for the H200's 132 SMs, so deep pipelining of each tile's K walk is what helps;
+    that sweep ran every candidate unsplit, before SPLIT_K) to the 152k-row LM head.
     bf16 weights with few output tiles also split K (SPLIT_K, below): until about
     TARGET_PROGRAMS programs run, at most MAX_SPLIT_K ways, each split at least
     MIN_K_STEPS_PER_SPLIT BLOCK_K steps long; fp32 never splits.
-    fp32 (tests, the CPU interpreter) is reasoned, not timed: input_precision="ieee" has no
-    tensor cores, the dot is FMA with both tiles in registers, so BLOCK_K 32 and 3 stages
-    keep a [16, 32] x [32, 64] product in 4 warps without spilling; BLOCK_N 64 when N gives
-    at least 128 tiles, else 32.
+    fp32 (tests, the CPU interpreter) is chosen by reasoning, since no fp32 path is served for
+    speed: input_precision="ieee" has no tensor cores, the dot is FMA with both tiles in
+    registers, so BLOCK_K 32 and 3 stages keep a [16, 32] x [32, 64] product in 4 warps without
+    spilling; BLOCK_N 64 when N gives at least 128 tiles, else 32.
     Small N or K shrink the block to the next power of two, at least 16 (tl.dot's minimum).
     Changing a config changes the CUDA backend's bits (another association of the K sum) but
     never the row-invariance contract, since decode and verify read the same config.
     Pipelined 4 stages deep, not 6, below WIDE_N features: timed as the engine runs them (a CUDA
-    graph of eight GEMMs on distinct weights of one shape, dependent launches, split sums handed
-    on) at 1 and 9 rows, (32, 4 warps, 4 stages) was the fastest of 36 (BLOCK_N, warps, stages)
-    tiles or within 2% of it on all six 2B layer shapes, 6-19% faster than 6 stages (MLP down
-    10.29 -> 8.34 us, output projections 7.6 -> 6.4, input projections 15.0 -> 14.1: about 0.12 ms
-    of a 2B decode step; `python -m bench.gemm` times the shapes). None of those three changes
-    the K walk, so every tile gave the same bits. The LM head (not in that sweep) keeps 6.
+    graph of GEMMs on distinct weights of one shape, dependent launches, split sums handed on) at
+    1 and 9 rows, (32, 4 warps, 4 stages) was the fastest (BLOCK_N, warps, stages) tile, or close
+    to it, on every 2B layer shape, and faster than 6 stages on each of them (the MLP down, output
+    and input projections); `python -m bench.gemm` times the shapes, so rerun it before changing
+    the stages. None of BLOCK_N, warps or stages changes the K walk, so every tile gives the same
+    bits: a change here is a speed question only. The LM head (not in that sweep) keeps 6.
     """
     if dtype == torch.bfloat16:
         block_n, block_k, num_stages = 32, 128, (6 if n >= WIDE_N else 4)

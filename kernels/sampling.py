@@ -13,9 +13,10 @@ comparing them with each row's argmax, and copying K+1 rows of a 150k vocabulary
 that (5.5 MB at K = 8) costs more than the rest of the step's host work. A maximum is exact
 whatever the order, so the answer equals torch.argmax's; NaN counts as larger than every number
 (as in torch) and the first NaN wins.
-It runs in two stages, because one program walking a whole 150k row is latency-bound (on the
-H200: 4.4 us for one row, on one SM; 64 rows use 64 of 132 SMs for data that takes ~10 us to read;
-two stages take 3.3 us for one row and 14 for 64, bench/README.md):
+It runs in two stages, because one program walking a whole 150k row is latency-bound: a row per
+program puts one row on one SM and 64 rows on 64 SMs, fewer than the H200's 132, so the read never
+reaches the device's bandwidth; chunks of CHUNK_V ids spread every row over many SMs (the argmax
+kernels' device time is in `python -m bench.gpu`'s kernel breakdown):
     stage one, grid (R, C): program (r, c) takes ids [c * CHUNK_V, (c + 1) * CHUNK_V) of row r and
         writes the chunk's best (its first NaN, else its maximum and the lowest id reaching it)
         to partials [R, C] fp32 (NaN for a chunk holding one) and [R, C] int32 ids

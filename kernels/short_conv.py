@@ -33,8 +33,9 @@ registers (W <= MAX_WIDTH; a run starts from the W-1 before it, loaded from the 
 inputs), so each input row is read once by the run it is in and row t + 1 is loaded while row t
 is computed; every element is computed on its own from the same loaded values, its W taps
 combined in the same order whatever the number of rows or runs. (The kernel before this one
-took a verify's rows in 16-row tiles and read every input row once per tap: on the H200, 64
-sequences of 9 rows were L1-bound at 25% occupancy, per Nsight Compute.) fp32 contraction into FMA is turned off
+took a verify's rows in 16-row tiles and read every input row once per tap, W reads where one
+suffices, and its verify of 64 sequences was bound by L1 traffic; `python -m bench.gpu` times the
+steps this kernel is part of.) fp32 contraction into FMA is turned off
 (enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
 bf16 rounding (`_round_to`) is the GPU's fp32 -> bf16 cast, which rounds to nearest even; under the
 interpreter, which truncates on that cast, it is done with integer ops first (`rounding.cast_rtne`),

@@ -300,9 +300,10 @@ class Engine:
         the acceptance) where there is one, else one made now of the emitted rows alone. Only the
         emitted rows: at 64 sequences x 9 rows the 2B model's verify holds 350 MB of fp32 logits, of
         which a step whose drafts are all rejected returns a ninth. One copy and one split, not a
-        slice per sequence: a tensor slice costs microseconds of host time, and 64 sequences took two
-        per sequence after their rows reached the host, with the GPU idle (H200 host, 2B decode at
-        batch 64: ~0.9 ms from the ids to the end of the step). One mechanism either way: the copy
+        slice per sequence: every tensor slice is host work of its own, and slices per sequence (two
+        each) run after the rows reach the host, with the GPU idle, so they grow the step's critical
+        path with the batch (`python -m bench.gpu`'s step_timeline splits a step into GPU-busy time
+        and host). One mechanism either way: the copy
         is made early when it is small, late when only the emitted rows are affordable."""
         if not wanted:
             return

@@ -31,7 +31,8 @@ host waits for its graph and reads R ints. Launched after the replay, the two ar
 behind the graph without PDL and the ids came back in a synchronous copy of their own, all on the
 critical path once the graph had finished. Every bucket row
 gets its argmax, padding rows and sampled steps' rows too: at most the largest bucket's, 576 rows
-of a 248k vocabulary (~0.14 ms at 4 TB/s) beside a step of ~10 ms.
+of a 248k vocabulary (~0.14 ms at 4 TB/s), one more read of logits the step's LM head has just
+written, small beside the step (`python -m bench.gpu` times the steps).
 
 Rollback. The rollback graph replays the record's RollbackPlan (rollback.py): for all recurrent
 layers, one launch for the conv windows and one for the recurrent states (kernels/fused_rollback.py).
@@ -68,8 +69,9 @@ from .step_inputs import StepInputs
 # sequence's buckets). Decode at batch b is b rows, so the small counts are dense (1..6); past 8 the
 # steps grow by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then
 # 1.33x to 512 and by 64 rows (one more draft for 64 sessions) to 576, which holds 64 sessions at
-# K = 8, the default max_k: a step past the largest bucket runs eagerly, launch by launch (64 x 9
-# rows of the 2B model took 25 ms eager against 11 ms of kernels, H200). With one shared graph
+# K = 8, the default max_k: a step past the largest bucket runs eagerly, launch by launch, and then
+# the host's launches, not the kernels, set its time (`python -m bench.gpu` times the graphed steps;
+# its step_timeline splits a step's wall time into GPU-busy time and host). With one shared graph
 # memory pool the graph memory is that of the largest bucket, so the list costs capture time (two
 # graphs each at startup), not memory.
 DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
@@ -118,8 +120,9 @@ class _Bucket:
     # back), the rollback's kept counts. A verify waits for the bucket's last verify before
     # rewriting its inputs (not for the rollback after it: a step's inputs are written while the last
     # step's rollback graph still runs); a rollback for its own verify, which the stream ran after
-    # the bucket's last rollback (one event: a rollback's own record cost a K = 8 step ~13 us of
-    # host time on the H200 with the GPU idle, and its verify's ids have been waited for already).
+    # the bucket's last rollback (one event: a rollback's own record is a driver call on the step's
+    # host critical path while the GPU waits, and its verify's ids have been waited for already;
+    # `python -m bench.gpu` times the steps).
     verified: torch.cuda.Event  # recorded after the verify replay
     verify_graph: torch.cuda.CUDAGraph
     rollback_graph: torch.cuda.CUDAGraph
@@ -165,8 +168,8 @@ class GraphedSteps:
 
     def _bucket(self, shape: BucketShape, mode: str) -> _Bucket:
         """`shape`'s bucket for `mode`, captured first if it is not yet. A captured one is a dict
-        lookup: inference mode, whose entry and exit cost a batch-1 step ~10 us of its critical
-        path on the H200's host, wraps the capture only."""
+        lookup: inference mode, whose entry and exit are host work on a batch-1 step's critical
+        path (`python -m bench.gpu` times that step), wraps the capture only."""
         bucket = self._buckets.get((shape, mode))
         if bucket is not None:
             return bucket

@@ -72,7 +72,8 @@ def head_logits(x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None 
     """Final-normed rows x [rows, H] through the LM head weight [vocab, H] -> fp32 logits [rows,
     vocab], into out when given: the head's output in x's dtype, widened. On CUDA, with a plain
     weight, one GEMM writes them so (kernels/linear.py: the bits of .float() of its output, without
-    that output and the pass that widens it: 0.25 ms of a 64 x 9-row verify of the 2B model)."""
+    that output and the pass that widens it, a full extra write and read of a rows x vocab tensor;
+    `python -m bench.gpu` times the verify steps it shortens)."""
     if use_triton(x) and isinstance(weight, torch.Tensor):
         if out is None:
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)

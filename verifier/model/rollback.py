@@ -38,8 +38,9 @@ for snapshot against ~6.3 MiB for WOA with a fold. bench/rollback measures the f
 Carried rows (write-on-accept rollback without a fold; DESIGN.md section 4, "carried state").
 A verify of K + 1 rows reads a slot's recurrent state and writes nothing; its rollback kept the
 first a + 1 rows by folding them into the state, which read and wrote the whole state again. At
-64 sequences of the 2B model that is 2.4 GB read and written per step: the fold took 1.44 ms of a
-12 ms K = 8 step on the H200. With carried rows the rollback copies the kept rows' stash (key,
+64 sequences of the 2B model that is 2.4 GB read and written per step (~0.6 ms at 4 TB/s), a
+large share of a K = 8 step (`python -m bench.gpu` times the steps and the rollback, and
+`python -m bench.rollback` the fold against the snapshot). With carried rows the rollback copies the kept rows' stash (key,
 value, decay, beta: a few hundred KB a sequence) into the slot's CarriedRows
 (verifier/model/state.py) and notes how many (`SlotPool.carried`, `note_kept`); the slot's next verify applies
 them to the state it loads anyway, writes the state once (it is then committed through them), and

@@ -49,9 +49,10 @@ class ServerConfig:
     # that just ran (the drafters answering its results), so that sessions stepping in lockstep
     # share one batch instead of splitting into a tiny batch of whoever answered first: at least
     # max_wait_ms, and 1.5x the measured time they take to come back when that is longer (up to
-    # the last engine step's time: a fragment costs about one step; verifier/server/scheduler.py). 2 ms: a loopback round trip plus a drafter's Python on
-    # a fast host; a lone drafter never waits (its step is all that is awaited), and a session that
-    # misses a batch is no longer awaited.
+    # the last engine step's time: a fragment costs about one step; verifier/server/scheduler.py).
+    # The 2 ms default is meant to cover a loopback round trip plus a drafter's Python on a fast host
+    # (`python -m bench.rpc_floor` measures that round trip); a lone drafter never waits (its step
+    # is all that is awaited), and a session that misses a batch is no longer awaited.
     max_wait_ms: float = option(2.0, "wait at least this long for the sessions of the last batch, longer when they "
                                      "measurably take longer (0: run as soon as the engine is free)")
     # Per batch, verify only the drafts worth their rows (verifier/server/goodput.py), from the step
@@ -72,6 +73,10 @@ class ServerConfig:
     metrics_port: int | None = option(None, "serve Prometheus metrics on this port; None: no endpoint (GetStats still answers)")
     grace_s: float = option(5.0, "shutdown: time in-flight calls get to finish")
     drain_s: float = option(0.0, "shutdown: time health says NOT_SERVING before the port closes")
+    # A measurement switch (bench.serve): per-batch and per-request timestamps, kept in memory
+    # (bounded) and written when the server stops; verifier/server/timings.py.
+    round_timings: Path | None = option(None, "keep timestamps of every engine batch and answered request and write "
+                                              "them to this JSON file when the server stops; None: none kept")
 
     def __post_init__(self):
         object.__setattr__(self, "model_dir", Path(self.model_dir))
