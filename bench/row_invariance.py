@@ -121,7 +121,7 @@ def model_weights(config: dict, fp8: bool) -> dict[tuple, list[str]]:
     return found
 
 
-def _dense_weight(n: int, k: int, dtype: str, gen: torch.Generator):
+def dense_weight(n: int, k: int, dtype: str, gen: torch.Generator):
     if dtype != "fp8":
         return (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).to(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]))
     values = (torch.randn(n, k, generator=gen, device="cuda") * 112).clamp_(-448, 448).to(FP8)
@@ -132,7 +132,7 @@ def _dense_weight(n: int, k: int, dtype: str, gen: torch.Generator):
 def sweep_dense(n: int, k: int, dtype: str, max_rows: int, seed: int) -> dict:
     """Every row alone vs in the first M rows, M = 1 .. max_rows -> {M: rows differing} (empty: invariant)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    weight = _dense_weight(n, k, dtype, gen)
+    weight = dense_weight(n, k, dtype, gen)
     x_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     x = torch.randn(max_rows, k, generator=gen, device="cuda").to(x_dtype)
     op = (lambda rows: linear_fp8(rows, *weight)) if dtype == "fp8" else (lambda rows: linear(rows, weight))
@@ -152,14 +152,14 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, dtype: str, max_rows: int,
     if dtype == "fp8":
         stacks = []
         for n, k in ((i, h), (i, h), (h, i)):
-            values, scales = _dense_weight(e * n, k, "fp8", gen)
+            values, scales = dense_weight(e * n, k, "fp8", gen)
             stacks.append((values.view(e, n, k), BlockScales(scales.scale_inv.view(e, -(-n // FP8_BLOCK), -1), standard_scale_row(n, FP8_BLOCK, "cuda"),
                                                             FP8_BLOCK)))
         (wg, sg), (wu, su), (wd, sd) = stacks
         op = lambda x, ids, w: moe.moe_experts_fp8(x, ids, w, wg, wu, wd, (sg, su, sd))  # noqa: E731
     else:
-        wg, wu = (_dense_weight(e * i, h, "bf16", gen).view(e, i, h) for _ in range(2))
-        wd = _dense_weight(e * h, i, "bf16", gen).view(e, h, i)
+        wg, wu = (dense_weight(e * i, h, "bf16", gen).view(e, i, h) for _ in range(2))
+        wd = dense_weight(e * h, i, "bf16", gen).view(e, h, i)
         op = lambda x, ids, w: moe.moe_experts(x, ids, w, wg, wu, wd)  # noqa: E731
     x = torch.randn(max_rows, h, generator=gen, device="cuda").bfloat16()
     ids = torch.rand(max_rows, e, generator=gen, device="cuda").argsort(dim=1)[:, :top_k].contiguous()

@@ -154,7 +154,9 @@ def fp8_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
 
     kernels/linear.py's pinned config of the shape (its K walk: BLOCK_K, the split of K, BLOCK_N,
     warps, stages) with FP8_BLOCK_M rows a tile for bf16; fp32 (tests, the interpreter) keeps
-    its FMA tile of 16 rows."""
+    its FMA tile of 16 rows. `python -m bench.fp8_configs` times candidates one call at a time;
+    an unsplit 64-feature tile that wins there made the engine's batch-1 steps slower (its
+    kernel_breakdowns in `python -m bench.fp8_real_size`), so a change is judged in the engine."""
     pinned = linear_config(n, k, dtype)
     return pinned._replace(BLOCK_M=FP8_BLOCK_M) if dtype == torch.bfloat16 else pinned
 

@@ -78,7 +78,7 @@ class GroupedConfig(NamedTuple):
     num_stages: int
 
 
-def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k: int = 0) -> GroupedConfig:
+def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k: int = 0, fp8: bool = False) -> GroupedConfig:
     """The pinned config for experts of hidden size h and intermediate size i; never a function of
     the row count.
 
@@ -100,16 +100,23 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     pairs spends the MMAs on padding (on the 35B FP8 config, 256 experts, top 8, 64-row blocks
     were slower at batch 1 and at batch 64; `python -m bench.fp8_real_size` times it). The block is
     still a function of the weights' shapes only.
+    FP8 weights with many experts take 64-feature tiles in both stages: `python -m bench.fp8_configs`
+    times 12 candidates on a published MoE's experts at 1, 9, 64 and 576 rows, and this one has the
+    least time summed over them (bench/results/fp8_configs_2026-12-04_Qwen3.6-35B-A3B.json): a
+    tile dequantized in registers wants more features per program than the bf16 one.
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
+    block_n = 32
     if n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k:
         block_m = 16
+        if fp8 and dtype == torch.bfloat16:
+            block_n = 64
 
     def fit(block: int, n: int) -> int:
         return max(16, min(block, triton.next_power_of_2(n)))
 
     return GroupedConfig(
-        BLOCK_M=block_m, BLOCK_N=fit(32, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(32, h), BLOCK_K2=fit(block_k, i),
+        BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n, h), BLOCK_K2=fit(block_k, i),
         BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages,
     )
 
@@ -290,14 +297,17 @@ def _combine_kernel(
 
 def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor,
-                    scales: tuple[BlockScales, BlockScales, BlockScales] | None) -> torch.Tensor:
+                    scales: tuple[BlockScales, BlockScales, BlockScales] | None,
+                    config: GroupedConfig | None = None) -> torch.Tensor:
     """The three launches on arguments kernels/moe.py has checked (x, ids and weights contiguous,
-    out [R, H] contiguous, R >= 1); scales None: weights in x's dtype. Fills and returns out."""
+    out [R, H] contiguous, R >= 1); scales None: weights in x's dtype. Fills and returns out.
+    config: overrides `grouped_config` (bench.fp8_configs times candidates): that one config then
+    runs every row count, so the rows stay invariant under it too."""
     r, h = x.shape
     t = expert_ids.shape[1]
     e, i, _ = w_gate.shape
     n_pairs = r * t
-    cfg = grouped_config(h, i, x.dtype, e, t)
+    cfg = config or grouped_config(h, i, x.dtype, e, t, fp8=scales is not None)
     sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)  # [P], [P]: pairs grouped by expert
     hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by sorted position
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair

@@ -135,3 +135,14 @@ def test_many_experts_take_small_blocks_in_every_dtype():
     assert grouped_config(2048, 512, torch.bfloat16, n_experts=256, top_k=8).BLOCK_M == 16
     assert grouped_config(2048, 512, torch.bfloat16, n_experts=MANY_EXPERTS_PER_SLOT * 8 - 1, top_k=8).BLOCK_M == 64
     assert grouped_config(2048, 512, torch.float32, n_experts=8, top_k=2).BLOCK_M == 16
+
+
+def test_fp8_experts_of_many_take_wider_feature_tiles_and_nothing_else_changes():
+    """FP8 weights dequantized in registers take 64-feature tiles in both stages where experts are
+    many (bench.fp8_configs measured them); bf16 experts and fp32 keep their tiles."""
+    fp8 = grouped_config(2048, 512, torch.bfloat16, n_experts=256, top_k=8, fp8=True)
+    bf16 = grouped_config(2048, 512, torch.bfloat16, n_experts=256, top_k=8)
+    assert (fp8.BLOCK_N, fp8.BLOCK_N2) == (64, 64) and (bf16.BLOCK_N, bf16.BLOCK_N2) == (32, 32)
+    assert fp8._replace(BLOCK_N=32, BLOCK_N2=32) == bf16
+    assert grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2, fp8=True) == grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2)
+    assert grouped_config(64, 32, torch.float32, n_experts=256, top_k=8, fp8=True) == grouped_config(64, 32, torch.float32, n_experts=256, top_k=8)
