@@ -240,7 +240,26 @@ class Tables:
                             f"{d['device']}, {d['date']}")
         return table(["model", "engine tok/s", "service tok/s", "service / engine", "2x processes tok/s", "p50 ms",
                       "p99 ms", "captures during load", "random K=4 / plain", "oracle trimmed / untrimmed", "mismatches",
-                      "device, date"], rows, self.source(*paths))
+                      "device, date"], rows, self.source(*paths)) + self.serve_breakdown()
+
+    def serve_breakdown(self) -> str:
+        """Where a plain round goes (bench/serve_breakdown.py), for the files that time it; nothing
+        for files from before the round timings."""
+        rows, paths = [], []
+        for variant, path in self.files("serve").items():
+            d = self.load(path)
+            timed = {name: m for name, m in d["models"].items() if m.get("round_breakdown_ms")}
+            if timed:
+                paths.append(path)
+            for name, m in timed.items():
+                b = m["round_breakdown_ms"]
+                rows.append(f"{name if not variant else variant} | {b['round']:.2f} | {b['engine']:.2f} | "
+                            f"{m['added_ms_per_round']:.2f} ({_or_dash(m['added_ms_per_round_p50'])}) | {b['server_in']:.2f} | "
+                            f"{b['server_out']:.2f} | {b['wire']:.2f} | {b['drafter']:.2f} | {b['unexplained']:.2f}")
+        if not rows:
+            return ""
+        return "\n" + table(["model", "round ms (plain)", "engine step", "added: mean (p50)", "server in", "server out",
+                             "wire", "drafter", "unexplained"], rows, self.source(*paths))
 
     def serve_remote(self) -> str:
         rows, paths = [], []
@@ -328,7 +347,7 @@ class Tables:
                     f"its floor at batch 1), {f['gpu_memory_gib']:.1f} GiB | `{self.rel(fp8_path)}`")
         for p, s in serve:
             for name, mm in s["models"].items():
-                if name == "shipped":  # the 24M target's 1 ms step is outweighed by the round trip: bench/README.md
+                if name == "shipped":  # the 24M target's step is small beside the round trip, so its ratio would measure the RPC: bench/README.md
                     continue
                 label = "2B" if name == "2b" else (p.stem.split("_", 2)[2] if p.stem.count("_") > 1 else name)
                 rows.append(f"Through the gRPC service, 64 sessions, {label}: tokens/s over the engine's alone | "
@@ -342,6 +361,10 @@ class Tables:
                 "acceptance": self.acceptance, "load": self.load_table, "serve": self.serve,
                 "serve_remote": self.serve_remote, "service_floor": self.service_floor,
                 "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def table(head: list[str], rows: list[str], note: str) -> str:

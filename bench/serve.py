@@ -5,7 +5,9 @@ side in one run, and a remote drafter against the in-process pair.
     PYTHONPATH=. python -m bench.serve --out bench/results --device cuda       # the H200 run (~5 min)
 
 Per model (--model shipped = models/target; 2b = the Qwen3.5-style 2B checkpoint of bench/gpu.py,
-written once to a temporary directory by its writer; tiny = bench.load's tiny checkpoint; or a path):
+written once to a temporary directory by its writer; tiny = bench.load's tiny checkpoint;
+fp8-real-size = bench.fp8_real_size's block-FP8 checkpoint of --fp8-config with random weights,
+written by its writer under --workdir (--fp8-scale tiny: shrunk for the CPU); or a path):
   engine   verifier.engine.Engine in this process, built as the server builds it (ServerConfig: dtype,
            n_slots, max_k, graph buckets), greedy plain decoding of --sessions prompts in ONE batch
            per step: --warmup-steps untimed, then --steps timed. Decoding runs on, untimed, to give
@@ -20,7 +22,10 @@ written once to a temporary directory by its writer; tiny = bench.load's tiny ch
            server, started with --no-goodput beside the first. With --pairs N each ratio (random vs
            plain, oracle trimmed vs untrimmed) is measured N - 1 more times as back-to-back pairs,
            alternating which run goes first, and the median is reported (`pair_ratios` lists them).
-           Every stream is compared with the engine's.
+           Every stream is compared with the engine's. Each server keeps round timings
+           (--round-timings): every run reports added_ms_per_round (its round, ms_per_batch, minus the
+           engine step) and the round's parts from timestamps: engine, server in, server out, wire,
+           drafter, unexplained (bench/serve_breakdown.py).
 remote drafter (--remote-target/--remote-draft, the shipped pair): held-out prompts one session at a
 time, as `python -m drafter generate` runs them (drafter.loop.generate over a VerifyStream): plain,
 then the model drafter at K in this process on --draft-device; and the same pair in process
@@ -46,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from bench import serve_breakdown
 from bench.load import processes, reference, report, workload
 from bench.load.drafters import FLEET, FLEET_VERIFY
 from bench.load.progress import StepProgress, say
@@ -58,9 +64,11 @@ from verifier.server.app import build_engine
 from verifier.server.config import ServerConfig
 
 TAG = "serve"
-MODEL_NAMES = ("shipped", "2b", "tiny")
+FP8 = "fp8-real-size"  # bench.fp8_real_size's checkpoint (--fp8-config, --fp8-scale), written by its writer
+MODEL_NAMES = ("shipped", "2b", "tiny", FP8)
 REMOTE_PROMPTS = REPO / "bench" / "prompts" / "stdlib_validation.jsonl"
 NO_GOODPUT = "--no-goodput"
+ROUND_TIMINGS = "--round-timings"
 QUICK = {"steps": 60, "remote_prompt_count": 4, "remote_new_tokens": 64}
 
 
@@ -86,6 +94,9 @@ class ServeConfig:
     seed: int = 0
     pairs: int = 1  # back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed); the median is reported
     name: str = ""  # what differs from the default run (a model, a host), appended to the results file's name
+    fp8_config: str = "qwen3.6-35b-a3b"  # --model fp8-real-size: the published config it writes
+    fp8_scale: str = "full"  # or "tiny": the same layers shrunk, for the CPU
+    workdir: Path | None = None  # where the temporary checkpoints go (None: the system's temporary folder)
 
     def __post_init__(self):
         check_name(self.name)
@@ -97,6 +108,10 @@ class ServeConfig:
             raise ValueError("--device cuda, but torch sees no CUDA device")
         if "2b" in self.models and self.device != "cuda":
             raise ValueError("--model 2b needs --device cuda (a 2B checkpoint on this CPU would take hours)")
+        if FP8 in self.models and self.fp8_scale == "full" and self.device != "cuda":
+            raise ValueError(f"--model {FP8} at --fp8-scale full needs --device cuda (--fp8-scale tiny runs on the CPU)")
+        if self.fp8_scale not in ("full", "tiny"):
+            raise ValueError(f"--fp8-scale must be full or tiny, got {self.fp8_scale!r}")
         if self.pairs < 1:
             raise ValueError(f"--pairs must be >= 1, got {self.pairs}")
         if self.remote_prompt_count < 1 or self.remote_new_tokens < 2 or self.time_limit_s <= 0:
@@ -118,7 +133,7 @@ class ServeConfig:
                             max_batch_rows=self.sessions * (self.k + 1))  # a round of every session is one batch
 
 
-def checkpoint(name: str, scratch: Path) -> Path:
+def checkpoint(name: str, scratch: Path, config: ServeConfig) -> Path:
     if name == "shipped":
         return SHIPPED_TARGET
     if name == "2b":
@@ -133,15 +148,24 @@ def checkpoint(name: str, scratch: Path) -> Path:
         from verifier.model.random_checkpoint import write_random_checkpoint
 
         return write_random_checkpoint(TINY_CONFIG, scratch / TINY_NAME, seed=0, std=TINY_EMBED_STD)
+    if name == FP8:
+        from bench.fp8_real_size import checkpoint_config, write_checkpoint
+
+        path = scratch / f"{config.fp8_config}-fp8"  # the results' model key: as bench.fp8_real_size names it
+        say(f"writing the random block-FP8 {config.fp8_config} checkpoint at {config.fp8_scale} scale "
+            "(bench/fp8_real_size.py's writer)", TAG)
+        write_checkpoint(path, checkpoint_config(config.fp8_config, config.fp8_scale), "per-expert", seed=0,
+                         device=torch.device(config.device), shard_bytes=4 * 10**9)
+        return path
     return Path(name)
 
 
-def server_has_flag(flag: str) -> bool:
-    """Whether `python -m verifier serve` takes `flag` (flags other engineers add may not be there yet)."""
+def server_has_flag(flag: str, *values: str) -> bool:
+    """Whether `python -m verifier serve` takes `flag` (with `values`, when it takes some)."""
     from verifier.cli import build_parser
 
     with redirect_stderr(StringIO()):
-        _, unknown = build_parser().parse_known_args(["serve", "--port", "0", flag])
+        _, unknown = build_parser().parse_known_args(["serve", "--port", "0", flag, *values])
     return not unknown
 
 
@@ -200,6 +224,10 @@ def service_run(config: ServeConfig, address: str, client: VerifierClient, plan:
         "graph_captures": None if None in captures else captures[1] - captures[0],
         "trimmed_drafts": None if None in trimmed else trimmed[1] - trimmed[0],
         "compared_generations": len(generations), "mismatches": len(wrong), "mismatch_examples": wrong[:3],
+        # the run's engine batches (engine_steps indices, both ends included: its rows of the server's
+        # --round-timings file) and its drafter processes' timed rounds, summed (bench/serve_breakdown.py)
+        "server_batches": [before.engine_steps + 1, after.engine_steps],
+        "drafter_seconds": serve_breakdown.drafter_sums(workers),
     }
 
 
@@ -211,9 +239,12 @@ def _expected(generation: dict, stream: tuple[list[int], str]) -> tuple[list[int
 
 
 @contextmanager
-def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = ()):
-    """A `python -m verifier serve` subprocess with the load runs' settings, and a client of it."""
+def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = (), timings: Path | None = None):
+    """A `python -m verifier serve` subprocess with the load runs' settings, and a client of it;
+    with `timings`, the server writes its round timings there when it stops."""
     settings = config.server_config(model_dir)
+    if timings is not None:
+        extra_args = (*extra_args, ROUND_TIMINGS, str(timings))
     server = ServerProcess(model_dir, device=config.device, dtype=config.served_dtype, n_slots=settings.n_slots,
                            max_seq_len=settings.max_seq_len, max_k=settings.max_k, max_batch_rows=settings.max_batch_rows,
                            extra_args=extra_args)
@@ -230,14 +261,18 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
     back-to-back pairs, alternating which run goes first: the hosts lent differ from run to run by
     more than the effects measured, and a pair run seconds apart shares its host's state."""
     with_goodput_off = server_has_flag(NO_GOODPUT)
+    # each server's timestamps file (None: a server without the switch); written when it stops
+    timings = {trimmed: scratch / f"round_timings_{name}_{'goodput' if trimmed else 'no_goodput'}.json"
+               if server_has_flag(ROUND_TIMINGS, "timings.json") else None for trimmed in (True, False)}
+    timed: list[tuple[dict, bool]] = []  # every run, and whether it ran on the first server
     one, more = config.processes, min(2 * config.processes, config.sessions)
     runs: dict[str, dict] = {}
     rss: dict[str, float] = {}
     pairs: dict[str, list[float]] = {"random_vs_plain": [], "oracle_trimmed_vs_untrimmed": []}
     if not with_goodput_off:
         say(f"the server has no {NO_GOODPUT} flag yet: oracle_trimmed_vs_untrimmed is not measured", TAG)
-    untrimmed_server = serving(config, model_dir, (NO_GOODPUT,)) if with_goodput_off else nullcontext((None, None))
-    with serving(config, model_dir) as (server, client), untrimmed_server as (untrimmed, untrimmed_client):
+    untrimmed_server = serving(config, model_dir, (NO_GOODPUT,), timings[False]) if with_goodput_off else nullcontext((None, None))
+    with serving(config, model_dir, timings=timings[True]) as (server, client), untrimmed_server as (untrimmed, untrimmed_client):
         info = client.model_info()
         plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, "none", config.reference_tokens,
                              config.warmup_steps + config.steps, config.seed, sampling_mix="greedy", generations=1)
@@ -247,8 +282,10 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
         def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None, trimmed: bool = True,
                 transport: str = FLEET) -> dict:
             address, caller = (server.address, client) if trimmed else (untrimmed.address, untrimmed_client)
-            return service_run(config, address, caller, dataclasses.replace(plan, drafter=drafter), n_processes,
-                               streams, scratch, f"{name} {label}", at_start, transport)
+            figures = service_run(config, address, caller, dataclasses.replace(plan, drafter=drafter), n_processes,
+                                  streams, scratch, f"{name} {label}", at_start, transport)
+            timed.append((figures, trimmed))
+            return figures
 
         oracle = f"oracle K={config.k}"
         runs["plain"] = run("plain", at_start=lambda: rss.setdefault("before", server.rss_mib()))
@@ -274,7 +311,22 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
                 runs[f"{key}_pair_{i}"] = pair
                 _add_pair(pairs[key], pair["drafts"], pair["baseline"])
         rss["after"] = server.rss_mib()
+    add_breakdowns(timed, timings)  # the servers have stopped: their timings files are written
     return model_figures(config, engine_figures, runs, rss, with_goodput_off, pairs)
+
+
+def add_breakdowns(timed: list[tuple[dict, bool]], timings: dict[bool, Path | None]) -> None:
+    """Each run's added_ms_per_round and round breakdown (bench/serve_breakdown.py), from its server's
+    timestamps of the run's batches and its drafters' sums."""
+    files = {trimmed: serve_breakdown.load(path) if path is not None else None for trimmed, path in timings.items()}
+    for run, trimmed in timed:
+        server = files[trimmed]
+        if server is None:
+            say("a server wrote no round timings: its runs have no breakdown", TAG)
+            batches, requests = {}, []
+        else:
+            batches, requests = serve_breakdown.window(server, *run["server_batches"])
+        run.update(serve_breakdown.breakdown(run["ms_per_batch"], batches, requests, run["drafter_seconds"]))
 
 
 def _add_pair(ratios: list[float], drafts: dict | None, baseline: dict | None) -> None:
@@ -307,6 +359,10 @@ def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss:
         # the drafters' rounds as Verify calls instead of VerifyRounds messages: what the stream saves
         "service_tokens_per_s_verify_calls": runs["plain_verify_calls"]["tokens_per_s"],
         "goodput_flag": with_goodput_off,
+        # the plain run's round: what the service adds to the engine step, and where it goes
+        # (bench/serve_breakdown.py; every run has its own under runs)
+        "added_ms_per_round": plain.get("added_ms_per_round"), "added_ms_per_round_p50": plain.get("added_ms_per_round_p50"),
+        "round_breakdown_ms": plain.get("round_breakdown_ms"),
         "engine": engine, "runs": runs,
     }
 
@@ -347,11 +403,13 @@ def run_serve(config: ServeConfig) -> dict:
                            "dtype": config.served_dtype, "reference_tokens": config.reference_tokens},
               "models": {}, "remote_drafter": None}
     result["settings"] = json.loads(json.dumps(result["settings"], default=str))
-    with tempfile.TemporaryDirectory(prefix="serve-") as scratch:
+    if config.workdir is not None:
+        config.workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="serve-", dir=config.workdir) as scratch:
         scratch = Path(scratch)
         for name in config.models:
-            model_dir = checkpoint(name, scratch)
-            key = name if name in MODEL_NAMES else model_dir.name
+            model_dir = checkpoint(name, scratch, config)
+            key = name if name in MODEL_NAMES and name != FP8 else model_dir.name
             result["models"][key] = bench_model(config, key, model_dir, scratch)
             _free_device_memory()
         if config.remote:
@@ -379,6 +437,11 @@ def table(result: dict) -> str:
                      m["oracle_trimmed_vs_untrimmed"], m["mismatches"]))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows]
+    for name, m in result["models"].items():
+        runs = {key: run for key, run in m["runs"].items() if "baseline" not in run}
+        breakdown = serve_breakdown.table(runs)
+        if breakdown:
+            lines += [f"{name}: a round and its parts, ms (bench/serve_breakdown.py)", breakdown]
     remote = result["remote_drafter"]
     if remote is not None:
         lines.append(f"remote drafter K={remote['k']}: plain {remote['plain_tokens_per_s']} tok/s, model drafter "
@@ -417,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed), alternating "
                         "which runs first; the median ratio is reported")
     p.add_argument("--name", default=defaults.name, help=NAME_HELP)
+    p.add_argument("--fp8-config", default=defaults.fp8_config, help=f"--model {FP8}: the published config written "
+                   "(bench.fp8_real_size's --config)")
+    p.add_argument("--fp8-scale", default=defaults.fp8_scale, choices=["full", "tiny"],
+                   help=f"--model {FP8}: published sizes, or shrunk for the CPU")
+    p.add_argument("--workdir", type=Path, default=None, help="where the temporary checkpoints are written (the full-size "
+                   "FP8 one takes 36 GB); None: the system's temporary folder")
     return p
 
 

@@ -96,6 +96,7 @@ class Round:
     seconds: float  # the round's request (VerifyRounds message or Verify call), its retries included
     steps: int  # steps sent (one per unfinished session)
     tokens: int  # emitted by the round's OK steps
+    proposing: float = 0.0  # the proposers' time: every session's next_step of the round, seconds
 
 
 class Workload(Protocol):
@@ -185,6 +186,7 @@ class Fleet:
         """One request with the next step of every live session; settle each outcome on its own."""
         ending: list[tuple[int, Exception | None, bool]] = []
         sent: list[tuple[int, Step]] = []
+        proposed_from = self.clock()
         for lane, state in self._live.items():
             try:
                 sent.append((lane, state.loop.next_step()))
@@ -193,6 +195,7 @@ class Fleet:
         tokens = 0
         if sent:
             start = self.clock()
+            proposing = start - proposed_from
             got = yield VerifyRound(tuple(step for _, step in sent))
             seconds = self.clock() - start
             outcomes = [got] * len(sent) if isinstance(got, VerifierError) else got
@@ -210,7 +213,7 @@ class Fleet:
                     ending.append((lane, None, True))
         yield from self._end(ending)
         if sent:
-            done = Round(len(self.rounds), seconds, len(sent), tokens)
+            done = Round(len(self.rounds), seconds, len(sent), tokens, proposing)
             self.rounds.append(done)
             if self.on_round is not None:
                 self.on_round(done)

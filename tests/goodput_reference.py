@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from verifier.server.goodput import MAX_PROBE_CREDIT, MAX_TURNAROUND_S
+from verifier.server.goodput import MAX_PROBE_CREDIT, MAX_TURNAROUND_S, TIE
 
 
 def add_reduce(values: list[float]) -> float:
@@ -43,11 +43,16 @@ def best_first(values: list[float]) -> list[int]:
     return sorted(range(len(values)), key=values.__getitem__, reverse=True)
 
 
-def trim_drafts(requested: Sequence[int], rates: list[list[float]], cost: Callable[[int], float]) -> list[int]:
+def trim_drafts(requested: Sequence[int], rates: list[list[float]], cost: Callable[[int], float],
+                fixed_rows: int = 0) -> list[int]:
     """Drafts to verify per session (valid requests: 0 <= requested[s] <= len(rates[s])): the prefix
-    of the best-first drafts of largest tokens / cost, the last of equal ones; none when no prefix
-    beats verifying no draft, or when every draft together does not pay for one row."""
-    base_rows = len(requested)
+    of the best-first drafts of largest tokens / model cost, the last of equal ones; none when no
+    prefix beats verifying no draft, or when every draft together does not pay for one row. The
+    model cost of R rows is R times the least cost per row of the steps from the base rows (the
+    sessions' own plus `fixed_rows`) up to R, or its cost where that least is its own; a fixed row
+    counts as a token."""
+    sessions = len(requested)
+    base_rows = sessions + fixed_rows
     drafts, owner = [], []  # [drafts sent], session by session: P_s(j), and s
     for s, k in enumerate(requested):
         alive = 1.0
@@ -55,21 +60,30 @@ def trim_drafts(requested: Sequence[int], rates: list[list[float]], cost: Callab
             alive *= rate
             drafts.append(alive)
             owner.append(s)
-    verified = [0] * base_rows
+    verified = [0] * sessions
     if not drafts:
         return verified
-    base_rate = base_rows / cost(base_rows)
-    if (base_rows + add_reduce(drafts)) / cost(base_rows + 1) < base_rate:
+    base_cost = cost(base_rows)
+    base_rate = base_rows / base_cost
+    least = base_cost / base_rows  # the least cost per row so far
+    one_more = cost(base_rows + 1)
+    if one_more / (base_rows + 1) > least:
+        one_more = least * (base_rows + 1)
+    if (base_rows + add_reduce(drafts)) / one_more < base_rate * (1.0 - TIE):
         return verified
     order = best_first(drafts)
-    best, best_goodput, tokens = 0, 0.0, 0.0
+    goodputs, tokens = [], 0.0  # per prefix of the order
     for n, i in enumerate(order, 1):
         tokens += drafts[i]
-        goodput = (base_rows + tokens) / cost(base_rows + n)
-        if goodput >= best_goodput:
-            best, best_goodput = n, goodput
-    if best_goodput < base_rate:
-        return verified
+        rows = base_rows + n
+        measured = cost(rows)
+        if measured / rows <= least:
+            least, model = measured / rows, measured
+        else:
+            model = least * rows
+        goodputs.append((base_rows + tokens) / model)
+    floor = max(base_rate, max(goodputs)) * (1.0 - TIE)
+    best = max((n for n, goodput in enumerate(goodputs, 1) if goodput >= floor), default=0)
     for i in order[:best]:
         verified[owner[i]] += 1
     return verified
@@ -81,9 +95,9 @@ class ReferencePolicy:
     counts. Valid calls only (the product's refusals are tested on the product)."""
 
     def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7,
-                 relax: float = 0.98, probe_share: float = 0.02):
+                 relax: float = 0.98, probe_share: float = 0.02, base_weight: float = 0.1):
         self.max_k, self.cost, self.decay, self.prior = max_k, cost, decay, prior
-        self.relax, self.probe_share = relax, probe_share
+        self.relax, self.probe_share, self.base_weight = relax, probe_share, base_weight
         self.sessions: dict[str, tuple[list[float], list[float], list[int]]] = {}  # drafted, accepted, reached at
         self.server_drafted, self.server_accepted = [0.0] * max_k, [0.0] * max_k
         self.turnaround_s = 0.0
@@ -119,7 +133,7 @@ class ReferencePolicy:
         gap_s = min(max(gap_s, 0.0), MAX_TURNAROUND_S)
         self.turnaround_s = self.decay * self.turnaround_s + (1 - self.decay) * gap_s
 
-    def trim(self, session_ids: Sequence[str], requested: Sequence[int]) -> list[int]:
+    def trim(self, session_ids: Sequence[str], requested: Sequence[int], fixed_rows: int = 0) -> list[int]:
         self.batch += 1
         if not any(requested):
             return list(requested)
@@ -132,14 +146,22 @@ class ReferencePolicy:
         server = self.server_rates()[:width]
         lone = len(session_ids) * self.max_k == 1
         aged = []  # per session: drafted and accepted [width], aged
+        rates = []  # per session [width]: its evidence weighed with the base; where it never reached a
+        # position, the rate of the last position it reached (`prior` before any)
+        weight = self.base_weight
         for session_id in session_ids:
             drafted, accepted, reached_at = self._counts(session_id)
             relaxed = self._relaxed(reached_at, lone)
             aged.append(([c * r for c, r in zip(drafted[:width], relaxed)],
                          [c * r for c, r in zip(accepted[:width], relaxed)]))
-        rates = [[(a + b) / (d + 1.0) for d, a, b in zip(drafted, accepted, server)] for drafted, accepted in aged]
-        verified = trim_drafts(requested, rates, cost)
-        size = self._probe_size(requested, verified, cost)
+            carried, own = self.prior, []
+            for raw, d, a, b in zip(drafted, *aged[-1], server):
+                if raw != 0.0:
+                    carried = (a + weight * b) / (d + weight)
+                own.append(carried)
+            rates.append(own)
+        verified = trim_drafts(requested, rates, cost, fixed_rows)
+        size = self._probe_size(requested, verified, cost, fixed_rows)
         if not size:
             return verified
         value, owner = [], []  # the trimmed drafts' values at rates based on `prior`, and their sessions
@@ -154,17 +176,18 @@ class ReferencePolicy:
             verified[owner[i]] += 1
         return verified
 
-    def _probe_size(self, requested: Sequence[int], verified: list[int], cost: Callable[[int], float]) -> int:
+    def _probe_size(self, requested: Sequence[int], verified: list[int], cost: Callable[[int], float],
+                    fixed_rows: int) -> int:
         """The credit grows by probe_share per batch that trimmed drafts; a probe takes the trimmed
         drafts in the rows that cost what one more row costs (at most a step's rows), charged the
         larger of its share of the step's cost and of its rows."""
         if sum(verified) == sum(requested):
             return 0
         self.probe_credit = min(self.probe_credit + self.probe_share, MAX_PROBE_CREDIT)
-        step_rows = len(requested) + sum(verified)
+        step_rows = fixed_rows + len(requested) + sum(verified)
         if self.probe_credit < 1 / step_rows:
             return 0
-        costs = [cost(rows) for rows in range(step_rows + 1, len(requested) + sum(requested) + 1)]
+        costs = [cost(rows) for rows in range(step_rows + 1, fixed_rows + len(requested) + sum(requested) + 1)]
         dearer = next((i for i, c in enumerate(costs) if c > costs[0]), len(costs))
         size = min(dearer, step_rows)
         charge = max(costs[size - 1] / cost(step_rows) - 1.0, size / step_rows)

@@ -61,3 +61,20 @@ def test_fp8_real_size_table_shows_each_figure_against_its_own_floor(tmp_path):
     assert f"{old['verify_k8_ms_b64']:.2f} ({old['verify_k8_ms_b64'] / 8.0:.1f}x of 8.00)" in new_row
     assert "| 8 / 16 / 24 / 32 of 256 |" in new_row
     assert old_row.count("(-)") == 4 and "| - |" in old_row
+
+
+def test_serve_table_shows_the_round_breakdown_only_for_files_that_have_it(tmp_path):
+    """The committed serve files (no round timings) give the serve table as before; a file with
+    `round_breakdown_ms` adds the table of where a plain round goes."""
+    old_path = max(report.RESULTS.glob("serve_*.json"), key=lambda p: report.parse_name(p.name)[1])
+    old = json.loads(old_path.read_text())
+    (tmp_path / "serve_2026-01-01.json").write_text(json.dumps(old))
+    before = report.Tables(tmp_path).serve()
+    assert "server in" not in before
+    name = next(iter(old["models"]))
+    parts = {"round": 7.28, "engine": 4.15, "server_in": 1.0, "server_out": 0.5, "wire": 1.2, "drafter": 0.4, "unexplained": 0.03}
+    old["models"][name].update(round_breakdown_ms=parts, added_ms_per_round=3.13, added_ms_per_round_p50=3.0)
+    (tmp_path / "serve_2026-01-02.json").write_text(json.dumps(old))
+    text = report.Tables(tmp_path).serve()
+    assert text.startswith(before.replace("2026-01-01", "2026-01-02").rstrip("\n"))
+    assert f"| {name} | 7.28 | 4.15 | 3.13 (3.00) | 1.00 | 0.50 | 1.20 | 0.40 | 0.03 |" in text

@@ -149,8 +149,10 @@ def test_policy_learns_to_stop_verifying_random_drafts():
     # later, the drafts verified are occasional probes: under 5% of the 32 sent per batch
     assert sum(verified[20:]) < 0.05 * 32 * 180, verified
     assert verified.count(0) > 150
-    # new sessions start from the server-wide rates, which have learnt the same
-    assert sum(_rounds(policy, [f"new{i}" for i in range(8)], 4, lambda sid, k: 0, 20)) <= 8
+    # new sessions are judged on their own evidence, never the server-wide rates (other drafters'):
+    # before any, at `prior`, which buys each a first draft here; then trimmed on what they showed
+    new = _rounds(policy, [f"new{i}" for i in range(8)], 4, lambda sid, k: 0, 20)
+    assert new[0] == 8 and sum(new[1:]) <= 8, new
 
 
 def test_policy_keeps_verifying_good_drafts():
@@ -198,8 +200,10 @@ def test_the_turnaround_between_batches_buys_draft_rows():
     # round's fixed turnaround (clients, the round trip) is counted: then the step is a smaller
     # share of the round and the same drafts pay
     table = {64: 0.010, 128: 0.014}
-    policy = GoodputPolicy(max_k=1, cost=StepCost(table), prior=0.3)
+    policy = GoodputPolicy(max_k=1, cost=StepCost(table))
     ids = [f"s{i}" for i in range(64)]
+    for accepted in (0, 1, 0, 0, 1, 0, 0, 1, 0, 0):  # every session's drafts accepted ~30% of the time
+        policy.observe_batch(ids, [1] * 64, [1] * 64, [accepted] * 64)
     assert policy.trim(ids, [1] * 64) == [0] * 64  # 64 / 10 ms > 64 * 1.3 / 14 ms
     for _ in range(100):
         policy.observe_turnaround(0.010)

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from decimal import Decimal
+
+from bench import serve_breakdown
 from bench.serve import ServeConfig, _expected, main, run_serve, server_has_flag
 from presets.bench_models import TINY_CONFIG, TINY_EMBED_STD
 
@@ -61,6 +64,10 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
         assert 0 < run["engine_ms_per_batch"] and 0 < run["server_latency_mean_ms"] and run["ms_per_batch"] > 0, name
         assert 0 < run["engine_ms_total"] <= run["server_latency_ms_total"], name
     assert runs["plain"]["tokens"] == SESSIONS * STEPS  # plain decoding: one token per step
+    for name in ("plain", "plain_more_processes", "plain_verify_calls", "random", "oracle"):
+        _assert_breakdown_adds_up(runs[name], name)
+    assert model["round_breakdown_ms"] == runs["plain"]["round_breakdown_ms"]
+    assert model["added_ms_per_round"] == runs["plain"]["added_ms_per_round"]
     assert model["service_over_engine"] > 0 and model["random_drafts_vs_plain_b64"] > 0
     # --pairs 2: each ratio measured twice, the second pair in the other order; the median reported
     ratios = model["pair_ratios"]
@@ -93,6 +100,63 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     assert 1.0 <= remote["remote_mean_acceptance_length"] <= K + 1
 
 
+def _assert_breakdown_adds_up(run: dict, name: str) -> None:
+    """Every part is there and non-negative (the remainder may take either sign), and the reported
+    parts add up to the reported round exactly."""
+    parts = run["round_breakdown_ms"]
+    assert parts is not None, name
+    assert set(parts) == {"round", *serve_breakdown.PARTS}, name
+    assert parts["round"] == run["ms_per_batch"], name
+    for key in ("engine", "server_in", "server_out", "wire", "drafter"):
+        assert parts[key] >= 0, (name, key, parts)
+    assert sum(Decimal(str(parts[key])) for key in serve_breakdown.PARTS) == Decimal(str(parts["round"])), (name, parts)
+    assert run["added_ms_per_round"] == float(Decimal(str(parts["round"])) - Decimal(str(parts["engine"]))) >= 0, name
+    assert run["added_ms_per_round_p50"] >= 0, name
+    detail = run["round_detail_ms"]
+    assert detail["batches"] == run["engine_batches"] and detail["drafter_rounds"] == run["rounds"], (name, detail)
+    assert 0 <= detail["proposing"] <= parts["drafter"] and detail["server_residence"] <= detail["drafter_request"], name
+
+
+def _synthetic_run():
+    """Two processes, two rounds, each round one batch; times in seconds on each process's own clock
+    (the drafters' clock differs from the server's: only intervals are used)."""
+    server = {"batch_fields": ["first_arrival", "last_arrival", "engine_start", "engine_end", "last_written"],
+              "request_fields": ["batch", "arrival", "written"],
+              # batch 1: arrivals at 10.000 and 10.001, engine 10.002-10.005, answers 10.0055 and 10.006
+              "batches": [[10.000, 10.001, 10.002, 10.005, 10.006], [10.010, 10.010, 10.011, 10.014, 10.015],
+                          [20.0, 20.0, 20.0, 20.1, 20.1]],  # batch 3: another run's
+              "requests": [[1, 10.000, 10.0055], [1, 10.001, 10.006], [2, 10.010, 10.015], [2, 10.010, 10.015],
+                           [3, 20.0, 20.1]]}
+    # each process: 2 rounds, requests of 7 + 6 ms, proposing 0.5 ms a round, 20 ms in all
+    workers = [{"rounds": 2, "round_seconds": {"request": 0.013, "proposing": 0.001, "timed": 0.020}} for _ in range(2)]
+    return server, workers
+
+
+def test_the_breakdown_arithmetic_on_synthetic_timestamps():
+    server, workers = _synthetic_run()
+    batches, requests = serve_breakdown.window(server, 1, 2)
+    assert sorted(batches) == [1, 2] and len(requests) == 4
+    drafters = serve_breakdown.drafter_sums(workers + [{"rounds": 0}])  # a process without fleet rounds adds nothing
+    assert drafters == {"rounds": 4, "request": 0.026, "proposing": 0.002, "timed": 0.040}
+    got = serve_breakdown.breakdown(10.5, batches, requests, drafters)
+    parts, detail = got["round_breakdown_ms"], got["round_detail_ms"]
+    # engine: 3 ms a batch; in: requests waited 2, 1, 1, 1 ms; out: 0.5, 1, 1, 1 ms;
+    # residence (5.5 + 5 + 5 + 5) / 4 = 5.125 ms; request 6.5 ms: wire 1.375; drafter (20 - 13) / 2 = 3.5 ms;
+    # they add up to the drafters' 10 ms round, the round of 10.5 ms leaves 0.5 unexplained
+    assert parts == {"round": 10.5, "engine": 3.0, "server_in": 1.25, "server_out": 0.875, "wire": 1.375,
+                     "drafter": 3.5, "unexplained": 0.5}
+    assert detail["drafter_round"] == 10.0 and detail["proposing"] == 0.5 and detail["fleet_python"] == 3.0
+    assert detail["batch_first_arrival_to_engine"] == 1.5 and detail["batch_arrival_spread"] == 0.5
+    assert detail["batch_engine_end_to_last_written"] == 1.0
+    # the parts before the remainder add up to the drafters' round: in + engine + out is the residence
+    assert parts["engine"] + parts["server_in"] + parts["server_out"] + parts["wire"] + parts["drafter"] == detail["drafter_round"]
+    assert got["added_ms_per_round"] == 7.5
+    assert got["added_ms_per_round_p50"] == 6.0  # batch 1: next start 10.011 - 10.002 - its 3 ms step; batch 2 has no next
+    assert serve_breakdown.breakdown(10.5, {}, [], drafters)["round_breakdown_ms"] is None  # no server timings
+    assert serve_breakdown.breakdown(10.5, batches, requests, serve_breakdown.drafter_sums([]))["added_ms_per_round"] is None
+    assert "unexpl." in serve_breakdown.table({"plain": got}) and serve_breakdown.table({"plain": {}}) == ""
+
+
 def test_the_reference_is_cut_where_a_generation_stopped():
     plain = ([1, 2, 3, 4], "eos")
     assert _expected({"tokens": [1, 2, 3, 4]}, plain) == ([1, 2, 3, 4], "eos")
@@ -104,3 +168,5 @@ def test_bad_options_exit_2(tmp_path, capsys):
     assert "processes" in capsys.readouterr().err
     assert main(["--out", str(tmp_path), "--model", "2b", "--device", "cpu"]) == 2
     assert "2b needs --device cuda" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--model", "fp8-real-size", "--device", "cpu"]) == 2  # full size: the GPU only
+    assert "--fp8-scale tiny runs on the CPU" in capsys.readouterr().err

@@ -15,8 +15,9 @@ CONFIG: {"address", "plan" (workload.Plan), "sessions": [indices], "deadline" (t
 "warmup_rounds" W (fleet only)}. With W > 0 the process runs W rounds, prints "ready" on stdout and
 waits for a line on stdin: the parent starts every process's timed part at once, and only rounds
 after that count in the latencies and tokens (the streams are compared whole).
-OUT: per-step client latencies, counts, errors by code, and every generation's prompt and tokens
-(the parent compares them with plain decoding).
+OUT: per-step client latencies, counts, errors by code, (fleet) the timed rounds' summed seconds
+(`round_seconds`: requests, proposals, the timed part; this process's clock), and every
+generation's prompt and tokens (the parent compares them with plain decoding).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class Tally:
         self.cut_by_deadline = 0  # sessions stopped by the deadline before their step budget
         self.rounds = 0  # fleet: timed Verify calls
         self.started = self.ended = time.time()
+        # fleet, this process's perf_counter: the timed rounds' requests (send to answer) and
+        # proposals, and the time from the start of the timed part to the end of its last round
+        self.round_seconds = {"request": 0.0, "proposing": 0.0, "timed": 0.0}
+        self.clock_started = time.perf_counter()
 
     def failed(self, record: dict, err: Exception) -> None:
         """Counted and reported, never hidden: the run then fails."""
@@ -62,6 +67,7 @@ class Tally:
     def result(self, sessions: list[int]) -> dict:
         return {"sessions": sessions, "started": self.started, "ended": self.ended, "steps": len(self.latencies_ms),
                 "tokens": self.tokens, "opens": self.opens, "latencies_ms": self.latencies_ms, "rounds": self.rounds,
+                "round_seconds": self.round_seconds,
                 "errors": dict(self.errors), "cut_by_deadline": self.cut_by_deadline, "generations": self.generations}
 
 
@@ -127,6 +133,7 @@ class StartLine:
             print("ready", flush=True)
             sys.stdin.readline()
             self.tally.started = self.tally.ended = time.time()
+            self.tally.clock_started = time.perf_counter()
 
     def on_round(self, done: Round) -> None:
         if done.index < self.warmup_rounds:
@@ -137,6 +144,10 @@ class StartLine:
         self.tally.latencies_ms += [done.seconds * 1e3] * done.steps  # every step of a round waits for the call
         self.tally.tokens += done.tokens
         self.tally.ended = time.time()
+        seconds = self.tally.round_seconds
+        seconds["request"] += done.seconds
+        seconds["proposing"] += done.proposing
+        seconds["timed"] = time.perf_counter() - self.tally.clock_started
 
 
 def run_as_fleet(config: dict, plan: workload.Plan, references: dict[int, list[int]] | None, tally: Tally) -> None:

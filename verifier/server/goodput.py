@@ -6,54 +6,87 @@ and is worth P(the first j drafts are all accepted) = a_1 * ... * a_j expected t
 the session's acceptance rate at draft position i. So per batch we choose k_s <= requested_s for
 every session s to maximise
 
-    expected tokens per second = sum_s (1 + sum_{j <= k_s} P_s(j)) / cost(sum_s (k_s + 1)).
+    expected tokens per second = (F + sum_s (1 + sum_{j <= k_s} P_s(j))) / model(F + sum_s (k_s + 1)),
 
-P_s(j) never grows with j (a product of rates <= 1), so for a fixed number T of draft rows the best
-choice takes the T largest marginal values P_s(j) over all sessions, each session's in order
-(a greedy merge); the policy then picks the T whose total over its cost is largest. With a step-cost
-table flat inside a graph bucket, rows that fill a bucket are free and are always verified; with
-drafts that are never accepted no draft row is bought once the rows cost time; with drafts that
-are always accepted every draft is verified as long as a row costs less than the token it brings.
+F the rows of sessions exempt from trimming (verify_all_drafts): they run in the same step, so they
+price it, and count a token each, the most they can bring (all their drafts accepted), so that
+their rows never make the step look cheap per token and buy drafts that do not pay. P_s(j) never grows with j, so for
+a fixed number T of draft rows the best choice takes the T largest P_s(j) over all sessions, each
+session's in order (a greedy merge); the trim then picks the T of largest goodput (goodputs within
+TIE of the largest are equal, and the most drafts win; verifying no draft is a candidate too).
+
+The cost model. model(R) = R * min_{B <= r <= R} cost(r) / r, B the rows of the step with no
+draft (per_row_capped): a step is charged no more per row than the cheapest per row of the smaller
+steps this batch could run, and its measured cost where that is the cheapest. A draft is then kept
+when its expected tokens pay for the rows it adds at the step's real size, judged at the per-row
+cost of the step without it whenever the table says a larger step costs more per row. Why:
+- Drafts always accepted bring a token per row, as plain decoding's rows do; a GPU step's time per
+  row does not grow with its rows (weights and a MoE's experts are read once a step, the work per
+  row is the same), so such drafts always pay. The measured table can say otherwise: it times
+  steps of padding rows (token 0, in scratch-slot chunks) whose MoE routing is not real rows' (the
+  cost of a MoE row is mostly the experts it brings in, which real rows spread over and padding
+  rows do not), and a graph bucket's whole jump lands on its first row. Under the model, goodput at
+  rates of 1 never falls with more drafts: every draft is verified whatever the table (and with F
+  exempt rows too), which the brute-force tests check on the dense 2B's and the real-size MoE's
+  recorded tables (tests/test_goodput_cost_model.py).
+- Drafts never accepted bring no token, so any row that costs time lowers goodput: they are trimmed
+  to plain decoding, unless the rows are free (a graph bucket already paid for: ties go to more
+  drafts, the same goodput and more evidence).
+- For drafts in between, the model lowers a row's price only where the table says the per-row
+  cost rises; there a draft is kept when its acceptance is at least the step's tokens per row.
 
 Trimming changes no token of the stream: a step verifies a prefix of the drafts, and the tokens a
 step emits (accepted drafts, then the target's own token) are those of plain decoding whatever the
 drafts (the bit-exactness contract). Only the number of tokens per step changes.
 
-Acceptance rates are decayed counts per session and draft position (`decay` per observation); a
-session with no history borrows the server-wide rates, and positions nobody has reached yet start
-at `prior`. The server-wide counts decay once per batch, not per step, so they remember ten
-batches of steps: remembering ten steps put a floor of prior / 11 (6%) under drafts that are never
-accepted, enough to buy a graph bucket that looks cheap.
+Acceptance evidence. Rates are decayed counts per session and draft position (`decay` per
+observation). A position the session has never reached (a new session: all of them) takes the
+session's own rate at the last position it reached, `prior` (0.7) where it reached none: never the
+server-wide rate. On a table where such drafts pay, the first step verifies them, and that measures
+them; on one where not even a 0.7 drafter's rows pay, they are left to probes. Where the session has evidence, its rate
+is (accepted + w * base) / (drafted + w), base the server-wide rate at that position and w =
+`base_weight` (0.1): the session's own evidence decides after one step. Why: the server-wide
+counts describe other sessions' drafters, closed ones included. A server that served random
+drafts and then oracle drafts (the serve bench's order) had server-wide rates near 0 when the
+oracle sessions opened; borrowing them (weight 1, as before) trimmed the oracle's drafts to plain
+decoding, and the evidence that would lift them came only from probes and from the few drafts the
+trim still bought: a perfect drafter's drafts were verified one or two a step, or none, for most of
+a 45-step run. A new session's first step costs its K draft rows once where they pay at `prior`;
+a useless drafter is then trimmed after that one step (its rate falls to w * base / (1 + w), at
+most 0.09).
+
+The server-wide counts decay once per batch, not per step, so they remember ten batches of steps:
+remembering ten steps put a floor of prior / 11 (6%) under drafts that are never accepted.
 
 A step whose drafts were all trimmed judged nothing, so evidence freezes where it stopped buying
 rows, and a drafter that improves, or a good drafter after a run of bad luck, would never be
-verified again. The first remedy relaxed every trimmed session's counts by `decay` per step toward
-the server-wide rates, and those toward `prior` by `decay` per batch: within a few dozen batches
-every estimate was back up, and the trim bought a bucket of probes again, nearly every batch
-(H200, 2026-11-30: 64 sessions of random drafts ran at 79.6 rows per batch against 64 for plain
-decoding, 0.835x its tokens/s). Exploring now has a bounded price, in two parts:
+verified again. Relaxing trimmed sessions' counts toward `prior` bought a bucket of probes nearly
+every batch (64 sessions of random drafts at 79.6 rows a batch against 64 for plain decoding).
+Exploring has a bounded price instead, in two parts:
 
 - Evidence ages by `relax` per batch (0.98: a half-life of 34 batches, against 6.6 observations
   for `decay`): a trimmed session's rates drift toward the server-wide ones, which hold evidence
   only and never drift toward `prior`, and a new observation after a long gap outweighs the stale
-  counts. When every drafter is useless the server-wide rates are near 0 and the drift buys no
-  rows; a good drafter trimmed after a streak of rejections is verified again within tens of
-  batches. (Among good drafters a useless one drifts up too and is verified again now and then:
-  at half and half, 1% below the best goodput.)
+  counts.
 - Probes are paid from a credit. A batch that trims drafts adds `probe_share` (0.02) of a step;
   a probe takes the trimmed drafts that fit in the rows costing what one more row costs (the rest
-  of the next graph bucket) and is charged the larger of its share of the step by the cost table
-  and its share of the rows. The table times padding rows, and real rows also bring host work, so
-  a bucket may cost more than its entry; the share of rows bounds any step whose time per row
-  does not grow with the rows. Probes then cost at most `probe_share` of the steps over time, and
-  at plain decoding's rows (one per session) they reach each session's first draft about every
-  1 / probe_share = 50 batches. A probe takes the drafts of highest value at rates whose counts
-  are discounted by age toward `prior`: stale positions first, and a drafter whose last probe was
-  accepted ahead of the useless ones, so that it is probed again soon and its evidence climbs to
-  where exploiting it pays.
+  of the next graph bucket, by the measured table, exempt rows included) and is charged the larger
+  of its share of the step by the cost table and its share of the rows. The table times padding
+  rows, and real rows also bring host work, so a bucket may cost more than its entry; the share of
+  rows bounds any step whose time per row does not grow with the rows. Probes then cost at most
+  `probe_share` of the steps over time, and at plain decoding's rows (one per session) they reach
+  each session's first draft about every 1 / probe_share = 50 batches. A probe takes the drafts of
+  highest value at rates whose counts are discounted by age toward `prior`: stale positions first,
+  and a drafter whose last probe was accepted ahead of the useless ones, so that it is probed again
+  soon and its evidence climbs to where exploiting it pays.
+
+What the policy cannot fix: a round split into two engine batches (each session's step waiting for
+the next) costs about two steps for one round's tokens whatever the trim; in the serve bench the
+untrimmed oracle server split its rounds as the trimmed random one did (half the sessions a batch),
+so that is the scheduler's gathering, not the trim.
 
 tests/test_goodput_exploration.py measures the bounds on an H200-shaped table (flat per bucket,
-64 -> 80 rows 8% dearer): never-accepted drafts at 64 sessions cost under 1% more than plain
+64 -> 80 rows 8% dearer): never-accepted drafts at 64 sessions cost under 2% more than plain
 decoding; one session whose drafter turns perfect is verified in full again within 120 batches
 (where its drafts pay at all: at 64 sessions x 4 drafts, one perfect session is worth less than
 the 16-row bucket it needs), a whole server's drafters within 60. numpy, no torch: the policy is
@@ -98,25 +131,47 @@ def _span_costs(cost: Callable[[int], float], first: int, stop: int) -> np.ndarr
     return cost.span(first, stop) if hasattr(cost, "span") else np.array([cost(r) for r in range(first, stop)])
 
 
-def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -> list[int]:
+# Goodputs within this share of the largest are equal: their difference is the rounding of the
+# model's arithmetic, not a difference the drafts make; the choice with the most drafts wins.
+TIE = 2.0 ** -40
+
+
+def per_row_capped(costs: np.ndarray, first: int) -> np.ndarray:
+    """The decision's cost model from measured costs [n] of first .. first + n - 1 rows: each step
+    charged no more per row than the cheapest per row of the steps from `first` rows up to it,
+    model(R) = R * min_{first <= r <= R} cost(r) / r, and the measured cost itself, bit for bit,
+    where that minimum is its own (so a flat bucket's equal costs stay equal). Never smaller for
+    more rows when the costs are not (see the module docstring)."""
+    rows = np.arange(first, first + len(costs))
+    per_row = costs / rows
+    least = np.minimum.accumulate(per_row)
+    return np.where(per_row <= least, costs, least * rows)
+
+
+def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float], fixed_rows: int = 0) -> list[int]:
     """Drafts to verify per session: k_s <= requested[s], chosen to maximise expected tokens per
-    second. rates[s][j] is session s's acceptance rate at draft position j + 1 (at least
-    requested[s] of them; a list of lists or an [S, >= max requested] array); cost(rows) > 0 is the
-    step time of a batch of `rows` verify rows, never smaller for more rows (StepCost makes a
-    measured table so); a cost with a `span(first, stop)` method is asked once for every candidate.
-    Ties go to more drafts (the same goodput, more information about the drafter).
+    second under the per-row capped cost model (per_row_capped). rates[s][j] is session s's
+    acceptance rate at draft position j + 1 (at least requested[s] of them; a list of lists or an
+    [S, >= max requested] array); cost(rows) > 0 is the step time of a batch of `rows` verify rows,
+    never smaller for more rows (StepCost makes a measured table so); a cost with a
+    `span(first, stop)` method is asked once for every candidate. `fixed_rows` more rows run in the
+    step whatever the choice (sessions exempt from trimming), each counted as a token (the module
+    docstring says why). Ties go to more drafts (the same goodput, more information about the drafter).
 
     Vectorised (a batch of 64 sessions x 8 drafts is one sort, not a heap walk in Python): every
     draft's marginal value P_s(j) in descending order, sessions' own drafts in order (their values
     never grow; ties by session then position), the tokens and rows of every prefix of that order,
-    and the prefix of largest tokens / cost. When even the best draft left cannot pay for the next
-    row (useless drafts), two cost lookups decide it."""
+    and the prefix of largest tokens / model cost. When even the best draft left cannot pay for the
+    next row (useless drafts), two cost lookups decide it."""
     if len(requested) != len(rates):
         raise ValueError(f"trim_drafts: {len(requested)} requests but {len(rates)} rate lists")
-    base_rows = len(requested)
+    if fixed_rows < 0:
+        raise ValueError(f"trim_drafts: fixed_rows must be >= 0, got {fixed_rows}")
+    sessions = len(requested)
+    base_rows = sessions + fixed_rows
     width = max(requested, default=0)
     if isinstance(rates, np.ndarray):  # the policy's case: one check for the batch, not a loop
-        if base_rows and (min(requested) < 0 or width > rates.shape[1]):
+        if sessions and (min(requested) < 0 or width > rates.shape[1]):
             s = next(s for s, k in enumerate(requested) if not 0 <= k <= rates.shape[1])
             raise ValueError(f"trim_drafts: session {s} asks for {requested[s]} drafts with {rates.shape[1]} rates")
     else:
@@ -124,29 +179,36 @@ def trim_drafts(requested: Sequence[int], rates, cost: Callable[[int], float]) -
             if k < 0 or len(r) < k:
                 raise ValueError(f"trim_drafts: session {s} asks for {k} drafts with {len(r)} rates")
     if width == 0:
-        return [0] * base_rows
+        return [0] * sessions
     asked = np.asarray(requested)
     wanted = np.arange(width) < asked[:, None]  # [S, width]: drafts sent
     if isinstance(rates, np.ndarray):
         rate = rates[:, :width]  # rates past a session's drafts are never read: P_s(j) needs positions <= j only
     else:
-        rate = np.zeros((base_rows, width))
+        rate = np.zeros((sessions, width))
         for s, r in enumerate(rates):
             rate[s, : asked[s]] = np.asarray(r[: asked[s]], dtype=np.float64)
     # [drafts sent], row-major: P_s(j), the j-th draft's expected tokens (cumprod)
     drafts = np.multiply.accumulate(rate, axis=1)[wanted]
-    base_rate = base_rows / cost(base_rows)
-    if (base_rows + float(np.add.reduce(drafts))) / cost(base_rows + 1) < base_rate:
-        return [0] * base_rows  # every draft together, at the price of one row, does not pay
+    base_cost = cost(base_rows)
+    base_rate = base_rows / base_cost
+    # the model's cost of one more row (per_row_capped's second entry, two lookups)
+    next_cost = cost(base_rows + 1)
+    if not next_cost / (base_rows + 1) <= base_cost / base_rows:
+        next_cost = base_cost / base_rows * (base_rows + 1)
+    if (base_rows + float(np.add.reduce(drafts))) / next_cost < base_rate * (1.0 - TIE):
+        return [0] * sessions  # every draft together, at the price of one row, does not pay
     order = _best_first(drafts)
     tokens = base_rows + np.add.accumulate(drafts[order])  # [drafts sent]: expected tokens of each prefix of the order
-    goodput = tokens / _span_costs(cost, base_rows + 1, base_rows + len(order) + 1)
-    best = len(goodput) - int(goodput[::-1].argmax())  # the last prefix of the largest goodput
-    if goodput[best - 1] < base_rate:
-        return [0] * base_rows  # no draft at all beats every prefix
+    model = per_row_capped(_span_costs(cost, base_rows, base_rows + len(order) + 1), base_rows)
+    goodput = tokens / model[1:]
+    tied = goodput >= max(base_rate, float(goodput.max())) * (1.0 - TIE)  # verifying no draft is a choice too
+    if not tied.any():
+        return [0] * sessions  # no draft at all beats every prefix
+    best = len(goodput) - int(tied[::-1].argmax())  # the last prefix of the largest goodput
     if best == len(order):
         return asked.tolist()
-    return np.bincount(wanted.nonzero()[0][order[:best]], minlength=base_rows).tolist()
+    return np.bincount(wanted.nonzero()[0][order[:best]], minlength=sessions).tolist()
 
 
 class StepCost:
@@ -269,15 +331,17 @@ class GoodputPolicy:
     a DecayedRates, observed once per batch."""
 
     def __init__(self, max_k: int, cost: Callable[[int], float], decay: float = 0.9, prior: float = 0.7,
-                 relax: float = 0.98, probe_share: float = 0.02):
+                 relax: float = 0.98, probe_share: float = 0.02, base_weight: float = 0.1):
         if not 0 <= prior <= 1:
             raise ValueError(f"prior must be in [0, 1], got {prior}")
         if not 0 < relax <= 1:
             raise ValueError(f"relax must be in (0, 1], got {relax}")
         if not 0 <= probe_share < 1:
             raise ValueError(f"probe_share must be in [0, 1), got {probe_share}")
+        if not base_weight > 0:
+            raise ValueError(f"base_weight must be > 0, got {base_weight}")
         self.max_k, self.cost, self.decay, self.prior = max_k, cost, decay, prior
-        self.relax, self.probe_share = relax, probe_share
+        self.relax, self.probe_share, self.base_weight = relax, probe_share, base_weight
         self.server = DecayedRates(max_k, decay)
         self.sessions: dict[str, int] = {}  # session id -> its row of the count arrays
         # row 0 stays empty: the row of sessions with no counts, so a batch's rates need no mask
@@ -295,9 +359,11 @@ class GoodputPolicy:
         gap_s = min(max(gap_s, 0.0), MAX_TURNAROUND_S)
         self.turnaround_s = self.decay * self.turnaround_s + (1 - self.decay) * gap_s
 
-    def trim(self, session_ids: Sequence[str], requested: Sequence[int]) -> list[int]:
+    def trim(self, session_ids: Sequence[str], requested: Sequence[int], fixed_rows: int = 0) -> list[int]:
         """Drafts to verify per session of one batch (requested[i] drafts sent by session_ids[i]):
-        those worth their rows by the evidence, plus a probe when the credit allows one."""
+        those worth their rows by the evidence, plus a probe when the credit allows one. `fixed_rows`
+        more rows run in the same step untrimmed (sessions exempt from trimming): the cost model
+        prices the step at its real size."""
         self._next_batch()
         if not any(requested):  # plain decoding: nothing to trim
             return list(requested)
@@ -305,16 +371,21 @@ class GoodputPolicy:
         width = max(requested)  # rates past the longest draft are never read
         server = np.array(self.server.rates(None, self.prior)[:width])  # [width]
         counts, reached_at = self._gather(self._rows(session_ids))
+        unmeasured = counts[0, :, :width] == 0.0  # [S, width]: positions the session never reached
         counts = counts[:, :, :width] * self._relaxed(reached_at)[:, :width]  # [2, S, width], aged
-        verified = trim_drafts(requested, self._rates(counts, server), cost)
-        size = self._probe_size(requested, verified, cost)
+        rates = self._rates(counts, server, self.base_weight)
+        if unmeasured.any():  # the rate of the last position it reached, `prior` where it reached none
+            last = np.maximum.accumulate(np.where(unmeasured, -1, self._positions[:width]), axis=1)
+            rates = np.where(last >= 0, np.take_along_axis(rates, np.maximum(last, 0), axis=1), self.prior)
+        verified = trim_drafts(requested, rates, cost, fixed_rows)
+        size = self._probe_size(requested, verified, cost, fixed_rows)
         return self._probe(counts, requested, verified, size) if size else verified
 
     @staticmethod
-    def _rates(counts: np.ndarray, base: np.ndarray | float) -> np.ndarray:
-        """[S, width] rates (accepted + base) / (drafted + 1) from aged counts [2, S, width] (row 0,
-        no counts: `base`)."""
-        return (counts[1] + base) / (counts[0] + 1.0)
+    def _rates(counts: np.ndarray, base: np.ndarray | float, weight: float = 1.0) -> np.ndarray:
+        """[S, width] rates (accepted + weight * base) / (drafted + weight) from aged counts [2, S,
+        width] (row 0, no counts: `base`)."""
+        return (counts[1] + weight * base) / (counts[0] + weight)
 
     def _next_batch(self) -> None:
         """Advance the clock evidence ages by, with the table of relax ** age up to every age it allows
@@ -343,17 +414,17 @@ class GoodputPolicy:
             return self.relax ** np.maximum(age, 0)
         return self._relax_powers.take(age, mode="clip")
 
-    def _probe_size(self, requested: Sequence[int], verified: list[int], cost) -> int:
+    def _probe_size(self, requested: Sequence[int], verified: list[int], cost, fixed_rows: int = 0) -> int:
         """How many trimmed drafts a probe takes (0: none): when the batch trimmed drafts, the credit
         grows, and when it pays for them, a probe takes the trimmed drafts that fit in the rows
         costing what one more row costs (the rest of the next graph bucket), its charge paid."""
         if sum(verified) == sum(requested):
             return 0
         self.probe_credit = min(self.probe_credit + self.probe_share, MAX_PROBE_CREDIT)
-        step_rows = len(requested) + sum(verified)
+        step_rows = fixed_rows + len(requested) + sum(verified)
         if self.probe_credit < 1 / step_rows:  # a probe takes a row at least, charged at least its share of the rows
             return 0
-        costs = cost.span(step_rows + 1, len(requested) + sum(requested) + 1)  # one more row, two, ...
+        costs = cost.span(step_rows + 1, fixed_rows + len(requested) + sum(requested) + 1)  # one more row, two, ...
         dearer = int((costs > costs[0]).argmax()) or len(costs)  # the first dearer row (0: none is)
         size = min(dearer, step_rows)
         step = cost(step_rows)

@@ -57,6 +57,7 @@ from .goodput import GoodputPolicy
 from .metrics import Metrics
 from .retries import Fingerprint
 from .sessions import Session, SessionTable
+from .timings import RoundTimings
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class PendingStep(Answer):
     for the step at the head of its stream; the batch answers a step by `finish`."""
 
     __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "waiters",
-                 "taken")
+                 "taken", "batch")
 
     def __init__(self, step: rpc.VerifyStep, request_id: str, session: Session | None, drafts: list[int],
                  draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float,
@@ -90,6 +91,7 @@ class PendingStep(Answer):
         self.rows = len(drafts) + 1  # verify rows it asks for
         self.waiters = 1  # callers awaiting this step (an in-flight retry joins the original)
         self.taken = result is not None  # handed to a batch (or answered at once): it completes whatever its callers do
+        self.batch = 0  # with round timings on: the index of the batch it ran in (0: none)
 
     def forget_callers(self) -> None:
         self._callbacks = []
@@ -102,7 +104,8 @@ class PendingStep(Answer):
 
 class Scheduler:
     def __init__(self, engine: Engine, worker: Worker, sessions: SessionTable, metrics: Metrics,
-                 max_batch_rows: int, max_wait_ms: float, policy: GoodputPolicy | None = None):
+                 max_batch_rows: int, max_wait_ms: float, policy: GoodputPolicy | None = None,
+                 timings: RoundTimings | None = None):
         self.engine = engine
         self.worker = worker
         self.sessions = sessions
@@ -123,6 +126,7 @@ class Scheduler:
         self._cut_short = False  # the last batch left steps queued for want of rows (max_batch_rows)
         self._bookkeeping: tuple | None = None  # the last batch's outcomes, until keep_books records them
         self._running: list[PendingStep] = []  # the steps of the batch on the engine now
+        self.timings = timings  # None: no per-batch timestamps are kept (the default)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -324,7 +328,7 @@ class Scheduler:
     def _trim(self, live: list[PendingStep], requested: list[int]) -> list[int]:
         """Drafts each step of the batch verifies: the policy's choice, except for sessions that
         asked to have every draft verified (verify_all_drafts), which keep all theirs. The policy
-        chooses among the others only (its cost model sees their rows, not the exempt ones')."""
+        chooses among the others only, its cost model pricing the exempt sessions' rows too."""
         exempt = [i for i, p in enumerate(live) if p.session.verify_all_drafts]
         if not exempt:
             return self.policy.trim([p.session.id for p in live], requested)
@@ -332,7 +336,8 @@ class Scheduler:
         exempted = set(exempt)
         trimmable = [i for i in range(len(live)) if i not in exempted]
         if trimmable:
-            chosen = self.policy.trim([live[i].session.id for i in trimmable], [requested[i] for i in trimmable])
+            chosen = self.policy.trim([live[i].session.id for i in trimmable], [requested[i] for i in trimmable],
+                                      sum(requested[i] + 1 for i in exempt))
             for i, k in zip(trimmable, chosen):
                 verified[i] = k
         return verified
@@ -367,7 +372,7 @@ class Scheduler:
         started = time.perf_counter()
         self._running = live
         try:
-            results, logits = await self.worker.run(_step, self.engine, requests)
+            results, logits, on_thread = await self.worker.run(_step, self.engine, requests)
         finally:
             self._running = []
         self._last_step_s = time.perf_counter() - started
@@ -402,6 +407,8 @@ class Scheduler:
                 going_on.append(session)
         if ok_verified:
             self.metrics.record_batch(sum(ok_verified) + len(ok_verified), self._last_step_s)  # rows run: k + 1 per OK step
+            if self.timings is not None:  # indexed as engine_steps is: recorded where it moves
+                self.timings.batch(live, *on_thread)
         self.metrics.record_graph_captures(self.engine.graph_captures)
         # the batch's bookkeeping runs once the answers are on their way: the Verify calls woken
         # above are ahead of it on the event loop, so it overlaps the drafters' turnaround
@@ -436,10 +443,14 @@ def _request(pending: PendingStep, verified: int) -> StepRequest:
 
 
 def _step(engine: Engine, requests: list[StepRequest]):
-    """On the worker: one engine step, and the asked-for logits as wire bytes (the device-to-host
-    copy stays off the event loop)."""
+    """On the worker: one engine step, the asked-for logits as wire bytes (the device-to-host copy
+    stays off the event loop), and the step's start and end on this thread (perf_counter; the end
+    once the ids are on the host): two clock reads a batch, so they are taken whether or not round
+    timings are kept."""
+    started = time.perf_counter()
     results = engine.step(requests)
+    on_thread = (started, time.perf_counter())
     if not any(q.want_logits for q in requests):
-        return results, [None] * len(results)
+        return results, [None] * len(results), on_thread
     logits = [logits_message(r.logits) if q.want_logits and r.error is None else None for q, r in zip(requests, results)]
-    return results, logits
+    return results, logits, on_thread

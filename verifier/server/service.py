@@ -33,6 +33,7 @@ from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fing
 from .answer import Answer
 from .scheduler import PendingStep, Scheduler
 from .sessions import Session, SessionTable
+from .timings import RoundTimings
 from .validate import Invalid, open_limits, open_prompt, repeated_sessions, step_drafts
 from .worker import Worker
 
@@ -90,6 +91,8 @@ class VerifierService:
         self._stream_wakers: set = set()  # each open stream's answering loop, woken by begin_stop
         self._admission_waits: set[asyncio.Future] = set()  # OpenSession calls waiting for their admission, ended by cut
         self._reaper: asyncio.Task | None = None
+        # --round-timings: where each round's time goes (verifier/server/timings.py); None: not kept
+        self.timings = RoundTimings(config.round_timings) if config.round_timings is not None else None
         metrics.watch_sessions(self.sessions)
 
     async def start(self) -> None:
@@ -102,7 +105,7 @@ class VerifierService:
                  time.perf_counter() - started)
         policy = GoodputPolicy(self.engine.max_k, StepCost(costs)) if costs else None
         self.scheduler = Scheduler(self.engine, self.worker, self.sessions, self.metrics,
-                                   self.config.max_batch_rows, self.config.max_wait_ms, policy)
+                                   self.config.max_batch_rows, self.config.max_wait_ms, policy, self.timings)
         self.scheduler.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
 
@@ -135,6 +138,8 @@ class VerifierService:
         for session in self.sessions.all():
             self._end(session.id, "closed: the server stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
+        if self.timings is not None:
+            self.timings.write()
 
     # ---- RPCs -------------------------------------------------------------------------------
 
@@ -205,6 +210,8 @@ class VerifierService:
             except asyncio.CancelledError:
                 answer.withdraw(self.scheduler)
                 raise
+        if self.timings is not None:  # handed to gRPC (a unary answer's write is not seen from here)
+            self.timings.written(answer)
         return answer.result
 
     # The two streams are async generator functions of their own (grpc.aio runs any other handler
@@ -255,10 +262,14 @@ class VerifierService:
 
         reader = loop.create_task(read())
         self._stream_wakers.add(wake)
+        timings = self.timings
         try:
             while True:
                 while outstanding and outstanding[0].result is not None:
-                    yield outstanding.popleft().result
+                    answered = outstanding.popleft()
+                    yield answered.result  # resumes once gRPC has taken the message
+                    if timings is not None:
+                        timings.written(answered)
                 if not outstanding and (not reading or self.stopping):
                     break
                 woken = loop.create_future()

@@ -1,0 +1,118 @@
+"""Where a round of bench.serve goes, from timestamps, not inferred: the server's per-batch and
+per-request timestamps (`python -m verifier serve --round-timings FILE`, verifier/server/timings.py)
+and each drafter process's own sums over its timed rounds (bench/load/drafters.py: request = send
+to answer, proposing, and the timed part's whole time).
+
+No clock is compared across processes: every interval is taken within one process, and the wire
+is the drafter's request time minus the server's residence of that request.
+
+The round is bench.serve's `ms_per_batch` (the run's wall time over its engine batches). Its parts,
+as means over the drafters' rounds (a drafter round is one request of one process):
+  engine      the engine step on the engine thread, per batch (its start to the ids on the host)
+  server_in   a request's arrival in the handler to its batch's engine start: the gather window
+              (waiting for the other processes' requests), checks, queueing, the hop to the thread
+  server_out  its batch's engine end to its answer written to gRPC: the hop back, results, the write
+  wire        the drafter's request time minus the request's residence on the server (its arrival
+              to its answer written): gRPC and protobuf on both sides, the socket, thread wake-ups
+  drafter     the drafter's time outside its requests: its proposers (`proposing`) and the fleet's
+              own Python (`fleet_python`: settling outcomes, building the next request)
+  unexplained the round minus the parts: nonzero when batches are not one per drafter round (a
+              round split over batches, processes out of step) or the processes' timed parts differ
+The parts are rounded to 0.001 ms first and `unexplained` is the round minus their sum, so the
+reported numbers add up to the reported round exactly.
+
+added_ms_per_round: the round minus the engine step (mean); its p50 is over the run's batches, each
+the next batch's engine start minus this one's, minus this one's step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+PARTS = ("engine", "server_in", "server_out", "wire", "drafter", "unexplained")
+
+
+def load(path: Path) -> dict | None:
+    """A server's --round-timings file; None when the server did not write one (it did not stop cleanly)."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def window(timings: dict, first: int, last: int) -> tuple[dict[int, dict], list[dict]]:
+    """The batches first..last (1-based engine_steps indices, both ends included) and the requests
+    they answered, as dicts by field name."""
+    fields, request_fields = timings["batch_fields"], timings["request_fields"]
+    rows = timings["batches"]
+    batches = {i: dict(zip(fields, rows[i - 1])) for i in range(max(first, 1), min(last, len(rows)) + 1)}
+    requests = [r for r in (dict(zip(request_fields, row)) for row in timings["requests"]) if r["batch"] in batches]
+    return batches, requests
+
+
+def drafter_sums(workers: list[dict]) -> dict:
+    """The drafter processes' timed rounds, summed: rounds, request, proposing and timed seconds."""
+    sums = {"rounds": 0, "request": 0.0, "proposing": 0.0, "timed": 0.0}
+    for w in workers:
+        seconds = w.get("round_seconds")
+        if not w.get("rounds") or seconds is None:
+            continue
+        sums["rounds"] += w["rounds"]
+        for key in ("request", "proposing", "timed"):
+            sums[key] += seconds[key]
+    return sums
+
+
+def breakdown(round_ms: float | None, batches: dict[int, dict], requests: list[dict], drafters: dict) -> dict:
+    """The run's figures from its batches and requests (window) and its drafters' sums (drafter_sums).
+    -> {"added_ms_per_round", "added_ms_per_round_p50", "round_breakdown_ms", "round_detail_ms"};
+    each None when a part is missing (no timings, no fleet rounds)."""
+    none = {"added_ms_per_round": None, "added_ms_per_round_p50": None, "round_breakdown_ms": None, "round_detail_ms": None}
+    if round_ms is None or not batches or not requests or not drafters["rounds"]:
+        return none
+    ms = 1000.0
+    steps = {i: b["engine_end"] - b["engine_start"] for i, b in batches.items()}
+    engine = statistics.fmean(steps.values()) * ms
+    cycles = [batches[i + 1]["engine_start"] - b["engine_start"] - steps[i] for i, b in batches.items() if i + 1 in batches]
+    into = [batches[r["batch"]]["engine_start"] - r["arrival"] for r in requests]
+    out = [r["written"] - batches[r["batch"]]["engine_end"] for r in requests]
+    residence = statistics.fmean(r["written"] - r["arrival"] for r in requests) * ms
+    rounds = drafters["rounds"]
+    request = drafters["request"] * ms / rounds
+    own = (drafters["timed"] - drafters["request"]) * ms / rounds
+    proposing = drafters["proposing"] * ms / rounds
+    parts = {"engine": _ms(engine), "server_in": _ms(statistics.fmean(into) * ms),
+             "server_out": _ms(statistics.fmean(out) * ms), "wire": _ms(request - residence), "drafter": _ms(own)}
+    parts["unexplained"] = _ms(round_ms - sum(parts.values()))
+    detail = {
+        "drafter_round": _ms(drafters["timed"] * ms / rounds),  # the parts before `unexplained` add up to this
+        "drafter_request": _ms(request), "server_residence": _ms(residence),
+        "proposing": _ms(proposing), "fleet_python": _ms(own - proposing),
+        # per batch: its first step's arrival to the engine start (of which the spread of its
+        # requests' arrivals: waiting for the last process), and its engine end to its last answer written
+        "batch_first_arrival_to_engine": _ms(statistics.fmean(b["engine_start"] - b["first_arrival"] for b in batches.values()) * ms),
+        "batch_arrival_spread": _ms(statistics.fmean(b["last_arrival"] - b["first_arrival"] for b in batches.values()) * ms),
+        "batch_engine_end_to_last_written": _ms(statistics.fmean(b["last_written"] - b["engine_end"] for b in batches.values()) * ms),
+        "batches": len(batches), "requests": len(requests), "drafter_rounds": rounds,
+    }
+    return {"added_ms_per_round": _ms(round_ms - parts["engine"]),
+            "added_ms_per_round_p50": _ms(statistics.median(cycles) * ms) if cycles else None,
+            "round_breakdown_ms": {"round": round_ms, **parts}, "round_detail_ms": detail}
+
+
+def _ms(value: float) -> float:
+    return round(value, 3)
+
+
+def table(runs: dict[str, dict]) -> str:
+    """A short table of the runs that have a breakdown: the round and its parts, ms."""
+    head = ("run", "round", "added", "added p50", *PARTS[:-1], "unexpl.")
+    rows = [head]
+    for name, run in runs.items():
+        parts = run.get("round_breakdown_ms")
+        if parts:
+            rows.append((name, parts["round"], run["added_ms_per_round"], run["added_ms_per_round_p50"],
+                         *(parts[p] for p in PARTS)))
+    if len(rows) == 1:
+        return ""
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows)
