@@ -128,9 +128,12 @@ class ServeConfig:
 
     def server_config(self, model_dir: Path) -> ServerConfig:
         """The load runs' server, in this process (the engine alone) and as its flags (the service)."""
+        round_rows = self.sessions * (self.k + 1)  # a round of every session is one batch
+        # at least a round's rows: a graph bucket's padding rows live in the scratch slot, so the
+        # bucket that holds a whole round exists only where a slot holds that many rows
+        max_seq_len = max(workload.PROMPT_MAX + self.reference_tokens + self.k + 1, round_rows)
         return ServerConfig(model_dir, port=0, device=self.device, dtype=self.served_dtype, n_slots=self.sessions,
-                            max_seq_len=workload.PROMPT_MAX + self.reference_tokens + self.k + 1, max_k=self.k,
-                            max_batch_rows=self.sessions * (self.k + 1))  # a round of every session is one batch
+                            max_seq_len=max_seq_len, max_k=self.k, max_batch_rows=round_rows)
 
 
 def checkpoint(name: str, scratch: Path, config: ServeConfig) -> Path:

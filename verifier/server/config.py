@@ -42,8 +42,10 @@ class ServerConfig:
     max_seq_len: int = option(2048, "positions per session (prompt + generated)")
     max_k: int = option(DEFAULT_MAX_K, "most drafts per step")
     rollback: str = option(WOA, "recurrent-state rollback: write-on-accept or snapshots", choices=ROLLBACK_MODES)
-    # An engine batch holds at most max_batch_rows verify rows, and never more than the largest
-    # graph bucket (a single step larger than that still runs alone).
+    # An engine batch runs at most max_batch_rows verify rows, and never more than the largest
+    # graph bucket (a single step larger than that still runs alone). With goodput on, the rows
+    # counted are those the policy keeps: a step it may trim holds one row when the batch is taken
+    # (verifier/server/scheduler.py).
     max_batch_rows: int = option(256, "most verify rows in one engine batch")
     # When the engine is free, the next batch waits for the next step of every session of the batch
     # that just ran (the drafters answering its results), so that sessions stepping in lockstep

@@ -2,6 +2,15 @@
 batcher task takes everything waiting (up to max_batch_rows verify rows, each session at most once)
 and runs ONE engine step for it on the worker thread, then the next.
 
+Rows: max_batch_rows bounds the rows a batch RUNS. A step the goodput policy may trim holds one row
+at the least (its step with no draft), so taking and gathering count it as one (`PendingStep.least`),
+and after the policy has chosen, the batch keeps its steps in arrival order while their verified
+rows fit; the rest go back to the head of the queue, untouched, for the next batch. Counting the
+drafts as sent instead would split a round whose drafts the policy trims away into two batches
+whenever the drafts sent pass the cap, each batch costing nearly a full step on a bandwidth-bound
+model. Without a policy, or for a session that asked for every draft, the drafts as sent are the
+rows run.
+
 Gathering: while a batch runs, the next one gathers (the engine runs on the worker thread, steps
 keep arriving on the event loop). When the engine is free, the batch waits for the sessions of the
 batch that just ran and go on (still open, unfinished): once each has queued its next step, or the
@@ -74,8 +83,8 @@ class PendingStep(Answer):
     request waits once for all of its steps (service.RequestAnswer counts them down), a VerifyStream
     for the step at the head of its stream; the batch answers a step by `finish`."""
 
-    __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "waiters",
-                 "taken", "batch")
+    __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "least",
+                 "waiters", "taken", "batch")
 
     def __init__(self, step: rpc.VerifyStep, request_id: str, session: Session | None, drafts: list[int],
                  draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float,
@@ -89,6 +98,7 @@ class PendingStep(Answer):
         self.fingerprint = fingerprint  # with a request id: what a retry must repeat
         self.arrived = arrived  # time.perf_counter() when its request arrived
         self.rows = len(drafts) + 1  # verify rows it asks for
+        self.least = self.rows  # rows it holds in a batch at the least (1 where the policy may trim it: Scheduler.submit)
         self.waiters = 1  # callers awaiting this step (an in-flight retry joins the original)
         self.taken = result is not None  # handed to a batch (or answered at once): it completes whatever its callers do
         self.batch = 0  # with round timings on: the index of the batch it ran in (0: none)
@@ -115,7 +125,7 @@ class Scheduler:
         self.max_wait_s = max_wait_ms / 1000.0
         self.policy = policy
         self._queue: list[PendingStep] = []
-        self._queued_rows = 0
+        self._queued_rows = 0  # the queued steps' least rows: what the next batch runs at the least
         self._awaited: set[str] = set()  # sessions of the last batch whose next step is not queued yet
         self._wakeup = asyncio.Event()
         self._stopping = False
@@ -168,13 +178,15 @@ class Scheduler:
                draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float, now: float) -> PendingStep:
         """Queue a step; `arrived` (perf_counter) and `now` (the session table's clock) are its request's."""
         pending = PendingStep(step, request_id, session, drafts, draft_probs, fingerprint, arrived)
+        if self.policy is not None and not session.verify_all_drafts:
+            pending.least = 1  # the policy may verify none of its drafts
         session.busy += 1
         session.last_used = now
         if request_id:
             session.inflight[request_id] = pending
         queue = self._queue
         queue.append(pending)
-        self._queued_rows += pending.rows
+        self._queued_rows += pending.least
         awaited = self._awaited
         awaited.discard(session.id)
         # the batcher waits for a first step, or for the batch to be whole (_ready, inlined: this runs per step)
@@ -205,7 +217,7 @@ class Scheduler:
         if pending.waiters > 0:
             return
         self._queue.remove(pending)
-        self._queued_rows -= pending.rows
+        self._queued_rows -= pending.least
         self._release(pending, self.sessions.clock())
         pending.forget_callers()
 
@@ -240,7 +252,7 @@ class Scheduler:
                 self._awaited = set()
                 now = self.sessions.clock()
                 for pending in batch:
-                    if pending.result is None:
+                    if pending.result is None and pending.taken:  # not one put back in the queue (_put_back)
                         self._deliver(pending, error_result(pending.step, grpc.StatusCode.INTERNAL, "the engine step failed; "
                                                             "see the server log", pending.session.sequence.position), now)
 
@@ -288,24 +300,46 @@ class Scheduler:
             self._round_trip_s = 0.5 * self._round_trip_s + 0.5 * min(sample, MAX_GATHER_S)
 
     def _take(self) -> list[PendingStep]:
-        """Waiting steps in arrival order: each session once, at most max_batch_rows rows (the
-        first step always, however many rows it has). The rest wait for the next batch (a stream's
-        next step of a session runs from the position its previous step reaches)."""
+        """Waiting steps in arrival order: each session once, at most max_batch_rows rows at the
+        least (PendingStep.least; the first step always, however many rows it has). The rest wait
+        for the next batch (a stream's next step of a session runs from the position its previous
+        step reaches)."""
         batch, rest, seen, rows, full = [], [], set(), 0, False
         for pending in self._queue:
-            if batch and rows + pending.rows > self.max_batch_rows:
+            if batch and rows + pending.least > self.max_batch_rows:
                 full = True  # later steps wait too, so arrival order is kept
             if full or pending.session.id in seen:
                 rest.append(pending)
                 continue
             seen.add(pending.session.id)
-            rows += pending.rows
+            rows += pending.least
             pending.taken = True
             batch.append(pending)
         self._queue = rest
-        self._queued_rows = sum(p.rows for p in rest)
+        self._queued_rows = sum(p.least for p in rest)
         self._cut_short = full
         return batch
+
+    def _fitting(self, verified: list[int]) -> int:
+        """How many of a batch's steps, in order, run: those whose verified rows (k + 1 each) fit
+        max_batch_rows, the first always. Only trimming leaves more: `_take` counted a trimmable
+        step's least rows, not the rows the policy then keeps."""
+        rows = 0
+        for n, k in enumerate(verified):
+            rows += k + 1
+            if n and rows > self.max_batch_rows:
+                return n
+        return len(verified)
+
+    def _put_back(self, steps: list[PendingStep]) -> None:
+        """Steps a batch took but does not run: back to the head of the queue (they came before
+        everything queued since; a session's later steps stay behind its own), unanswered, to be
+        taken (and checked) again by the next batch, which then waits for nothing."""
+        for pending in steps:
+            pending.taken = False
+        self._queue[:0] = steps
+        self._queued_rows += sum(p.least for p in steps)
+        self._cut_short = True
 
     def _check(self, pending: PendingStep) -> rpc.StepResult | None:
         """The step against its session: the error result, or None when it may run. Never changes state."""
@@ -368,6 +402,10 @@ class Scheduler:
         policy = self.policy
         requested = [p.rows - 1 for p in live]
         verified = self._trim(live, requested) if policy is not None else requested
+        fit = self._fitting(verified)
+        if fit < len(live):
+            self._put_back(live[fit:])
+            live, requested, verified = live[:fit], requested[:fit], verified[:fit]
         requests = [_request(p, k) for p, k in zip(live, verified)]
         started = time.perf_counter()
         self._running = live
