@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 # Tensors a text engine does not use: multi-token-prediction heads and vision towers.
 _SKIPPED = re.compile(r"^(mtp\.|model\.mtp\.|model\.visual\.|visual\.|model\.vision_tower\.|vision_tower\.)")
+# The MTP head's tensors (verifier/model/mtp.py), read as `mtp.*` in either spelling.
+_MTP = re.compile(r"^(model\.)?mtp\.")
 
 # Checkpoint spelling -> canonical spelling (the one transformers saves for the text model).
 _RENAMES = (
@@ -80,10 +82,13 @@ def canonical_name(name: str) -> str:
 class TensorSource:
     """Lazy, checked access to a checkpoint's tensors under their canonical names."""
 
-    def __init__(self, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype, *, keep_fp8: bool | None = None):
+    def __init__(self, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype, *, keep_fp8: bool | None = None,
+                 mtp: bool = False):
         """keep_fp8: hand linear weights stored in block FP8 to the layers as BlockFP8Weight (None:
         on CUDA, where the FP8 kernels read them; on the CPU it serves tests of that plumbing, which
-        then dequantizes per GEMM) rather than dequantized once here."""
+        then dequantizes per GEMM) rather than dequantized once here.
+        mtp: hold the multi-token-prediction head's tensors (`mtp.*`; `model.mtp.*` read as `mtp.*`)
+        and nothing else, for verifier/model/mtp.py; without it they are skipped with the vision tower."""
         model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -97,10 +102,15 @@ class TensorSource:
             handle = safe_open(str(path), framework="pt", device="cpu")
             self._handles.append(handle)
             for stored in handle.keys():
-                if _SKIPPED.match(stored):
+                if mtp:
+                    if not _MTP.match(stored):
+                        continue
+                    name = canonical_name(_MTP.sub("mtp.", stored))
+                elif _SKIPPED.match(stored):
                     skipped += 1
                     continue
-                name = canonical_name(stored)
+                else:
+                    name = canonical_name(stored)
                 if name in self._where:
                     raise CheckpointError(f"tensor {stored!r} appears twice (as {self._where[name][1]!r} too)")
                 self._where[name] = (handle, stored)

@@ -31,8 +31,10 @@ _MIXERS = {ATTENTION: GatedAttention, MLA: LatentAttention, GDN: GatedDeltaNet, 
 
 
 class Block:
-    def __init__(self, config: ModelConfig, src: TensorSource, index: int):
-        prefix = f"model.layers.{index}"
+    def __init__(self, config: ModelConfig, src: TensorSource, index: int, prefix: str | None = None):
+        """prefix: where the block's tensors live (default `model.layers.{index}`; an MTP layer's
+        are under `mtp.layers.{j}`, verifier/model/mtp.py)."""
+        prefix = prefix or f"model.layers.{index}"
         self.mixer = _MIXERS[config.mixers[index]](config, src, prefix)
         if config.mlps[index] == MOE:
             self.mlp = MoE(config, src, prefix)
@@ -66,9 +68,6 @@ class HybridModel:
     def new_pool(self, n_slots: int, max_seq_len: int, carry_rows: int = 0) -> SlotPool:
         return SlotPool(self.config, n_slots, max_seq_len, self.device, self.dtype, carry_rows)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)
-
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool = False) -> torch.Tensor:
         """tokens [rows] int64 -> logits [rows, vocab] fp32 (or [sequences, vocab] with last_only).
@@ -79,30 +78,21 @@ class HybridModel:
         return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, COMMIT, None)
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, row_invariant: bool, last_only: bool,
-                mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+                mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None,
+                hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it.
         logits_out: an optional fp32 [rows, vocab] buffer the logits are written into (the graphs'
-        shared output; the same values: the LM head's output converted to fp32 once)."""
+        shared output; the same values: the LM head's output converted to fp32 once).
+        hidden_out: an optional [rows, H] buffer (all rows, even with last_only) the final-normed
+        hidden rows are copied into: the LM head's input, which an MTP head reads (verifier/model/mtp.py)."""
         positions = batch.positions(self.device)
-        h = self.embed[tokens]
-        # The residual stream's adds run fused into the norm that follows them: h + mixed with the
-        # block's post-norm, h + mlp with the next block's input norm (the final norm after the last);
-        # on CUDA a split-K output projection's reduce runs fused in there too (ops.linear's into_add_norm).
-        x = each_row(lambda t: self._norm(t, self.blocks[0].input_norm), h, row_invariant=row_invariant)
-        next_norms = [block.input_norm for block in self.blocks[1:]] + [self.final_norm]
-        for index, (block, state, next_norm) in enumerate(zip(self.blocks, pool.layers, next_norms)):
-            mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode)
-            if record is not None and layer_record is not None:
-                record.layers[index] = layer_record
-            h, x = each_row(lambda a, b: self._add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)
-            mlp_out = each_row(lambda t: block.mlp.forward(t, into_add_norm=True), x, row_invariant=row_invariant)
-            h, x = each_row(lambda a, b: self._add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
+        x = residual_stream(self.config, self.blocks, pool.layers, self.embed[tokens], self.final_norm, batch, positions,
+                            row_invariant=row_invariant, mode=mode, record=record)
+        if hidden_out is not None:
+            hidden_out.copy_(x)
         if last_only:
             x = x[[o - 1 for o in batch.offsets[1:]]]
         return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
-
-    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, self.config.zero_centred_norm)
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
         """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.
@@ -117,6 +107,33 @@ class HybridModel:
             logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits)
             outs.append(logits)
         return torch.cat(outs) if all_logits else outs[-1][0]
+
+
+def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: torch.Tensor, final_norm: torch.Tensor,
+                    batch: RowBatch, positions: torch.Tensor, *, row_invariant: bool, mode: str,
+                    record: VerifyRecord | None = None) -> torch.Tensor:
+    """The stream h [rows, H] entering blocks[0] through every block (block i over states[i]) ->
+    final_norm of the stream after the last block [rows, H]. The main model's blocks and an MTP
+    head's layers (verifier/model/mtp.py) run this one loop.
+
+    The residual stream's adds run fused into the norm that follows them: h + mixed with the
+    block's post-norm, h + mlp with the next block's input norm (the final norm after the last);
+    on CUDA a split-K output projection's reduce runs fused in there too (ops.linear's into_add_norm)."""
+    eps, zero_centred = config.rms_norm_eps, config.zero_centred_norm
+
+    def add_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(a, b, weight, eps, zero_centred)
+
+    x = each_row(lambda t: rms_norm(t, blocks[0].input_norm, eps, zero_centred), h, row_invariant=row_invariant)
+    next_norms = [block.input_norm for block in blocks[1:]] + [final_norm]
+    for index, (block, state, next_norm) in enumerate(zip(blocks, states, next_norms)):
+        mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode)
+        if record is not None and layer_record is not None:
+            record.layers[index] = layer_record
+        h, x = each_row(lambda a, b: add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)
+        mlp_out = each_row(lambda t: block.mlp.forward(t, into_add_norm=True), x, row_invariant=row_invariant)
+        h, x = each_row(lambda a, b: add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
+    return x
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
