@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 from presets.hf_reference import save_spec  # noqa: E402
+from presets.mtp import add_mtp_tensors  # noqa: E402
 from presets.tiny import SPECS  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -34,6 +35,22 @@ def hf_checkpoint(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in cache:
             cache[name] = save_spec(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoint(hf_checkpoint, tmp_path_factory):
+    """mtp_checkpoint(name) -> a copy of hf_checkpoint(name) with a random published-layout MTP head
+    (presets/mtp.py), built once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            path = tmp_path_factory.mktemp(f"{name}_mtp") / "m"
+            shutil.copytree(hf_checkpoint(name), path)
+            cache[name] = add_mtp_tensors(path)
         return cache[name]
 
     return get

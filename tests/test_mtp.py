@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from presets.mtp import add_mtp_tensors
 from verifier.model import CheckpointError, RowBatch, load_model
 from verifier.model.fp8_checkpoint import write_block_fp8_checkpoint, write_dequantized_checkpoint
 from verifier.model.fp8 import FP8_DTYPE
@@ -32,20 +31,6 @@ from verifier.model.rollback import COMMIT
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next_moe", "qwen3_5_moe"]
 TOKENS = [5, 9, 2, 7, 11, 3, 8]
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def mtp_checkpoint(hf_checkpoint, tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            path = tmp_path_factory.mktemp(f"{name}_mtp") / "m"
-            shutil.copytree(hf_checkpoint(name), path)
-            cache[name] = add_mtp_tensors(path)
-        return cache[name]
-
-    return get
 
 
 def _edited_copy(model_dir, out_dir, edit):

@@ -24,7 +24,7 @@ from .printing import TokenPrinter
 from .proposers import NgramProposer, OracleProposer, Proposer, RandomProposer
 from .tokenizer import TextTokenizer
 
-DRAFTS = ("none", "ngram", "model", "random", "oracle")
+DRAFTS = ("none", "ngram", "model", "mtp", "random", "oracle")
 DEFAULT_K = 4  # drafts per step with a drafter, when --k is not given
 # In process the engine is sized for K: a K-row verify holds K+1 rows of activations and the slot
 # K positions of headroom, so --k is bounded by --max-k, whose default is the engine's and the
@@ -57,8 +57,8 @@ def _add_generate(sub) -> None:
                      help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from (default: not written)")
     spec = gen.add_argument_group("speculative decoding (every token and logit row equals the plain run's)")
     spec.add_argument("--draft", default="none", choices=DRAFTS,
-                      help="ngram: prompt lookup; model: a small checkpoint (--draft-model); random: K uniform ids "
-                           "(adversarial); oracle: the true continuation")
+                      help="ngram: prompt lookup; model: a small checkpoint (--draft-model); mtp: the checkpoint's own "
+                           "MTP head (mtp.* tensors); random: K uniform ids (adversarial); oracle: the true continuation")
     spec.add_argument("--draft-model", type=Path, default=None,
                       help="the model drafter's checkpoint (default: the shipped draft model, models/draft)")
     spec.add_argument("--k", type=at_least(0), default=None,
@@ -102,7 +102,7 @@ def _drafts_per_step(args) -> int:
     if args.k is None:
         return 0 if args.draft == "none" else min(DEFAULT_K, args.max_k)
     if args.draft == "none" and args.k:
-        raise ValueError("--k needs a drafter: pass --draft ngram|model|random|oracle")
+        raise ValueError("--k needs a drafter: pass --draft ngram|model|mtp|random|oracle")
     if args.draft != "none" and args.k == 0:
         raise ValueError(f"--k 0 with --draft {args.draft} drafts nothing: pass --k 1 or more, or --draft none to decode plainly")
     if args.k > args.max_k:
@@ -187,6 +187,8 @@ def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | N
         return NgramProposer()
     if args.draft == "oracle":
         return OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
+    if args.draft == "mtp":
+        return _mtp_proposer(args, engine)
     if args.draft == "model":
         draft_dir = args.draft_model or default_draft_model_dir()
         if draft_dir is None:
@@ -200,3 +202,20 @@ def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | N
         except (ValueError, OSError) as exc:
             raise ValueError(f"--draft-model {draft_dir}: {exc}") from None
     return None
+
+
+def _mtp_proposer(args, engine: Engine) -> Proposer:
+    """The checkpoint's own MTP head drafting from the target's hidden rows; ValueError naming
+    --draft mtp when the checkpoint has none (or a broken one)."""
+    from .model.mtp import load_mtp_head
+    from .proposers import MTPProposer
+
+    model_dir = args.model or default_model_dir()
+    try:
+        head = load_mtp_head(model_dir, engine.model)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--draft mtp: the MTP head of {model_dir}: {exc}") from None
+    if head is None:
+        raise ValueError(f"--draft mtp: the checkpoint {model_dir} has no MTP head (no mtp.* tensors); "
+                         "pick another --draft")
+    return MTPProposer(head, engine.pool.max_seq_len)

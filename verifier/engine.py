@@ -62,6 +62,8 @@ class Sequence:
     emitted: int = 1  # tokens emitted so far, the first one (chosen from the prompt) included
     finish_reason: str | None = None
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] the first token came from (model's device)
+    # opened with want_hidden: [len(prompt), H] every prompt row's final-normed hidden row (an MTP head's input)
+    prompt_hidden: torch.Tensor | None = field(default=None, repr=False)
     # an engine step failed midway with this sequence in it: a decode's verify commits its row, and
     # any verify the rows its slot carried (kernels/one_row_commit.py, model/rollback.py), so the state
     # may be past the position and the carried count stale; it steps no more
@@ -78,6 +80,7 @@ class StepRequest:
     drafts: list[int]
     draft_probs: torch.Tensor | None = None  # [K, vocab]: rejection sampling; None: greedy / coupled
     want_logits: bool = True  # False: the result's logits is None and no logits row is copied
+    want_hidden: bool = False  # True: the result's hidden holds its consumed rows' final-normed hidden rows
 
 
 @dataclass
@@ -92,6 +95,10 @@ class StepResult:
     # (None when the request did not want logits)
     logits: torch.Tensor | None
     error: StepError | None = None
+    # with want_hidden: [len(tokens), H] the final-normed hidden rows (the LM head's input) of the
+    # rows this step consumed (the pending token's, then each kept draft's): row i is the input
+    # tokens[i] was chosen from, what an MTP head drafts from (verifier/proposers/mtp.py)
+    hidden: torch.Tensor | None = None
 
 
 def _one_range(wanted: list[tuple[StepResult, int, int]], counts: list[int]) -> bool:
@@ -165,26 +172,33 @@ class Engine:
         return self.runner.step_costs(self.rollback_mode)
 
     @on_model_device
-    def open(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None) -> Sequence:
+    def open(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None,
+             want_hidden: bool = False) -> Sequence:
         """Admit a slot, prefill the prompt, choose the first token (it becomes the pending token).
         The caller has checked its arguments: a non-empty prompt of vocabulary ids that leaves room
-        for a step, and max_new_tokens >= 1."""
+        for a step, and max_new_tokens >= 1. want_hidden: keep the prompt rows' hidden rows
+        (Sequence.prompt_hidden)."""
         assert prompt and max_new_tokens >= 1, "open needs a prompt and max_new_tokens >= 1"
         assert len(prompt) + 1 <= self.pool.max_seq_len, f"a prompt of {len(prompt)} tokens fills max_seq_len {self.pool.max_seq_len}"
         slot = self.pool.admit()
+        hidden = self._hidden_buffer(len(prompt)) if want_hidden else None
         try:
-            logits = self.model.prefill(self.pool, slot, prompt)
+            logits = self.model.prefill(self.pool, slot, prompt, hidden_out=hidden)
         except Exception:
             self.pool.release(slot)
             raise
         token = choose(logits, sampling, len(prompt))
         eos = frozenset(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
-        seq = Sequence(slot, len(prompt), token, sampling, max_new_tokens, eos, first_logits=logits)
+        seq = Sequence(slot, len(prompt), token, sampling, max_new_tokens, eos, first_logits=logits, prompt_hidden=hidden)
         if token in eos:
             seq.finish_reason = EOS
         elif max_new_tokens == 1:
             seq.finish_reason = LENGTH
         return seq
+
+    def _hidden_buffer(self, rows: int) -> torch.Tensor:
+        """[rows, H] in the model's dtype on its device: what compute's hidden_out copies into."""
+        return torch.empty(rows, self.model.config.hidden_size, dtype=self.model.dtype, device=self.model.device)
 
     @on_model_device
     def close(self, seq: Sequence) -> None:
@@ -248,7 +262,9 @@ class Engine:
             raise
 
     def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], step: Step) -> list[StepResult]:
-        logits, batch = step.verify(), step.batch
+        # a step whose requests want hidden rows verifies eagerly (Step.verify: the graphs hold no hidden output)
+        hidden = self._hidden_buffer(step.batch.n_rows) if any(r.want_hidden for r in requests) else None
+        logits, batch = step.verify(hidden), step.batch
         early = self._copy_early(logits, batch, requests)  # queued behind the verify, before its ids are waited for
         verdicts = accept(logits, batch, [r.drafts for r in requests], [seq.sampling for seq in sequences],
                           [r.draft_probs for r in requests], step.greedy_ids)
@@ -267,6 +283,8 @@ class Engine:
             seq.emitted += n
             seq.finish_reason = finish
             result = StepResult(accepted, emitted, position, finish, None)
+            if req.want_hidden:
+                result.hidden = hidden[first : first + n]  # a view of this step's own buffer
             results.append(result)
             if req.want_logits:
                 wanted.append((result, first, n))

@@ -2,7 +2,9 @@
 
 Each step's drafts are cut by verifier.generation.draft_room, the rule the drafter's loop over gRPC
 uses too, so the same proposer on the same prompt takes the same steps in process and through a
-server (the same accepted_per_step, drafted_per_step and mean acceptance length).
+server (the same accepted_per_step, drafted_per_step and mean acceptance length). A proposer that
+drafts from the target's hidden rows (proposers.HiddenStateProposer: the MTP head) is handed the
+prompt's rows and each step's consumed rows.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from .engine import Engine, StepRequest
 from .generation import Generation, draft_room
 from .params import SamplingParams
-from .proposers import Proposer
+from .proposers import HiddenStateProposer, Proposer
 
 
 def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -23,8 +25,12 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: S
     """Generation.logits is a torch tensor [len(tokens), vocab] fp32 on the model's device.
     on_tokens: called with the first token, then with each step's emitted tokens, as they come."""
     sampling = sampling or SamplingParams()
-    seq = engine.open(prompt, sampling, max_new_tokens, eos_ids)
+    # a proposer that drafts from the target's hidden rows (MTP) gets the prompt's, then each step's
+    hidden = proposer is not None and k > 0 and isinstance(proposer, HiddenStateProposer)
+    seq = engine.open(prompt, sampling, max_new_tokens, eos_ids, want_hidden=hidden)
     try:
+        if hidden:
+            proposer.begin(seq.prompt_hidden)
         tokens, rows = [seq.pending], [seq.first_logits]
         if on_tokens is not None:
             on_tokens(tokens[:])
@@ -35,9 +41,11 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: S
                 room = draft_room(k, engine.max_k, engine.pool.max_seq_len, seq.position, max_new_tokens, len(tokens))
                 if room > 0:  # a proposer is asked only for drafts that can be sent (a random one draws no more)
                     drafts = list(proposer.propose(prompt + tokens, room))[:room]
-            (result,) = engine.step([StepRequest(seq, drafts)])
+            (result,) = engine.step([StepRequest(seq, drafts, want_hidden=hidden)])
             if result.error is not None:
                 raise result.error
+            if hidden:
+                proposer.observe(result.hidden)
             tokens += result.tokens
             if on_tokens is not None:
                 on_tokens(result.tokens)

@@ -69,13 +69,15 @@ class HybridModel:
         return SlotPool(self.config, n_slots, max_seq_len, self.device, self.dtype, carry_rows)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool = False,
+                hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [rows] int64 -> logits [rows, vocab] fp32 (or [sequences, vocab] with last_only).
+        hidden_out: compute's.
 
         Commits every row: KV at the row's position, conv window and recurrent state advanced
         past the sequence's last row. Prefill runs this."""
         check_rows(tokens, batch, pool.max_seq_len, self.config.vocab_size)
-        return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, COMMIT, None)
+        return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, COMMIT, None, hidden_out=hidden_out)
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, row_invariant: bool, last_only: bool,
                 mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None,
@@ -94,8 +96,11 @@ class HybridModel:
             x = x[[o - 1 for o in batch.offsets[1:]]]
         return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
 
-    def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False,
+                hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.
+        hidden_out: an optional [len(prompt), H] buffer for every prompt row's final-normed hidden
+        row (compute's; what an MTP head reads).
 
         Returns the logits of the last prompt token [vocab] (or of every token [len, vocab])."""
         if not prompt:
@@ -104,7 +109,9 @@ class HybridModel:
         for start in range(0, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             batch = RowBatch(slots=(slot,), starts=(start,), counts=(len(piece),))
-            logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits)
+            hidden = None if hidden_out is None else hidden_out[start : start + len(piece)]
+            logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits,
+                                  hidden_out=hidden)
             outs.append(logits)
         return torch.cat(outs) if all_logits else outs[-1][0]
 

@@ -39,7 +39,8 @@ Not verified here: the published config.json of Qwen3-Next carries neither count
 presets/published.py has none), so the layer count is then counted from the tensors; vLLM picks
 the MTP layer's MLP by the layer's index in the main schedule (MoE in every published file), we by
 the tensors the checkpoint holds; whether the published FP8 files quantize `mtp.fc` (the loader
-takes both); and the positions vLLM's proposer gives the rows, which the proposer must match.
+takes both). The positions: vLLM's proposer (v1/spec_decode/eagle.py) gives the row of (hidden at
+p, token at p + 1) position p, the hidden row's; the MTP drafter matches it (verifier/proposers/mtp.py).
 """
 
 from __future__ import annotations

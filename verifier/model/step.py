@@ -60,19 +60,23 @@ class Step:
         self._bucket = None  # graphed: the bucket whose rollback graph replays
         self._rolled_back = False
 
-    def verify(self) -> torch.Tensor:
+    def verify(self, hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """Run the verify -> logits [rows, vocab] fp32. They may live in a graph's output buffer:
-        valid until the next verify, so copy what must outlive it."""
+        valid until the next verify, so copy what must outlive it.
+        hidden_out: an optional [rows, H] buffer the final-normed hidden rows (the LM head's input,
+        which an MTP head reads: verifier/model/mtp.py) are copied into. The graphs hold no hidden
+        output, so a step that asks for it runs eagerly: the same kernels and arguments, so the
+        same bits (DESIGN.md section 6, rule 9), minus the graph's launch savings."""
         if self.logits is not None:
             raise RuntimeError("a step verifies once")
         runner = self.runner
-        if runner.graphs is not None and self.shape is not None:
+        if runner.graphs is not None and self.shape is not None and hidden_out is None:
             self.logits, self._bucket = runner.graphs.verify(self.tokens, self.rows, self.shape, self.mode)
             self.greedy_ids = runner.graphs.greedy_ids
             self._padded_to = self.shape
         else:
             self._padded_to = self.shape if runner.pad_eagerly else None
-            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, self.mode)
+            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, self.mode, hidden_out)
         return self.logits
 
     def rollback(self, consumed: list[int]) -> None:
@@ -136,15 +140,23 @@ class StepRunner:
 
     @torch.inference_mode()
     def eager(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, shape: BucketShape | None,
-              mode: str) -> tuple[torch.Tensor, VerifyRecord]:
+              mode: str, hidden_out: torch.Tensor | None = None) -> tuple[torch.Tensor, VerifyRecord]:
         """The eager verify of a checked batch (padded to `shape` unless None) -> (logits of its
-        own rows, the record its rollback reads)."""
+        own rows, the record its rollback reads). hidden_out: Step.verify's, [batch rows, H]."""
         padded = batch if shape is None else pad_batch(batch, shape, self.pool.scratch_slot)
         device = self.model.device
         inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(device)
         padded.attach(device, inputs.batch_tensors())
         record = VerifyRecord(mode, padded)
-        logits = self.model.compute(inputs.tokens, padded, self.pool, True, False, mode, record)
+        hidden = hidden_out
+        if hidden_out is not None:
+            assert hidden_out.shape == (batch.n_rows, self.model.config.hidden_size), \
+                f"hidden_out has shape {list(hidden_out.shape)}, expected [{batch.n_rows}, {self.model.config.hidden_size}]"
+            if padded.n_rows != batch.n_rows:  # padding rows come after the batch's own (as the logits' slice says)
+                hidden = torch.empty(padded.n_rows, hidden_out.shape[1], dtype=hidden_out.dtype, device=hidden_out.device)
+        logits = self.model.compute(inputs.tokens, padded, self.pool, True, False, mode, record, hidden_out=hidden)
+        if hidden is not hidden_out:
+            hidden_out.copy_(hidden[: batch.n_rows])
         return logits[: batch.n_rows], record
 
     def padding_step(self, shape: BucketShape, mode: str) -> None:
