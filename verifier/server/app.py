@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from .. import rpc
 from ..engine import Engine
 from ..model import load_model
+from ..model.mtp import load_mtp_head
 from ..tokenizer import TextTokenizer
 from .auth import BearerTokenAuth
 from .config import ServerConfig
@@ -54,6 +55,9 @@ class VerifierServer:
         self.config = config
         self.engine = engine if engine is not None else build_engine(config)
         self.tokenizer = TextTokenizer.from_model_dir(config.model_dir)
+        # the MTP head, for sessions drafting with server_drafter "mtp"; None: none in the
+        # checkpoint, or `--no-mtp`
+        self.mtp_head = load_mtp_head(config.model_dir, self.engine.model) if config.mtp else None
         self.metrics = Metrics(self.engine.max_k)
         self.service: VerifierService | None = None
         self.address: str | None = None
@@ -107,7 +111,7 @@ class VerifierServer:
         except BaseException:
             await server.stop(None)  # an unstarted server left to the garbage collector outlives the loop
             raise
-        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics)
+        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp_head)
         server.add_generic_rpc_handlers([rpc.servicer_handler(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -59,6 +59,11 @@ class ServerConfig:
                                      "measurably take longer (0: run as soon as the engine is free)")
     # Per batch, verify only the drafts worth their rows (verifier/server/goodput.py), from the step
     # costs the engine measures at startup; off: every draft is verified.
+    # Load the checkpoint's MTP head when it has one, for sessions opened with server_drafter "mtp"
+    # (ModelInfo.server_drafters); --no-mtp saves its weights' memory (and each such session's head
+    # KV pool and hidden rows), and the model then offers "ngram" only.
+    mtp: bool = option(True, "load the checkpoint's MTP head, if it has one, for server-side MTP drafting "
+                             "(--no-mtp: skip it)")
     goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")
     # None: the engine's own list (verifier.model.graphs.DEFAULT_GRAPH_ROWS) cut to max_seq_len
     graph_rows: tuple[int, ...] | None = option(None, "verify-row buckets the engine captures as CUDA graphs at "

@@ -3,6 +3,10 @@ stored result (or joins the step still in flight) and never advances a session t
 with other content is a client bug, answered INVALID_ARGUMENT naming the id, never with the first
 request's result.
 
+A step of a session with a server-side drafter carries no drafts: its fingerprint is its position
+and return_logits, and its drafts are proposed once, when the step first runs; a retry gets that
+step's stored result (or joins it in flight) and is never proposed for again.
+
 A fingerprint is the content a retry must repeat. draft_probs enter as a digest: a session keeps up
 to results_per_session fingerprints, and a [K, vocab] float32 block is megabytes at a real vocabulary.
 """
@@ -28,7 +32,8 @@ def step_fingerprint(step: rpc.VerifyStep, drafts: list[int] | None = None) -> F
 def open_fingerprint(request: rpc.OpenSessionRequest) -> Fingerprint:
     s = request.sampling
     return (tuple(request.prompt_ids), request.text, (s.temperature, s.top_k, s.top_p, s.seed),
-            request.max_new_tokens, request.return_logits, request.verify_all_drafts)
+            request.max_new_tokens, request.return_logits, request.verify_all_drafts, request.server_drafter,
+            request.server_draft_k)
 
 
 def reused_step_id(request_id: str) -> Invalid:
@@ -40,4 +45,4 @@ def reused_step_id(request_id: str) -> Invalid:
 def reused_open_id(request_id: str) -> Invalid:
     return Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                    f"request_id {request_id!r} was used by another OpenSession (other prompt, sampling, "
-                   f"max_new_tokens, return_logits or verify_all_drafts): a new session needs a new request_id")
+                   f"max_new_tokens, return_logits, verify_all_drafts, server_drafter or server_draft_k): a new session needs a new request_id")

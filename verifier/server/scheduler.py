@@ -38,6 +38,15 @@ it queued gets NOT_FOUND; one the engine already runs completes and is answered.
 a time and the worker writes sequences only inside a step, so no session is read on the event
 loop while the worker is writing it.
 
+Server-side drafters (verifier/server/drafting.py): a step of a session opened with a
+server_drafter arrives without drafts (`PendingStep.drafts` None, its rows counted at the
+session's k until then); the batch that takes it has its session's proposer fill them on the
+worker, before the checks, only for a step whose session is live at the expected position (the
+context the drafts follow is then final; a step that fails its checks gets an empty list). From
+there they are any step's drafts: checked against the context, trimmed by the policy, verified;
+after the step the proposer observes its outcome (tokens, and hidden rows for MTP) on the worker.
+A step put back in the queue keeps the drafts it was given (its session has not moved).
+
 A caller that goes away (cancel, deadline) withdraws its steps that are still queued; a step
 already handed to the engine completes, and its result is stored under its request id, so a
 retry gets it and nothing accepted is lost.
@@ -86,7 +95,7 @@ class PendingStep(Answer):
     __slots__ = ("step", "request_id", "session", "drafts", "draft_probs", "fingerprint", "arrived", "rows", "least",
                  "waiters", "taken", "batch")
 
-    def __init__(self, step: rpc.VerifyStep, request_id: str, session: Session | None, drafts: list[int],
+    def __init__(self, step: rpc.VerifyStep, request_id: str, session: Session | None, drafts: list[int] | None,
                  draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float,
                  result: rpc.StepResult | None = None):
         super().__init__(result)
@@ -97,11 +106,19 @@ class PendingStep(Answer):
         self.draft_probs = draft_probs  # [K, vocab] float32
         self.fingerprint = fingerprint  # with a request id: what a retry must repeat
         self.arrived = arrived  # time.perf_counter() when its request arrived
-        self.rows = len(drafts) + 1  # verify rows it asks for
+        # verify rows it asks for; a server-drafted step's drafts come later (fill): its session's k until then
+        self.rows = len(drafts) + 1 if drafts is not None else session.drafter.k + 1
         self.least = self.rows  # rows it holds in a batch at the least (1 where the policy may trim it: Scheduler.submit)
         self.waiters = 1  # callers awaiting this step (an in-flight retry joins the original)
         self.taken = result is not None  # handed to a batch (or answered at once): it completes whatever its callers do
         self.batch = 0  # with round timings on: the index of the batch it ran in (0: none)
+
+    def fill(self, drafts: list[int]) -> None:
+        """A server-drafted step's drafts, from its session's proposer: its rows as sent from now on."""
+        self.drafts = drafts
+        self.rows = len(drafts) + 1
+        if self.least > 1:  # not trimmable: its least rows are its rows
+            self.least = self.rows
 
     def forget_callers(self) -> None:
         self._callbacks = []
@@ -174,9 +191,10 @@ class Scheduler:
         """A step answered without the engine (a request error, a stored result)."""
         return PendingStep(step, step.request_id, None, [], None, None, 0.0, result)
 
-    def submit(self, step: rpc.VerifyStep, request_id: str, session: Session, drafts: list[int],
+    def submit(self, step: rpc.VerifyStep, request_id: str, session: Session, drafts: list[int] | None,
                draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float, now: float) -> PendingStep:
-        """Queue a step; `arrived` (perf_counter) and `now` (the session table's clock) are its request's."""
+        """Queue a step; `arrived` (perf_counter) and `now` (the session table's clock) are its request's.
+        `drafts` None: the session's server-side drafter proposes them when a batch takes the step."""
         pending = PendingStep(step, request_id, session, drafts, draft_probs, fingerprint, arrived)
         if self.policy is not None and not session.verify_all_drafts:
             pending.least = 1  # the policy may verify none of its drafts
@@ -388,10 +406,50 @@ class Scheduler:
             ids, sent = zip(*judged)
             self.policy.observe_batch(ids, sent, verified, accepted)
 
+    async def _draft(self, batch: list[PendingStep]) -> dict[PendingStep, rpc.StepResult]:
+        """Fill the drafts of the batch's server-drafted steps (module docstring): proposed on the
+        worker for steps that may run, an empty list for the others (their checks answer them). A
+        proposer that fails fails its own step INTERNAL, never the batch's others: -> {step: its
+        error result}, for _run to deliver."""
+        drafting, failed = [], {}
+        for pending in batch:
+            if pending.drafts is not None:
+                continue
+            seq = pending.session.sequence
+            if (self.sessions.is_live(pending.session) and pending.step.expected_position == seq.position
+                    and not seq.finished and not seq.lost):
+                drafting.append(pending)
+            else:
+                pending.fill([])
+        if not drafting:
+            return failed
+        self._running = batch  # `cut` answers them while they are proposed for
+        try:
+            proposed = await self.worker.run(_propose, self.engine, [p.session for p in drafting])
+        finally:
+            self._running = []
+        for pending, drafts in zip(drafting, proposed):
+            if isinstance(drafts, Exception):
+                log.error("server drafter %r failed: %r", pending.session.drafter.name, drafts)
+                pending.fill([])
+                failed[pending] = error_result(pending.step, grpc.StatusCode.INTERNAL, "the server-side drafter failed; "
+                                               "see the server log", pending.session.sequence.position)
+            else:
+                pending.fill(drafts)
+        return failed
+
     async def _run(self, batch: list[PendingStep]) -> None:
         self.keep_books()
+        failed = await self._draft(batch) if any(p.drafts is None for p in batch) else None
         live = []
         for pending in batch:
+            if failed is not None:
+                if pending.result is not None:  # `cut` answered it while its drafts were proposed: it runs no more
+                    self._release(pending, self.sessions.clock())
+                    continue
+                if pending in failed:
+                    self._deliver(pending, failed[pending], self.sessions.clock())
+                    continue
             problem = self._check(pending)
             if problem is None:
                 live.append(pending)
@@ -407,10 +465,14 @@ class Scheduler:
             self._put_back(live[fit:])
             live, requested, verified = live[:fit], requested[:fit], verified[:fit]
         requests = [_request(p, k) for p, k in zip(live, verified)]
+        # each server-side drafter observes its step (a step put back keeps its drafts: failed may be None)
+        drafters = [p.session.drafter for p in live]
+        if not any(drafters):
+            drafters = None
         started = time.perf_counter()
         self._running = live
         try:
-            results, logits, on_thread = await self.worker.run(_step, self.engine, requests)
+            results, logits, on_thread = await self.worker.run(_step, self.engine, requests, drafters)
         finally:
             self._running = []
         self._last_step_s = time.perf_counter() - started
@@ -473,21 +535,42 @@ class Scheduler:
 
 
 def _request(pending: PendingStep, verified: int) -> StepRequest:
-    """The engine request of a step that verifies its first `verified` drafts."""
+    """The engine request of a step that verifies its first `verified` drafts (and, for a session
+    drafting with the MTP head, returns its consumed rows' hidden rows for the head)."""
     drafts, probs = pending.drafts, pending.draft_probs
     if verified < len(drafts):
         drafts, probs = drafts[:verified], (probs[:verified] if probs is not None and verified else None)
-    return StepRequest(pending.session.sequence, drafts, probs, want_logits=pending.step.return_logits)
+    drafter = pending.session.drafter
+    return StepRequest(pending.session.sequence, drafts, probs, want_logits=pending.step.return_logits,
+                       want_hidden=drafter is not None and drafter.wants_hidden)
 
 
-def _step(engine: Engine, requests: list[StepRequest]):
+def _propose(engine: Engine, sessions: list[Session]) -> list:
+    """On the worker: each session's next drafts from its server-side drafter, or the exception
+    its drafter raised (which fails that step alone)."""
+    out = []
+    for session in sessions:
+        try:
+            out.append(session.drafter.propose(session.sequence, engine))
+        except Exception as exc:  # noqa: BLE001 - answered as the step's INTERNAL error
+            out.append(exc)
+    return out
+
+
+def _step(engine: Engine, requests: list[StepRequest], drafters: list | None):
     """On the worker: one engine step, the asked-for logits as wire bytes (the device-to-host copy
     stays off the event loop), and the step's start and end on this thread (perf_counter; the end
     once the ids are on the host): two clock reads a batch, so they are taken whether or not round
-    timings are kept."""
+    timings are kept. `drafters`: per request its session's server-side drafter or None (None for
+    all: no session drafts on the server), which observes its OK step's outcome here, in order
+    with its proposals."""
     started = time.perf_counter()
     results = engine.step(requests)
     on_thread = (started, time.perf_counter())
+    if drafters is not None:
+        for drafter, result in zip(drafters, results):
+            if drafter is not None and result.error is None:
+                drafter.observe(result)
     if not any(q.want_logits for q in requests):
         return results, [None] * len(results), on_thread
     logits = [logits_message(r.logits) if q.want_logits and r.error is None else None for q, r in zip(requests, results)]

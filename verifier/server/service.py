@@ -26,6 +26,7 @@ from .. import rpc
 from ..engine import Engine
 from .config import ServerConfig
 from .convert import FINISH_REASONS, error_result, logits_message
+from .drafting import MTP, NGRAM, ServerDrafter
 from .goodput import GoodputPolicy, StepCost
 from .malformed import Malformed, refuse
 from .metrics import Metrics
@@ -34,7 +35,7 @@ from .answer import Answer
 from .scheduler import PendingStep, Scheduler
 from .sessions import Session, SessionTable
 from .timings import RoundTimings
-from .validate import Invalid, open_limits, open_prompt, repeated_sessions, step_drafts
+from .validate import Invalid, open_drafter, open_limits, open_prompt, repeated_sessions, step_drafts
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,13 @@ class RequestAnswer(Answer):
 
 
 class VerifierService:
-    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics):
+    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics, mtp_head=None):
+        """mtp_head: the checkpoint's MTP head (model/mtp.py), loaded by the server; None: no "mtp" drafter."""
         self.config = config
         self.engine = engine
+        self.mtp_head = mtp_head
+        # ModelInfo.server_drafters: the n-gram proposer needs no model, the MTP one the head
+        self.server_drafters = (NGRAM, MTP) if mtp_head is not None else (NGRAM,)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.vocab = engine.vocab_size
@@ -151,6 +156,7 @@ class VerifierService:
             max_k=self.engine.max_k, layer_kinds=list(config.mixers), rollback_mode=self.engine.rollback_mode,
             has_tokenizer=self.tokenizer is not None, n_slots=self.engine.pool.n_slots,
             device=str(self.engine.model.device), dtype=self.config.dtype, trims_drafts=self.config.goodput,
+            server_drafters=list(self.server_drafters),
         )
 
     async def OpenSession(self, request: rpc.OpenSessionRequest, context) -> rpc.OpenSessionResponse:
@@ -167,6 +173,7 @@ class VerifierService:
         try:
             prompt = open_prompt(request, self.tokenizer, self.vocab, self.engine.pool.max_seq_len)
             sampling, max_new_tokens = open_limits(request)
+            drafter = open_drafter(request, self.server_drafters, self.engine.max_k)
         except Invalid as exc:
             await self._abort_open(context, exc.code, exc.message)
         if not self.sessions.reserve():
@@ -174,7 +181,7 @@ class VerifierService:
             await self._abort_open(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"all {self.sessions.n_slots} slots are in use: retry after {ms} ms ({rpc.RETRY_AFTER_KEY})",
                                    ((rpc.RETRY_AFTER_KEY, str(ms)),))
-        task = asyncio.ensure_future(self._admit(prompt, sampling, max_new_tokens, request))
+        task = asyncio.ensure_future(self._admit(prompt, sampling, max_new_tokens, request, drafter))
         if rid:
             self.sessions.opens[rid] = (fingerprint, task)  # a retry after a cancel or deadline finds the session
         try:
@@ -306,16 +313,19 @@ class VerifierService:
         self.metrics.record_open_error(code.name)
         await context.abort(code, message, trailing_metadata=trailing)
 
-    async def _admit(self, prompt: list[int], sampling, max_new_tokens: int, request: rpc.OpenSessionRequest) -> rpc.OpenSessionResponse:
-        """Prefill on the worker and register the session; runs to the end even if the caller leaves."""
+    async def _admit(self, prompt: list[int], sampling, max_new_tokens: int, request: rpc.OpenSessionRequest,
+                     drafter: tuple[str, int] | None) -> rpc.OpenSessionResponse:
+        """Prefill on the worker and register the session; runs to the end even if the caller leaves.
+        `drafter`: (server_drafter, drafts per step), None when the client drafts."""
         try:
-            seq, logits = await self.worker.run(_open, self.engine, prompt, sampling, max_new_tokens, request.return_logits)
+            seq, logits, proposer = await self.worker.run(_open, self.engine, prompt, sampling, max_new_tokens,
+                                                          request.return_logits, drafter, self.mtp_head)
         except BaseException:
             self.sessions.unreserve()
             if request.request_id:
                 self.sessions.opens.pop(request.request_id, None)
             raise
-        session = self.sessions.add(seq, request.request_id, request.verify_all_drafts)
+        session = self.sessions.add(seq, request.request_id, request.verify_all_drafts, proposer)
         response = rpc.OpenSessionResponse(session_id=session.id, position=seq.position, first_token=seq.pending,
                                            finish_reason=FINISH_REASONS[seq.finish_reason], prompt_ids=prompt)
         if logits is not None:
@@ -368,6 +378,12 @@ class VerifierService:
         session = self.sessions.find(session_id)
         if session is None:
             return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session_id))
+        if session.drafter is not None:
+            if drafts:  # draft_probs without draft_ids is refused by step_drafts
+                return self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"draft_ids: this session drafts on the server (server_drafter "
+                                    f"{session.drafter.name!r}): its steps carry no draft_ids", session)
+            drafts = None  # proposed by the scheduler when the step is taken into a batch
         rid = step.request_id
         fingerprint = step_fingerprint(step, drafts) if rid else None
         if rid:
@@ -398,7 +414,15 @@ def _warm_up(engine: Engine, measure_costs: bool) -> tuple[int, dict[int, float]
     return engine.graph_captures, engine.step_costs() if measure_costs else None
 
 
-def _open(engine: Engine, prompt, sampling, max_new_tokens: int, want_logits: bool):
-    """On the worker: admit and prefill, and the first token's logits row as wire bytes when asked."""
-    seq = engine.open(prompt, sampling, max_new_tokens)
-    return seq, logits_message(seq.first_logits[None]) if want_logits else None
+def _open(engine: Engine, prompt, sampling, max_new_tokens: int, want_logits: bool, drafter: tuple[str, int] | None,
+          mtp_head) -> tuple:
+    """On the worker: admit and prefill, the first token's logits row as wire bytes when asked,
+    and the session's server-side drafter (None when the client drafts), fed the prompt."""
+    want_hidden = drafter is not None and drafter[0] == MTP  # the MTP head starts from the prompt's hidden rows
+    seq = engine.open(prompt, sampling, max_new_tokens, want_hidden=want_hidden)
+    try:
+        proposer = ServerDrafter(drafter[0], drafter[1], prompt, seq, engine, mtp_head) if drafter is not None else None
+    except BaseException:
+        engine.close(seq)  # the slot comes back with the reservation (_admit)
+        raise
+    return seq, logits_message(seq.first_logits[None]) if want_logits else None, proposer

@@ -19,12 +19,15 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .. import rpc
 from ..engine import Sequence
 from .answer import Answer
 from .retries import Fingerprint
+
+if TYPE_CHECKING:
+    from .drafting import ServerDrafter
 
 GONE_REMEMBERED = 4096  # ids of closed / reaped sessions kept to say why a later call fails
 
@@ -46,6 +49,9 @@ class Session:
     # OpenSessionRequest.verify_all_drafts: the goodput policy never trims this session's drafts
     # (a drafter being measured, not served); its outcomes still inform the policy
     verify_all_drafts: bool = False
+    # OpenSessionRequest.server_drafter: the session's proposer (verifier/server/drafting.py), which
+    # the scheduler asks for each step's drafts; None: the client drafts
+    drafter: "ServerDrafter | None" = None
 
 
 class SessionTable:
@@ -76,9 +82,11 @@ class SessionTable:
         assert self.reserved > 0, "unreserve without reserve"
         self.reserved -= 1
 
-    def add(self, sequence: Sequence, open_request_id: str = "", verify_all_drafts: bool = False) -> Session:
+    def add(self, sequence: Sequence, open_request_id: str = "", verify_all_drafts: bool = False,
+            drafter: "ServerDrafter | None" = None) -> Session:
         """Register an admitted sequence (its slot was reserved before the prefill)."""
-        session = Session(secrets.token_hex(16), sequence, open_request_id, self.clock(), verify_all_drafts=verify_all_drafts)
+        session = Session(secrets.token_hex(16), sequence, open_request_id, self.clock(), verify_all_drafts=verify_all_drafts,
+                          drafter=drafter)
         self._sessions[session.id] = session
         return session
 

@@ -63,6 +63,23 @@ def open_limits(request: rpc.OpenSessionRequest) -> tuple[SamplingParams, int]:
     return sampling, request.max_new_tokens
 
 
+def open_drafter(request: rpc.OpenSessionRequest, offered: tuple[str, ...], max_k: int) -> tuple[str, int] | None:
+    """(server_drafter, drafts per step) of an OpenSessionRequest, None when the client drafts.
+    `offered`: ModelInfo.server_drafters."""
+    name, k = request.server_drafter, request.server_draft_k
+    if not name:
+        if k:
+            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"server_draft_k is {k} but server_drafter is empty: "
+                          f"set a server_drafter (one of {list(offered)}) or leave server_draft_k at 0")
+        return None
+    if name not in offered:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"server_drafter {name!r} is not offered by this model: "
+                      f"ModelInfo.server_drafters lists {list(offered)}")
+    if k > max_k:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"server_draft_k {k} is more than max_k {max_k}")
+    return name, k if k else max_k
+
+
 def step_drafts(step: rpc.VerifyStep, session_id: str, max_k: int, vocab: int) -> tuple[list[int], torch.Tensor | None]:
     """(draft ids, draft probabilities [K, vocab] or None) of a VerifyStep whose session_id the
     caller has read already (each read of a wire field makes a new Python object)."""

@@ -13,15 +13,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1averifier/v1/verifier.proto\x12\x0bverifier.v1\"A\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10\x63urrent_position\x18\x03 \x01(\x04\";\n\x06Logits\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0f\n\x07\x66loat32\x18\x03 \x01(\x0c\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\x9d\x02\n\tModelInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x65os_ids\x18\x05 \x03(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\r\n\x05max_k\x18\x07 \x01(\r\x12\x13\n\x0blayer_kinds\x18\x08 \x03(\t\x12\x15\n\rrollback_mode\x18\t \x01(\t\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12\x0f\n\x07n_slots\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x14\n\x0ctrims_drafts\x18\x0e \x01(\x08\"\xbd\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.verifier.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x19\n\x11verify_all_drafts\x18\x07 \x01(\x08\"\xbb\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.verifier.v1.FinishReason\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12#\n\x06logits\x18\x06 \x01(\x0b\x32\x13.verifier.v1.Logits\"\x8e\x01\n\nVerifyStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x19\n\x11\x65xpected_position\x18\x02 \x01(\x04\x12\x11\n\tdraft_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x04 \x01(\x0c\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\"\x96\x02\n\nStepResult\x12#\n\x06status\x18\x01 \x01(\x0b\x32\x13.verifier.v1.Status\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\x10\n\x08position\x18\x06 \x01(\x04\x12\x30\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x19.verifier.v1.FinishReason\x12#\n\x06logits\x18\x08 \x01(\x0b\x32\x13.verifier.v1.Logits\x12\x1c\n\x0fverified_drafts\x18\t \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_verified_drafts\"7\n\rVerifyRequest\x12&\n\x05steps\x18\x01 \x03(\x0b\x32\x17.verifier.v1.VerifyStep\":\n\x0eVerifyResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.verifier.v1.StepResult\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"M\n\tHistogram\x12\x14\n\x0cupper_bounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x0b\n\x03sum\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\"\xba\x03\n\x05Stats\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x04\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x04 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14\x64rafted_per_position\x18\x07 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x08 \x03(\x04\x12\x1e\n\x16mean_acceptance_length\x18\t \x01(\x01\x12.\n\x0erows_per_batch\x18\n \x01(\x0b\x32\x16.verifier.v1.Histogram\x12/\n\x0fstep_latency_ms\x18\x0b \x01(\x0b\x32\x16.verifier.v1.Histogram\x12\x15\n\ropen_sessions\x18\x0c \x01(\r\x12\x12\n\nfree_slots\x18\r \x01(\r\x12\x0e\n\x06\x65rrors\x18\x0e \x01(\x04\x12\x16\n\x0egraph_captures\x18\x0f \x01(\x04\x12\x16\n\x0etrimmed_drafts\x18\x10 \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\x11 \x01(\x01*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x8f\x04\n\x08Verifier\x12H\n\x0cGetModelInfo\x12 .verifier.v1.GetModelInfoRequest\x1a\x16.verifier.v1.ModelInfo\x12P\n\x0bOpenSession\x12\x1f.verifier.v1.OpenSessionRequest\x1a .verifier.v1.OpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.verifier.v1.VerifyRequest\x1a\x1b.verifier.v1.VerifyResponse\x12\x44\n\x0cVerifyStream\x12\x17.verifier.v1.VerifyStep\x1a\x17.verifier.v1.StepResult(\x01\x30\x01\x12K\n\x0cVerifyRounds\x12\x1a.verifier.v1.VerifyRequest\x1a\x1b.verifier.v1.VerifyResponse(\x01\x30\x01\x12S\n\x0c\x43loseSession\x12 .verifier.v1.CloseSessionRequest\x1a!.verifier.v1.CloseSessionResponse\x12<\n\x08GetStats\x12\x1c.verifier.v1.GetStatsRequest\x1a\x12.verifier.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1averifier/v1/verifier.proto\x12\x0bverifier.v1\"A\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10\x63urrent_position\x18\x03 \x01(\x04\";\n\x06Logits\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0f\n\x07\x66loat32\x18\x03 \x01(\x0c\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\xb6\x02\n\tModelInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x65os_ids\x18\x05 \x03(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\r\n\x05max_k\x18\x07 \x01(\r\x12\x13\n\x0blayer_kinds\x18\x08 \x03(\t\x12\x15\n\rrollback_mode\x18\t \x01(\t\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12\x0f\n\x07n_slots\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x14\n\x0ctrims_drafts\x18\x0e \x01(\x08\x12\x17\n\x0fserver_drafters\x18\x0f \x03(\t\"\xed\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.verifier.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x19\n\x11verify_all_drafts\x18\x07 \x01(\x08\x12\x16\n\x0eserver_drafter\x18\x08 \x01(\t\x12\x16\n\x0eserver_draft_k\x18\t \x01(\r\"\xbb\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.verifier.v1.FinishReason\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12#\n\x06logits\x18\x06 \x01(\x0b\x32\x13.verifier.v1.Logits\"\x8e\x01\n\nVerifyStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x19\n\x11\x65xpected_position\x18\x02 \x01(\x04\x12\x11\n\tdraft_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x04 \x01(\x0c\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\"\x96\x02\n\nStepResult\x12#\n\x06status\x18\x01 \x01(\x0b\x32\x13.verifier.v1.Status\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\x10\n\x08position\x18\x06 \x01(\x04\x12\x30\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x19.verifier.v1.FinishReason\x12#\n\x06logits\x18\x08 \x01(\x0b\x32\x13.verifier.v1.Logits\x12\x1c\n\x0fverified_drafts\x18\t \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_verified_drafts\"7\n\rVerifyRequest\x12&\n\x05steps\x18\x01 \x03(\x0b\x32\x17.verifier.v1.VerifyStep\":\n\x0eVerifyResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.verifier.v1.StepResult\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"M\n\tHistogram\x12\x14\n\x0cupper_bounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x0b\n\x03sum\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\"\xba\x03\n\x05Stats\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x04\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x04 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14\x64rafted_per_position\x18\x07 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x08 \x03(\x04\x12\x1e\n\x16mean_acceptance_length\x18\t \x01(\x01\x12.\n\x0erows_per_batch\x18\n \x01(\x0b\x32\x16.verifier.v1.Histogram\x12/\n\x0fstep_latency_ms\x18\x0b \x01(\x0b\x32\x16.verifier.v1.Histogram\x12\x15\n\ropen_sessions\x18\x0c \x01(\r\x12\x12\n\nfree_slots\x18\r \x01(\r\x12\x0e\n\x06\x65rrors\x18\x0e \x01(\x04\x12\x16\n\x0egraph_captures\x18\x0f \x01(\x04\x12\x16\n\x0etrimmed_drafts\x18\x10 \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\x11 \x01(\x01*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x8f\x04\n\x08Verifier\x12H\n\x0cGetModelInfo\x12 .verifier.v1.GetModelInfoRequest\x1a\x16.verifier.v1.ModelInfo\x12P\n\x0bOpenSession\x12\x1f.verifier.v1.OpenSessionRequest\x1a .verifier.v1.OpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.verifier.v1.VerifyRequest\x1a\x1b.verifier.v1.VerifyResponse\x12\x44\n\x0cVerifyStream\x12\x17.verifier.v1.VerifyStep\x1a\x17.verifier.v1.StepResult(\x01\x30\x01\x12K\n\x0cVerifyRounds\x12\x1a.verifier.v1.VerifyRequest\x1a\x1b.verifier.v1.VerifyResponse(\x01\x30\x01\x12S\n\x0c\x43loseSession\x12 .verifier.v1.CloseSessionRequest\x1a!.verifier.v1.CloseSessionResponse\x12<\n\x08GetStats\x12\x1c.verifier.v1.GetStatsRequest\x1a\x12.verifier.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'verifier.v1.verifier_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_FINISHREASON']._serialized_start=2110
-  _globals['_FINISHREASON']._serialized_end=2204
+  _globals['_FINISHREASON']._serialized_start=2183
+  _globals['_FINISHREASON']._serialized_end=2277
   _globals['_STATUS']._serialized_start=43
   _globals['_STATUS']._serialized_end=108
   _globals['_LOGITS']._serialized_start=110
@@ -31,29 +31,29 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_GETMODELINFOREQUEST']._serialized_start=248
   _globals['_GETMODELINFOREQUEST']._serialized_end=269
   _globals['_MODELINFO']._serialized_start=272
-  _globals['_MODELINFO']._serialized_end=557
-  _globals['_OPENSESSIONREQUEST']._serialized_start=560
-  _globals['_OPENSESSIONREQUEST']._serialized_end=749
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=752
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=939
-  _globals['_VERIFYSTEP']._serialized_start=942
-  _globals['_VERIFYSTEP']._serialized_end=1084
-  _globals['_STEPRESULT']._serialized_start=1087
-  _globals['_STEPRESULT']._serialized_end=1365
-  _globals['_VERIFYREQUEST']._serialized_start=1367
-  _globals['_VERIFYREQUEST']._serialized_end=1422
-  _globals['_VERIFYRESPONSE']._serialized_start=1424
-  _globals['_VERIFYRESPONSE']._serialized_end=1482
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1484
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1525
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1527
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1565
-  _globals['_GETSTATSREQUEST']._serialized_start=1567
-  _globals['_GETSTATSREQUEST']._serialized_end=1584
-  _globals['_HISTOGRAM']._serialized_start=1586
-  _globals['_HISTOGRAM']._serialized_end=1663
-  _globals['_STATS']._serialized_start=1666
-  _globals['_STATS']._serialized_end=2108
-  _globals['_VERIFIER']._serialized_start=2207
-  _globals['_VERIFIER']._serialized_end=2734
+  _globals['_MODELINFO']._serialized_end=582
+  _globals['_OPENSESSIONREQUEST']._serialized_start=585
+  _globals['_OPENSESSIONREQUEST']._serialized_end=822
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=825
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1012
+  _globals['_VERIFYSTEP']._serialized_start=1015
+  _globals['_VERIFYSTEP']._serialized_end=1157
+  _globals['_STEPRESULT']._serialized_start=1160
+  _globals['_STEPRESULT']._serialized_end=1438
+  _globals['_VERIFYREQUEST']._serialized_start=1440
+  _globals['_VERIFYREQUEST']._serialized_end=1495
+  _globals['_VERIFYRESPONSE']._serialized_start=1497
+  _globals['_VERIFYRESPONSE']._serialized_end=1555
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1557
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1598
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1600
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1638
+  _globals['_GETSTATSREQUEST']._serialized_start=1640
+  _globals['_GETSTATSREQUEST']._serialized_end=1657
+  _globals['_HISTOGRAM']._serialized_start=1659
+  _globals['_HISTOGRAM']._serialized_end=1736
+  _globals['_STATS']._serialized_start=1739
+  _globals['_STATS']._serialized_end=2181
+  _globals['_VERIFIER']._serialized_start=2280
+  _globals['_VERIFIER']._serialized_end=2807
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ["protocol_version", "model_id", "model_type", "vocab_size", "eos_ids", "max_context", "max_k", "layer_kinds", "rollback_mode", "has_tokenizer", "n_slots", "device", "dtype", "trims_drafts"]
+    __slots__ = ["protocol_version", "model_id", "model_type", "vocab_size", "eos_ids", "max_context", "max_k", "layer_kinds", "rollback_mode", "has_tokenizer", "n_slots", "device", "dtype", "trims_drafts", "server_drafters"]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TRIMS_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     model_id: str
     model_type: str
@@ -81,10 +82,11 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     trims_drafts: bool
-    def __init__(self, protocol_version: _Optional[str] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_k: _Optional[int] = ..., layer_kinds: _Optional[_Iterable[str]] = ..., rollback_mode: _Optional[str] = ..., has_tokenizer: bool = ..., n_slots: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trims_drafts: bool = ...) -> None: ...
+    server_drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[str] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_k: _Optional[int] = ..., layer_kinds: _Optional[_Iterable[str]] = ..., rollback_mode: _Optional[str] = ..., has_tokenizer: bool = ..., n_slots: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trims_drafts: bool = ..., server_drafters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ["prompt_ids", "text", "sampling", "max_new_tokens", "request_id", "return_logits", "verify_all_drafts"]
+    __slots__ = ["prompt_ids", "text", "sampling", "max_new_tokens", "request_id", "return_logits", "verify_all_drafts", "server_drafter", "server_draft_k"]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,8 @@ class OpenSessionRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ALL_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    SERVER_DRAFT_K_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     sampling: Sampling
@@ -99,7 +103,9 @@ class OpenSessionRequest(_message.Message):
     request_id: str
     return_logits: bool
     verify_all_drafts: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: bool = ..., verify_all_drafts: bool = ...) -> None: ...
+    server_drafter: str
+    server_draft_k: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: bool = ..., verify_all_drafts: bool = ..., server_drafter: _Optional[str] = ..., server_draft_k: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ["session_id", "position", "first_token", "finish_reason", "prompt_ids", "logits"]
