@@ -26,7 +26,7 @@ Phases, each timed on stderr:
    routers hooked: `step_floors[figure]` is the step's own floor (bench/step_floor.py: the weights
    its rows route to, the dense weights, recurrent states, stash and KV), `floor_ms` (CUDA) and
    `ratio` (the figure over it); on CUDA `kernel_breakdowns[figure]`, the kernels of the figure's
-   last step by device time (bench.gpu.kernel_table). The CPU reference counts the bytes, untimed.
+   last step by GPU time (bench.gpu.kernel_table). The CPU reference counts the bytes, untimed.
 Writes DIR/fp8_real_size_<date>_<config>[_fused].json; deletes the checkpoint unless --keep.
 
 Random weights are drawn in the stored form, on the GPU when there is one: fp8 values N(0, 112^2)

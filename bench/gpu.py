@@ -282,7 +282,7 @@ def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
 
 
 def kernel_breakdown(model, k: int) -> list[dict]:
-    """Device time per kernel name for one eager verify of K+1 rows (graphs replay the same kernels)."""
+    """GPU time per kernel name for one eager verify of K+1 rows (graphs replay the same kernels)."""
     engine = Engine(model, 1, PROMPT_LEN + 64, max_k=k, cuda_graphs=False)
     seq = open_sequences(engine, 1)[0]
     batch = RowBatch((seq.slot,), (seq.position,), (k + 1,))
@@ -293,9 +293,9 @@ def kernel_breakdown(model, k: int) -> list[dict]:
 
 
 def kernel_table(fn, top: int = 15) -> dict:
-    """Device time per kernel name of one call of fn (run once before, unprofiled, by the caller):
+    """GPU time per kernel name of one call of fn (run once before, unprofiled, by the caller):
     launches and device ms of its kernels (copies and memsets apart), and the `top` rows by device
-    time, each with its share of the kernels' device time."""
+    time, each with its share of the kernels' GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -76,7 +76,7 @@ class VerifierClient(ClientChannel):
                      return_logits: bool = False, verify_all_drafts: bool = False) -> Session:
         """Admit a slot, prefill, choose the first token. A full pool raises VerifierError
         RESOURCE_EXHAUSTED with `retry_after_s`. `verify_all_drafts`: the server verifies every
-        draft of this session's steps (no goodput trimming), as a drafter's measurement needs."""
+        draft of the session's steps (no goodput trimming), as a drafter's measurement needs."""
         request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits, verify_all_drafts)
         return Session.from_proto(self._call("OpenSession", request))
 

@@ -166,7 +166,7 @@ def sampling_to_proto(sampling: SamplingParams):
 def open_request(prompt_ids: list[int] | None, text: str | None, sampling: SamplingParams, max_new_tokens: int,
                  request_id: str | None, return_logits: bool, verify_all_drafts: bool = False):
     """An OpenSessionRequest; its request id is fixed here, before the first try, so that a retried
-    OpenSession returns the same session. `verify_all_drafts`: the server never trims this session's
+    OpenSession returns the same session. `verify_all_drafts`: the server never trims the session's
     drafts (proto: OpenSessionRequest.verify_all_drafts)."""
     if (prompt_ids is None) == (text is None):
         raise ValueError("pass exactly one of prompt_ids and text")

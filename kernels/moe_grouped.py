@@ -83,7 +83,7 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     the row count.
 
     Chosen by the reasoning below, not by a sweep of candidates: before changing it, compare
-    BLOCK_M 64/128, BLOCK_N 32/64, num_stages 3/4 in the grouped kernels' device time from
+    BLOCK_M 64/128, BLOCK_N 32/64, num_stages 3/4 in the grouped kernels' GPU time from
     `python -m bench.gpu --models qwen3next_moe,kimi_moe` (its kernel breakdown) and
     `python -m bench.fp8_real_size` (its kernel_breakdowns), which run them as the engine does.
     bf16: BLOCK_M 64 rows is one wgmma warpgroup tile; at a batch-64 K = 8 verify of 2-of-8

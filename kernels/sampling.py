@@ -16,7 +16,7 @@ whatever the order, so the answer equals torch.argmax's; NaN counts as larger th
 It runs in two stages, because one program walking a whole 150k row is latency-bound: a row per
 program puts one row on one SM and 64 rows on 64 SMs, fewer than the H200's 132, so the read never
 reaches the device's bandwidth; chunks of CHUNK_V ids spread every row over many SMs (the argmax
-kernels' device time is in `python -m bench.gpu`'s kernel breakdown):
+kernels' GPU time is in `python -m bench.gpu`'s kernel breakdown):
     stage one, grid (R, C): program (r, c) takes ids [c * CHUNK_V, (c + 1) * CHUNK_V) of row r and
         writes the chunk's best (its first NaN, else its maximum and the lowest id reaching it)
         to partials [R, C] fp32 (NaN for a chunk holding one) and [R, C] int32 ids

@@ -157,6 +157,6 @@ def test_oracle_sessions_after_random_ones_are_verified_in_full(table):
     assert seconds <= 1.05 * 45 * cost(64), seconds / (45 * cost(64))
     for sid in random_ids:
         policy.forget(sid)
-    assert policy.server.rates(None, policy.prior)[0] < 0.05  # what the next sessions would have borrowed
+    assert policy.server.rates(None, policy.prior)[0] < 0.05  # what sessions opened after it would have borrowed
     verified, _ = _serve(policy, [f"o{i}" for i in range(64)], 4, lambda k: k, 45, cost)
     assert verified[0] >= 64 and verified[1:] == [256] * 44, verified

@@ -187,7 +187,7 @@ class VerifierService:
         try:
             return await self._admitted(task, context)
         except asyncio.CancelledError:
-            if not rid:  # no one can ever name this session: close it once it is admitted
+            if not rid:  # no one can ever name the session: close it once it is admitted
                 task.add_done_callback(self._close_orphan)
             raise
 
@@ -381,7 +381,7 @@ class VerifierService:
         if session.drafter is not None:
             if drafts:  # draft_probs without draft_ids is refused by step_drafts
                 return self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"draft_ids: this session drafts on the server (server_drafter "
+                                    f"draft_ids: the session drafts on the server (server_drafter "
                                     f"{session.drafter.name!r}): its steps carry no draft_ids", session)
             drafts = None  # proposed by the scheduler when the step is taken into a batch
         rid = step.request_id

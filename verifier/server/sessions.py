@@ -41,12 +41,12 @@ class StoredResult(NamedTuple):  # a tuple: one is made per answered step with a
 class Session:
     id: str
     sequence: Sequence
-    open_request_id: str  # the OpenSession request id ("" if none): a retry finds this session
+    open_request_id: str  # the OpenSession request id ("" if none): a retry finds the session by it
     last_used: float
     results: OrderedDict[str, StoredResult] = field(default_factory=OrderedDict)  # request id -> its answer
     inflight: dict[str, Answer] = field(default_factory=dict)  # request id -> its queued or running step (scheduler.PendingStep)
     busy: int = 0  # steps queued or running: a busy session is never reaped
-    # OpenSessionRequest.verify_all_drafts: the goodput policy never trims this session's drafts
+    # OpenSessionRequest.verify_all_drafts: the goodput policy never trims the session's drafts
     # (a drafter being measured, not served); its outcomes still inform the policy
     verify_all_drafts: bool = False
     # OpenSessionRequest.server_drafter: the session's proposer (verifier/server/drafting.py), which
