@@ -9,7 +9,9 @@ checked (row 0 alone equals row 0 among M rows, torch.equal) before it is timed.
 weight shape and the routed experts of `--config` (bench.row_invariance's list of the shapes a
 step multiplies), every candidate's median time at each row count in `--rows`, with the pinned
 config's beside it, the weight bytes each call reads at least once and the bandwidth that makes.
-Writes DIR/fp8_configs_<date>[_<config>].json; the pinned configs change only with a run of this.
+Each call is timed alone, its split-K reduce included and no neighbour overlapping it (PDL), so a
+candidate that wins here is confirmed in the engine (`python -m bench.fp8_real_size`'s
+kernel_breakdowns) before it is pinned. Writes DIR/fp8_configs_<date>[_<config>].json.
 """
 
 from __future__ import annotations
