@@ -79,6 +79,51 @@ def _model_rows(metrics: dict) -> list[str]:
     return rows
 
 
+def mtp_section(metrics: dict) -> list[str]:
+    """The target's MTP head (training_metrics.json "mtp") and the drafters on held-out prompts
+    ("acceptance"); nothing when the head was never trained."""
+    mtp = metrics.get("mtp")
+    if mtp is None:
+        return []
+    hyper, train = mtp["hyper"], mtp["train"]
+    by_step = " / ".join(f"{a:.3f}" for a in train["best_dev_agreement"])
+    lines = [
+        "", "## The target's MTP head", "",
+        "`target/` also carries a multi-token-prediction head in the published Qwen3.5 layout (`mtp.*` tensors beside the",
+        "text model, `mtp_num_hidden_layers: 1`): fc over [normed embedding | normed hidden row], one gated-attention layer",
+        "with a SwiGLU MLP, a final norm, and the target's own embedding and LM head. `verifier generate --draft mtp` and",
+        "`verifier serve` (sessions with `server_drafter` \"mtp\") draft with it.",
+        f"{_fmt_int(mtp['parameters'])} parameters ({mtp['parameters'] * 2 / 2**20:.1f} MiB in {mtp['stored_dtype']}).",
+        "",
+        f"Trained by `{mtp['command']}` with the target frozen: the loss is the cross-entropy of the head's distribution",
+        "against the target's own softmax for the token after next (a distillation), averaged over "
+        f"{hyper['steps']} draft steps unrolled",
+        "as they run when drafting (each fed the previous step's output row; its attention sees the catch-up rows and the",
+        "earlier drafts of the same proposal). The layer starts as a copy of the target's last attention layer.",
+        f"{_fmt_int(train['steps'])} steps of {hyper['batch_size']} x {hyper['seq_len']} tokens in {train['seconds']:.0f} s on "
+        f"{mtp['device_name']} ({mtp['date']}), peak lr {hyper['lr']:g}; kept step {train['best_step']} (dev loss "
+        f"{train['best_dev_loss']:.4f} nats/token); dev agreement with the target's argmax by draft step: {by_step}.",
+    ]
+    acc = metrics.get("acceptance")
+    if acc:
+        lines += [
+            "",
+            f"Mean acceptance length (tokens per verify step, the bonus counted) on the {acc['prompt_count']} held-out prompts of",
+            f"`{Path(acc['prompts']).name}` ({acc['max_new_tokens']} new tokens each, greedy, in process, {acc['device']}, "
+            f"{acc['date']}; `{PROG} acceptance --models models` recomputes it), and the fraction of steps whose drafts were "
+            "kept to each position:",
+            "",
+            "| drafter | K | mean acceptance length | kept to position 1, 2, ... | streams equal plain decoding |",
+            "|---|---|---|---|---|",
+        ]
+        for r in acc["rows"]:
+            name = "draft model (`draft/`)" if r["drafter"] == "model" else "MTP head"
+            positions = " / ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
+            lines.append(f"| {name} | {r['k']} | {r['mean_acceptance_length']:.2f} | {positions} | "
+                         f"{'yes' if r['streams_match_plain'] else 'NO'} |")
+    return lines
+
+
 def write_card(models_dir: Path) -> Path:
     models_dir = Path(models_dir)
     with open(models_dir / METRICS_FILE) as f:
@@ -165,6 +210,7 @@ def write_card(models_dir: Path) -> Path:
                 lines.append(f"- {name}: engine vs transformers logits (fp32, {p['rows']} rows): largest difference "
                              f"{p['max_rel_diff']:.2e} of the largest logit (bound {p['tolerance']:g}), argmax equal on "
                              f"{p['argmax_match']:.1%} of rows: {'ok' if p['ok'] else 'FAILED'}")
+    lines += mtp_section(metrics)
     if metrics.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in metrics["notes"]]
     lines.append("")

@@ -1,4 +1,5 @@
-"""`python -m training run|evaluate|prompts`: train the default pair, recompute its card's figures, or cut bench prompts."""
+"""`python -m training run|evaluate|prompts|mtp|acceptance`: train the default pair, recompute its card's figures,
+cut bench prompts, train the target's MTP head, or compare the target's drafters on held-out prompts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from presets.training import PRESETS
 from verifier.arguments import DefaultsHelpFormatter, at_least
 
 from . import PROG
+from .acceptance import DEFAULT_PROMPTS, measure, record_acceptance
 from .evaluate import EvalConfig
+from .mtp import MTPTrainConfig, run_mtp
 from .pipeline import DRAFT_LR, EVAL_RESERVE_S, TARGET_SHARE, RunConfig, evaluate_models, run
 from .prompts import write_prompts
 from .train import TrainConfig
@@ -69,12 +72,53 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
     pr.add_argument("--count", type=positive, default=16, help="prompts to write, at most")
     pr.add_argument("--data-root", type=Path, default=None, help="directory of .py files (default: the standard library)")
+
+    mtp = sub.add_parser("mtp", help="train the target's MTP head (the target frozen) and write it into its checkpoint",
+                         formatter_class=defaults)
+    mtp.add_argument("--models", type=Path, required=True, help="directory a run wrote (target/, training_metrics.json)")
+    mtp.add_argument("--time-budget-s", type=float, default=180.0, help="training time")
+    mtp.add_argument("--device", default=device, help="where to train")
+    mtp.add_argument("--data-root", type=Path, default=None, help="corpus directory (default: the one the target trained on)")
+    mtp.add_argument("--seed", type=int, default=0, help="seed of the head's init and batches")
+    mtp.add_argument("--draft-steps", type=positive, default=MTPTrainConfig.steps, help="unrolled draft steps trained")
+    mtp.add_argument("--batch-size", type=positive, default=MTPTrainConfig.batch_size, help="windows per step")
+    mtp.add_argument("--lr", type=float, default=MTPTrainConfig.lr, help="peak learning rate")
+    mtp.add_argument("--max-steps", type=positive, default=None, help="stop after this many steps (default: the budget alone)")
+
+    acc = sub.add_parser("acceptance", help="mean acceptance length of the draft model and the MTP head on held-out prompts",
+                         formatter_class=defaults)
+    acc.add_argument("--models", type=Path, required=True, help="directory with target/ (its MTP head) and draft/")
+    acc.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL of held-out prompts ({\"text\": ...})")
+    acc.add_argument("--k", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 2, 4), help="comma-separated K values")
+    acc.add_argument("--max-new-tokens", type=positive, default=128, help="tokens generated per prompt")
+    acc.add_argument("--device", default="cpu", help="where the engine runs")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
+    if args.command == "mtp":
+        cfg = MTPTrainConfig(steps=args.draft_steps, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps)
+        try:
+            run_mtp(args.models, args.time_budget_s, args.device, cfg, args.data_root, args.seed,
+                    command=f"{PROG} " + shlex.join(sys.argv[1:] if argv is None else argv))
+        except (FileNotFoundError, ValueError) as err:
+            print(f"{PROG}: {err}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "acceptance":
+        try:
+            figures = measure(args.models, args.prompts, args.k, args.max_new_tokens, args.device)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"{PROG}: {err}", file=sys.stderr)
+            return 2
+        record_acceptance(args.models, figures)
+        bad = [f"{r['drafter']} K={r['k']}" for r in figures["rows"] if not r["streams_match_plain"]]
+        if bad:
+            print(f"{PROG}: streams differ from plain decoding: {', '.join(bad)}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "prompts":
         n = write_prompts(args.out, args.count, args.data_root)
         print(f"wrote {n} prompts to {args.out}", file=sys.stderr)

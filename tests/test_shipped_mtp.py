@@ -1,0 +1,48 @@
+"""The shipped target's trained MTP head (models/target, models/MODEL_CARD.md): it loads, its drafts
+are accepted, and the stream it drafts for is plain decoding's, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from verifier.engine import Engine
+from verifier.generate import generate
+from verifier.model import load_model
+from verifier.model.mtp import load_mtp_head
+from verifier.params import SamplingParams
+from verifier.proposers import MTPProposer
+from verifier.tokenizer import TextTokenizer
+
+TARGET = Path(__file__).resolve().parent.parent / "models" / "target"
+pytestmark = pytest.mark.skipif(not (TARGET / "model.safetensors").is_file(), reason="no shipped models/ in this checkout")
+
+PROMPT = "import os\n\n\ndef read_config(path):\n    \"\"\"Return the lines of the file at path.\"\"\"\n"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model = load_model(TARGET, "cpu", torch.float32)
+    head = load_mtp_head(TARGET, model)
+    prompt = TextTokenizer.from_model_dir(TARGET).encode(PROMPT)
+    engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + 64 + 4, max_k=4)
+    return engine, head, prompt
+
+
+def test_the_shipped_target_carries_one_mtp_layer(shipped):
+    _, head, _ = shipped
+    assert head is not None and head.n_layers == 1
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_its_drafts_are_accepted_and_the_stream_is_plain_decodings(shipped, sampling):
+    engine, head, prompt = shipped
+    plain = generate(engine, prompt, 64, sampling)
+    drafted = generate(engine, prompt, 64, sampling, MTPProposer(head, engine.pool.max_seq_len, sampling), k=4)
+    assert drafted.tokens == plain.tokens
+    assert torch.equal(drafted.logits, plain.logits)
+    # a trained head: well over one token per step (a random one stays near 1.0)
+    assert drafted.mean_acceptance_length > 2.0, drafted.mean_acceptance_length
