@@ -29,7 +29,11 @@ written by its writer under --workdir (--fp8-scale tiny: shrunk for the CPU); or
 remote drafter (--remote-target/--remote-draft, the shipped pair): held-out prompts one session at a
 time, as `python -m drafter generate` runs them (drafter.loop.generate over a VerifyStream): plain,
 then the model drafter at K in this process on --draft-device; and the same pair in process
-(verifier.generate), plain and speculative. Each mode runs every prompt once untimed first.
+(verifier.generate), plain and speculative. When the served target offers the "mtp" server drafter
+(its checkpoint has an MTP head; the server is started with --mtp), two more modes: MTP
+self-drafting through the service (server_drafter "mtp" at K) and MTP in process (verifier.generate
+with the MTP proposer), each with tokens/s, mean acceptance length and its streams against plain;
+otherwise `mtp_skipped` says why they did not run. Each mode runs every prompt once untimed first.
 
 Writes OUT/serve_<date>[_<name>].json (--name: what differs, e.g. the model) and prints a short table last; progress goes to stderr. Exit 1 when a
 stream differs from plain decoding or a step failed, 2 on bad options.
@@ -452,7 +456,20 @@ def table(result: dict) -> str:
                      f"{remote['inprocess_model_speedup']}x; streams equal: {remote['streams_equal']}; ms per round "
                      f"{remote['ms_per_round']}, of it drafting {remote['drafting_ms_per_round']}, the server's engine "
                      f"{remote['server_engine_ms_per_round']}, the server's step latency {remote['server_latency_ms_per_round']}")
+        lines.append(mtp_line(remote))
     return "\n".join(lines)
+
+
+def mtp_line(remote: dict) -> str:
+    """The MTP modes of the remote drafter part, or why they were skipped."""
+    if remote.get("mtp_skipped"):
+        return f"MTP self-drafting skipped: {remote['mtp_skipped']}"
+    equal = remote["streams_equal_by_mode"]
+    return (f"MTP K={remote['k']}: through the service {remote['remote_mtp_tokens_per_s']} tok/s "
+            f"({remote['remote_mtp_speedup']}x plain), mean acceptance length {remote['remote_mtp_mean_acceptance_length']}; "
+            f"in process {remote['inprocess_mtp_tokens_per_s']} tok/s ({remote['inprocess_mtp_speedup']}x), "
+            f"{remote['inprocess_mtp_mean_acceptance_length']}; streams equal to plain: "
+            f"{equal['remote_mtp']} / {equal['inprocess_mtp']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=defaults.processes, help="drafter processes (a second plain run uses twice as many)")
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="untimed steps (engine) or rounds (service) first")
     p.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per sequence")
-    p.add_argument("--k", type=int, default=defaults.k, help="drafts per step of the random, oracle and model drafters")
+    p.add_argument("--k", type=int, default=defaults.k, help="drafts per step of the random, oracle, model and MTP drafters")
     p.add_argument("--quick", action="store_true", help=f"shorter, overriding those flags: {QUICK}")
     p.add_argument("--no-remote", action="store_true", help="skip the remote drafter part")
     p.add_argument("--remote-target", type=Path, default=defaults.remote_target, help="the pair's target checkpoint")

@@ -60,8 +60,10 @@ class AsyncVerifierClient(ClientChannel):
     async def open_session(self, prompt_ids: list[int] | None = None, text: str | None = None, *,
                            sampling: SamplingParams = SamplingParams(), max_new_tokens: int,
                            request_id: str | None = None, return_logits: bool = False,
-                           verify_all_drafts: bool = False) -> Session:
-        request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits, verify_all_drafts)
+                           verify_all_drafts: bool = False, server_drafter: str = "",
+                           server_draft_k: int = 0) -> Session:
+        request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits, verify_all_drafts,
+                               server_drafter, server_draft_k)
         return Session.from_proto(await self._call("OpenSession", request))
 
     async def verify(self, steps: list[Step]) -> list[StepOutcome]:

@@ -21,6 +21,15 @@ draft was never judged, so it counts neither as accepted nor as refused. results
 `trimming` and the line under the table say whether trimming was on; each row's `trimmed_drafts`
 is the server's count (Stats.trimmed_drafts) over the row, so another client of the same server
 adds to it.
+
+Server drafters (`mtp`, `server-ngram`: drafter/choose.py) get the same rows: their sessions are
+opened with OpenSessionRequest.server_drafter and server_draft_k = K, the steps carry no drafts,
+and a step's drafts are again the ones the server verified (verified_drafts), so position i counts
+as drafted when verified_drafts >= i and as accepted when accepted >= i. Their drafts carry no
+probabilities (no rejection sampling), so their streams must equal plain decoding, sampled or
+not. Adaptive K has no row for them (the server's K is fixed when the session opens). A server
+drafter the served model does not offer (ModelInfo.server_drafters) is refused before anything
+runs.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from verifier.proposers import ProbabilityProposer, Proposer
 
 from .adaptive import AdaptiveK
 from .bench_stats import Counts, count, figures
+from .choose import check_server_offers, server_drafter
 from .limits import check_budget, check_k
 from .loop import generate
 from .messages import ModelInfo
@@ -174,9 +184,12 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
         raise ValueError(f"the server takes no drafts (its max_k is {info.max_k}): nothing to bench")
     check_k(max(ks), info)
     check_prompts(prompts, info, max_new_tokens)
+    for drafter in drafters:
+        if server_drafter(drafter):
+            check_server_offers(server_drafter(drafter), info, f"--drafter {drafter}")
     plans = [(d, 0) if d == "none" else (d, k) for d in drafters for k in (ks[:1] if d == "none" else ks)]
-    if adaptive:
-        plans += [(d, ADAPTIVE) for d in drafters if d != "none"]
+    if adaptive:  # a server drafter's K is fixed at the open: nothing to adapt
+        plans += [(d, ADAPTIVE) for d in drafters if d != "none" and not server_drafter(d)]
     with tqdm(total=len(prompts) * (1 + len(plans)), desc="bench", unit="run", file=sys.stderr, disable=not progress) as bar:
         _generate(client, info, prompts[0], None, 0, min(max_new_tokens, 8), sampling)  # warm-up, not timed
         plain = _plain(client, info, prompts, max_new_tokens, sampling, bar)
@@ -189,7 +202,7 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
                 proposer = _watch(make_proposer(drafter), sampling)  # built before the clock starts: a model drafter loads
                 start = time.perf_counter()
                 gen = _generate(client, info, prompt, proposer, k, max_new_tokens, sampling, max_k=run.max_k,
-                                verify_all=verify_all)
+                                verify_all=verify_all, server=server_drafter(drafter))
                 run.seconds += time.perf_counter() - start
                 if isinstance(proposer, _ProbabilityWatch) and proposer.sent:
                     run.acceptance = REJECTION
@@ -217,13 +230,15 @@ def _plain(client, info, prompts, max_new_tokens, sampling, bar) -> Plain:
     return plain
 
 
-def _generate(client, info, prompt: Prompt, proposer, k, max_new_tokens, sampling, max_k: int = 0, verify_all: bool = False):
-    """One generation; a text prompt that the server tokenizes past the context is refused at its open."""
+def _generate(client, info, prompt: Prompt, proposer, k, max_new_tokens, sampling, max_k: int = 0, verify_all: bool = False,
+              server: str = ""):
+    """One generation; a text prompt that the server tokenizes past the context is refused at its open.
+    `server`: the server drafter that drafts it (proposer None), "" when `proposer` drafts."""
     adaptive = None
     if k == ADAPTIVE:  # a fresh rule per sequence: it learns from that sequence's steps alone
         k, adaptive = max_k, AdaptiveK(max_k)
     return generate(client, proposer, prompt_ids=prompt.prompt_ids, text=prompt.text, max_new_tokens=max_new_tokens,
-                    sampling=sampling, k=k, info=info, adaptive=adaptive, verify_all_drafts=verify_all,
+                    sampling=sampling, k=k, info=info, adaptive=adaptive, verify_all_drafts=verify_all, server_drafter=server,
                     on_open=lambda session: check_budget(max_new_tokens, info, len(session.prompt_ids),
                                                          where=f"{prompt.text[:20]!r}: " if prompt.text else ""))
 

@@ -6,6 +6,13 @@ proposer they name. `generate` and `bench` both call these, so a flag means the 
     add_drafter_arguments(group, many=True)           # --drafter ngram,model  --k 1,2,4 (lists)
     proposer = make_proposer(name, args, info, sampling)
 
+Server drafters: the bench also takes drafters the server runs for a session
+(OpenSessionRequest.server_drafter), under names of their own so that a row says where its drafts
+came from: `mtp` (the checkpoint's MTP head: only the server holds the target's hidden rows it
+drafts from) and `server-ngram` (the server's n-gram proposer, the same rule as `ngram` here).
+`generate` names them by their wire names instead (--server-draft mtp|ngram). Such a drafter has
+no proposer on this side (make_proposer gives None) and its drafts per step are fixed at the open.
+
 Only the model drafter needs torch; it is imported when that drafter is chosen.
 """
 
@@ -21,17 +28,39 @@ from verifier.proposers import NgramProposer, Proposer, RandomProposer
 
 from .messages import ModelInfo
 
-DRAFTERS = ("ngram", "model", "random", "none")
+DRAFTERS = ("ngram", "model", "random", "none")  # drafted in this process
+SERVER_DRAFTERS = {"mtp": "mtp", "server-ngram": "ngram"}  # the bench's name -> OpenSessionRequest.server_drafter
+BENCH_DRAFTERS = DRAFTERS + tuple(SERVER_DRAFTERS)
 DEFAULT_K = 4
 
 
 def drafter_names(text: str) -> list[str]:
-    """--drafter ngram,model -> ["ngram", "model"] (every name one of DRAFTERS)."""
+    """--drafter ngram,mtp -> ["ngram", "mtp"] (every name one of BENCH_DRAFTERS)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
-    bad = [n for n in names if n not in DRAFTERS]
+    bad = [n for n in names if n not in BENCH_DRAFTERS]
     if not names or bad:
-        raise argparse.ArgumentTypeError(f"--drafter takes {', '.join(DRAFTERS)} (comma-separated), got {text!r}")
+        raise argparse.ArgumentTypeError(f"--drafter takes {', '.join(BENCH_DRAFTERS)} (comma-separated), got {text!r}")
     return names
+
+
+def server_drafter(name: str) -> str:
+    """The OpenSessionRequest.server_drafter a drafter name stands for; "" for a drafter of this process."""
+    return SERVER_DRAFTERS.get(name, "")
+
+
+def bench_name(wire_name: str) -> str:
+    """The drafter name (the bench's) of a server drafter: mtp -> mtp, ngram -> server-ngram."""
+    names = {wire: name for name, wire in SERVER_DRAFTERS.items()}
+    return names.get(wire_name, f"server-{wire_name}")
+
+
+def check_server_offers(wire_name: str, info: ModelInfo, flag: str) -> None:
+    """Raise ValueError naming `flag` when the served model does not offer the server drafter."""
+    if wire_name not in info.server_drafters:
+        offered = list(info.server_drafters) if info.server_drafters else "none (a server without server-side drafting)"
+        hint = " (mtp needs a checkpoint with an MTP head, served without --no-mtp)" if wire_name == "mtp" else ""
+        raise ValueError(f"{flag}: the served model {info.model_id!r} does not offer the server drafter {wire_name!r}{hint}; "
+                         f"ModelInfo.server_drafters lists {offered}")
 
 
 def k_values(text: str) -> list[int]:
@@ -51,7 +80,10 @@ def add_drafter_arguments(group, many: bool = False) -> None:
     comma-separated lists (the bench sweeps them); else one value each."""
     if many:
         group.add_argument("--drafter", type=drafter_names, default=["ngram"], metavar="NAMES",
-                           help=f"comma-separated drafters from {', '.join(DRAFTERS)} (default: ngram)")
+                           help=f"comma-separated drafters: {', '.join(DRAFTERS)} (drafted in this process), or "
+                                f"{', '.join(SERVER_DRAFTERS)} (drafted by the server for the session: its MTP head, "
+                                f"its n-gram proposer; ModelInfo.server_drafters lists what the model offers) "
+                                f"(default: ngram)")
         group.add_argument("--k", type=k_values, default=None, metavar="KS",
                            help=f"comma-separated drafts per step, each at most the server's max_k (default: {DEFAULT_K})")
     else:
@@ -92,10 +124,11 @@ def check_drafter_arguments(args, names: list[str]) -> None:
 
 
 def make_proposer(name: str, args, info: ModelInfo, sampling: SamplingParams) -> Proposer | None:
-    """The proposer `name` stands for, built from the flags (None for "none"). `info` is the served
-    model's: the model drafter checks its vocabulary against it and sizes its context from it;
-    `sampling` is the session's (the model drafter samples its drafts the same way)."""
-    if name == "none":
+    """The proposer `name` stands for, built from the flags (None for "none" and for a server
+    drafter, which has no proposer here). `info` is the served model's: the model drafter checks
+    its vocabulary against it and sizes its context from it; `sampling` is the session's (the
+    model drafter samples its drafts the same way)."""
+    if name == "none" or name in SERVER_DRAFTERS:
         return None
     if name == "ngram":
         return NgramProposer(args.ngram_max, args.ngram_min)
@@ -109,4 +142,4 @@ def make_proposer(name: str, args, info: ModelInfo, sampling: SamplingParams) ->
         mode = COUPLED if getattr(args, "coupled_drafts", False) else REJECTION
         return ModelProposer.from_dir(args.draft_model, info.vocab_size, info.max_context, sampling,
                                       device=args.draft_device, seed=args.seed_draft, mode=mode)
-    raise ValueError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {name!r}")
+    raise ValueError(f"--drafter must be one of {', '.join(BENCH_DRAFTERS)}, got {name!r}")

@@ -1,4 +1,6 @@
-"""`python -m drafter generate`: generate through a verifier server, drafting on this side.
+"""`python -m drafter generate`: generate through a verifier server, drafting on this side, or
+letting the server draft (--server-draft NAME: one of the model's ModelInfo.server_drafters, "ngram"
+or "mtp"; the steps then carry no drafts, and the figures count the drafts the server verified).
 
 Output: with `--json`, one JSON object once the session ends. Otherwise the tokens stream to stdout
 as each step returns them: as text when `--tokenizer` names the model's tokenizer.json (the server
@@ -24,7 +26,7 @@ from verifier.arguments import DefaultsHelpFormatter, add_sampling_arguments, at
 from verifier.printing import TokenPrinter
 
 from .adaptive import AdaptiveK
-from .choose import DEFAULT_K, add_drafter_arguments, check_drafter_arguments, make_proposer
+from .choose import DEFAULT_K, add_drafter_arguments, bench_name, check_drafter_arguments, check_server_offers, make_proposer
 from .client import VerifierClient
 from .limits import OverLimit, check_budget, check_k
 from .loop import STREAM, UNARY, generate
@@ -32,9 +34,12 @@ from .messages import ModelInfo, VerifierError
 
 # which streams equal plain decoding: the README's section "The command line" says the same
 STREAMS_NOTE = ("Which streams equal plain decoding token for token: greedy, every drafter; seeded sampling, ngram, "
-                "random and the model drafter with --coupled-drafts. A sampled session whose model drafter sends its "
-                "probabilities (the default mode) is verified by rejection sampling: exact samples of the target, but "
-                "another stream.")
+                "random, the model drafter with --coupled-drafts and every --server-draft (its drafts carry no q). A "
+                "sampled session whose model drafter sends its probabilities (the default mode) is verified by "
+                "rejection sampling: exact samples of the target, but another stream.")
+# the flags of a drafter in this process: none applies when the server drafts (--server-draft)
+CLIENT_DRAFTER_FLAGS = ("--drafter", "--draft-model", "--draft-device", "--seed-draft", "--ngram-min", "--ngram-max",
+                        "--coupled-drafts", "--adaptive-k")
 
 
 def _add_connection(parser: argparse.ArgumentParser):
@@ -62,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokenizer.json (or its model directory): stream text instead of ids (default: stream ids)")
     gen.add_argument("--logits-out", type=Path,
                      help="write float32 [N, vocab] .npy: row i holds the logits token i was chosen from (default: not written)")
-    add_drafter_arguments(gen.add_argument_group("drafting"))
+    drafting = gen.add_argument_group("drafting")
+    add_drafter_arguments(drafting)
+    drafting.add_argument("--server-draft", metavar="NAME",
+                          help="let the server draft instead of this process: ngram (its prompt lookup) or mtp (the "
+                               "checkpoint's MTP head), one of the served model's ModelInfo.server_drafters; the server "
+                               "proposes --k drafts a step and the steps send none; no other drafting flag applies "
+                               "(default: this process drafts, with --drafter)")
     add_sampling_arguments(gen)
     conn = _add_connection(gen)
     conn.add_argument("--transport", default=STREAM, choices=[STREAM, UNARY], help="VerifyStream, or one Verify call per step")
@@ -72,13 +83,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate" and args.server_draft is not None:
+        _refuse_client_drafting(_subcommand(parser, "generate"), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":
         return _bench(args)
     return 2
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    # argparse offers no public walk over a parser's subcommands
+    (commands,) = [a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return _subcommands(parser)[name]
+
+
+def _given_flags(argv: list[str] | None) -> set[str]:
+    """The dests that argv sets explicitly: argv parsed again with every default suppressed, so
+    only what the command line gave lands in the namespace. (A flag given at its default value is
+    given all the same: the person meant it.)"""
+    quiet = build_parser()
+    for p in (quiet, *_subcommands(quiet).values()):
+        for action in p._actions:
+            action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv)))
+
+
+def _refuse_client_drafting(gen: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """--server-draft with a flag of this process's drafter: an argparse error (exit 2), since the
+    server drafts and the flag would be ignored silently."""
+    given = _given_flags(argv)
+    dests = {a.dest: a.option_strings[0] for a in gen._actions if a.option_strings}
+    clash = [flag for dest, flag in dests.items() if flag in CLIENT_DRAFTER_FLAGS and dest in given]
+    if clash:
+        gen.error(f"argument --server-draft: not allowed with {', '.join(clash)} (the server drafts; "
+                  f"{', '.join(clash)} configure{'s' if len(clash) == 1 else ''} a drafter of this process)")
 
 
 def _fail(message: str, status: int) -> int:
@@ -89,8 +135,10 @@ def _fail(message: str, status: int) -> int:
 def _generate(args) -> int:
     try:
         sampling = sampling_from_args(args)
-        check_drafter_arguments(args, [args.drafter])
-        if args.drafter == "none" and args.k:
+        check_drafter_arguments(args, [] if args.server_draft is not None else [args.drafter])
+        if args.server_draft == "":
+            raise ValueError("--server-draft is empty: name a server drafter (ngram or mtp)")
+        if args.drafter == "none" and args.k and args.server_draft is None:
             raise ValueError("--k needs a drafter: pass --drafter ngram|model|random")
         _check_connection_arguments(args)
         text_stream = None
@@ -115,10 +163,12 @@ def _generate(args) -> int:
         elif not info.has_tokenizer:
             return _fail(f"--text: the served model {info.model_id!r} has no tokenizer; pass --prompt-ids", 2)
         try:
+            if args.server_draft is not None:  # before any session: a drafter the model lacks is a bad argument
+                check_server_offers(args.server_draft, info, f"--server-draft {args.server_draft}")
             k = _drafts_per_step(args, info)
             # a --text prompt's length is known once the server has tokenized it: checked again at the open
             check_budget(args.max_new_tokens, info, None if args.prompt_ids is None else len(args.prompt_ids))
-            proposer = make_proposer(args.drafter, args, info, sampling)
+            proposer = None if args.server_draft is not None else make_proposer(args.drafter, args, info, sampling)
         except ValueError as exc:  # a server limit, or a draft model that cannot serve this target
             return _fail(str(exc), 2)
         adaptive = AdaptiveK(k) if args.adaptive_k and k > 0 else None
@@ -128,7 +178,7 @@ def _generate(args) -> int:
         try:
             result = generate(client, proposer, prompt_ids=args.prompt_ids, text=args.text, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, k=k, return_logits=args.logits_out is not None, transport=args.transport,
-                              info=info, on_tokens=printer.push, adaptive=adaptive,
+                              info=info, on_tokens=printer.push, adaptive=adaptive, server_drafter=args.server_draft or "",
                               on_open=lambda session: check_budget(args.max_new_tokens, info, len(session.prompt_ids)))
         except OverLimit as exc:  # raised at the open, before any token: the session is closed
             return _fail(str(exc), 2)
@@ -152,7 +202,9 @@ def _generate(args) -> int:
             "finish_reason": result.finish_reason,
             "seconds": round(seconds, 4),
             "tokens_per_s": rate,
-            "drafter": args.drafter,
+            # a server drafter under the bench's name for it (mtp, server-ngram): one name per drafter
+            "drafter": args.drafter if args.server_draft is None else bench_name(args.server_draft),
+            "server_drafter": args.server_draft,
             "k": k,
             "adaptive_k": adaptive is not None,
             **result.step_figures(),
@@ -167,11 +219,16 @@ def _generate(args) -> int:
 
 
 def _drafts_per_step(args, info: ModelInfo) -> int:
-    """--k checked against the server's max_k; without --k, DEFAULT_K or the server's max_k if lower."""
+    """--k checked against the server's max_k; without --k, DEFAULT_K or the server's max_k if lower
+    (whoever drafts: this process or the server)."""
+    server = args.server_draft is not None
+    drafting = server or args.drafter != "none"
     if args.k is None:
-        return 0 if args.drafter == "none" else min(DEFAULT_K, info.max_k)
-    if args.drafter != "none" and args.k == 0:
-        raise ValueError(f"--k 0 with --drafter {args.drafter} drafts nothing: pass --k 1 or more, or --drafter none to decode plainly")
+        return min(DEFAULT_K, info.max_k) if drafting else 0
+    if drafting and args.k == 0:
+        named, plainly = (f"--server-draft {args.server_draft}", "leave out --server-draft") if server else \
+            (f"--drafter {args.drafter}", "--drafter none")
+        raise ValueError(f"--k 0 with {named} drafts nothing: pass --k 1 or more, or {plainly} to decode plainly")
     check_k(args.k, info)
     return args.k
 

@@ -73,11 +73,15 @@ class VerifierClient(ClientChannel):
 
     def open_session(self, prompt_ids: list[int] | None = None, text: str | None = None, *,
                      sampling: SamplingParams = SamplingParams(), max_new_tokens: int, request_id: str | None = None,
-                     return_logits: bool = False, verify_all_drafts: bool = False) -> Session:
+                     return_logits: bool = False, verify_all_drafts: bool = False,
+                     server_drafter: str = "", server_draft_k: int = 0) -> Session:
         """Admit a slot, prefill, choose the first token. A full pool raises VerifierError
         RESOURCE_EXHAUSTED with `retry_after_s`. `verify_all_drafts`: the server verifies every
-        draft of the session's steps (no goodput trimming), as a drafter's measurement needs."""
-        request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits, verify_all_drafts)
+        draft of the session's steps (no goodput trimming), as a drafter's measurement needs.
+        `server_drafter` (one of ModelInfo.server_drafters): the server drafts `server_draft_k`
+        per step for the session (0: its max_k), whose steps then carry no drafts."""
+        request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits, verify_all_drafts,
+                               server_drafter, server_draft_k)
         return Session.from_proto(self._call("OpenSession", request))
 
     def verify(self, steps: list[Step]) -> list[StepOutcome]:

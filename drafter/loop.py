@@ -19,6 +19,13 @@ for `k`.
 The server may verify only the first few drafts of a step (goodput-aware K; the result's
 verified_drafts). A step's drafted count is the drafts verified, so the mean acceptance length
 counts what the target saw, and adaptive K learns from what was judged.
+
+Server drafting: with `server_drafter` (one of ModelInfo.server_drafters) the session is opened
+with OpenSessionRequest.server_drafter and server_draft_k = k, and the server proposes each step's
+drafts itself; the loop sends steps without drafts and takes verified_drafts as the step's drafted
+count. The server cuts its drafts by the same draft_room rule, so a reply that verified more than
+the step had room for is refused as inconsistent. There is no proposer and no adaptive K then:
+the session's k is fixed at its open.
 """
 
 from __future__ import annotations
@@ -47,9 +54,11 @@ class DraftLoop:
 
     def __init__(self, session: Session, info: ModelInfo, proposer: Proposer | None, k: int, max_new_tokens: int,
                  return_logits: bool = False, sampling: SamplingParams = SamplingParams(),
-                 adaptive: AdaptiveK | None = None):
+                 adaptive: AdaptiveK | None = None, server_drafter: str = ""):
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
+        check_server_drafting(server_drafter, proposer, k, adaptive)
+        self.server_drafter = server_drafter  # "": this loop's proposer drafts
         self.session, self.info, self.proposer = session, info, proposer
         self.k, self.max_new_tokens, self.return_logits = k, max_new_tokens, return_logits
         self.send_probs = not sampling.greedy  # rejection sampling needs q; greedy never sends it
@@ -103,13 +112,7 @@ class DraftLoop:
         if outcome.position != step.expected_position + len(outcome.tokens):
             raise _internal(f"step at position {step.expected_position} emitted {len(outcome.tokens)} tokens "
                             f"but moved the session to position {outcome.position}")
-        verified = outcome.verified(len(step.draft_ids))
-        if not outcome.accepted <= verified <= len(step.draft_ids):
-            raise _internal(f"accepted {outcome.accepted} and verified {verified} of {len(step.draft_ids)} drafts "
-                            f"(accepted <= verified_drafts <= drafts sent)")
-        kept = min(outcome.accepted, len(outcome.tokens))
-        if list(step.draft_ids[:kept]) != outcome.tokens[:kept]:
-            raise _internal(f"accepted {outcome.accepted} of drafts {list(step.draft_ids)}, but the tokens are {outcome.tokens}")
+        verified = self._verified(step, outcome)
         self.position = outcome.position
         self.tokens += outcome.tokens
         self.finish_reason = outcome.finish_reason
@@ -124,10 +127,46 @@ class DraftLoop:
             self._logits.append(outcome.logits)
         return list(outcome.tokens)
 
+    def _verified(self, step: Step, outcome: StepOutcome) -> int:
+        """The step's drafts verified, checked against what the step could hold. Runs before the
+        loop advances: draft_room() is still the room the step had."""
+        if self.server_drafter:
+            # the server proposed up to draft_room() drafts (the shared rule); it always says how many it verified
+            if outcome.verified_drafts is None:
+                raise _internal(f"a step of server drafter {self.server_drafter!r} does not say how many drafts "
+                                f"were verified (verified_drafts unset)")
+            room = self.draft_room()
+            if not outcome.accepted <= outcome.verified_drafts <= room:
+                raise _internal(f"accepted {outcome.accepted} and verified {outcome.verified_drafts} server drafts, "
+                                f"the step had room for {room} (accepted <= verified_drafts <= room)")
+            return outcome.verified_drafts
+        verified = outcome.verified(len(step.draft_ids))
+        if not outcome.accepted <= verified <= len(step.draft_ids):
+            raise _internal(f"accepted {outcome.accepted} and verified {verified} of {len(step.draft_ids)} drafts "
+                            f"(accepted <= verified_drafts <= drafts sent)")
+        kept = min(outcome.accepted, len(outcome.tokens))
+        if list(step.draft_ids[:kept]) != outcome.tokens[:kept]:
+            raise _internal(f"accepted {outcome.accepted} of drafts {list(step.draft_ids)}, but the tokens are {outcome.tokens}")
+        return verified
+
     def result(self) -> Generation:
         logits = np.concatenate(self._logits) if self.return_logits and self._logits else None
         return Generation(list(self.tokens), self.finish_reason, list(self.accepted), list(self.drafted), logits,
                           session_id=self.session.id, prompt_ids=list(self.session.prompt_ids))
+
+
+def check_server_drafting(server_drafter: str, proposer: Proposer | None, k: int, adaptive: AdaptiveK | None) -> None:
+    """A server-drafted session has k >= 1 drafts a step (the server reads 0 as its max_k) and
+    neither a proposer nor adaptive K on this side (the server drafts, at the k fixed at the open)."""
+    if not server_drafter:
+        return
+    if proposer is not None:
+        raise ValueError(f"server drafter {server_drafter!r}: the server proposes the drafts, so pass no proposer")
+    if adaptive is not None:
+        raise ValueError(f"server drafter {server_drafter!r}: drafts per step are fixed when the session opens, "
+                         f"so adaptive K does not apply")
+    if k < 1:
+        raise ValueError(f"server drafter {server_drafter!r} needs k >= 1 drafts per step, got {k}")
 
 
 def _internal(message: str) -> VerifierError:
@@ -137,23 +176,27 @@ def _internal(message: str) -> VerifierError:
 def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = None, text: str | None = None,
            max_new_tokens: int, sampling: SamplingParams = SamplingParams(), k: int = 4, return_logits: bool = False,
            transport: str = STREAM, info: ModelInfo | None = None, adaptive: AdaptiveK | None = None,
-           on_open: Callable[[Session], None] | None = None, verify_all_drafts: bool = False) -> Iterator[list[int]]:
+           on_open: Callable[[Session], None] | None = None, verify_all_drafts: bool = False,
+           server_drafter: str = "") -> Iterator[list[int]]:
     """Generate through a blocking VerifierClient: yields each step's new tokens as they arrive (the
     first token first) and returns the Generation (StopIteration.value; `generate` unwraps it). The
     session is closed at the end, on error, on KeyboardInterrupt and when the caller stops early.
     `on_open(session)` runs once the session is open, before anything is yielded: the place for
     checks that need the server's view of the prompt (a --text prompt's length); what it raises
     closes the session and propagates. `verify_all_drafts`: the session asks the server to verify
-    every draft (no goodput trimming), as measuring the drafter needs."""
+    every draft (no goodput trimming), as measuring the drafter needs. `server_drafter`: the
+    server drafts k per step (see the module docstring); `proposer` is then None."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
+    check_server_drafting(server_drafter, proposer, k, adaptive)  # before a session is opened
     info = info or client.model_info()
     session = client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
-                                  return_logits=return_logits, verify_all_drafts=verify_all_drafts)
+                                  return_logits=return_logits, verify_all_drafts=verify_all_drafts,
+                                  **_server_drafting(server_drafter, k))
     try:
         if on_open is not None:
             on_open(session)
-        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive)
+        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive, server_drafter)
         yield list(loop.tokens)
         steps = client.verify_stream() if transport == STREAM else client
         try:
@@ -185,15 +228,17 @@ async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] 
                     max_new_tokens: int, sampling: SamplingParams = SamplingParams(), k: int = 4, return_logits: bool = False,
                     transport: str = STREAM, info: ModelInfo | None = None,
                     on_tokens: Callable[[list[int]], None] | None = None, adaptive: AdaptiveK | None = None,
-                    verify_all_drafts: bool = False) -> Generation:
+                    verify_all_drafts: bool = False, server_drafter: str = "") -> Generation:
     """The same loop through an AsyncVerifierClient."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
+    check_server_drafting(server_drafter, proposer, k, adaptive)
     info = info or await client.model_info()
     session = await client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
-                                        return_logits=return_logits, verify_all_drafts=verify_all_drafts)
+                                        return_logits=return_logits, verify_all_drafts=verify_all_drafts,
+                                        **_server_drafting(server_drafter, k))
     try:
-        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive)
+        loop = DraftLoop(session, info, proposer, k, max_new_tokens, return_logits, sampling, adaptive, server_drafter)
         if on_tokens is not None:
             on_tokens(list(loop.tokens))
         steps = client.verify_stream() if transport == STREAM else client
@@ -212,6 +257,11 @@ async def agenerate(client, proposer: Proposer | None, *, prompt_ids: list[int] 
             await client.close_session(session.id)
         except VerifierError as err:
             log.warning("could not close session %s: %s (the server reaps it when idle)", session.id, err)
+
+
+def _server_drafting(server_drafter: str, k: int) -> dict:
+    """OpenSession's server drafting fields: none when the client drafts."""
+    return {"server_drafter": server_drafter, "server_draft_k": k} if server_drafter else {}
 
 
 def _close_quietly(close: Callable[[], object], session_id: str) -> None:

@@ -61,12 +61,15 @@ class ModelInfo:
     device: str
     dtype: str
     trims_drafts: bool = False  # the server's goodput-aware K may verify fewer drafts than a step sends
+    # drafters the server runs for a session (OpenSessionRequest.server_drafter): "ngram", and "mtp"
+    # when the checkpoint's MTP head is loaded; empty from a server without server-side drafting
+    server_drafters: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, m) -> "ModelInfo":
         return cls(m.protocol_version, m.model_id, m.model_type, m.vocab_size, tuple(m.eos_ids), m.max_context,
                    m.max_k, tuple(m.layer_kinds), m.rollback_mode, m.has_tokenizer, m.n_slots, m.device, m.dtype,
-                   m.trims_drafts)
+                   m.trims_drafts, tuple(m.server_drafters))
 
 
 @dataclass
@@ -164,14 +167,22 @@ def sampling_to_proto(sampling: SamplingParams):
 
 
 def open_request(prompt_ids: list[int] | None, text: str | None, sampling: SamplingParams, max_new_tokens: int,
-                 request_id: str | None, return_logits: bool, verify_all_drafts: bool = False):
+                 request_id: str | None, return_logits: bool, verify_all_drafts: bool = False,
+                 server_drafter: str = "", server_draft_k: int = 0):
     """An OpenSessionRequest; its request id is fixed here, before the first try, so that a retried
     OpenSession returns the same session. `verify_all_drafts`: the server never trims the session's
-    drafts (proto: OpenSessionRequest.verify_all_drafts)."""
+    drafts (proto: OpenSessionRequest.verify_all_drafts). `server_drafter` (one of
+    ModelInfo.server_drafters; "": the client drafts): the server proposes `server_draft_k` drafts
+    per step (0: its max_k) and the session's steps carry none."""
     if (prompt_ids is None) == (text is None):
         raise ValueError("pass exactly one of prompt_ids and text")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if server_draft_k < 0:
+        raise ValueError(f"server_draft_k must be >= 0, got {server_draft_k}")
+    if server_draft_k and not server_drafter:
+        raise ValueError(f"server_draft_k {server_draft_k} needs a server_drafter (the server drafts only for one)")
     return rpc.OpenSessionRequest(prompt_ids=list(prompt_ids or ()), text=text or "", sampling=sampling_to_proto(sampling),
                                   max_new_tokens=max_new_tokens, request_id=request_id or uuid.uuid4().hex,
-                                  return_logits=return_logits, verify_all_drafts=verify_all_drafts)
+                                  return_logits=return_logits, verify_all_drafts=verify_all_drafts,
+                                  server_drafter=server_drafter, server_draft_k=server_draft_k)

@@ -26,16 +26,24 @@ SAMPLINGS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0
 
 
 class Recording:
-    """An MTPProposer that keeps each proposal's (context, k, drafts); with `instead` (a proposer),
-    the head still proposes (its state moves on as it would) but `instead`'s drafts are sent."""
+    """An MTPProposer that keeps each proposal's (context, k, drafts) and the hidden rows it was
+    handed; with `instead` (a proposer), the head still proposes (its state moves on as it would)
+    but `instead`'s drafts are sent."""
 
     def __init__(self, inner: MTPProposer, instead=None):
-        self.inner, self.calls, self.instead = inner, [], instead
+        self.inner, self.calls, self.instead, self.rows = inner, [], instead, []
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """Every hidden row handed over, positions 0 .. known - 1: [known, H]."""
+        return torch.cat(self.rows)
 
     def begin(self, prompt_hidden):
+        self.rows = [prompt_hidden.clone()]
         self.inner.begin(prompt_hidden)
 
     def observe(self, hidden):
+        self.rows.append(hidden.clone())
         self.inner.observe(hidden)
 
     def propose(self, context, k):
@@ -68,7 +76,8 @@ def test_hidden_rows_equal_plain_decoding(mtp_checkpoint):
     """The rows a speculative run hands the proposer (prompt, then each step's consumed rows) equal
     those of plain one-token decode steps at every position, bitwise."""
     engine, proposer = _setup(mtp_checkpoint("qwen3_5_moe_text"))
-    generate(engine, PROMPT, NEW, None, proposer, K)
+    recording = Recording(proposer)
+    generate(engine, PROMPT, NEW, None, recording, K)
     seq = engine.open(PROMPT, SamplingParams(), NEW, want_hidden=True)
     rows = [seq.prompt_hidden]
     while not seq.finished:
@@ -78,7 +87,7 @@ def test_hidden_rows_equal_plain_decoding(mtp_checkpoint):
     engine.close(seq)
     plain = torch.cat(rows)
     assert proposer.known == plain.shape[0] == len(PROMPT) + NEW - 1
-    assert torch.equal(proposer.hidden[: proposer.known], plain)
+    assert torch.equal(recording.hidden, plain)
 
 
 @pytest.mark.parametrize("sent", ["mtp", "oracle"])
@@ -98,7 +107,7 @@ def test_drafts_after_rollbacks_equal_a_fresh_heads(mtp_checkpoint, sent):
         assert spec.accepted_per_step[0] == K
     fresh = MTPProposer(proposer.head, engine.pool.max_seq_len)
     for context, k, drafts in recording.calls:
-        fresh.begin(proposer.hidden[: len(context) - 1])
+        fresh.begin(recording.hidden[: len(context) - 1])
         assert fresh.propose(context, k) == drafts
 
 
@@ -107,6 +116,12 @@ def test_a_proposer_needs_every_hidden_row(mtp_checkpoint):
     proposer.begin(torch.zeros(len(PROMPT) - 1, engine.model.config.hidden_size))
     with pytest.raises(ValueError, match="hidden rows of 5 positions held"):
         proposer.propose(PROMPT + [1], K)
+    with pytest.raises(ValueError, match=r"hidden rows must be \[rows, "):
+        proposer.observe(torch.zeros(2, engine.model.config.hidden_size + 1))
+    with pytest.raises(ValueError, match="no sequence begun"):
+        MTPProposer(proposer.head, engine.pool.max_seq_len).propose(PROMPT, K)
+    with pytest.raises(ValueError, match="mode must be"):
+        MTPProposer(proposer.head, engine.pool.max_seq_len, mode="both")
 
 
 def test_cli_draft_mtp_gives_the_plain_tokens(mtp_checkpoint, capsys):
@@ -145,7 +160,7 @@ def test_padded_steps_hand_out_the_unpadded_hidden_rows(mtp_checkpoint):
         engine.runner.buckets = engine.runner.shared
         recording = Recording(MTPProposer(load_mtp_head(path, model), engine.pool.max_seq_len))
         spec = generate(engine, PROMPT, NEW, None, recording, K)
-        runs.append((spec.tokens, recording.calls, recording.inner.hidden[: recording.inner.known]))
+        runs.append((spec.tokens, recording.calls, recording.hidden))
     (tokens, calls, hidden), (padded_tokens, padded_calls, padded_hidden) = runs
     assert tokens == padded_tokens and calls == padded_calls
     assert torch.equal(hidden, padded_hidden)

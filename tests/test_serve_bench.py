@@ -12,7 +12,8 @@ import pytest
 from decimal import Decimal
 
 from bench import serve_breakdown
-from bench.serve import ServeConfig, _expected, main, run_serve, server_has_flag
+from bench.load.remote_pair import remote_drafter
+from bench.serve import ServeConfig, _expected, main, mtp_line, run_serve, server_has_flag, table
 from presets.bench_models import TINY_CONFIG, TINY_EMBED_STD
 
 SESSIONS, PROCESSES, WARMUP, STEPS, K = 4, 2, 2, 4, 2
@@ -20,6 +21,8 @@ MODEL_FIELDS = ("sessions", "engine_tokens_per_s", "service_tokens_per_s", "serv
                 "graph_captures_during_load", "rss_before_mib", "rss_after_mib", "random_drafts_vs_plain_b64",
                 "oracle_trimmed_vs_untrimmed", "mismatches")
 REMOTE_FIELDS = ("k", "plain_tokens_per_s", "remote_model_tokens_per_s", "remote_model_speedup", "inprocess_model_speedup")
+MTP_FIELDS = ("remote_mtp_tokens_per_s", "remote_mtp_speedup", "remote_mtp_mean_acceptance_length", "inprocess_mtp_tokens_per_s",
+              "inprocess_mtp_speedup", "inprocess_mtp_mean_acceptance_length")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +101,36 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     # as a user starts it) may verify fewer drafts than were sent, never more
     assert remote["inprocess_mean_acceptance_length"] == K + 1
     assert 1.0 <= remote["remote_mean_acceptance_length"] <= K + 1
+    # the tiny checkpoint has no MTP head: the MTP modes are skipped, and the file says why
+    assert "no MTP head" in remote["mtp_skipped"] and "['ngram']" in remote["mtp_skipped"]
+    assert all(remote[field] is None for field in MTP_FIELDS)
+    assert f"MTP self-drafting skipped: {remote['mtp_skipped']}" in table(written)
+
+
+def test_the_remote_part_runs_mtp_through_the_service_and_in_process_when_the_target_has_a_head(tmp_path, mtp_checkpoint):
+    """A target with an MTP head: MTP self-drafting through the service and MTP in process run beside
+    plain and the model drafter (the target drafting for itself), every stream the plain one."""
+    target = mtp_checkpoint("qwen3_5_text")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": [21 + i, 4, 58, 9, 21 + i, 4, 58]}) for i in range(2)))
+    remote = remote_drafter(target, target, prompts, 2, 12, K, "cpu", "float32", "cpu")
+    assert remote["mtp_skipped"] is None
+    assert set(remote["ms_per_round"]) == {"remote_plain", "remote_model", "inprocess_plain", "inprocess_model",
+                                           "remote_mtp", "inprocess_mtp"}
+    assert remote["streams_equal"] and all(remote["streams_equal_by_mode"].values())
+    assert set(remote["streams_equal_by_mode"]) == set(remote["ms_per_round"])
+    for field in MTP_FIELDS:
+        assert remote[field] > 0, field
+    # in process every draft is verified; through the service (goodput on, as a user starts it) at most K
+    assert 1.0 <= remote["inprocess_mtp_mean_acceptance_length"] <= K + 1
+    assert 1.0 <= remote["remote_mtp_mean_acceptance_length"] <= K + 1
+    # MTP drafts in this process only in process; through the service the server drafts, inside its step
+    assert 0 < remote["drafting_ms_per_round"]["inprocess_mtp"] < remote["ms_per_round"]["inprocess_mtp"]
+    assert "remote_mtp" not in remote["drafting_ms_per_round"]
+    engine, latency = remote["server_engine_ms_per_round"]["remote_mtp"], remote["server_latency_ms_per_round"]["remote_mtp"]
+    assert 0 < engine <= latency < remote["ms_per_round"]["remote_mtp"]
+    line = mtp_line(remote)
+    assert line.startswith(f"MTP K={K}: through the service") and "streams equal to plain: True / True" in line
 
 
 def _assert_breakdown_adds_up(run: dict, name: str) -> None:

@@ -188,7 +188,7 @@ def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | N
     if args.draft == "oracle":
         return OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
     if args.draft == "mtp":
-        return _mtp_proposer(args, engine)
+        return _mtp_proposer(args, engine, sampling)
     if args.draft == "model":
         draft_dir = args.draft_model or default_draft_model_dir()
         if draft_dir is None:
@@ -204,7 +204,7 @@ def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | N
     return None
 
 
-def _mtp_proposer(args, engine: Engine) -> Proposer:
+def _mtp_proposer(args, engine: Engine, sampling) -> Proposer:
     """The checkpoint's own MTP head drafting from the target's hidden rows; ValueError naming
     --draft mtp when the checkpoint has none (or a broken one)."""
     from .model.mtp import load_mtp_head
@@ -218,4 +218,5 @@ def _mtp_proposer(args, engine: Engine) -> Proposer:
     if head is None:
         raise ValueError(f"--draft mtp: the checkpoint {model_dir} has no MTP head (no mtp.* tensors); "
                          "pick another --draft")
-    return MTPProposer(head, engine.pool.max_seq_len)
+    # coupled drafts (the default): a sampled stream is the plain one
+    return MTPProposer(head, engine.pool.max_seq_len, sampling)

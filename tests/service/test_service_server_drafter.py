@@ -1,8 +1,9 @@
 """Server-side drafters (OpenSessionRequest.server_drafter): a session whose drafts the server
 proposes, with the checkpoint's MTP head or the n-gram proposer. Its steps carry no draft_ids; its
-stream equals plain decoding bitwise and takes the steps the same proposer takes in process
-(generate); retries get the stored result without a new proposal; bad requests are refused
-naming the field."""
+stream equals plain decoding bitwise (greedy and seeded sampling: the MTP drafts of a sampled
+session are coupled) and takes the steps the same proposer takes in process (generate), also when
+several MTP sessions propose together in one batch; retries get the stored result without a new
+proposal; bad requests are refused naming the field; a drafter that fails fails its own step."""
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ from verifier.engine import Engine
 from verifier.generate import generate
 from verifier.model import load_model
 from verifier.model.mtp import load_mtp_head
+from verifier.params import SamplingParams
 from verifier.proposers.mtp import MTPProposer
 from verifier.proposers.ngram import NgramProposer
 from verifier.server.convert import sampling_params
@@ -51,7 +53,8 @@ def in_process(mtp_dir):
     head = load_mtp_head(mtp_dir, model)
 
     def run(drafter, prompt, n, sampling=None):
-        proposer = MTPProposer(head, MAX_SEQ_LEN) if drafter == "mtp" else NgramProposer()
+        # coupled MTP drafts for a sampled session, as the server drafts them
+        proposer = MTPProposer(head, MAX_SEQ_LEN, sampling or SamplingParams()) if drafter == "mtp" else NgramProposer()
         return generate(engine, list(prompt), n, sampling, proposer=proposer, k=K)
 
     return run
@@ -128,28 +131,95 @@ def test_a_step_with_draft_ids_is_invalid_argument_and_changes_nothing(drafting_
     stub.CloseSession(rpc.CloseSessionRequest(session_id=sid))
 
 
+class Proposals:
+    """The server's MTPDrafter.propose wrapped (an instance attribute, set on the server's loop):
+    the asks of each batched proposal, as (slot, context length, k) per ask, and what came back."""
+
+    def __init__(self, server):
+        self.server, self.calls = server, []
+
+    def __enter__(self):
+        mtp = self.server.server.mtp
+        propose = mtp.propose
+
+        def recording(asks):
+            results = propose(asks)
+            self.calls.append(([(a.track.slot, len(a.context), a.k) for a in asks], results))
+            return results
+
+        self.server.run_on_loop(setattr, mtp, "propose", recording)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.run_on_loop(delattr, self.server.server.mtp, "propose")  # the class's again
+
+    def asked_by(self, slot: int) -> int:
+        return sum(1 for asks, _ in self.calls for ask in asks if ask[0] == slot)
+
+
+def _slot(server, sid) -> int:
+    return server.run_on_loop(lambda: server.server.service.sessions.find(sid).sequence.slot)
+
+
 def test_a_retried_step_gets_the_stored_result_without_a_new_proposal(drafting_stub, plain):
     stub, server = drafting_stub
     expected = plain(PROMPT, 20).tokens
     opened = open_session(stub, PROMPT, 20, server_drafter="mtp", server_draft_k=K)
     sid, p = opened.session_id, opened.position
-    calls = []
-
-    def count_proposals():
-        drafter = server.server.service.sessions.find(sid).drafter
-        propose = drafter.propose
-        drafter.propose = lambda *args: calls.append(1) or propose(*args)
-
-    server.run_on_loop(count_proposals)
-    first = verify_one(stub, sid, p, request_id="s1")
-    assert first.status.code == 0 and len(calls) == 1
-    again = verify_one(stub, sid, p, request_id="s1")
-    assert again.SerializeToString() == first.SerializeToString() and len(calls) == 1
+    slot = _slot(server, sid)
+    with Proposals(server) as proposals:
+        first = verify_one(stub, sid, p, request_id="s1")
+        assert first.status.code == 0 and proposals.asked_by(slot) == 1
+        again = verify_one(stub, sid, p, request_id="s1")
+        assert again.SerializeToString() == first.SerializeToString() and proposals.asked_by(slot) == 1
     other = verify_one(stub, sid, p, request_id="s1", return_logits=True)  # the same id, other content
     assert code_of(other) == grpc.StatusCode.INVALID_ARGUMENT and "'s1'" in other.status.message
     tokens, _, _ = _decode(stub, sid, first.position, opened.first_token, 20)
     assert [opened.first_token] + list(first.tokens) + tokens[1:] == expected
     stub.CloseSession(rpc.CloseSessionRequest(session_id=sid))
+
+
+SESSION_SAMPLINGS = [rpc.Sampling(), rpc.Sampling(temperature=0.9, top_k=20, seed=4),
+                     rpc.Sampling(temperature=1.3, top_p=0.9, seed=8)]
+SESSION_PROMPTS = [PROMPT, [7, 3, 60, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+def test_mtp_sessions_propose_together_and_stream_as_alone(drafting_stub, plain, in_process):
+    """Three MTP sessions (greedy, top-k and top-p sampling; other prompts, so other positions)
+    stepping in one Verify call a round: their drafts are proposed in one batched proposal, each
+    stream equals plain decoding, and each takes the steps (accepted and verified per step) the
+    session takes alone in process: its drafts do not depend on what shares the batch."""
+    stub, server = drafting_stub
+    n = 24
+    opened = [open_session(stub, prompt, n, server_drafter="mtp", server_draft_k=K, sampling=sampling)
+              for prompt, sampling in zip(SESSION_PROMPTS, SESSION_SAMPLINGS)]
+    sids = [o.session_id for o in opened]
+    positions = [o.position for o in opened]
+    tokens = [[o.first_token] for o in opened]
+    accepted, verified = [[] for _ in opened], [[] for _ in opened]
+    going = set(range(len(opened)))
+    with Proposals(server) as proposals:
+        while going:
+            live = sorted(going)
+            results = stub.Verify(rpc.VerifyRequest(steps=[step(sids[i], positions[i]) for i in live])).results
+            for i, result in zip(live, results):
+                assert result.status.code == 0, result.status.message
+                tokens[i] += result.tokens
+                accepted[i].append(result.accepted)
+                verified[i].append(result.verified_drafts)
+                positions[i] = result.position
+                if result.finish_reason != rpc.FINISH_NONE:
+                    going.discard(i)
+    assert max(len(asks) for asks, _ in proposals.calls) == len(opened), "the sessions proposed together"
+    assert all(not isinstance(r, Exception) for _, results in proposals.calls for r in results)
+    for i, (prompt, sampling) in enumerate(zip(SESSION_PROMPTS, SESSION_SAMPLINGS)):
+        params = sampling_params(sampling) if sampling.temperature else None
+        assert tokens[i] == plain(prompt, n, params).tokens, f"session {i}: the plain stream"
+        local = in_process("mtp", prompt, n, params)
+        assert accepted[i] == local.accepted_per_step and verified[i] == local.drafted_per_step, f"session {i}"
+    assert sum(map(sum, accepted)) > 0
+    for sid in sids:
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=sid))
 
 
 def test_a_stale_step_is_aborted_and_proposes_nothing(drafting_stub):
@@ -208,26 +278,27 @@ def test_server_drafts_are_trimmed_like_any_drafts_and_the_stream_is_unchanged(m
 
 
 def test_a_failing_proposer_fails_its_own_step_alone(drafting_stub, plain):
-    """propose raising: that step is INTERNAL at the unchanged position, a client-drafted session in
-    the same server is unaffected; observe raising: the session goes on as plain decoding."""
+    """propose failing (its hidden rows out of step with its context): that step is INTERNAL at the
+    unchanged position; an MTP session proposing in the same batch gets its drafts, and a
+    client-drafted session is unaffected; observe raising: the session goes on as plain decoding."""
     stub, server = drafting_stub
     expected = plain(PROMPT, 20).tokens
     opened = open_session(stub, PROMPT, 20, server_drafter="mtp", server_draft_k=K)
+    mate = open_session(stub, PROMPT, 20, server_drafter="mtp", server_draft_k=K)
     other = open_session(stub, PROMPT, 20)
     sid, p = opened.session_id, opened.position
 
-    def break_propose(broken: bool):
-        drafter = server.server.service.sessions.find(sid).drafter
-        if broken:
-            drafter.propose = lambda *args: 1 / 0
-        else:
-            del drafter.propose  # the class's again
+    def shift_known(by: int):
+        server.server.service.sessions.find(sid).drafter.proposer.track.known += by
 
-    server.run_on_loop(break_propose, True)
-    results = stub.Verify(rpc.VerifyRequest(steps=[step(sid, p), step(other.session_id, other.position)])).results
+    server.run_on_loop(shift_known, 1)
+    steps = [step(sid, p), step(mate.session_id, mate.position), step(other.session_id, other.position)]
+    results = stub.Verify(rpc.VerifyRequest(steps=steps)).results
     assert code_of(results[0]) == grpc.StatusCode.INTERNAL and results[0].position == p
-    assert results[1].status.code == 0 and list(results[1].tokens) == expected[1:2]
-    server.run_on_loop(break_propose, False)
+    assert results[1].status.code == 0 and results[1].verified_drafts == K
+    assert list(results[1].tokens) == expected[1 : 2 + results[1].accepted]
+    assert results[2].status.code == 0 and list(results[2].tokens) == expected[1:2]
+    server.run_on_loop(shift_known, -1)
 
     def break_observe():
         server.server.service.sessions.find(sid).drafter.proposer.observe = lambda hidden: 1 / 0
@@ -238,5 +309,37 @@ def test_a_failing_proposer_fails_its_own_step_alone(drafting_stub, plain):
     tokens, _, verified = _decode(stub, sid, first.position, opened.first_token, 20)
     assert [opened.first_token] + list(first.tokens) + tokens[1:] == expected
     assert verified[1:] == [0] * (len(verified) - 1)  # drafting stopped after the failed observe
-    for s in (sid, other.session_id):
+    for s in (sid, mate.session_id, other.session_id):
         stub.CloseSession(rpc.CloseSessionRequest(session_id=s))
+
+
+def test_a_failing_head_forward_fails_its_own_session_alone(drafting_stub, plain):
+    """A batched head forward that raises for one session's rows: the proposal is retried for each
+    session alone, so only that session's step is INTERNAL; the other MTP session gets its drafts,
+    and both streams go on as the plain one."""
+    stub, server = drafting_stub
+    expected = plain(PROMPT, 20).tokens
+    broken, mate = (open_session(stub, PROMPT, 20, server_drafter="mtp", server_draft_k=K) for _ in range(2))
+    bad_slot = _slot(server, broken.session_id)
+    head = server.server.mtp.head
+    forward = head.forward
+
+    def failing(tokens, hidden, batch, pool, **kwargs):
+        if bad_slot in batch.slots:
+            raise RuntimeError("the head failed")
+        return forward(tokens, hidden, batch, pool, **kwargs)
+
+    server.run_on_loop(setattr, head, "forward", failing)
+    try:
+        steps = [step(broken.session_id, broken.position), step(mate.session_id, mate.position)]
+        results = stub.Verify(rpc.VerifyRequest(steps=steps)).results
+    finally:
+        server.run_on_loop(delattr, head, "forward")
+    assert code_of(results[0]) == grpc.StatusCode.INTERNAL and results[0].position == broken.position
+    assert results[1].status.code == 0 and results[1].verified_drafts == K
+    mate_tokens, _, _ = _decode(stub, mate.session_id, results[1].position, mate.first_token, 20)
+    assert [mate.first_token] + list(results[1].tokens) + mate_tokens[1:] == expected
+    tokens, _, verified = _decode(stub, broken.session_id, broken.position, broken.first_token, 20)
+    assert tokens == expected and sum(verified) > 0  # it drafts again
+    for o in (broken, mate):
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=o.session_id))

@@ -1,96 +1,360 @@
 """The MTP drafter: the checkpoint's own multi-token-prediction head (verifier/model/mtp.py) drafting
-greedily from the target's hidden rows, in process.
+from the target's hidden rows, in process and on the server, for one sequence or many at once.
 
 Inputs. The head reads the target's final-normed hidden row at position q (the LM head's input)
 with the token at q + 1, and its logits predict the token at q + 2. The engine hands those rows
 over: the prompt's from the prefill (`Engine.open(want_hidden=True)`, `begin`) and each step's
-consumed rows (`StepRequest.want_hidden`, `observe`), so the proposer holds the hidden rows of
-positions 0 .. p - 1 when the context is p + 1 tokens long (the last one, the pending token at p,
-not yet consumed by the target). generate() does this for any `HiddenStateProposer`.
+consumed rows (`StepRequest.want_hidden`, `observe`), so a sequence's track holds the hidden rows
+of positions 0 .. p - 1 when its context is p + 1 tokens long (the last one, the pending token at
+p, not yet consumed by the target). generate() does this for any `HiddenStateProposer`, the
+server for every session drafting with "mtp" (verifier/server/drafting.py).
 
-`propose(context, k)`:
-  1. catch up: one forward of MTP layer 0 over the rows q = fed .. p - 1 not yet fed, row q being
-     (hidden q, token context[q + 1]); the last one's token is the pending token (the bonus the
-     last verify emitted), and its logits give draft 1. These rows are the accepted stream's, so
-     their KV rows are final: `fed` becomes p.
-  2. recurrent drafts: draft i + 1 from a one-row forward of (the previous forward's output row,
-     draft i), MTP layer i % n (vLLM's order), each one position on.
+State. An MTPDrafter owns the head's KV pool (`MTPHead.new_pool`) of n_slots slots: slot s serves
+the engine's slot s (one slot in process; on the server one per engine slot, allocated once). A
+sequence's `MTPTrack` keeps its cursors and only the hidden rows the head has not fed yet (the
+engine's own prompt buffer and step outputs, by reference, until the next proposal feeds them), so
+opening a sequence allocates nothing of max_seq_len.
+
+`propose(asks)` drafts for every asking sequence together:
+  1. catch up: ONE forward of MTP layer 0 over the rows of every sequence, for each the rows
+     q = fed .. p - 1 not yet fed, row q being (hidden q, token context[q + 1]); the last one's
+     token is the pending token (the bonus the last verify emitted), and its logits give draft 1.
+     These rows are the accepted stream's, so their KV rows are final: `fed` becomes p. A sequence
+     with nothing new (a repeated proposal) re-feeds its last row: the same KV row, the same bits.
+  2. recurrent drafts: draft i + 1 of every sequence that asked for more than i, from ONE forward
+     of one row per sequence (the previous forward's output row, draft i), MTP layer i % n (vLLM's
+     order), each one position on.
 Positions (vLLM's eagle.py proposer, which runs qwen3_next_mtp and qwen3_5_mtp: its input ids are
 the target's shifted by one, its positions the target's unshifted): row (hidden q, token q + 1)
 has attention position q, the position of the hidden row it reads, one before the token it embeds;
-its K/V go to row q of the head's own pool, and a recurrent draft row takes the next position.
+its K/V go to row q of the sequence's slot, and a recurrent draft row takes the next position.
 Rollback: the head's layers are plain attention, whose cursor is the position: the draft rows of
 the last proposal lie at positions >= fed, and the next catch-up overwrites them from `fed` on
 before any row reads them (a row attends to positions <= its own), so nothing is copied.
 
-Bits. Drafts only decide what the target verifies; the target's acceptance picks every emitted
-token (greedy: its argmax; seeded sampling: its coupled sample), so the stream equals plain
-decoding whatever the head drafts. A step that asks for hidden rows verifies eagerly
-(Step.verify), so with CUDA graphs on, an MTP session's steps run without them (same bits).
-Greedy drafts only: a sampled session still gets the head's argmax (no q is sent), which verify
-treats as a deterministic draft; drafting with the session's coupled noise or sending q for
-rejection sampling is not done here.
+Choosing drafts (draft i sits at position p + i, keyed so, as the target keys the token there):
+  greedy sessions: the head's argmax.
+  coupled (the default for sampled sessions): d = the token the session's own coupled sampler
+      would pick from the head's logits, with the Gumbel noise keyed by (seed, position) that the
+      target uses there (verifier/sampling.py); no q is sent, so the verifier accepts a draft only
+      when it is the plain run's token: the stream equals plain decoding, and the shared noise
+      makes the head's draft agree with the target more often than an independent sample would.
+  rejection: d sampled from q = softmax of the head's masked logits / T (the session's
+      temperature, top-k, top-p) with noise keyed by (the proposer's seed, position, STREAM_DRAFT),
+      and q [k, vocab] float32 returned (`propose_with_probs`), so the verifier's rejection
+      sampling keeps each emitted token an exact sample of the target (another stream than the
+      plain run's). In process only: server-drafted sessions are coupled.
 
-One MTPProposer follows one sequence at a time: `begin` starts a new one.
+Bits. Every forward is row-invariant (the engine's row-invariant kernels) and each row attends to
+its own slot only, and each draft is chosen from its own logits row (argmax_rows, choose_rows and
+the host draws are per row), so a sequence's drafts are the same whether it proposes alone or
+batched with others. Drafts only decide what the target verifies; the target's acceptance picks
+every emitted token, so with greedy or coupled drafts the stream equals plain decoding whatever the
+head drafts. A step that asks for hidden rows verifies eagerly (Step.verify), so with CUDA graphs
+on, an MTP session's steps run without them (same bits).
+
+Failures. A request that is wrong (hidden rows missing, a context past the pool, a slot out of
+range) gets a ValueError naming what is wrong, and only that request fails; a forward that fails
+for a batch is retried for each sequence alone (the same bits), so a failure stays with the
+sequence it belongs to.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
+
+from hybrid_kernels.runtime import pick
+from hybrid_kernels.sampling import argmax_rows, argmax_rows_ref
 
 from ..model.device_scope import device_scope
 from ..model.mtp import MTPHead
 from ..model.rows import RowBatch
+from ..params import STREAM_DRAFT, SamplingParams
+from ..sampling import choose, choose_rows, masked_logits, sample_from
+from .model import COUPLED, REJECTION
+
+log = logging.getLogger(__name__)
+
+Drafted = tuple[list[int], "np.ndarray | None"]  # (drafts, q [len(drafts), vocab] float32 or None)
+
+
+@dataclass
+class MTPTrack:
+    """One sequence's place in an MTPDrafter: its slot, and the hidden rows the head has not fed."""
+
+    slot: int
+    known: int = 0  # hidden rows observed: positions 0 .. known - 1
+    fed: int = 0  # the slot's KV rows 0 .. fed - 1 hold (hidden q, token q + 1) of the accepted stream
+    held_from: int = 0  # the position of the first held row
+    # hidden rows of positions held_from .. known - 1, in order ([n, H] each): those not fed yet,
+    # and the last fed one (a repeated proposal re-feeds it)
+    held: list[torch.Tensor] = field(default_factory=list)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """The hidden rows of positions start .. stop - 1: [stop - start, H]."""
+        assert self.held_from <= start <= stop <= self.known, (self.held_from, start, stop, self.known)
+        if len(self.held) > 1:  # one tensor from now on: the next call slices it
+            self.held = [torch.cat(self.held)]
+        return self.held[0][start - self.held_from : stop - self.held_from]
+
+    def fed_to(self, p: int) -> None:
+        """The catch-up fed rows up to p - 1: keep row p - 1 alone (a copy: the buffers it came
+        from, the prompt's or a step's, are then free)."""
+        last = self.rows(p - 1, p).clone()
+        self.held, self.held_from, self.fed = [last], p - 1, p
+
+
+@dataclass(frozen=True)
+class MTPAsk:
+    """One sequence's request for up to k drafts after `context` (its prompt and every emitted
+    token; its last one the pending token), chosen as `mode` says for `params`."""
+
+    track: MTPTrack
+    context: list[int]
+    k: int
+    params: SamplingParams = SamplingParams()
+    seed: int = 0  # rejection mode's own noise (STREAM_DRAFT)
+    mode: str = COUPLED
+
+    @property
+    def pending(self) -> int:
+        """The pending token's position p."""
+        return len(self.context) - 1
+
+    @property
+    def sends_q(self) -> bool:
+        return self.mode == REJECTION and not self.params.greedy
+
+
+class MTPDrafter:
+    """The MTP head with a KV pool of n_slots slots (slot s paired with the engine's slot s)."""
+
+    def __init__(self, head: MTPHead, n_slots: int, max_seq_len: int):
+        """max_seq_len: the engine's (its pool's): the most positions a sequence reaches."""
+        self.head = head
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        # [n_slots + 1 (scratch), max_seq_len] KV rows per MTP layer; slots are named, not admitted
+        # (attention needs no reset: a catch-up writes every row before any row reads it)
+        self.pool = head.new_pool(n_slots, max_seq_len)
+
+    def track(self, slot: int, prompt_hidden: torch.Tensor) -> MTPTrack:
+        """A new sequence in `slot`, whose prompt rows' hidden rows are prompt_hidden [len(prompt), H]."""
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"MTP drafter: slot {slot} is outside its pool of {self.n_slots} slots")
+        track = MTPTrack(slot)
+        self.observe(track, prompt_hidden)
+        return track
+
+    def observe(self, track: MTPTrack, hidden: torch.Tensor) -> None:
+        """The hidden rows [n, H] of the next n positions the target consumed (a step's StepResult.hidden),
+        kept by reference until the next proposal feeds them."""
+        H = self.head.config.hidden_size
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != H:
+            shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(f"MTP drafter: hidden rows must be [rows, {H}], got {shape}")
+        n = hidden.shape[0]
+        if track.known + n > self.max_seq_len:
+            raise ValueError(f"MTP drafter: {track.known} + {n} hidden rows pass max_seq_len {self.max_seq_len}")
+        if n:
+            track.held.append(hidden)
+            track.known += n
+
+    def proposer(self, slot: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                 mode: str = COUPLED) -> "MTPProposer":
+        """A proposer for the sequence in `slot` that drafts through this drafter's pool."""
+        return MTPProposer(self.head, self.max_seq_len, sampling, seed, mode, drafter=self, slot=slot)
+
+    # -- proposing -----------------------------------------------------------------------------
+
+    def propose(self, asks: list[MTPAsk]) -> list[Drafted | Exception]:
+        """Each ask's drafts (and q in rejection mode), proposed together (module docstring), or
+        the exception that ask alone raised: a wrong ask, or a forward that failed for it."""
+        out: list[Drafted | Exception] = [([], None) for _ in asks]
+        drafting = []  # indices of the asks that draft
+        slots = set()
+        for i, ask in enumerate(asks):
+            try:
+                if self._check(ask):
+                    if ask.track.slot in slots:  # two sequences cannot share the slot's KV rows
+                        raise ValueError(f"MTP drafter: slot {ask.track.slot} asked for twice in one proposal")
+                    slots.add(ask.track.slot)
+                    drafting.append(i)
+            except Exception as exc:  # noqa: BLE001 - a wrong ask fails alone
+                out[i] = exc
+        if not drafting:
+            return out
+        try:
+            drafted = self._draft([asks[i] for i in drafting])
+        except Exception as exc:  # noqa: BLE001 - which sequence's? each alone tells (and gets its drafts)
+            if len(drafting) == 1:
+                drafted = [exc]
+            else:
+                log.warning("MTP drafter: a batched proposal for %d sequences failed (%r); proposing for each alone",
+                            len(drafting), exc)
+                drafted = [self._alone(asks[i]) for i in drafting]
+        for i, result in zip(drafting, drafted):
+            out[i] = result
+        return out
+
+    def _alone(self, ask: MTPAsk) -> Drafted | Exception:
+        try:
+            return self._draft([ask])[0]
+        except Exception as exc:  # noqa: BLE001 - that ask's own failure
+            return exc
+
+    def _check(self, ask: MTPAsk) -> bool:
+        """ValueError naming what is wrong with an ask; False: it drafts nothing (k <= 0)."""
+        track, p = ask.track, ask.pending
+        if not ask.context:
+            raise ValueError("MTP drafter: an empty context (it holds the prompt and the pending token at least)")
+        if not 0 <= track.slot < self.n_slots:
+            raise ValueError(f"MTP drafter: slot {track.slot} is outside its pool of {self.n_slots} slots")
+        if ask.mode not in (COUPLED, REJECTION):
+            raise ValueError(f"MTP drafter: mode must be {COUPLED!r} or {REJECTION!r}, got {ask.mode!r}")
+        if len(ask.context) > self.max_seq_len:
+            raise ValueError(f"MTP drafter: a context of {len(ask.context)} tokens passes max_seq_len {self.max_seq_len}")
+        if track.known != p:
+            raise ValueError(f"MTP drafter: hidden rows of {track.known} positions held, but a context of "
+                             f"{len(ask.context)} tokens needs {p} (begin with the prompt's, then observe every step's)")
+        return ask.k > 0 and p >= 1
+
+    def _draft(self, asks: list[MTPAsk]) -> list[Drafted]:
+        """The drafts of checked asks (each k >= 1), by one catch-up forward and one forward per
+        further draft position, all sequences together."""
+        head, pool = self.head, self.pool
+        ends = [ask.pending for ask in asks]  # p per sequence
+        drafts: list[list[int]] = [[] for _ in asks]
+        probs: list[list[np.ndarray]] = [[] for _ in asks]
+        with device_scope(head.device):
+            rows, logits = self._catch_up(asks)  # [S, H], [S, vocab]: each sequence's last row
+            self._choose(logits, asks, [p + 1 for p in ends], drafts, probs)
+            active = list(range(len(asks)))  # the sequences `rows` holds, in its order
+            for i in range(1, max(ask.k for ask in asks)):
+                keep = [j for j, s in enumerate(active) if asks[s].k > i and ends[s] - 1 + i < self.max_seq_len]
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    rows = rows.index_select(0, torch.tensor(keep, device=rows.device))
+                    active = [active[j] for j in keep]
+                batch = RowBatch(slots=tuple(asks[s].track.slot for s in active),
+                                 starts=tuple(ends[s] - 1 + i for s in active), counts=(1,) * len(active))
+                tokens = torch.tensor([drafts[s][-1] for s in active], dtype=torch.int64)
+                rows, logits = head.forward(tokens, rows, batch, pool, row_invariant=True, step=i)
+                self._choose(logits, [asks[s] for s in active], [ends[s] + 1 + i for s in active],
+                             [drafts[s] for s in active], [probs[s] for s in active])
+        return [(d, np.stack(q) if ask.sends_q else None) for ask, d, q in zip(asks, drafts, probs)]
+
+    def _catch_up(self, asks: list[MTPAsk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of every sequence's rows not yet fed (at least its last one) -> each
+        sequence's last output row [S, H] and its logits [S, vocab]."""
+        # rows from `fed` on (at least the last one: a repeated proposal re-feeds it, the same KV row)
+        starts = [min(ask.track.fed, ask.pending - 1) for ask in asks]
+        tokens = [t for ask, start in zip(asks, starts) for t in ask.context[start + 1 : ask.pending + 1]]
+        hidden = [ask.track.rows(start, ask.pending) for ask, start in zip(asks, starts)]
+        batch = RowBatch(slots=tuple(ask.track.slot for ask in asks), starts=tuple(starts),
+                         counts=tuple(ask.pending - start for ask, start in zip(asks, starts)))
+        hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # [rows of all sequences, H]
+        out, logits = self.head.forward(torch.tensor(tokens, dtype=torch.int64), hidden, batch, self.pool,
+                                        row_invariant=True, step=0)
+        for ask in asks:  # their KV rows are the accepted stream's: final
+            ask.track.fed_to(ask.pending)
+        last = torch.tensor([end - 1 for end in batch.offsets[1:]], device=out.device)
+        return out.index_select(0, last), logits.index_select(0, last)
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, asks: list[MTPAsk], positions: list[int], drafts: list[list[int]],
+                probs: list[list[np.ndarray]]) -> None:
+        """Append each sequence's draft, chosen from its logits row [S, vocab] for the token at
+        positions[s] (module docstring), to drafts[s], and its q row to probs[s] in rejection mode."""
+        # greedy rows, and coupled rows on the GPU, are chosen where the logits are (one copy of S ids)
+        chosen = pick(argmax_rows, argmax_rows_ref, logits)(logits)  # [S] int64: each row's argmax
+        coupled = [s for s, ask in enumerate(asks) if not ask.params.greedy and ask.mode == COUPLED]
+        if coupled and logits.is_cuda:
+            index = torch.tensor(coupled, dtype=torch.int64, device=logits.device)
+            chosen.index_copy_(0, index, choose_rows(logits.index_select(0, index), [asks[s].params for s in coupled],
+                                                     [positions[s] for s in coupled]))
+        ids = chosen.tolist()
+        for s, ask in enumerate(asks):
+            if ask.params.greedy:
+                pass
+            elif ask.mode == COUPLED:
+                if not logits.is_cuda:  # the host's coupled noise, as the target's CPU choice draws it
+                    ids[s] = choose(logits[s], ask.params, positions[s])
+            else:  # rejection: a sample of q, and q itself
+                q = torch.softmax(masked_logits(logits[s], ask.params), dim=-1)  # [vocab] fp32 on the host
+                ids[s] = sample_from(q, ask.seed, positions[s], STREAM_DRAFT)
+                probs[s].append(q.numpy().astype(np.float32))
+            drafts[s].append(ids[s])
 
 
 class MTPProposer:
-    def __init__(self, head: MTPHead, max_seq_len: int):
-        """max_seq_len: the engine's (its pool's): the most positions a sequence reaches."""
-        self.head = head
-        self.max_seq_len = max_seq_len
-        self.pool = head.new_pool(1, max_seq_len)
-        self.slot = self.pool.admit()
-        self.hidden = torch.empty(max_seq_len, head.config.hidden_size, dtype=head.dtype, device=head.device)
-        self.known = 0  # hidden rows held: positions 0 .. known - 1
-        self.fed = 0  # head KV rows final: positions 0 .. fed - 1 hold (hidden q, token q + 1) of the accepted stream
+    """One sequence's MTP drafts: the proposer protocol (a HiddenStateProposer and a
+    ProbabilityProposer) over an MTPDrafter's slot; in process, a drafter of one slot of its own."""
+
+    def __init__(self, head: MTPHead, max_seq_len: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                 mode: str = COUPLED, *, drafter: MTPDrafter | None = None, slot: int = 0):
+        """max_seq_len: the engine's (its pool's): the most positions a sequence reaches. sampling:
+        the session's; mode: COUPLED (the default: the stream is the plain one) or REJECTION (q
+        returned for the verifier's rejection sampling); seed: rejection mode's draws. drafter:
+        a shared MTPDrafter whose `slot` this sequence takes (the server's); None: a new one of
+        one slot."""
+        if mode not in (COUPLED, REJECTION):
+            raise ValueError(f"mode must be {REJECTION!r} or {COUPLED!r}, got {mode!r}")
+        self.drafter = drafter if drafter is not None else MTPDrafter(head, 1, max_seq_len)
+        if not 0 <= slot < self.drafter.n_slots:
+            raise ValueError(f"MTP drafter: slot {slot} is outside its pool of {self.drafter.n_slots} slots")
+        self.slot = slot
+        self.params, self.seed, self.mode = sampling, seed, mode
+        self.track: MTPTrack | None = None
+
+    @property
+    def head(self) -> MTPHead:
+        return self.drafter.head
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.drafter.max_seq_len
+
+    @property
+    def known(self) -> int:
+        """Hidden rows held: positions 0 .. known - 1."""
+        return self.track.known if self.track is not None else 0
+
+    @property
+    def fed(self) -> int:
+        """The head's KV rows 0 .. fed - 1 are final."""
+        return self.track.fed if self.track is not None else 0
 
     def begin(self, prompt_hidden: torch.Tensor) -> None:
         """A new sequence, whose prompt rows' hidden rows are prompt_hidden [len(prompt), H]."""
-        self.known = self.fed = 0
-        self.observe(prompt_hidden)
+        self.track = self.drafter.track(self.slot, prompt_hidden)
 
     def observe(self, hidden: torch.Tensor) -> None:
         """The hidden rows [n, H] of the next n positions the target consumed (a step's StepResult.hidden)."""
-        n = hidden.shape[0]
-        if self.known + n > self.max_seq_len:
-            raise ValueError(f"MTPProposer: {self.known} + {n} hidden rows pass max_seq_len {self.max_seq_len}")
-        self.hidden[self.known : self.known + n].copy_(hidden)
-        self.known += n
+        self.drafter.observe(self._track(), hidden)
+
+    def ask(self, context: list[int], k: int) -> MTPAsk:
+        """This sequence's request, for MTPDrafter.propose with others'."""
+        return MTPAsk(self._track(), context, k, self.params, self.seed, self.mode)
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        """Up to k greedy drafts for the positions after context (module docstring)."""
-        p = len(context) - 1  # the pending token's position
-        if self.known != p:
-            raise ValueError(f"MTPProposer: hidden rows of {self.known} positions held, but a context of {len(context)} "
-                             f"tokens needs {p} (begin with the prompt's, then observe every step's)")
-        if k <= 0 or p < 1:
-            return []
-        head, slot = self.head, self.slot
-        # rows from `fed` on (at least the last one: a repeated call re-feeds it, the same KV row)
-        start = min(self.fed, p - 1)
-        with device_scope(head.device):
-            batch = RowBatch(slots=(slot,), starts=(start,), counts=(p - start,))
-            out, logits = head.forward(torch.tensor(context[start + 1 : p + 1], dtype=torch.int64), self.hidden[start:p], batch,
-                                       self.pool, row_invariant=True, step=0)
-            self.fed = p
-            drafts = [int(torch.argmax(logits[-1]))]
-            row = out[-1:]
-            for i in range(1, k):
-                position = p - 1 + i
-                if position >= self.max_seq_len:
-                    break
-                batch = RowBatch(slots=(slot,), starts=(position,), counts=(1,))
-                row, logits = head.forward(torch.tensor(drafts[-1:], dtype=torch.int64), row, batch, self.pool,
-                                           row_invariant=True, step=i)
-                drafts.append(int(torch.argmax(logits[0])))
-        return drafts
+        """Up to k drafts for the positions after context (module docstring)."""
+        return self.propose_with_probs(context, k)[0]
+
+    def propose_with_probs(self, context: list[int], k: int) -> Drafted:
+        """Up to k drafts after `context`, and their distributions q [len, vocab] float32 when the
+        session samples in rejection mode (else None: the drafts are deterministic given the logits)."""
+        (result,) = self.drafter.propose([self.ask(context, k)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _track(self) -> MTPTrack:
+        if self.track is None:
+            raise ValueError("MTP drafter: no sequence begun (begin with the prompt's hidden rows first)")
+        return self.track

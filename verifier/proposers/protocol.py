@@ -3,7 +3,7 @@ drafter's loop over gRPC, drafter/loop.py).
 
 `propose(context, k)` gets the prompt plus every emitted token and returns at most k draft ids
 (fewer, even none, when it has nothing to say). A proposer that drafts from a distribution (the
-model drafter) also has `propose_with_probs(context, k) -> (ids, probs)`, probs [len(ids), vocab]
+model drafter, the MTP drafter in rejection mode) also has `propose_with_probs(context, k) -> (ids, probs)`, probs [len(ids), vocab]
 float32 or None; the drafter's loop prefers it and sends the probabilities when the session
 samples, so the verifier's rejection sampling is exact. A proposer without it drafts
 deterministically given the context (q one-hot at each draft: the verifier's default).

@@ -27,6 +27,7 @@ from .. import rpc
 from ..engine import Engine
 from ..model import load_model
 from ..model.mtp import load_mtp_head
+from ..proposers.mtp import MTPDrafter
 from ..tokenizer import TextTokenizer
 from .auth import BearerTokenAuth
 from .config import ServerConfig
@@ -56,8 +57,11 @@ class VerifierServer:
         self.engine = engine if engine is not None else build_engine(config)
         self.tokenizer = TextTokenizer.from_model_dir(config.model_dir)
         # the MTP head, for sessions drafting with server_drafter "mtp"; None: none in the
-        # checkpoint, or `--no-mtp`
+        # checkpoint, or `--no-mtp`. Its KV pool is made once, here: a slot per engine slot (a
+        # session's MTP slot is its engine slot), every position of the engine's
         self.mtp_head = load_mtp_head(config.model_dir, self.engine.model) if config.mtp else None
+        pool = self.engine.pool
+        self.mtp = MTPDrafter(self.mtp_head, pool.n_slots, pool.max_seq_len) if self.mtp_head is not None else None
         self.metrics = Metrics(self.engine.max_k)
         self.service: VerifierService | None = None
         self.address: str | None = None
@@ -111,7 +115,7 @@ class VerifierServer:
         except BaseException:
             await server.stop(None)  # an unstarted server left to the garbage collector outlives the loop
             raise
-        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp_head)
+        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp)
         server.add_generic_rpc_handlers([rpc.servicer_handler(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -5,13 +5,22 @@ the position the step runs from), from the session's context: its prompt and eve
   ngram  the project's n-gram proposer (prompt lookup, verifier/proposers/ngram.py): no model.
   mtp    the checkpoint's MTP head (verifier/proposers/mtp.py): fed the prompt's hidden rows at
          open and each step's consumed rows (StepRequest.want_hidden), as generate() feeds it.
+         The server holds ONE MTPDrafter, made at start: the head's KV pool with a slot per
+         engine slot (a session's MTP slot is its engine slot), so opening a session allocates
+         nothing of max_seq_len. The MTP sessions of a batch propose together (`propose_all`):
+         one head forward for all their catch-up rows, then one of one row per session for each
+         further draft position; the forwards are row-invariant, so a session's drafts do not
+         depend on what else shares the batch. Sampled sessions get coupled drafts (their own
+         seeded noise, no q): the stream is the plain one.
 
 Everything here runs on the worker thread (the head's forwards are device work, ordered with the
 engine's steps there); the event loop only reads `k` and `wants_hidden`. Each step's drafts are
 cut by draft_room, the rule generate() and the drafter's loop use, so a server-drafted session
 takes the steps the same proposer takes in process, and no step it drafts runs past the context
 or the token budget. Drafts never decide an emitted token (the target's acceptance does), so the
-stream equals plain decoding whatever the proposer drafts.
+stream equals plain decoding whatever the proposer drafts. A proposal that fails fails that
+session's step alone (`propose_all` returns its exception); an observation that fails ends that
+session's drafting, never its accepted tokens (`ServerDrafter.observe`).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import logging
 
 from ..engine import Engine, Sequence, StepResult
 from ..generation import draft_room
-from ..proposers.mtp import MTPProposer
+from ..proposers.mtp import MTPAsk, MTPDrafter
 from ..proposers.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
@@ -31,28 +40,33 @@ NGRAM, MTP = "ngram", "mtp"
 class ServerDrafter:
     """One session's proposer and the context it proposes from."""
 
-    def __init__(self, name: str, k: int, prompt: list[int], seq: Sequence, engine: Engine, mtp_head=None):
-        """On the worker, right after engine.open (with want_hidden for "mtp"): k drafts per step."""
+    def __init__(self, name: str, k: int, prompt: list[int], seq: Sequence, engine: Engine,
+                 mtp: MTPDrafter | None = None):
+        """On the worker, right after engine.open (with want_hidden for "mtp"): k drafts per step.
+        mtp: the server's MTPDrafter (its slot seq.slot becomes this session's)."""
         self.name = name
         self.k = k
         self.context = list(prompt) + [seq.pending]  # the prompt, then every emitted token
         self.wants_hidden = name == MTP
         if name == MTP:
-            self.proposer = MTPProposer(mtp_head, engine.pool.max_seq_len)
+            if mtp is None:
+                raise ValueError("server_drafter 'mtp' needs the server's MTP drafter (the checkpoint's MTP head)")
+            self.proposer = mtp.proposer(seq.slot, seq.sampling)  # coupled drafts for sampled sessions
             self.proposer.begin(seq.prompt_hidden)
-            seq.prompt_hidden = None  # copied into the proposer: the engine's buffer is not kept
+            seq.prompt_hidden = None  # the proposer holds it until its first proposal feeds it
         else:
             self.proposer = NgramProposer()
 
-    def propose(self, seq: Sequence, engine: Engine) -> list[int]:
-        """The next step's drafts: at most k, cut to the room the step has (draft_room); none
-        once the proposer has failed to observe a step (observe)."""
+    def room(self, seq: Sequence, engine: Engine) -> int:
+        """Drafts the next step may carry (draft_room); 0 once the proposer has failed to observe a
+        step (observe)."""
         if self.proposer is None:
-            return []
-        room = draft_room(self.k, engine.max_k, engine.pool.max_seq_len, seq.position, seq.max_new_tokens, seq.emitted)
-        if room <= 0:
-            return []
-        return list(self.proposer.propose(self.context, room))[:room]
+            return 0
+        return draft_room(self.k, engine.max_k, engine.pool.max_seq_len, seq.position, seq.max_new_tokens, seq.emitted)
+
+    def mtp_ask(self, room: int) -> tuple[MTPDrafter, MTPAsk]:
+        """An MTP session's request for `room` drafts, and the (shared) MTPDrafter to propose it with."""
+        return self.proposer.drafter, self.proposer.ask(self.context, room)
 
     def observe(self, result: StepResult) -> None:
         """An OK step of the session: its emitted tokens extend the context, and the MTP head gets
@@ -68,3 +82,32 @@ class ServerDrafter:
             except Exception:
                 log.exception("server drafter %r failed to observe a step: its session drafts no more", self.name)
                 self.proposer = None
+
+
+def propose_all(drafters: list[ServerDrafter], seqs: list[Sequence], engine: Engine) -> list[list[int] | Exception]:
+    """On the worker: the next drafts of each session (drafters[i] proposing for seqs[i]), or the
+    exception its proposal raised (which fails that step alone). The n-gram sessions propose one
+    by one; the MTP sessions together, through their shared MTPDrafter (module docstring)."""
+    out: list[list[int] | Exception] = [[] for _ in drafters]
+    asks: dict[int, tuple[MTPDrafter, MTPAsk]] = {}  # session index -> (its MTPDrafter, its ask)
+    for i, (drafter, seq) in enumerate(zip(drafters, seqs)):
+        try:
+            room = drafter.room(seq, engine)
+            if room <= 0:
+                continue
+            if drafter.name == MTP:
+                asks[i] = drafter.mtp_ask(room)
+            else:
+                out[i] = list(drafter.proposer.propose(drafter.context, room))[:room]
+        except Exception as exc:  # noqa: BLE001 - answered as that step's INTERNAL error
+            out[i] = exc
+    for mtp in {id(shared): shared for shared, _ in asks.values()}.values():  # the server's one
+        mine = [i for i, (shared, _) in asks.items() if shared is mtp]
+        try:
+            proposed = mtp.propose([asks[i][1] for i in mine])  # each ask's failure is its own result
+        except Exception as exc:  # noqa: BLE001 - a bug outside any one ask: those steps fail, the batch runs
+            proposed = [exc] * len(mine)
+        for i, result in zip(mine, proposed):
+            # an ask of k drafts gets at most k: the cut keeps the rule in one place for every drafter
+            out[i] = result if isinstance(result, Exception) else list(result[0])[: asks[i][1].k]
+    return out

@@ -42,10 +42,11 @@ Server-side drafters (verifier/server/drafting.py): a step of a session opened w
 server_drafter arrives without drafts (`PendingStep.drafts` None, its rows counted at the
 session's k until then); the batch that takes it has its session's proposer fill them on the
 worker, before the checks, only for a step whose session is live at the expected position (the
-context the drafts follow is then final; a step that fails its checks gets an empty list). From
-there they are any step's drafts: checked against the context, trimmed by the policy, verified;
-after the step the proposer observes its outcome (tokens, and hidden rows for MTP) on the worker.
-A step put back in the queue keeps the drafts it was given (its session has not moved).
+context the drafts follow is then final; a step that fails its checks gets an empty list). The
+batch's MTP sessions propose together (batched head forwards, drafting.propose_all). From there
+they are any step's drafts: checked against the context, trimmed by the policy, verified; after
+the step the proposer observes its outcome (tokens, and hidden rows for MTP) on the worker. A
+step put back in the queue keeps the drafts it was given (its session has not moved).
 
 A caller that goes away (cancel, deadline) withdraws its steps that are still queued; a step
 already handed to the engine completes, and its result is stored under its request id, so a
@@ -71,6 +72,7 @@ from .. import rpc
 from ..engine import LENGTH, Engine, StepError, StepRequest
 from .answer import Answer
 from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, ok_result
+from .drafting import propose_all
 from .goodput import GoodputPolicy
 from .metrics import Metrics
 from .retries import Fingerprint
@@ -547,14 +549,9 @@ def _request(pending: PendingStep, verified: int) -> StepRequest:
 
 def _propose(engine: Engine, sessions: list[Session]) -> list:
     """On the worker: each session's next drafts from its server-side drafter, or the exception
-    its drafter raised (which fails that step alone)."""
-    out = []
-    for session in sessions:
-        try:
-            out.append(session.drafter.propose(session.sequence, engine))
-        except Exception as exc:  # noqa: BLE001 - answered as the step's INTERNAL error
-            out.append(exc)
-    return out
+    its drafter raised (which fails that step alone). The MTP sessions propose together
+    (drafting.propose_all: one batched head forward per draft position)."""
+    return propose_all([session.drafter for session in sessions], [session.sequence for session in sessions], engine)
 
 
 def _step(engine: Engine, requests: list[StepRequest], drafters: list | None):

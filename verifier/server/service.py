@@ -24,6 +24,7 @@ import grpc
 
 from .. import rpc
 from ..engine import Engine
+from ..proposers.mtp import MTPDrafter
 from .config import ServerConfig
 from .convert import FINISH_REASONS, error_result, logits_message
 from .drafting import MTP, NGRAM, ServerDrafter
@@ -77,13 +78,14 @@ class RequestAnswer(Answer):
 
 
 class VerifierService:
-    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics, mtp_head=None):
-        """mtp_head: the checkpoint's MTP head (model/mtp.py), loaded by the server; None: no "mtp" drafter."""
+    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics, mtp: MTPDrafter | None = None):
+        """mtp: the checkpoint's MTP head with its KV pool of a slot per engine slot
+        (proposers/mtp.py), made by the server; None: no "mtp" drafter."""
         self.config = config
         self.engine = engine
-        self.mtp_head = mtp_head
+        self.mtp = mtp
         # ModelInfo.server_drafters: the n-gram proposer needs no model, the MTP one the head
-        self.server_drafters = (NGRAM, MTP) if mtp_head is not None else (NGRAM,)
+        self.server_drafters = (NGRAM, MTP) if mtp is not None else (NGRAM,)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.vocab = engine.vocab_size
@@ -319,7 +321,7 @@ class VerifierService:
         `drafter`: (server_drafter, drafts per step), None when the client drafts."""
         try:
             seq, logits, proposer = await self.worker.run(_open, self.engine, prompt, sampling, max_new_tokens,
-                                                          request.return_logits, drafter, self.mtp_head)
+                                                          request.return_logits, drafter, self.mtp)
         except BaseException:
             self.sessions.unreserve()
             if request.request_id:
@@ -415,13 +417,13 @@ def _warm_up(engine: Engine, measure_costs: bool) -> tuple[int, dict[int, float]
 
 
 def _open(engine: Engine, prompt, sampling, max_new_tokens: int, want_logits: bool, drafter: tuple[str, int] | None,
-          mtp_head) -> tuple:
+          mtp: MTPDrafter | None) -> tuple:
     """On the worker: admit and prefill, the first token's logits row as wire bytes when asked,
     and the session's server-side drafter (None when the client drafts), fed the prompt."""
     want_hidden = drafter is not None and drafter[0] == MTP  # the MTP head starts from the prompt's hidden rows
     seq = engine.open(prompt, sampling, max_new_tokens, want_hidden=want_hidden)
     try:
-        proposer = ServerDrafter(drafter[0], drafter[1], prompt, seq, engine, mtp_head) if drafter is not None else None
+        proposer = ServerDrafter(drafter[0], drafter[1], prompt, seq, engine, mtp) if drafter is not None else None
     except BaseException:
         engine.close(seq)  # the slot comes back with the reservation (_admit)
         raise
