@@ -2,7 +2,7 @@
 its published -FP8 checkpoint with random weights, served through the normal loader, gated, timed.
 
     PYTHONPATH=. python -m bench.fp8_real_size --out DIR [--config qwen3.6-35b-a3b] [--workdir PATH]
-        [--steps N] [--scale full|tiny] [--experts per-expert|fused] [--keep]
+        [--steps N] [--scale full|tiny] [--experts per-expert|fused] [--no-mtp] [--keep]
 
 Phases, each timed on stderr:
 1. write: config.json is the published one (presets/published.py holds it; `--scale
@@ -11,8 +11,11 @@ Phases, each timed on stderr:
    float8_e4m3fn beside fp32 `*_scale_inv`, experts per expert (`mlp.experts.{e}.gate_proj.weight`,
    the published layout) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]);
    embeddings, norms, lm_head, routers, shared_expert_gate, in_proj_a/b, conv1d, dt_bias in bf16,
-   A_log in fp32. No vision tower or mtp.* (the engine skips them). Shards of --shard-gb, written by
-   one saver thread while the next shard is drawn: host memory holds about two shards.
+   A_log in fp32. The MTP head as published (unless --no-mtp; verifier/model/mtp.py lists its
+   tensors): mtp.fc, its norms and one full-attention layer with the main layers' sparse MLP, stored
+   as theirs (FP8 but the router and shared_expert_gate; mtp.fc kept in bf16). No vision tower.
+   Shards of --shard-gb, written by one saver thread while the next shard is drawn: host memory
+   holds about two shards.
 2. load: verifier.model.load_model(dir, device, dtype), as a user serves it.
 3. gate: a prefill's logits are finite and not all equal; bench/gpu.py's bitexact_rows (36 verify
    rows bitwise equal to serial decode); and the full batch (`python -m verifier check`'s
@@ -27,6 +30,10 @@ Phases, each timed on stderr:
    its rows route to, the dense weights, recurrent states, stash and KV), `floor_ms` (CUDA) and
    `ratio` (the figure over it); on CUDA `kernel_breakdowns[figure]`, the kernels of the figure's
    last step by GPU time (bench.gpu.kernel_table). The CPU reference counts the bytes, untimed.
+6. MTP draft (with the head; after every figure above, so loading it changes none of them):
+   bench/fp8_mtp.py's mtp_draft, the cost of drafting K = 1..4 tokens at batch 1 (a catch-up forward
+   over 2 rows, then K - 1 one-row forwards, each with the full LM head), median ms (CUDA), against
+   its own floor (bench/step_floor.py's draft_bytes) and a decode step; `mtp_draft`.
 Writes DIR/fp8_real_size_<date>_<config>[_fused].json; deletes the checkpoint unless --keep.
 
 Random weights are drawn in the stored form, on the GPU when there is one: fp8 values N(0, 112^2)
@@ -57,6 +64,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.fp8_mtp import mtp_draft
 from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, kernel_table, median_ms, open_sequences, rejected_step
 from bench.machine import device_name, results_path
 from bench.step_floor import SequenceStep, distinct_experts, mean_floor, model_sizes, recorded_routing, step_floor
@@ -71,8 +79,11 @@ from verifier.model.hf_config import config_from_dict
 
 PREFIX = "model.language_model."
 # Modules the published -FP8 files keep in bf16 beside the embeddings and the head (matched as
-# suffixes, as transformers matches them): routers, the shared-expert gate, GDN's b and a inputs.
-KEPT_MODULES = ("lm_head", PREFIX + "embed_tokens", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+# suffixes, as transformers matches them): routers, the shared-expert gate, GDN's b and a inputs,
+# and the MTP head's fc (an extraction of the published Qwen3.6-35B-A3B-FP8 head reports it bf16;
+# not verified here, and the loader reads either).
+KEPT_MODULES = ("lm_head", PREFIX + "embed_tokens", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+                "mtp.fc")
 FORMAT = BlockFP8Format(128, 128, KEPT_MODULES)
 FP8_SPREAD = FP8_MAX / 4  # std of the drawn fp8 values
 K = 8
@@ -85,6 +96,7 @@ FIGURES = tuple((n, k, f"decode_ms_b{n}" if k == 0 else f"verify_k{k}_ms_b{n}") 
 BUCKETS = (1, K + 1, BATCH, BATCH * (K + 1))  # one graph bucket per timed shape: no padding rows
 # figures timed on CUDA only, after a green gate (None otherwise)
 TIMED = ("hbm_floor_ms", *(key for _, _, key in FIGURES), "gpu_memory_gib", "kernel_breakdowns")
+MTP = "mtp."  # the MTP head's tensors, as the published files name them
 
 # --scale tiny: sizes only (every other field as published); partial 128-blocks everywhere, and
 # the fused gate | up split (I = 160) inside a block row. Vocabulary past the bench prompts' ids (< 1000).
@@ -151,37 +163,52 @@ def planned(name: str, shape: tuple[int, ...], init: str = LINEAR, dtype: torch.
     return Planned(name, tuple(shape), init, is_quantized(one, meta, FORMAT), dtype)
 
 
-def plan_tensors(config: ModelConfig, experts: str) -> list[Planned]:
-    """Every tensor of a qwen3_5_moe text model as the published files name and store them."""
-    H, V, g, a, m = config.hidden_size, config.vocab_size, config.gdn, config.attention, config.moe
-    E, I = m.n_experts, m.expert_intermediate_size
+def plan_tensors(config: ModelConfig, experts: str, mtp: bool = False) -> list[Planned]:
+    """Every tensor of a qwen3_5_moe text model as the published files name and store them, and
+    with mtp its MTP head (plan_mtp_tensors) last."""
+    H, V = config.hidden_size, config.vocab_size
     plan = [planned(PREFIX + "embed_tokens.weight", (V, H), EMBED)]
     for i, mixer in enumerate(config.mixers):
-        p = f"{PREFIX}layers.{i}."
-        plan += [planned(p + "input_layernorm.weight", (H,), NORM), planned(p + "post_attention_layernorm.weight", (H,), NORM)]
-        if mixer == GDN:
-            la = p + "linear_attn."
-            plan += [planned(la + "in_proj_qkv.weight", (g.conv_dim, H)), planned(la + "in_proj_z.weight", (g.value_dim, H)),
-                     planned(la + "in_proj_b.weight", (g.n_v_heads, H)), planned(la + "in_proj_a.weight", (g.n_v_heads, H)),
-                     planned(la + "conv1d.weight", (g.conv_dim, 1, g.conv_width)), planned(la + "dt_bias", (g.n_v_heads,), DT_BIAS),
-                     planned(la + "A_log", (g.n_v_heads,), A_LOG, torch.float32), planned(la + "norm.weight", (g.d_v,), GATED_NORM),
-                     planned(la + "out_proj.weight", (H, g.value_dim))]
-        else:
-            assert mixer == ATTENTION, mixer
-            sa, hd = p + "self_attn.", a.head_dim
-            plan += [planned(sa + "q_proj.weight", (2 * a.n_heads * hd, H)), planned(sa + "k_proj.weight", (a.n_kv_heads * hd, H)),
-                     planned(sa + "v_proj.weight", (a.n_kv_heads * hd, H)), planned(sa + "o_proj.weight", (H, a.n_heads * hd)),
-                     planned(sa + "q_norm.weight", (hd,), NORM), planned(sa + "k_norm.weight", (hd,), NORM)]
-        mlp, S = p + "mlp.", m.shared_intermediate_size
-        plan += [planned(mlp + "gate.weight", (E, H)), planned(mlp + "shared_expert_gate.weight", (1, H)),
-                 planned(mlp + "shared_expert.gate_proj.weight", (S, H)), planned(mlp + "shared_expert.up_proj.weight", (S, H)),
-                 planned(mlp + "shared_expert.down_proj.weight", (H, S))]
-        if experts == "fused":
-            plan += [planned(mlp + "experts.gate_up_proj", (E, 2 * I, H)), planned(mlp + "experts.down_proj", (E, H, I))]
-        else:
-            plan += [planned(mlp + "experts.{e}." + n + ".weight", shape) for n, shape in
-                     (("gate_proj", (E, I, H)), ("up_proj", (E, I, H)), ("down_proj", (E, H, I)))]
-    return plan + [planned(PREFIX + "norm.weight", (H,), NORM), planned("lm_head.weight", (V, H))]
+        plan += layer_tensors(f"{PREFIX}layers.{i}.", mixer, config, experts)
+    plan += [planned(PREFIX + "norm.weight", (H,), NORM), planned("lm_head.weight", (V, H))]
+    return plan + (plan_mtp_tensors(config, experts) if mtp else [])
+
+
+def plan_mtp_tensors(config: ModelConfig, experts: str) -> list[Planned]:
+    """The published MTP head (verifier/model/mtp.py): the pre-fc norms, fc [H, 2H], one decoder
+    layer of full attention with the sparse MLP stored as the main layers store theirs, the final norm."""
+    H = config.hidden_size
+    return [planned(MTP + "pre_fc_norm_embedding.weight", (H,), NORM), planned(MTP + "pre_fc_norm_hidden.weight", (H,), NORM),
+            planned(MTP + "fc.weight", (H, 2 * H)), *layer_tensors(MTP + "layers.0.", ATTENTION, config, experts),
+            planned(MTP + "norm.weight", (H,), NORM)]
+
+
+def layer_tensors(p: str, mixer: str, config: ModelConfig, experts: str) -> list[Planned]:
+    """One decoder layer's tensors under prefix p: its norms, its mixer (GDN or gated attention), its sparse MLP."""
+    H, g, a, m = config.hidden_size, config.gdn, config.attention, config.moe
+    E, I = m.n_experts, m.expert_intermediate_size
+    plan = [planned(p + "input_layernorm.weight", (H,), NORM), planned(p + "post_attention_layernorm.weight", (H,), NORM)]
+    if mixer == GDN:
+        la = p + "linear_attn."
+        plan += [planned(la + "in_proj_qkv.weight", (g.conv_dim, H)), planned(la + "in_proj_z.weight", (g.value_dim, H)),
+                 planned(la + "in_proj_b.weight", (g.n_v_heads, H)), planned(la + "in_proj_a.weight", (g.n_v_heads, H)),
+                 planned(la + "conv1d.weight", (g.conv_dim, 1, g.conv_width)), planned(la + "dt_bias", (g.n_v_heads,), DT_BIAS),
+                 planned(la + "A_log", (g.n_v_heads,), A_LOG, torch.float32), planned(la + "norm.weight", (g.d_v,), GATED_NORM),
+                 planned(la + "out_proj.weight", (H, g.value_dim))]
+    else:
+        assert mixer == ATTENTION, mixer
+        sa, hd = p + "self_attn.", a.head_dim
+        plan += [planned(sa + "q_proj.weight", (2 * a.n_heads * hd, H)), planned(sa + "k_proj.weight", (a.n_kv_heads * hd, H)),
+                 planned(sa + "v_proj.weight", (a.n_kv_heads * hd, H)), planned(sa + "o_proj.weight", (H, a.n_heads * hd)),
+                 planned(sa + "q_norm.weight", (hd,), NORM), planned(sa + "k_norm.weight", (hd,), NORM)]
+    mlp, S = p + "mlp.", m.shared_intermediate_size
+    plan += [planned(mlp + "gate.weight", (E, H)), planned(mlp + "shared_expert_gate.weight", (1, H)),
+             planned(mlp + "shared_expert.gate_proj.weight", (S, H)), planned(mlp + "shared_expert.up_proj.weight", (S, H)),
+             planned(mlp + "shared_expert.down_proj.weight", (H, S))]
+    if experts == "fused":
+        return plan + [planned(mlp + "experts.gate_up_proj", (E, 2 * I, H)), planned(mlp + "experts.down_proj", (E, H, I))]
+    return plan + [planned(mlp + "experts.{e}." + n + ".weight", shape) for n, shape in
+                   (("gate_proj", (E, I, H)), ("up_proj", (E, I, H)), ("down_proj", (E, H, I)))]
 
 
 def draw(t: Planned, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -225,10 +252,12 @@ def shard_plan(plan: list[Planned], shard_bytes: int) -> list[list[Planned]]:
     return shards
 
 
-def write_checkpoint(out: Path, config: dict, experts: str, seed: int, device: torch.device, shard_bytes: int) -> list[Planned]:
-    """Write config.json, the shards and model.safetensors.index.json into out; -> the plan written."""
+def write_checkpoint(out: Path, config: dict, experts: str, seed: int, device: torch.device, shard_bytes: int,
+                     mtp: bool = False) -> list[Planned]:
+    """Write config.json, the shards and model.safetensors.index.json into out; -> the plan written.
+    mtp: with the MTP head (its tensors last: every other tensor is drawn and sharded as without)."""
     out.mkdir(parents=True, exist_ok=True)
-    plan = plan_tensors(config_from_dict(config), experts)
+    plan = plan_tensors(config_from_dict(config), experts, mtp)
     shards = shard_plan(plan, shard_bytes)
     total = sum(t.nbytes for t in plan)
     weight_map: dict[str, str] = {}
@@ -254,7 +283,8 @@ def write_checkpoint(out: Path, config: dict, experts: str, seed: int, device: t
 
 
 def params(plan: list[Planned], config: ModelConfig) -> tuple[int, int]:
-    """(total, active per token): the unchosen experts' parameters are not active."""
+    """(total, active per token) of the text model (the MTP head apart): the unchosen experts' parameters are not active."""
+    plan = [t for t in plan if not t.name.startswith(MTP)]
     total = sum(t.params for t in plan)
     expert = sum(t.params for t in plan if ".experts." in t.name)
     return total, total - expert + expert * config.moe.top_k // config.moe.n_experts
@@ -320,8 +350,8 @@ def own_floors(model, steps: int, bandwidth: float | None) -> dict:
     return {"step_floors": floors, "kernel_breakdowns": kernels if bandwidth is not None else None}
 
 
-def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> dict:
-    """Load, gate, and (CUDA) time the checkpoint at path."""
+def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int, mtp: bool = False) -> dict:
+    """Load, gate, and (CUDA) time the checkpoint at path; with mtp, then its MTP head's drafts."""
     cuda = device.type == "cuda"
     if cuda:  # measured on the empty device, so that the peak memory below is the model's and the engine's
         bandwidth = copy_bandwidth()
@@ -347,6 +377,7 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> d
         f"{out['bitexact_rows']} verify rows equal serial decode, full batch of {BATCH}: {out['full_batch_rows']} rows and "
         f"{out['full_batch_states']} layer states equal alone, {out['gate_s']:.1f} s")
     out.update(dict.fromkeys(TIMED, None))
+    out["mtp_draft"] = None
     if out["gate"] != "green":
         return out  # no timing and no floors when the gate is red
     if cuda:  # the CPU reference is not timed
@@ -369,6 +400,13 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int) -> d
         experts = floor["distinct_experts"]
         log(f"{key}: {floor['total_bytes'] / 1e9:.3f} GB a step, distinct experts a layer {experts['mean']:.1f} of {experts['of']}"
             + (f"; own floor {floor['floor_ms']:.2f} ms, measured {out[key]:.2f} ms ({floor['ratio']:.1f}x)" if cuda else ""))
+    if mtp:  # last: loading the head changes none of the figures above
+        try:
+            out["mtp_draft"] = mtp_draft(path, model, steps, bandwidth if cuda else None, out["decode_ms_b1"],
+                                         warmup=WARMUP, log=log)  # warmed up and logged as the figures above
+        except Exception as exc:  # the figures above stand; the results file and the exit status say what failed
+            out["mtp_draft"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"MTP draft failed: {out['mtp_draft']['error']}")
     return out
 
 
@@ -383,6 +421,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="draws the weights and serves them")
     parser.add_argument("--shard-gb", type=float, default=4.0, help="checkpoint shard size (GB)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the MTP head (as published) and time its drafts after every other figure")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint after the run")
     return parser.parse_args(argv)
 
@@ -404,23 +444,24 @@ def main(argv: list[str] | None = None) -> dict:
     today = datetime.date.today().isoformat()
     result = {"device": device_name(device.type), "date": today, "torch": torch.__version__, "triton": triton_version,
               "config": args.config, "scale": args.scale, "experts": args.experts, "dtype": str(dtype).removeprefix("torch."),
-              "quantization_config": config["quantization_config"], "steps": args.steps}
+              "quantization_config": config["quantization_config"], "steps": args.steps, "mtp": args.mtp}
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="fp8_real_size_", dir=args.workdir))
     path = workdir / f"{args.config}-fp8"
     try:
         start = time.perf_counter()
-        plan = write_checkpoint(path, config, args.experts, args.seed, device, int(args.shard_gb * 1e9))
+        plan = write_checkpoint(path, config, args.experts, args.seed, device, int(args.shard_gb * 1e9), args.mtp)
         result["write_s"] = time.perf_counter() - start
         result["params_total"], result["params_active"] = params(plan, parsed)
+        result["mtp_gb"] = sum(t.nbytes for t in plan if t.name.startswith(MTP)) / 1e9  # within checkpoint_gb
         result["checkpoint_gb"] = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
         log(f"write: {result['write_s']:.1f} s, {result['checkpoint_gb']:.1f} GB, {result['params_total'] / 1e9:.2f} B parameters "
             f"({result['params_active'] / 1e9:.2f} B active)")
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        result.update(serve(path, device, dtype, args.steps))
+        result.update(serve(path, device, dtype, args.steps, args.mtp))
     except BaseException as exc:  # the results file says how far the run got
         result["error"] = f"{type(exc).__name__}: {exc}"
         raise
@@ -436,5 +477,10 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def passed(result: dict) -> bool:
+    """A green gate, and no MTP draft that failed."""
+    return result["gate"] == "green" and "error" not in (result.get("mtp_draft") or {})
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main()["gate"] == "green" else 1)
+    sys.exit(0 if passed(main()) else 1)

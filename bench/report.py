@@ -34,9 +34,9 @@ def parse_name(name: str) -> tuple[str, str, str] | None:
     return (m["bench"], m["date"], m["variant"] or "") if m else None
 
 
-def newest(results: Path, bench: str) -> dict[str, Path]:
-    """{variant: the newest file of bench and that variant}, variants sorted ('' first)."""
-    best: dict[str, tuple[str, Path]] = {}
+def by_variant(results: Path, bench: str) -> dict[str, list[Path]]:
+    """{variant: the files of bench and that variant, newest date first}, variants sorted ('' first)."""
+    dated: dict[str, list[tuple[str, Path]]] = {}
     for path in results.iterdir():
         parsed = parse_name(path.name)
         if parsed is None or parsed[0] != bench:
@@ -48,9 +48,13 @@ def newest(results: Path, bench: str) -> dict[str, Path]:
         elif path.suffix != ".json":
             continue
         _, date, variant = parsed
-        if variant not in best or date > best[variant][0]:
-            best[variant] = (date, path)
-    return {v: best[v][1] for v in sorted(best)}
+        dated.setdefault(variant, []).append((date, path))
+    return {v: [path for _, path in sorted(dated[v], key=lambda d: d[0], reverse=True)] for v in sorted(dated)}
+
+
+def newest(results: Path, bench: str) -> dict[str, Path]:
+    """{variant: the newest file of bench and that variant}, variants sorted ('' first)."""
+    return {v: paths[0] for v, paths in by_variant(results, bench).items()}
 
 
 class Tables:
@@ -70,6 +74,26 @@ class Tables:
         if not found:
             raise FileNotFoundError(f"no {bench}_<date>*.json under {self.results}")
         return found
+
+    def files_with(self, bench: str, has: Callable[[dict], bool]) -> dict[str, Path]:
+        """{variant: its newest file that has what a table reads}: a newer run of one part only (a
+        serve run of the remote part alone, `--model ''`) does not hide an older run's other part."""
+        found = {}
+        for variant, paths in by_variant(self.results, bench).items():
+            path = next((p for p in paths if has(self.load(p))), None)
+            if path is not None:
+                found[variant] = path
+        return found
+
+    def serve_models(self) -> list[tuple[str, Path, str, dict]]:
+        """(variant, file, model name, its figures) of the serve results: per variant and model, the
+        newest file that served that model (files of the remote part alone serve none)."""
+        picked: dict[tuple[str, str], tuple[Path, dict]] = {}
+        for variant, paths in by_variant(self.results, "serve").items():
+            for path in paths:  # newest first: a model keeps its newest file
+                for name, m in self.load(path)["models"].items():
+                    picked.setdefault((variant, name), (path, m))
+        return [(variant, path, name, m) for (variant, name), (path, m) in picked.items()]
 
     def one(self, bench: str, variant: str = "") -> tuple[Path, dict]:
         files = self.files(bench)
@@ -144,7 +168,8 @@ class Tables:
     def fp8_real_size(self) -> str:
         """One row per config. Files that record each figure's own floor (`step_floors`: the weights
         its rows route to, the dense weights, states, KV) show every figure against it and the
-        experts a layer its rows route to; older files show the decode against the weights' floor."""
+        experts a layer its rows route to; older files show the decode against the weights' floor.
+        Files that time the MTP head's drafts (`mtp_draft`) add a second table (fp8_mtp_draft)."""
         figures = ("decode_ms_b1", "verify_k8_ms_b1", "decode_ms_b64", "verify_k8_ms_b64")
         files = list(self.files("fp8_real_size").values())
         own = any("step_floors" in self.load(path) for path in files)
@@ -169,8 +194,31 @@ class Tables:
             head = ["decode b=1 ms (x its own floor ms)", "K=8 b=1", "decode b=64", "K=8 b=64", "experts a layer (mean, each figure)"]
         else:
             head = ["decode b=1 ms (x floor)", "K=8 b=1", "decode b=64", "K=8 b=64"]
-        return table(["config", "params (active)", "checkpoint", "load", "HBM floor ms", *head, "rows = serial", "gate",
-                      "peak GPU memory"], rows, self.source(*files))
+        text = table(["config", "params (active)", "checkpoint", "load", "HBM floor ms", *head, "rows = serial", "gate",
+                      "peak GPU memory"], rows, "")
+        mtp = self.fp8_mtp_draft([self.load(path) for path in files])
+        return text + ("\n" + mtp if mtp else "") + "\n" + self.source(*files) + "\n"
+
+    def fp8_mtp_draft(self, results: list[dict]) -> str:
+        """One row per fp8_real_size file that timed MTP drafts: per K its ms (x its own floor; x a
+        batch-1 decode step), and the LM head's share of the K = 1 floor; "" when none did."""
+        rows = []
+        for d in results:
+            mtp = d.get("mtp_draft") or {}
+            if "drafts" not in mtp:
+                continue
+            cells = []
+            for figure in mtp["drafts"].values():
+                cells.append("-" if figure["ms"] is None else
+                             f"{figure['ms']:.2f} ({figure['ratio']:.1f}x of {figure['floor_ms']:.2f}; {figure['ratio_to_decode']:.2f}x)")
+            one = mtp["drafts"]["1"]
+            rows.append(f"{d['config']} ({mtp['layers']} {mtp['mlp']} layer, {mtp['weight_bytes'] / 1e9:.2f} GB) | " + " | ".join(cells)
+                        + f" | {one['bytes']['lm_head'] / one['total_bytes']:.0%}")
+        if not rows:
+            return ""
+        ks = list(next(d["mtp_draft"]["drafts"] for d in results if "drafts" in (d.get("mtp_draft") or {})))
+        return table(["MTP draft, b=1, after 1 accepted (catch-up of 2 rows)", f"K={ks[0]} ms (x its own floor ms; x a decode b=1)",
+                      *(f"K={k}" for k in ks[1:]), "LM head of the K=1 floor"], rows, "")
 
     def contract(self) -> str:
         rows, paths = [], []
@@ -226,55 +274,60 @@ class Tables:
 
     def serve(self) -> str:
         rows, paths = [], []
-        for variant, path in self.files("serve").items():
+        for variant, path, name, m in self.serve_models():
             d = self.load(path)
-            if not d["models"]:
-                continue
-            paths.append(path)
-            for name, m in d["models"].items():
-                label = name if not variant else f"{variant}"
-                rows.append(f"{label} | {m['engine_tokens_per_s']:,.0f} | {m['service_tokens_per_s']:,.0f} | "
-                            f"{m['service_over_engine']:.3f} | {m['service_tokens_per_s_more_processes']:,.0f} | "
-                            f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {m['graph_captures_during_load']} | "
-                            f"{m['random_drafts_vs_plain_b64']:.3f} | {m['oracle_trimmed_vs_untrimmed']:.3f} | {m['mismatches']} | "
-                            f"{d['device']}, {d['date']}")
+            if path not in paths:
+                paths.append(path)
+            label = name if not variant else f"{variant}"
+            rows.append(f"{label} | {m['engine_tokens_per_s']:,.0f} | {m['service_tokens_per_s']:,.0f} | "
+                        f"{m['service_over_engine']:.3f} | {m['service_tokens_per_s_more_processes']:,.0f} | "
+                        f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {m['graph_captures_during_load']} | "
+                        f"{m['random_drafts_vs_plain_b64']:.3f} | {m['oracle_trimmed_vs_untrimmed']:.3f} | {m['mismatches']} | "
+                        f"{d['device']}, {d['date']}")
         return table(["model", "engine tok/s", "service tok/s", "service / engine", "2x processes tok/s", "p50 ms",
                       "p99 ms", "captures during load", "random K=4 / plain", "oracle trimmed / untrimmed", "mismatches",
                       "device, date"], rows, self.source(*paths)) + self.serve_breakdown()
 
     def serve_breakdown(self) -> str:
-        """Where a plain round goes (bench/serve_breakdown.py), for the files that time it; nothing
-        for files from before the round timings."""
+        """Where a plain round goes (bench/serve_breakdown.py), for the models of the serve table
+        whose file times it (the same file as their row above); nothing for files from before the
+        round timings."""
         rows, paths = [], []
-        for variant, path in self.files("serve").items():
-            d = self.load(path)
-            timed = {name: m for name, m in d["models"].items() if m.get("round_breakdown_ms")}
-            if timed:
+        for variant, path, name, m in self.serve_models():
+            b = m.get("round_breakdown_ms")
+            if not b:
+                continue
+            if path not in paths:
                 paths.append(path)
-            for name, m in timed.items():
-                b = m["round_breakdown_ms"]
-                rows.append(f"{name if not variant else variant} | {b['round']:.2f} | {b['engine']:.2f} | "
-                            f"{m['added_ms_per_round']:.2f} ({_or_dash(m['added_ms_per_round_p50'])}) | {b['server_in']:.2f} | "
-                            f"{b['server_out']:.2f} | {b['wire']:.2f} | {b['drafter']:.2f} | {b['unexplained']:.2f}")
+            rows.append(f"{name if not variant else variant} | {b['round']:.2f} | {b['engine']:.2f} | "
+                        f"{m['added_ms_per_round']:.2f} ({_or_dash(m['added_ms_per_round_p50'])}) | {b['server_in']:.2f} | "
+                        f"{b['server_out']:.2f} | {b['wire']:.2f} | {b['drafter']:.2f} | {b['unexplained']:.2f}")
         if not rows:
             return ""
         return "\n" + table(["model", "round ms (plain)", "engine step", "added: mean (p50)", "server in", "server out",
                              "wire", "drafter", "unexplained"], rows, self.source(*paths))
 
     def serve_remote(self) -> str:
-        rows, paths = [], []
-        for variant, path in self.files("serve").items():
-            r = self.load(path).get("remote_drafter")
-            if not r:
-                continue
-            paths.append(path)
+        """One row per variant: its newest serve file with a remote drafter part. Files whose part
+        ran the MTP modes (the `mtp_skipped` key, null or why not) add two columns: MTP drafting
+        through the service and in process; older files give the table as before, "-" there."""
+        found = self.files_with("serve", lambda d: bool(d.get("remote_drafter")))
+        remotes = [(path, self.load(path)["remote_drafter"]) for path in found.values()]
+        mtp = any("mtp_skipped" in r for _, r in remotes)
+        rows = []
+        for path, r in remotes:
             engine = r.get("server_engine_ms_per_round", {}).get("remote_plain")
-            rows.append(f"{r['k']} | {r['plain_tokens_per_s']:.1f} | {r['remote_model_tokens_per_s']:.1f} | "
-                        f"{r['remote_model_speedup']:.2f}x | {r['inprocess_model_speedup']:.2f}x | "
-                        f"{r['ms_per_round']['remote_plain']:.2f} / {r['ms_per_round']['inprocess_plain']:.2f} | "
-                        f"{'-' if engine is None else f'{engine:.2f}'} | {'yes' if r['streams_equal'] else 'NO'} | `{self.rel(path)}`")
+            cells = [str(r["k"]), f"{r['plain_tokens_per_s']:.1f}", f"{r['remote_model_tokens_per_s']:.1f}",
+                     f"{r['remote_model_speedup']:.2f}x", f"{r['inprocess_model_speedup']:.2f}x",
+                     f"{r['ms_per_round']['remote_plain']:.2f} / {r['ms_per_round']['inprocess_plain']:.2f}",
+                     "-" if engine is None else f"{engine:.2f}"]
+            if mtp:
+                cells += [_mtp_cell(r, "remote"), _mtp_cell(r, "inprocess")]
+            rows.append(" | ".join(cells + [_streams_equal(r), f"`{self.rel(path)}`"]))
+        head = ["MTP through the service: tok/s (x remote plain), mean acceptance length",
+                "MTP in process: tok/s (x in-process plain), mean acceptance length"] if mtp else []
         return table(["K", "plain tok/s (remote)", "model drafter tok/s (remote)", "remote speedup", "in-process speedup",
-                      "ms a plain round: remote / in process", "of it the server's engine", "streams equal", "file"], rows, "")
+                      "ms a plain round: remote / in process", "of it the server's engine", *head, "streams equal", "file"], rows, "")
 
     def service_floor(self) -> str:
         rows, paths = [], []
@@ -325,7 +378,6 @@ class Tables:
         fp8_path = fp8[max(fp8, key=lambda v: (self.load(fp8[v])["date"], "step_floors" in self.load(fp8[v]), v))]
         f = self.load(fp8_path)
         checks = [(p, self.load(p)) for v, p in self.files("check").items() if "fp8" in v and self.load(p)["passed"]]
-        serve = [(p, self.load(p)) for p in self.files("serve").values() if self.load(p)["models"]]
         rows = [
             f"2B hybrid (Qwen3.5-style, bf16), decode at batch 1 | {m['decode_ms']:.2f} ms, {m['decode_ms'] / m['hbm_floor_ms']:.2f}x "
             f"its HBM floor ({m['hbm_floor_ms']:.2f} ms) | `{self.rel(gpu_path)}`",
@@ -352,14 +404,13 @@ class Tables:
             rows.append(f"{f['config']} block FP8 at full size: decode b=1 / K = 8 b=1 / decode b=64 | {f['decode_ms_b1']:.2f} / "
                         f"{f['verify_k8_ms_b1']:.2f} / {f['decode_ms_b64']:.2f} ms ({f['decode_ms_b1'] / f['hbm_floor_ms']:.1f}x "
                         f"its floor at batch 1), {f['gpu_memory_gib']:.1f} GiB | `{self.rel(fp8_path)}`")
-        for p, s in serve:
-            for name, mm in s["models"].items():
-                if name == "shipped":  # the 24M target's step is small beside the round trip, so its ratio would measure the RPC: bench/README.md
-                    continue
-                label = "2B" if name == "2b" else (p.stem.split("_", 2)[2] if p.stem.count("_") > 1 else name)
-                rows.append(f"Through the gRPC service, 64 sessions, {label}: tokens/s over the engine's alone | "
-                            f"{mm['service_over_engine']:.2f} ({mm['service_tokens_per_s']:,.0f} / {mm['engine_tokens_per_s']:,.0f}), "
-                            f"{mm['mismatches']} streams differ | `{self.rel(p)}`")
+        for _, p, name, mm in self.serve_models():  # each model's newest file that served it
+            if name == "shipped":  # the 24M target's step is small beside the round trip, so its ratio would measure the RPC: bench/README.md
+                continue
+            label = "2B" if name == "2b" else (p.stem.split("_", 2)[2] if p.stem.count("_") > 1 else name)
+            rows.append(f"Through the gRPC service, 64 sessions, {label}: tokens/s over the engine's alone | "
+                        f"{mm['service_over_engine']:.2f} ({mm['service_tokens_per_s']:,.0f} / {mm['engine_tokens_per_s']:,.0f}), "
+                        f"{mm['mismatches']} streams differ | `{self.rel(p)}`")
         return table(["what (one H200)", "today", "results file (bench/results/)"], rows, "")
 
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
@@ -372,6 +423,29 @@ class Tables:
 
 def _or_dash(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _mtp_cell(remote: dict, side: str) -> str:
+    """MTP drafting on one side ("remote": through the service, "inprocess"): tok/s (x that side's
+    plain), mean acceptance length; "-" for a file from before the MTP modes, "skipped" when they
+    did not run (the served target has no MTP head)."""
+    if "mtp_skipped" not in remote:
+        return "-"
+    tokens_per_s = remote.get(f"{side}_mtp_tokens_per_s")
+    if remote["mtp_skipped"] or tokens_per_s is None:
+        return "skipped"
+    return (f"{tokens_per_s:.1f} ({remote[f'{side}_mtp_speedup']:.2f}x), "
+            f"{remote[f'{side}_mtp_mean_acceptance_length']:.2f}")
+
+
+def _streams_equal(remote: dict) -> str:
+    """Whether every mode's streams were equal: yes or NO; with each mode's comparison recorded,
+    how many modes were compared, or the modes whose streams differ from remote plain's."""
+    by_mode = remote.get("streams_equal_by_mode")
+    if not by_mode:
+        return "yes" if remote["streams_equal"] else "NO"
+    differ = [mode for mode, equal in by_mode.items() if not equal]
+    return f"NO: {', '.join(differ)}" if differ else f"yes ({len(by_mode)} modes)"
 
 
 def table(head: list[str], rows: list[str], note: str) -> str:

@@ -25,6 +25,18 @@ move, by category (`step_bytes`):
                    (positions 0 .. start - 1)
   kv_written       the keys and values of the step's new rows
 Activations (rows x hidden, the logits) are not counted: the floor is what no kernel design avoids.
+
+An MTP draft (verifier/model/mtp.py, drafting as verifier/proposers/mtp.py does) is K forwards of
+the head, each depending on the last one's argmax, so each reads its weights again
+(`draft_bytes`, over the forwards' rows and routing):
+  mtp_layer        the MTP layer but its routed experts: attention, its two norms, the router, the
+                   shared expert and its gate (a dense MTP layer: its whole MLP), once a forward
+  fc_and_norms     fc, the two pre-fc norms and the head's final norm, once a forward
+  lm_head          the (shared) LM head in full, once a forward: once per drafted token
+  embedding_rows   one embedding row gathered per row
+  routed_experts   per forward, the distinct experts its rows route to times one expert's bytes
+  kv_read          per forward, the MTP layer's keys and values of positions 0 .. start - 1
+  kv_written       the keys and values of the forward's rows
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +52,7 @@ from bench.gpu import decode_bytes, layer_expert_bytes, weight_bytes
 from verifier.model.state import AttentionState, RecurrentState
 
 CATEGORIES = ("dense_weights", "embedding_rows", "routed_experts", "recurrent_state", "woa_stash", "kv_read", "kv_written")
+DRAFT_CATEGORIES = ("mtp_layer", "fc_and_norms", "lm_head", "embedding_rows", "routed_experts", "kv_read", "kv_written")
 
 
 @dataclass(frozen=True)
@@ -113,7 +127,8 @@ def recorded_routing(model):
     """Within: every MoE layer's router (MoE.route) records the expert ids it returns ->
     {MoE layer index: [ids [rows, top_k], ...]} (the CPU reference routes row by row: one entry a
     row). Only Python runs are seen: a CUDA graph replay calls no router, so record an eager step.
-    The ids are kept as they are (no copy, no sync: a profiled step runs no extra kernel)."""
+    The ids are kept as they are (no copy, no sync: a profiled step runs no extra kernel).
+    model: anything with `blocks` (a HybridModel; an MTPHead's layers as SimpleNamespace(blocks=...))."""
     routed: dict[int, list[torch.Tensor]] = {}
     hooked = []
     for i, block in enumerate(model.blocks):
@@ -170,4 +185,82 @@ def mean_floor(floors: list[dict], n_experts: int) -> dict:
         "floor_ms_max": max(ms) if timed else None,
         "distinct_experts": {"mean": statistics.fmean(counts), "min": min(counts), "max": max(counts), "of": n_experts,
                              "per_layer": per_layer} if counts else None,
+    }
+
+
+@dataclass(frozen=True)
+class DraftSizes:
+    """The per-unit bytes an MTP draft's floor multiplies (module docstring), of one MTP layer."""
+
+    mtp_layer: int
+    fc_and_norms: int
+    lm_head: int
+    embed_row: int
+    expert: int  # one routed expert's gate, up and down (0: a dense MTP layer)
+    n_experts: int
+    kv_position: int  # per position: the MTP layer's keys and values
+
+
+@dataclass(frozen=True)
+class DraftForward:
+    """One forward of an MTP draft: its first position, its rows, the distinct experts they route to."""
+
+    start: int
+    rows: int
+    distinct: int
+
+
+def draft_sizes(head, pool) -> DraftSizes:
+    """The sizes of an MTPHead as loaded (one MTP layer, as the published files hold) and of its pool."""
+    if head.n_layers != 1:
+        raise ValueError(f"draft_sizes: {head.n_layers} MTP layers; the floor is counted for one")
+    mlp = head.layers[0].mlp
+    moe = hasattr(mlp, "w_router")
+    expert = layer_expert_bytes(mlp) if moe else 0
+    top_k = head.config.moe.top_k if moe else 0
+    lm_head, final_norm = weight_bytes(head.lm_head), weight_bytes(head.final_norm)
+    # decode_bytes counts a model's blocks (top_k routed experts each), LM head and final norm:
+    # here the MTP layer with the head's LM head and final norm
+    counted = decode_bytes(SimpleNamespace(blocks=head.layers, config=head.config, lm_head=head.lm_head, final_norm=head.final_norm))
+    (kv,) = pool.layers
+    return DraftSizes(
+        mtp_layer=counted - top_k * expert - lm_head - final_norm,
+        fc_and_norms=sum(weight_bytes(w) for w in (head.w_fc, head.norm_embedding, head.norm_hidden)) + final_norm,
+        lm_head=lm_head,
+        embed_row=weight_bytes(head.embed[0]),
+        expert=expert,
+        n_experts=head.config.moe.n_experts if moe else 0,
+        kv_position=kv.keys[0, 0].numel() * kv.keys.element_size() + kv.values[0, 0].numel() * kv.values.element_size(),
+    )
+
+
+def draft_bytes(sizes: DraftSizes, forwards: list[DraftForward]) -> dict[str, int]:
+    """The bytes of one MTP draft of len(forwards) tokens (module docstring), by category."""
+    n = len(forwards)
+    return {
+        "mtp_layer": n * sizes.mtp_layer,
+        "fc_and_norms": n * sizes.fc_and_norms,
+        "lm_head": n * sizes.lm_head,
+        "embedding_rows": sizes.embed_row * sum(f.rows for f in forwards),
+        "routed_experts": sizes.expert * sum(f.distinct for f in forwards),
+        "kv_read": sizes.kv_position * sum(f.start for f in forwards),
+        "kv_written": sizes.kv_position * sum(f.rows for f in forwards),
+    }
+
+
+def mean_draft_floor(drafts: list[list[DraftForward]], sizes: DraftSizes, bandwidth: float | None) -> dict:
+    """The floor of an MTP draft timed over several steps (their routing differs): each category's
+    mean bytes, their total, floor_ms (None without a bandwidth), and per forward its rows and the
+    mean distinct experts its rows route to (of n_experts)."""
+    parts = [draft_bytes(sizes, forwards) for forwards in drafts]
+    mean = {c: statistics.fmean(p[c] for p in parts) for c in DRAFT_CATEGORIES}
+    total = sum(mean.values())
+    return {
+        "steps": len(drafts),
+        "bytes": mean,
+        "total_bytes": total,
+        "floor_ms": None if bandwidth is None else total / bandwidth * 1e3,
+        "forward_rows": [f.rows for f in drafts[0]],
+        "distinct_experts": {"per_forward": [statistics.fmean(d[i].distinct for d in drafts) for i in range(len(drafts[0]))],
+                             "of": sizes.n_experts},
     }

@@ -78,3 +78,89 @@ def test_serve_table_shows_the_round_breakdown_only_for_files_that_have_it(tmp_p
     text = report.Tables(tmp_path).serve()
     assert text.startswith(before.replace("2026-01-01", "2026-01-02").rstrip("\n"))
     assert f"| {name} | 7.28 | 4.15 | 3.13 (3.00) | 1.00 | 0.50 | 1.20 | 0.40 | 0.03 |" in text
+
+
+def test_fp8_real_size_adds_the_mtp_table_only_for_files_that_time_mtp_drafts(tmp_path):
+    """The committed files (no `mtp_draft`) give the table as before; a file with it adds a row of
+    each K's draft against its own floor and a decode step, and the LM head's share of the floor."""
+    old_path = max(report.RESULTS.glob("fp8_real_size_*.json"), key=lambda p: report.parse_name(p.name)[1])
+    old = json.loads(old_path.read_text())
+    (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps(old))
+    before = report.Tables(tmp_path).fp8_real_size()
+    assert "MTP draft" not in before
+    drafts = {str(k): {"ms": 0.5 * k, "floor_ms": 0.25 * k, "ratio": 2.0, "ratio_to_decode": 0.5 * k / 8.0,
+                       "total_bytes": 1.1e9 * k, "bytes": {"lm_head": 1.0e9 * k}} for k in (1, 2, 3, 4)}
+    mtp = {"layers": 1, "mlp": "moe", "weight_bytes": 0.85e9, "drafts": drafts}
+    (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps({**old, "mtp_draft": mtp}))
+    (tmp_path / "fp8_real_size_2026-01-01_b.json").write_text(json.dumps({**old, "mtp_draft": {"error": "RuntimeError: x"}}))
+    text = report.Tables(tmp_path).fp8_real_size()
+    assert text.startswith(before.split("\n\nSource:")[0])  # the main table unchanged, the second file's row added below it
+    assert f"| {old['config']} (1 moe layer, 0.85 GB) | 0.50 (2.0x of 0.25; 0.06x) | 1.00 (2.0x of 0.50; 0.12x) | " \
+           "1.50 (2.0x of 0.75; 0.19x) | 2.00 (2.0x of 1.00; 0.25x) | 91% |" in text
+    assert text.count("1 moe layer") == 1 and text.rstrip().endswith("_2026-01-01_b.json`.")
+
+
+def committed_serve() -> tuple[dict, dict]:
+    """(a committed serve file's models, a committed remote_drafter part): templates of synthetic files."""
+    models = json.loads((report.RESULTS / "serve_2026-11-30.json").read_text())["models"]
+    remote = json.loads((report.RESULTS / "serve_2026-12-01_remote_drafter.json").read_text())["remote_drafter"]
+    return models, remote
+
+
+def serve_file(models: dict, remote: dict | None, date: str) -> str:
+    return json.dumps({"device": "NVIDIA H200", "date": date, "models": models, "remote_drafter": remote})
+
+
+def test_serve_remote_table_adds_the_mtp_columns_only_for_files_with_the_mtp_modes(tmp_path):
+    """A remote part from before the MTP modes renders as the committed ones do; one with them adds
+    MTP through the service and in process (tok/s, x the plain of its side, mean acceptance length),
+    a skipped one says so, and a mode whose streams differ is named."""
+    _, old = committed_serve()
+    (tmp_path / "serve_2026-01-01_a.json").write_text(serve_file({}, old, "2026-01-01"))
+    before = report.Tables(tmp_path).serve_remote()
+    assert "MTP" not in before and "| yes | `serve_2026-01-01_a.json` |" in before
+    mtp = {"mtp_skipped": None, "remote_mtp_tokens_per_s": 812.34, "remote_mtp_speedup": 1.456, "remote_mtp_mean_acceptance_length": 2.718,
+           "inprocess_mtp_tokens_per_s": 1700.5, "inprocess_mtp_speedup": 1.166, "inprocess_mtp_mean_acceptance_length": 2.7,
+           "streams_equal_by_mode": dict.fromkeys(("remote_plain", "remote_model", "remote_mtp", "inprocess_plain", "inprocess_model",
+                                                   "inprocess_mtp"), True)}
+    (tmp_path / "serve_2026-01-02_b.json").write_text(serve_file({}, {**old, **mtp}, "2026-01-02"))
+    skipped = {**{key: None for key in mtp}, "mtp_skipped": "no MTP head",
+               "streams_equal_by_mode": {"remote_plain": True, "inprocess_model": False},
+               "streams_equal": False}
+    (tmp_path / "serve_2026-01-03_c.json").write_text(serve_file({}, {**old, **skipped}, "2026-01-03"))
+    text = report.Tables(tmp_path).serve_remote()
+    assert "| MTP through the service: tok/s (x remote plain), mean acceptance length | MTP in process: tok/s (x in-process plain), " \
+           "mean acceptance length | streams equal | file |" in text
+    rows = {line.rsplit("`", 2)[1]: line for line in text.splitlines() if line.endswith(".json` |")}
+    # the old file's row: its cells as before, "-" under the MTP columns
+    assert rows["serve_2026-01-01_a.json"] == before.splitlines()[2].replace(" | yes |", " | - | - | yes |")
+    assert rows["serve_2026-01-02_b.json"].endswith("| 812.3 (1.46x), 2.72 | 1700.5 (1.17x), 2.70 | yes (6 modes) | "
+                                                    "`serve_2026-01-02_b.json` |")
+    assert rows["serve_2026-01-03_c.json"].endswith("| skipped | skipped | NO: inprocess_model | `serve_2026-01-03_c.json` |")
+
+
+def test_serve_tables_read_the_newest_file_that_has_their_part(tmp_path):
+    """A newer serve file of the remote part alone (`--model ''`: no models) does not hide the older
+    file's models from the serve table and the summary, nor a newer run without the remote part
+    (null remote_drafter) the remote table; each model keeps its newest file."""
+    for path in report.RESULTS.iterdir():  # every other bench as committed: the summary reads them
+        if not path.name.startswith("serve_") and path.is_file():
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    models, remote = committed_serve()
+    (tmp_path / "serve_2026-12-10.json").write_text(serve_file(models, remote, "2026-12-10"))
+    (tmp_path / "serve_2026-12-11.json").write_text(serve_file({}, {**remote, "plain_tokens_per_s": 123.4}, "2026-12-11"))
+    newer_2b = {**models["2b"], "service_over_engine": 0.5, "service_tokens_per_s": 5000.0, "engine_tokens_per_s": 10000.0}
+    (tmp_path / "serve_2026-12-12.json").write_text(serve_file({"2b": newer_2b}, None, "2026-12-12"))
+    tables = report.Tables(tmp_path)
+    serve = tables.serve()
+    assert "| shipped |" in serve and "NVIDIA H200, 2026-12-10 |" in serve and "| 2b | 10,000 | 5,000 | 0.500 |" in serve
+    assert "Source: `serve_2026-12-12.json`, `serve_2026-12-10.json`." in serve
+    remote_rows = [line for line in tables.serve_remote().splitlines() if line.endswith(".json` |")]
+    assert len(remote_rows) == 1 and "| 123.4 |" in remote_rows[0] and remote_rows[0].endswith("| `serve_2026-12-11.json` |")
+    summary = tables.summary()
+    assert "| Through the gRPC service, 64 sessions, 2B: tokens/s over the engine's alone | 0.50 (5,000 / 10,000), 0 streams differ | " \
+           "`serve_2026-12-12.json` |" in summary
+    # the file of the remote part alone gives no model row; without the newer 2B run the 2B row reads the older full file
+    (tmp_path / "serve_2026-12-12.json").unlink()
+    summary = report.Tables(tmp_path).summary()
+    assert "0 streams differ | `serve_2026-12-10.json` |" in summary and "serve_2026-12-11" not in summary
