@@ -44,7 +44,8 @@ def _open_all(engine, rng):
 def test_warm_engine_captures_nothing_and_matches_eager(model, mode, pdl_max_rows, monkeypatch):
     """200 steps of random K mixes (random subsets of the sessions, drafts right and wrong): no
     capture after warm_up, logits, tokens and every real slot's state bitwise the eager engine's;
-    a step's returned logits outlive the next step's replay. With the PDL limit cut to 8 rows the
+    a step's returned logits outlive the next step's replay; the hidden rows a step asks for are
+    the eager engine's, bitwise, with no capture of their own. With the PDL limit cut to 8 rows the
     buckets of 12 to 40 rows are captured without PDL while the eager engine launches with it (on
     Hopper)."""
     monkeypatch.setattr(graphs, "PDL_MAX_ROWS", pdl_max_rows)
@@ -64,12 +65,16 @@ def test_warm_engine_captures_nothing_and_matches_eager(model, mode, pdl_max_row
             k = rng.randrange(0, MAX_K + 1)
             # the pending token repeated is right now and then for these tiny models; random ones are wrong
             drafts.append([g.pending if rng.random() < 0.5 else rng.randrange(90) for _ in range(k)])
-        got = graphed.step([StepRequest(g, d) for (g, _), d in zip(live, drafts)])
-        want = eager.step([StepRequest(e, d) for (_, e), d in zip(live, drafts)])
+        hidden = step % 2 == 0  # every other step hands its hidden rows over (an MTP head's input)
+        got = graphed.step([StepRequest(g, d, want_hidden=hidden) for (g, _), d in zip(live, drafts)])
+        want = eager.step([StepRequest(e, d, want_hidden=hidden) for (_, e), d in zip(live, drafts)])
         for a, b in zip(got, want):
             assert a.error is None and b.error is None
             assert (a.tokens, a.accepted, a.position) == (b.tokens, b.accepted, b.position), f"step {step}"
             assert torch.equal(a.logits, b.logits), f"step {step}: logits differ"
+            if hidden:
+                assert a.hidden.shape == (len(a.tokens), model.config.hidden_size)
+                assert torch.equal(a.hidden, b.hidden), f"step {step}: hidden rows differ"
         assert all(torch.equal(rows, copy) for rows, copy in earlier), f"step {step} changed the last step's logits"
         earlier = [(a.logits, a.logits.clone()) for a in got]
     assert graphed.graph_captures == captures, "a step captured a graph while serving"

@@ -262,7 +262,7 @@ class Engine:
             raise
 
     def _verify_accept_rollback(self, requests: list[StepRequest], sequences: list[Sequence], step: Step) -> list[StepResult]:
-        # a step whose requests want hidden rows verifies eagerly (Step.verify: the graphs hold no hidden output)
+        # a step whose requests want hidden rows gets every row's (Step.verify copies them, graphed or eager)
         hidden = self._hidden_buffer(step.batch.n_rows) if any(r.want_hidden for r in requests) else None
         logits, batch = step.verify(hidden), step.batch
         early = self._copy_early(logits, batch, requests)  # queued behind the verify, before its ids are waited for

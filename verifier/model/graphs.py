@@ -155,6 +155,9 @@ class GraphedSteps:
         self._memory = torch.cuda.graph_pool_handle()
         most_rows = max(shape.rows for shape in shapes)
         self._logits = torch.empty(most_rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
+        # every verify's final-normed hidden rows (the LM head's input, an MTP head's), shared as the
+        # logits are: one [rows, H] copy per replay, read by a step that asks (Step.verify(hidden_out))
+        self._hidden = torch.empty(most_rows, model.config.hidden_size, dtype=model.dtype, device=self.device)
         # each row's argmax, computed in the verify graph and copied to pinned memory by its last node
         self._ids = torch.empty(most_rows, dtype=torch.int64, device=self.device)
         self._host_ids = torch.empty(most_rows, dtype=torch.int64).pin_memory()
@@ -184,11 +187,11 @@ class GraphedSteps:
         inputs = host.to(self.device)
         static.attach(self.device, inputs.batch_tensors())
         kept = torch.zeros(shape.sequences, dtype=torch.int32, device=self.device)
-        logits_out = self._logits[: shape.rows]
+        logits_out, hidden_out = self._logits[: shape.rows], self._hidden[: shape.rows]
         ids_out, host_ids = self._ids[: shape.rows], self._host_ids[: shape.rows]
         # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
         warm = VerifyRecord(mode, static)
-        self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out)
+        self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out, hidden_out)
         argmax_rows(logits_out, out=ids_out)
         RollbackPlan(self.pool, warm).apply(kept)
         torch.cuda.synchronize()
@@ -197,7 +200,7 @@ class GraphedSteps:
 
         def verify_step():
             inputs.copy_(host, non_blocking=True)  # captured: the replay reads the pinned buffer
-            self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out)
+            self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out, hidden_out)
             argmax_rows(logits_out, out=ids_out)  # greedy choices (module docstring: Greedy ids)
             host_ids.copy_(ids_out, non_blocking=True)
 
@@ -243,6 +246,11 @@ class GraphedSteps:
         bucket.verify_pending = True
         self._last = bucket
         return self._logits[: batch.n_rows], bucket
+
+    def hidden(self, rows: int) -> torch.Tensor:
+        """The last verify's final-normed hidden rows [rows, H]: a view of the shared buffer, valid
+        until the next verify (its replay writes them; copy them out on the stream)."""
+        return self._hidden[:rows]
 
     def greedy_ids(self, rows: int) -> list[int]:
         """The argmax of each of the last verify's first `rows` rows, as host ints: waits for its

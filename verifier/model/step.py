@@ -64,16 +64,17 @@ class Step:
         """Run the verify -> logits [rows, vocab] fp32. They may live in a graph's output buffer:
         valid until the next verify, so copy what must outlive it.
         hidden_out: an optional [rows, H] buffer the final-normed hidden rows (the LM head's input,
-        which an MTP head reads: verifier/model/mtp.py) are copied into. The graphs hold no hidden
-        output, so a step that asks for it runs eagerly: the same kernels and arguments, so the
-        same bits (DESIGN.md section 6, rule 9), minus the graph's launch savings."""
+        which an MTP head reads: verifier/model/mtp.py) are copied into; graphed, from the graphs'
+        shared hidden output, which every verify replay writes (the same values: the same forward)."""
         if self.logits is not None:
             raise RuntimeError("a step verifies once")
         runner = self.runner
-        if runner.graphs is not None and self.shape is not None and hidden_out is None:
+        if runner.graphs is not None and self.shape is not None:
             self.logits, self._bucket = runner.graphs.verify(self.tokens, self.rows, self.shape, self.mode)
             self.greedy_ids = runner.graphs.greedy_ids
             self._padded_to = self.shape
+            if hidden_out is not None:
+                hidden_out.copy_(runner.graphs.hidden(self.rows.n_rows))
         else:
             self._padded_to = self.shape if runner.pad_eagerly else None
             self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, self.mode, hidden_out)

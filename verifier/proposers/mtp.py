@@ -50,8 +50,8 @@ its own slot only, and each draft is chosen from its own logits row (argmax_rows
 the host draws are per row), so a sequence's drafts are the same whether it proposes alone or
 batched with others. Drafts only decide what the target verifies; the target's acceptance picks
 every emitted token, so with greedy or coupled drafts the stream equals plain decoding whatever the
-head drafts. A step that asks for hidden rows verifies eagerly (Step.verify), so with CUDA graphs
-on, an MTP session's steps run without them (same bits).
+head drafts. A step that asks for hidden rows verifies as any step, graphed or eager: the graphs
+copy every verify's hidden rows out (Step.verify). The head's own forwards run eagerly.
 
 Failures. A request that is wrong (hidden rows missing, a context past the pool, a slot out of
 range) gets a ValueError naming what is wrong, and only that request fails; a forward that fails
