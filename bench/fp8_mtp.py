@@ -4,7 +4,10 @@ verifier/proposers/mtp.py drafts: a catch-up forward over the accepted rows (the
 the bonus's), then K - 1 one-row forwards, each with the full LM head. Each K against its own floor
 (bench/step_floor.py's draft_bytes: the head's layer, fc and norms, the LM head once per drafted
 token, embedding rows, the experts its rows route to, KV; the same steps replayed with the routers
-hooked) and against a batch-1 decode step. Random weights: acceptance means nothing here, only the cost.
+hooked) and against a batch-1 decode step. Timed two ways in one run: `ms`, the product's in-process
+path on CUDA (verifier/proposers/mtp_chain.py: the proposal as one CUDA graph replay), and
+`ms_eager`, the same forwards launched one by one with a host read of each draft (what the server's
+batched proposals run). Random weights: acceptance means nothing here, only the cost.
 
 fp8_real_size.py loads the model and calls mtp_draft; it passes its warm-up count and its log, so
 that the MTP figure warms up as its other figures do and logs beside them.
@@ -25,6 +28,8 @@ from hybrid_kernels.runtime import pick
 from hybrid_kernels.sampling import argmax_rows, argmax_rows_ref
 from verifier.model import RowBatch, load_mtp_head
 from verifier.model.device_scope import device_scope
+from verifier.params import SamplingParams
+from verifier.proposers.mtp_chain import MTPChain
 
 MTP_KS = (1, 2, 3, 4)  # tokens an MTP draft proposes, one figure each
 # The timed MTP drafts follow a verify that accepted one draft: the head first catches up over two
@@ -93,6 +98,21 @@ class MTPDrafts:
         return pick(argmax_rows, argmax_rows_ref, logits)(logits).tolist()
 
 
+class ChainDrafts(MTPDrafts):
+    """MTPDrafts' steps through an MTPChain (greedy): the same catch-up and one-row forwards, captured
+    once per K and replayed (on the CPU its body runs eagerly: the tests)."""
+
+    def __init__(self, head, hidden: torch.Tensor, max_seq_len: int):
+        super().__init__(head, hidden, max_seq_len)
+        graphed = torch.device(head.device).type == "cuda"
+        self.chain = MTPChain(head, self.pool, self.slot, max(MTP_KS), SamplingParams(), graphed=graphed)
+
+    def step(self, k: int) -> list[int]:
+        self.p += MTP_CATCH_UP
+        p, c = self.p, MTP_CATCH_UP
+        return self.chain.propose(p - c, self.tokens[p - c + 1 : p + 1], self.hidden[p - c : p], k)
+
+
 def mtp_draft(path: Path, model, steps: int, bandwidth: float | None, decode_ms: float | None, *, warmup: int,
               log: Callable[[str], None]) -> dict:
     """The MTP head loaded from path, and per K in MTP_KS the cost of a draft (MTPDrafts.step):
@@ -112,18 +132,19 @@ def mtp_draft(path: Path, model, steps: int, bandwidth: float | None, decode_ms:
     out["weight_bytes"] = sizes.mtp_layer + sizes.fc_and_norms + sizes.n_experts * sizes.expert
     out["drafts"] = {}
     for k in MTP_KS:
-        ms = None
+        ms = ms_eager = None
         if bandwidth is not None:
-            run = MTPDrafts(head, hidden, length)
-            ms = median_ms(lambda: run.step(k), steps, warmup)
+            eager, chained = MTPDrafts(head, hidden, length), ChainDrafts(head, hidden, length)
+            ms_eager = median_ms(lambda: eager.step(k), steps, warmup)
+            ms = median_ms(lambda: chained.step(k), steps, warmup)
         figure = draft_floor(head, hidden, length, sizes, k, steps, warmup, bandwidth)
-        figure["ms"] = ms
+        figure["ms"], figure["ms_eager"] = ms, ms_eager
         figure["ratio"] = None if ms is None else ms / figure["floor_ms"]
         figure["ratio_to_decode"] = None if ms is None or decode_ms is None else ms / decode_ms
         out["drafts"][str(k)] = figure
         experts = " / ".join(f"{n:.1f}" for n in figure["distinct_experts"]["per_forward"])
         log(f"MTP draft K={k}: {figure['total_bytes'] / 1e9:.3f} GB, experts per forward {experts}"
-            + (f"; {ms:.2f} ms, {figure['ratio']:.1f}x its floor {figure['floor_ms']:.2f} ms, "
+            + (f"; {ms:.2f} ms graphed ({ms_eager:.2f} eager), {figure['ratio']:.1f}x its floor {figure['floor_ms']:.2f} ms, "
                f"{figure['ratio_to_decode']:.2f}x a decode step" if ms is not None else ""))
     return out
 

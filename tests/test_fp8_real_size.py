@@ -444,6 +444,19 @@ def test_mtp_draft_with_a_bandwidth(tmp_path, monkeypatch):
     for figure in out["drafts"].values():
         assert figure["floor_ms"] == figure["total_bytes"] / 1e9 * 1e3 and figure["ratio"] == 3.0 / figure["floor_ms"]
         assert figure["ratio_to_decode"] == 0.5 and figure["kernel_breakdown"]["launches"] == 1 and figure["steps"] == 2
+        assert figure["ms"] == figure["ms_eager"] == 3.0  # the graphed chain's and the eager forwards', side by side
+
+
+def test_the_chained_drafts_are_the_eager_forwards_drafts(tmp_path):
+    """bench.fp8_mtp times the in-process path (the MTP chain) beside the eager forwards: the same drafts."""
+    write_tiny_mtp(tmp_path)
+    model = load_model(tmp_path, "cpu", torch.float32)
+    head = load_mtp_head(tmp_path, model)
+    hidden = fp8_mtp.prompt_hidden(model)
+    length = hidden.shape[0] + 40
+    eager, chained = fp8_mtp.MTPDrafts(head, hidden, length), fp8_mtp.ChainDrafts(head, hidden, length)
+    for k in (1, 3, 4, 2):
+        assert chained.step(k) == eager.step(k), k
 
 
 def test_a_failed_mtp_draft_keeps_the_figures_and_fails_the_run(tmp_path, monkeypatch):

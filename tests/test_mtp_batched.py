@@ -15,6 +15,7 @@ from verifier.model import load_model
 from verifier.model.mtp import load_mtp_head
 from verifier.params import SamplingParams
 from verifier.proposers.mtp import MTPAsk, MTPDrafter, MTPProposer, MTPTrack
+from mtp_recording import Recording
 
 MAX_SEQ_LEN, MAX_K, NEW = 40, 4, 14
 # three sequences: other prompts (so other positions), other k, greedy and coupled sampling
@@ -22,24 +23,6 @@ PROMPTS = [[5, 9, 2, 7, 11, 3], [8, 1, 4], [30, 2, 2, 17, 6, 40, 12, 9, 1]]
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=4),
              SamplingParams(temperature=1.3, top_p=0.9, seed=8)]
 KS = [3, 2, 4]
-
-
-class Recording:
-    """An MTPProposer keeping each proposal's drafts (for generate())."""
-
-    def __init__(self, inner: MTPProposer):
-        self.inner, self.drafts = inner, []
-
-    def begin(self, prompt_hidden):
-        self.inner.begin(prompt_hidden)
-
-    def observe(self, hidden):
-        self.inner.observe(hidden)
-
-    def propose(self, context, k):
-        drafts = self.inner.propose(context, k)
-        self.drafts.append(drafts)
-        return drafts
 
 
 class CountingForwards:
@@ -119,7 +102,9 @@ def test_drafts_batched_equal_drafts_alone(setup):
     alone_engine = Engine(model, n_slots=1, max_seq_len=MAX_SEQ_LEN, max_k=MAX_K)
     alone = []
     for prompt, sampling, k in zip(PROMPTS, SAMPLINGS, KS):
-        recording = Recording(MTPProposer(head, MAX_SEQ_LEN, sampling))
+        # the eager drafter alone (on a GPU the default would be the graphed chain, whose forwards
+        # CountingForwards cannot see: tests/test_mtp_chain.py holds the chain to the eager drafts)
+        recording = Recording(MTPProposer(head, MAX_SEQ_LEN, sampling, chain=False))
         with CountingForwards(head) as counting:
             spec = generate(alone_engine, prompt, NEW, sampling, recording, k)
         assert spec.tokens == generate(alone_engine, prompt, NEW, sampling).tokens

@@ -16,6 +16,7 @@ from verifier.model import load_model
 from verifier.model.mtp import load_mtp_head
 from verifier.params import SamplingParams
 from verifier.proposers import MTPProposer, OracleProposer
+from mtp_recording import Recording
 
 # Qwen3.5 dense, Qwen3.5-MoE bare, Qwen3-Next, and the published Qwen3.5-MoE wrapper layout
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next_moe", "qwen3_5_moe"]
@@ -23,33 +24,6 @@ PROMPT = [5, 9, 2, 7, 11, 3]
 NEW = 16
 K = 3
 SAMPLINGS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, top_k=20, seed=7)}
-
-
-class Recording:
-    """An MTPProposer that keeps each proposal's (context, k, drafts) and the hidden rows it was
-    handed; with `instead` (a proposer), the head still proposes (its state moves on as it would)
-    but `instead`'s drafts are sent."""
-
-    def __init__(self, inner: MTPProposer, instead=None):
-        self.inner, self.calls, self.instead, self.rows = inner, [], instead, []
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        """Every hidden row handed over, positions 0 .. known - 1: [known, H]."""
-        return torch.cat(self.rows)
-
-    def begin(self, prompt_hidden):
-        self.rows = [prompt_hidden.clone()]
-        self.inner.begin(prompt_hidden)
-
-    def observe(self, hidden):
-        self.rows.append(hidden.clone())
-        self.inner.observe(hidden)
-
-    def propose(self, context, k):
-        drafts = self.inner.propose(context, k)
-        self.calls.append((list(context), k, drafts))
-        return drafts if self.instead is None else self.instead.propose(context, k)
 
 
 def _setup(path, model_device="cpu"):
@@ -69,7 +43,7 @@ def test_mtp_stream_equals_plain_decoding(mtp_checkpoint, name, sampling, model_
     assert spec.tokens == plain.tokens
     assert torch.equal(spec.logits, plain.logits)
     assert sum(spec.drafted_per_step) > 0 and recording.calls  # the head did draft
-    assert all(len(drafts) == k for _, k, drafts in recording.calls)
+    assert all(len(drafts) == k for _, k, drafts, _ in recording.calls)
 
 
 def test_hidden_rows_equal_plain_decoding(mtp_checkpoint):
@@ -106,7 +80,7 @@ def test_drafts_after_rollbacks_equal_a_fresh_heads(mtp_checkpoint, sent):
     else:
         assert spec.accepted_per_step[0] == K
     fresh = MTPProposer(proposer.head, engine.pool.max_seq_len)
-    for context, k, drafts in recording.calls:
+    for context, k, drafts, _ in recording.calls:
         fresh.begin(recording.hidden[: len(context) - 1])
         assert fresh.propose(context, k) == drafts
 

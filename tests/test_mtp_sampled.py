@@ -22,6 +22,7 @@ from verifier.model.rows import RowBatch
 from verifier.params import SamplingParams
 from verifier.proposers import COUPLED, REJECTION, HiddenStateProposer, MTPProposer, ProbabilityProposer
 from verifier.sampling import choose, masked_logits
+from mtp_recording import Recording
 
 PROMPT = [5, 9, 2, 7, 11, 3]
 NEW = 20
@@ -32,29 +33,6 @@ SAMPLINGS = {
     "top_p": SamplingParams(temperature=1.3, top_p=0.9, seed=5),
     "top_k_top_p": SamplingParams(temperature=2.0, top_k=30, top_p=0.8, seed=11),
 }
-
-
-class Recording:
-    """A MTPProposer that keeps each proposal's (context, drafts, q) and every hidden row handed over."""
-
-    def __init__(self, inner: MTPProposer):
-        self.inner, self.calls, self.rows = inner, [], []
-
-    def begin(self, prompt_hidden):
-        self.rows = [prompt_hidden.clone()]
-        self.inner.begin(prompt_hidden)
-
-    def observe(self, hidden):
-        self.rows.append(hidden.clone())
-        self.inner.observe(hidden)
-
-    def propose(self, context, k):
-        return self.propose_with_probs(context, k)[0]
-
-    def propose_with_probs(self, context, k):
-        drafts, probs = self.inner.propose_with_probs(context, k)
-        self.calls.append((list(context), drafts, probs))
-        return drafts, probs
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +77,9 @@ def test_coupled_mtp_stream_equals_plain_decoding(setup, name):
     spec = generate(engine, PROMPT, NEW, params, recording, K)
     assert spec.tokens == plain.tokens
     assert torch.equal(spec.logits, plain.logits)
-    assert all(probs is None for _, _, probs in recording.calls), "coupled drafts send no q"
+    assert all(probs is None for _, _, _, probs in recording.calls), "coupled drafts send no q"
     # a draft is accepted exactly where it is the plain run's token; the shared noise makes that happen
-    expected = [accepted_against(plain.tokens, len(PROMPT), context, drafts) for context, drafts, _ in recording.calls]
+    expected = [accepted_against(plain.tokens, len(PROMPT), context, drafts) for context, _, drafts, _ in recording.calls]
     assert [a for a, d in zip(spec.accepted_per_step, spec.drafted_per_step) if d] == expected
     assert sum(expected) > 0
 
@@ -128,7 +106,7 @@ def test_coupled_drafts_are_the_sessions_own_choice_from_the_heads_logits(setup,
     recording = Recording(MTPProposer(head, engine.pool.max_seq_len, params))
     generate(engine, PROMPT, NEW, params, recording, K)
     hidden = torch.cat(recording.rows)
-    for context, drafts, _ in recording.calls:
+    for context, _, drafts, _ in recording.calls:
         for i, logits in enumerate(reference_logits(head, hidden, context, drafts)):
             assert drafts[i] == choose(logits, params, len(context) + i), f"context {len(context)}, draft {i}"
 

@@ -135,12 +135,19 @@ class MTPHead:
         check_rows(tokens, batch, pool.max_seq_len, self.vocab_size)
         assert hidden.shape == (batch.n_rows, self.config.hidden_size), \
             f"hidden has shape {list(hidden.shape)}, expected [{batch.n_rows}, {self.config.hidden_size}]"
-        j = step % self.n_layers
         tokens, hidden = tokens.to(self.device), hidden.to(device=self.device, dtype=self.dtype)
+        return self.compute(tokens, hidden, batch, pool, row_invariant=row_invariant, step=step)
+
+    def compute(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: RowBatch, pool: SlotPool, *,
+                row_invariant: bool, step: int = 0, logits_out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward on checked device inputs: no host syncs, so a CUDA graph can capture it (the MTP
+        chain: verifier/proposers/mtp_chain.py). logits_out: an optional fp32 [rows, vocab] buffer."""
+        j = step % self.n_layers
         x = each_row(self._fuse, self.embed[tokens], hidden, row_invariant=row_invariant)
         out = residual_stream(self.config, [self.layers[j]], [pool.layers[j]], x, self.final_norm, batch,
                               batch.positions(self.device), row_invariant=row_invariant, mode=COMMIT)
-        return out, head_logits(out, self.lm_head, row_invariant=row_invariant)
+        return out, head_logits(out, self.lm_head, logits_out, row_invariant=row_invariant)
 
     def _fuse(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] each -> fc(cat(norm_emb(embedded), norm_hidden(hidden))) [n, H]."""

@@ -51,7 +51,10 @@ the host draws are per row), so a sequence's drafts are the same whether it prop
 batched with others. Drafts only decide what the target verifies; the target's acceptance picks
 every emitted token, so with greedy or coupled drafts the stream equals plain decoding whatever the
 head drafts. A step that asks for hidden rows verifies as any step, graphed or eager: the graphs
-copy every verify's hidden rows out (Step.verify). The head's own forwards run eagerly.
+copy every verify's hidden rows out (Step.verify). In process on CUDA a greedy or coupled proposal
+of up to MTP_CHAIN_MAX_K drafts whose catch-up is one verify's rows runs as one CUDA graph replay
+(mtp_chain.py: the same forwards and choices, so the same drafts); the server's batched proposals,
+rejection mode and longer catch-ups (the prompt's) run the forwards above eagerly.
 
 Failures. A request that is wrong (hidden rows missing, a context past the pool, a slot out of
 range) gets a ValueError naming what is wrong, and only that request fails; a forward that fails
@@ -76,6 +79,7 @@ from ..model.rows import RowBatch
 from ..params import STREAM_DRAFT, SamplingParams
 from ..sampling import choose, choose_rows, masked_logits, sample_from
 from .model import COUPLED, REJECTION
+from .mtp_chain import MTP_CHAIN_MAX_K, MTPChain
 
 log = logging.getLogger(__name__)
 
@@ -297,20 +301,28 @@ class MTPProposer:
     ProbabilityProposer) over an MTPDrafter's slot; in process, a drafter of one slot of its own."""
 
     def __init__(self, head: MTPHead, max_seq_len: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
-                 mode: str = COUPLED, *, drafter: MTPDrafter | None = None, slot: int = 0):
+                 mode: str = COUPLED, *, drafter: MTPDrafter | None = None, slot: int = 0, chain: bool | None = None):
         """max_seq_len: the engine's (its pool's): the most positions a sequence reaches. sampling:
         the session's; mode: COUPLED (the default: the stream is the plain one) or REJECTION (q
         returned for the verifier's rejection sampling); seed: rejection mode's draws. drafter:
         a shared MTPDrafter whose `slot` this sequence takes (the server's); None: a new one of
-        one slot."""
+        one slot. chain: propose through an MTPChain (mtp_chain.py: one CUDA graph replay a
+        proposal, the same drafts) where one fits; None: on CUDA, for a drafter of its own and
+        drafts without q; True on the CPU runs the chain's body eagerly (tests, greedy only)."""
         if mode not in (COUPLED, REJECTION):
             raise ValueError(f"mode must be {REJECTION!r} or {COUPLED!r}, got {mode!r}")
+        own = drafter is None
         self.drafter = drafter if drafter is not None else MTPDrafter(head, 1, max_seq_len)
         if not 0 <= slot < self.drafter.n_slots:
             raise ValueError(f"MTP drafter: slot {slot} is outside its pool of {self.drafter.n_slots} slots")
         self.slot = slot
         self.params, self.seed, self.mode = sampling, seed, mode
         self.track: MTPTrack | None = None
+        sends_q = mode == REJECTION and not sampling.greedy
+        cuda = torch.device(head.device).type == "cuda"
+        if chain is None:
+            chain = cuda and own and not sends_q
+        self.chain = MTPChain(head, self.drafter.pool, slot, MTP_CHAIN_MAX_K, sampling, graphed=cuda) if chain else None
 
     @property
     def head(self) -> MTPHead:
@@ -349,7 +361,17 @@ class MTPProposer:
     def propose_with_probs(self, context: list[int], k: int) -> Drafted:
         """Up to k drafts after `context`, and their distributions q [len, vocab] float32 when the
         session samples in rejection mode (else None: the drafts are deterministic given the logits)."""
-        (result,) = self.drafter.propose([self.ask(context, k)])
+        ask = self.ask(context, k)
+        if self.chain is not None and not ask.sends_q:
+            if not self.drafter._check(ask):  # ValueError naming what is wrong; False: nothing to draft
+                return [], None
+            track, p = ask.track, ask.pending
+            start = min(track.fed, p - 1)  # the catch-up's rows, as MTPDrafter._catch_up takes them
+            if self.chain.fits(p - start, k) and p + k - 2 < self.max_seq_len:  # else the eager loop cuts them
+                drafts = self.chain.propose(start, context[start + 1 : p + 1], track.rows(start, p), k)
+                track.fed_to(p)
+                return drafts, None
+        (result,) = self.drafter.propose([ask])
         if isinstance(result, Exception):
             raise result
         return result

@@ -1,0 +1,63 @@
+"""The MTP chain (verifier/proposers/mtp_chain.py): a proposal through it, one CUDA graph replay on
+a GPU or the same body eagerly on the CPU, drafts what the eager MTPDrafter drafts, proposal by
+proposal (==), for catch-ups of one row (drafts rejected) and of K + 1 rows (every draft kept: an
+oracle's drafts are sent while the head proposes), and the streams stay plain decoding's."""
+
+import pytest
+import torch
+
+from verifier.engine import Engine
+from verifier.generate import generate
+from verifier.model import load_model
+from verifier.model.mtp import load_mtp_head
+from verifier.params import SamplingParams
+from verifier.proposers import MTPProposer, OracleProposer
+from mtp_recording import Recording
+
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next_moe"]
+PROMPT = [5, 9, 2, 7, 11, 3]
+NEW = 20
+K = 4
+
+
+def _run(engine, head, params, chain: bool, oracle: bool):
+    proposer = MTPProposer(head, engine.pool.max_seq_len, params, chain=chain)
+    assert (proposer.chain is not None) == chain
+    instead = OracleProposer(len(PROMPT), generate(engine, PROMPT, NEW, params).tokens) if oracle else None
+    recording = Recording(proposer, instead)
+    result = generate(engine, PROMPT, NEW, params, recording, K)
+    return result, recording.calls, proposer
+
+
+def _samplings(device):
+    out = {"greedy": SamplingParams()}
+    if device == "cuda":  # a coupled draft is chosen on the device only on CUDA
+        out["sampled"] = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    return out
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["rejected", "all-kept"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chain_drafts_equal_the_eager_drafters(mtp_checkpoint, name, oracle, model_device):
+    path = mtp_checkpoint(name)
+    model = load_model(path, model_device)
+    head = load_mtp_head(path, model)
+    engine = Engine(model, n_slots=1, max_seq_len=len(PROMPT) + NEW + K, max_k=K)
+    for label, params in _samplings(model_device).items():
+        plain = generate(engine, PROMPT, NEW, params)
+        chained, chain_calls, proposer = _run(engine, head, params, chain=True, oracle=oracle)
+        eager, eager_calls, _ = _run(engine, head, params, chain=False, oracle=oracle)
+        assert chain_calls == eager_calls, label
+        assert chained.tokens == eager.tokens == plain.tokens, label
+        assert torch.equal(chained.logits, plain.logits), label
+        if oracle:  # every draft kept: catch-ups of K + 1 rows went through the chain
+            assert max(chained.accepted_per_step) == K
+        if model_device == "cuda":
+            assert 0 < proposer.chain.captures <= len({(c, k) for _, k, _ in chain_calls for c in range(1, K + 2)})
+
+
+def test_a_chain_with_sampling_needs_cuda(mtp_checkpoint):
+    path = mtp_checkpoint("qwen3_5_text")
+    model = load_model(path, "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        MTPProposer(load_mtp_head(path, model), 64, SamplingParams(temperature=0.7, seed=1), chain=True)

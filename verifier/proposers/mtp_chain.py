@@ -1,0 +1,135 @@
+"""One sequence's MTP proposal in one CUDA graph replay: the head's analogue of draft_chain.py.
+
+Eager, a proposal of k drafts is k forwards of the MTP head (a catch-up of c rows, then k - 1
+one-row forwards: verifier/proposers/mtp.py), each a few dozen launches, and a host sync per draft
+for its choice: host work far above the GPU work of one layer and an LM head. An MTPChain records
+the whole proposal once per (c, k), and a proposal is then one copy of the hidden rows into a
+static buffer, one copy of the control words to the device, one replay and one copy of the k draft
+ids back.
+
+One proposal from catch-up start s with c rows (the context's pending token at p = s + c):
+    catch-up: rows q = s .. p - 1, (hidden q, token q + 1) at position q   -> logits of row p - 1
+    draft 0 = the choice from those logits, for the token at p + 1
+    for i in 1 .. k - 1:
+        one row (the previous forward's output row, draft i - 1) at position p - 1 + i, MTP layer
+        i % n  -> draft i, for the token at p + 1 + i
+The choice is the session's (draft_chain.DeviceChoice: greedy argmax, or on CUDA the coupled
+choice with the noise keyed by the token's position), so the drafts are those of the eager
+MTPDrafter for the same sequence, bit for bit: the same forwards (MTPHead.compute, the
+row-invariant kernels, the same row counts) and the same choice.
+
+Static buffers. control [1 + max_catch] int64 (s, then the c catch-up tokens), written on the host
+and copied by the graph's first node; the catch-up's hidden rows [max_catch, H]; per c a
+StepInputs(c, 1) and one StepInputs(1, 1) for the one-row forwards, whose tokens and positions
+in-graph ops write (the slot is fixed at construction, so nothing else changes); the logits rows;
+the draft ids. Graphs are captured when a (c, k) is first asked for, after one eager run of the
+same body with the same inputs (it compiles the kernels and writes the KV rows the replay writes
+again). Without graphs (graphed=False: the CPU reference, tests) the same body runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.graphs import collector_paused
+from ..model.mtp import MTPHead
+from ..model.rows import RowBatch
+from ..model.state import SlotPool
+from ..model.step_inputs import StepInputs
+from ..params import SamplingParams
+from .draft_chain import DeviceChoice
+
+MTP_CHAIN_MAX_K = 8  # drafts per proposal a chain covers (the server's default max_k); more run eagerly
+
+
+class MTPChain:
+    def __init__(self, head: MTPHead, pool: SlotPool, slot: int, max_k: int, params: SamplingParams, graphed: bool):
+        """Chains of 1 .. max_k drafts after a catch-up of 1 .. max_k + 1 rows (the rows one verify
+        consumes: its accepted drafts and the bonus) for `slot` of `pool`, choosing as `params` says."""
+        if max_k < 1:
+            raise ValueError(f"max_k must be at least 1, got {max_k}")
+        self.head, self.pool, self.slot, self.max_k = head, pool, slot, max_k
+        self.max_catch = max_k + 1
+        self.graphed = graphed
+        device = self.device = torch.device(head.device)
+        vocab, H = head.vocab_size, head.config.hidden_size
+        self.choose = DeviceChoice(params, vocab, device)
+        self._host_control = torch.zeros(1 + self.max_catch, dtype=torch.int64, pin_memory=graphed)
+        self._control = torch.zeros(1 + self.max_catch, dtype=torch.int64, device=device)  # [s, c tokens]
+        self._start = self._control[0:1]
+        self._offsets = torch.arange(self.max_catch, dtype=torch.int64, device=device)
+        self._hidden = torch.zeros(self.max_catch, H, dtype=head.dtype, device=device)  # the catch-up's hidden rows
+        self._catch = {c: self._inputs(c) for c in range(1, self.max_catch + 1)}
+        self._one = self._inputs(1)
+        self._catch_logits = torch.zeros(self.max_catch, vocab, dtype=torch.float32, device=device)
+        self._logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+        self._position = torch.zeros(1, dtype=torch.int64, device=device)  # the chosen token's position
+        self._drafts = torch.zeros(max_k, dtype=torch.int64, device=device)
+        self._host_drafts = torch.zeros(max_k, dtype=torch.int64, pin_memory=graphed)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._memory = torch.cuda.graph_pool_handle() if graphed else None
+        self._done = torch.cuda.Event() if graphed else None
+        self.captures = 0  # graphs captured since construction
+
+    def _inputs(self, rows: int) -> StepInputs:
+        """A device StepInputs of `rows` rows of this chain's slot (tokens and positions written in-graph)."""
+        return StepInputs(rows, 1, "cpu").fill(None, RowBatch((self.slot,), (0,), (rows,))).to(self.device)
+
+    def fits(self, catch_rows: int, k: int) -> bool:
+        return 1 <= catch_rows <= self.max_catch and 1 <= k <= self.max_k
+
+    @torch.inference_mode()
+    def propose(self, start: int, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+        """k drafts after a catch-up of the rows start .. start + c - 1 (tokens: their c tokens, the
+        context's q + 1; hidden [c, H]: their hidden rows). The caller checked the context and that
+        the draft rows fit the pool (start + c - 2 + k < max_seq_len)."""
+        c = len(tokens)
+        assert self.fits(c, k) and hidden.shape == (c, self._hidden.shape[1]), (c, k, list(hidden.shape))
+        self._host_control[0] = start
+        self._host_control[1 : 1 + c] = torch.tensor(tokens, dtype=torch.int64)
+        self._hidden[:c].copy_(hidden)
+        if not self.graphed:
+            self._body(start, c, k)
+            return self._host_drafts[:k].tolist()
+        graph = self._graphs.get((c, k))
+        if graph is None:
+            graph = self._capture(start, c, k)
+        graph.replay()
+        self._done.record()
+        self._done.synchronize()
+        return self._host_drafts[:k].tolist()
+
+    def _capture(self, start: int, c: int, k: int) -> torch.cuda.CUDAGraph:
+        self._body(start, c, k)  # eager once: compiles this shape's kernels (the replay rewrites its KV rows)
+        graph = torch.cuda.CUDAGraph()
+        with collector_paused(), torch.cuda.graph(graph, pool=self._memory):
+            self._body(start, c, k)
+        self._graphs[(c, k)] = graph
+        self.captures += 1
+        return graph
+
+    def _body(self, start: int, c: int, k: int) -> None:
+        """The proposal (module docstring). `start` feeds the batches' host fields only (the CPU
+        reference's attention reads them; kernels read the device tensors, so a capture may pass
+        any value)."""
+        head, pool, slot = self.head, self.pool, self.slot
+        self._control.copy_(self._host_control, non_blocking=self.graphed)
+        catch = self._catch[c]
+        torch.add(self._offsets[:c], self._start, out=catch.positions)  # s .. s + c - 1
+        catch.tokens.copy_(self._control[1 : 1 + c])
+        batch = RowBatch((slot,), (start,), (c,))
+        batch.attach(self.device, catch.batch_tensors())
+        out, _ = head.compute(catch.tokens, self._hidden[:c], batch, pool, row_invariant=True, step=0,
+                              logits_out=self._catch_logits[:c])
+        torch.add(self._start, c + 1, out=self._position)  # draft 0's token sits at p + 1
+        self.choose(self._catch_logits[c - 1 : c], self._position, self._drafts[0:1])
+        row, one = out[c - 1 : c], self._one
+        for i in range(1, k):
+            torch.add(self._start, c - 1 + i, out=one.positions)  # the row's own position, p - 1 + i
+            one.tokens.copy_(self._drafts[i - 1 : i])
+            batch = RowBatch((slot,), (start + c - 1 + i,), (1,))
+            batch.attach(self.device, one.batch_tensors())
+            row, _ = head.compute(one.tokens, row, batch, pool, row_invariant=True, step=i, logits_out=self._logits)
+            torch.add(self._start, c + 1 + i, out=self._position)
+            self.choose(self._logits, self._position, self._drafts[i : i + 1])
+        self._host_drafts[:k].copy_(self._drafts[:k], non_blocking=self.graphed)
