@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from drafter.bench_plots import save_png
+
 from . import PROG
 
 METRICS_FILE = "training_metrics.json"
@@ -22,7 +24,7 @@ def plot_curves(metrics: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, color in (("target", "tab:blue"), ("draft", "tab:orange")):
         train = metrics["models"][name]["train"]
         to_bits = 1 / math.log(2)
@@ -38,8 +40,7 @@ def plot_curves(metrics: dict, out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    save_png(fig, out, dpi=110)
 
 
 def _fmt_int(n: int) -> str:

@@ -94,7 +94,7 @@ def save_checkpoint(model, tok, out_dir: Path, dtype: torch.dtype) -> int:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(out_dir)
-    tok.save(str(out_dir / "tokenizer.json"))
+    tok.save(str(out_dir / "tokenizer.json"), pretty=False)  # the same tokenizer, without indentation (~40% of the bytes)
     GenerationConfig(eos_token_id=EOT_ID, pad_token_id=EOT_ID).save_pretrained(out_dir)
     return sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
 
