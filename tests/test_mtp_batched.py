@@ -64,7 +64,8 @@ def run_batched(engine: Engine, drafter: MTPDrafter, order: list[int]):
     (tokens per sequence, drafts of each proposal per sequence, (forwards, largest room) per round,
     the head's logits rows per sequence as CountingForwards records them)."""
     seqs = [engine.open(PROMPTS[i], SAMPLINGS[i], NEW, want_hidden=True) for i in order]
-    proposers = [drafter.proposer(seq.slot, seq.sampling) for seq in seqs]
+    # the batched forwards (chains off: on a GPU a few sequences would otherwise replay their chains)
+    proposers = [drafter.proposer(seq.slot, seq.sampling, chain=False) for seq in seqs]
     for proposer, seq in zip(proposers, seqs):
         proposer.begin(seq.prompt_hidden)
         assert proposer.track.held[0] is seq.prompt_hidden, "the prompt's rows are kept by reference, not copied"
@@ -129,7 +130,7 @@ def _opened(model, head, n):
     engine = Engine(model, n_slots=n, max_seq_len=MAX_SEQ_LEN, max_k=MAX_K)
     drafter = MTPDrafter(head, n, MAX_SEQ_LEN)
     seqs = [engine.open(PROMPTS[i], SAMPLINGS[i], NEW, want_hidden=True) for i in range(n)]
-    proposers = [drafter.proposer(seq.slot, seq.sampling) for seq in seqs]
+    proposers = [drafter.proposer(seq.slot, seq.sampling, chain=False) for seq in seqs]
     for proposer, seq in zip(proposers, seqs):
         proposer.begin(seq.prompt_hidden)
     return engine, drafter, seqs, proposers

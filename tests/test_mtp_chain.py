@@ -53,7 +53,7 @@ def test_chain_drafts_equal_the_eager_drafters(mtp_checkpoint, name, oracle, mod
         if oracle:  # every draft kept: catch-ups of K + 1 rows went through the chain
             assert max(chained.accepted_per_step) == K
         if model_device == "cuda":
-            assert 0 < proposer.chain.captures <= len({(c, k) for _, k, _ in chain_calls for c in range(1, K + 2)})
+            assert 0 < proposer.chain.captures <= len({(c, k) for _, k, _, _ in chain_calls for c in range(1, K + 2)})
 
 
 def test_a_chain_with_sampling_needs_cuda(mtp_checkpoint):
@@ -61,3 +61,43 @@ def test_a_chain_with_sampling_needs_cuda(mtp_checkpoint):
     model = load_model(path, "cpu")
     with pytest.raises(ValueError, match="CUDA"):
         MTPProposer(load_mtp_head(path, model), 64, SamplingParams(temperature=0.7, seed=1), chain=True)
+
+
+def test_a_shared_drafter_proposes_few_sequences_through_their_chains(mtp_checkpoint, model_device):
+    """The server's MTPDrafter: three sequences proposing together, each through its own chain
+    (at most MTP_CHAIN_MAX_SEQUENCES of them), draft what the batched forwards draft, round by round."""
+    from verifier.engine import StepRequest
+    from verifier.generation import draft_room
+    from verifier.proposers.mtp import MTP_CHAIN_MAX_SEQUENCES, MTPDrafter
+
+    prompts = [PROMPT, [8, 1, 4], [30, 2, 2, 17, 6, 40, 12, 9, 1]]
+    assert len(prompts) <= MTP_CHAIN_MAX_SEQUENCES
+    path = mtp_checkpoint("qwen3_5_moe_text")
+    model = load_model(path, model_device)
+    head = load_mtp_head(path, model)
+    max_seq_len = max(map(len, prompts)) + NEW + K
+    engine = Engine(model, n_slots=len(prompts), max_seq_len=max_seq_len, max_k=K)
+    rounds = {}
+    for chain in (True, False):
+        drafter = MTPDrafter(head, len(prompts), max_seq_len)
+        seqs = [engine.open(p, SamplingParams(), NEW, want_hidden=True) for p in prompts]
+        proposers = [drafter.proposer(s.slot, s.sampling, chain=chain) for s in seqs]
+        assert all((p.chain is not None) == chain for p in proposers)
+        for proposer, seq in zip(proposers, seqs):
+            proposer.begin(seq.prompt_hidden)
+        contexts = [list(p) + [s.pending] for p, s in zip(prompts, seqs)]
+        log = []
+        while live := [i for i, s in enumerate(seqs) if not s.finished]:
+            rooms = {i: draft_room(K, K, max_seq_len, seqs[i].position, NEW, seqs[i].emitted) for i in live}
+            proposed = drafter.propose([proposers[i].ask(contexts[i], rooms[i]) for i in live])
+            drafts = [list(result[0]) for result in proposed]
+            log.append(drafts)
+            results = engine.step([StepRequest(seqs[i], d, want_hidden=True) for i, d in zip(live, drafts)])
+            for i, result in zip(live, results):
+                contexts[i] += result.tokens
+                proposers[i].observe(result.hidden)
+        for seq in seqs:
+            engine.close(seq)
+        rounds[chain] = log
+    assert rounds[True] == rounds[False]
+    assert any(len(d) > 1 for drafts in rounds[True] for d in drafts)

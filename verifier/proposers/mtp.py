@@ -51,10 +51,11 @@ the host draws are per row), so a sequence's drafts are the same whether it prop
 batched with others. Drafts only decide what the target verifies; the target's acceptance picks
 every emitted token, so with greedy or coupled drafts the stream equals plain decoding whatever the
 head drafts. A step that asks for hidden rows verifies as any step, graphed or eager: the graphs
-copy every verify's hidden rows out (Step.verify). In process on CUDA a greedy or coupled proposal
-of up to MTP_CHAIN_MAX_K drafts whose catch-up is one verify's rows runs as one CUDA graph replay
-(mtp_chain.py: the same forwards and choices, so the same drafts); the server's batched proposals,
-rejection mode and longer catch-ups (the prompt's) run the forwards above eagerly.
+copy every verify's hidden rows out (Step.verify). On CUDA a greedy or coupled proposal of up to
+MTP_CHAIN_MAX_K drafts whose catch-up is one verify's rows runs as one CUDA graph replay of the
+sequence's own MTP chain (mtp_chain.py: the same forwards and choices, so the same drafts) when the
+proposal holds at most MTP_CHAIN_MAX_SEQUENCES sequences (in process: always one); more sequences,
+rejection mode and longer catch-ups (the prompt's) take the batched forwards above, eagerly.
 
 Failures. A request that is wrong (hidden rows missing, a context past the pool, a slot out of
 range) gets a ValueError naming what is wrong, and only that request fails; a forward that fails
@@ -80,6 +81,11 @@ from ..params import STREAM_DRAFT, SamplingParams
 from ..sampling import choose, choose_rows, masked_logits, sample_from
 from .model import COUPLED, REJECTION
 from .mtp_chain import MTP_CHAIN_MAX_K, MTPChain
+
+# Past this many sequences in one proposal the batched forwards beat a chain replay per sequence: a
+# replay costs about its drafts' LM head reads, the batched pass a launch-bound eager pass whatever
+# its sequences (bench.fp8_real_size's MTP figure times both at one sequence). The drafts are the same.
+MTP_CHAIN_MAX_SEQUENCES = 8
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +129,7 @@ class MTPAsk:
     params: SamplingParams = SamplingParams()
     seed: int = 0  # rejection mode's own noise (STREAM_DRAFT)
     mode: str = COUPLED
+    chain: MTPChain | None = None  # the sequence's MTP chain (one graph replay a proposal), if it has one
 
     @property
     def pending(self) -> int:
@@ -145,6 +152,9 @@ class MTPDrafter:
         # [n_slots + 1 (scratch), max_seq_len] KV rows per MTP layer; slots are named, not admitted
         # (attention needs no reset: a catch-up writes every row before any row reads it)
         self.pool = head.new_pool(n_slots, max_seq_len)
+        self.graphed = torch.device(head.device).type == "cuda"
+        # every chain's graphs in one memory pool: chains replay one at a time on the worker's stream
+        self.graph_memory = torch.cuda.graph_pool_handle() if self.graphed else None
 
     def track(self, slot: int, prompt_hidden: torch.Tensor) -> MTPTrack:
         """A new sequence in `slot`, whose prompt rows' hidden rows are prompt_hidden [len(prompt), H]."""
@@ -169,9 +179,10 @@ class MTPDrafter:
             track.known += n
 
     def proposer(self, slot: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
-                 mode: str = COUPLED) -> "MTPProposer":
-        """A proposer for the sequence in `slot` that drafts through this drafter's pool."""
-        return MTPProposer(self.head, self.max_seq_len, sampling, seed, mode, drafter=self, slot=slot)
+                 mode: str = COUPLED, chain: bool | None = None) -> "MTPProposer":
+        """A proposer for the sequence in `slot` that drafts through this drafter's pool (with its
+        own MTP chain on CUDA unless chain=False: MTPProposer)."""
+        return MTPProposer(self.head, self.max_seq_len, sampling, seed, mode, drafter=self, slot=slot, chain=chain)
 
     # -- proposing -----------------------------------------------------------------------------
 
@@ -192,6 +203,20 @@ class MTPDrafter:
                 out[i] = exc
         if not drafting:
             return out
+        if len(drafting) <= MTP_CHAIN_MAX_SEQUENCES:  # each through its chain where one fits (the same drafts)
+            eager = []
+            for i in drafting:
+                try:
+                    chained = self._chained(asks[i])
+                except Exception as exc:  # noqa: BLE001 - that sequence's own failure
+                    chained = exc
+                if chained is None:
+                    eager.append(i)
+                else:
+                    out[i] = chained
+            drafting = eager
+            if not drafting:
+                return out
         try:
             drafted = self._draft([asks[i] for i in drafting])
         except Exception as exc:  # noqa: BLE001 - which sequence's? each alone tells (and gets its drafts)
@@ -204,6 +229,19 @@ class MTPDrafter:
         for i, result in zip(drafting, drafted):
             out[i] = result
         return out
+
+    def _chained(self, ask: MTPAsk) -> Drafted | None:
+        """A checked ask's drafts through its chain (one graph replay), or None when it has no chain,
+        sends q, or its catch-up or drafts do not fit one (the batched forwards take it then)."""
+        chain, track, p = ask.chain, ask.track, ask.pending
+        if chain is None or ask.sends_q:
+            return None
+        start = min(track.fed, p - 1)  # the catch-up's rows, as _catch_up takes them
+        if not chain.fits(p - start, ask.k) or p + ask.k - 2 >= self.max_seq_len:  # _draft cuts such drafts
+            return None
+        drafts = chain.propose(start, ask.context[start + 1 : p + 1], track.rows(start, p), ask.k)
+        track.fed_to(p)
+        return drafts, None
 
     def _alone(self, ask: MTPAsk) -> Drafted | Exception:
         try:
@@ -307,11 +345,11 @@ class MTPProposer:
         returned for the verifier's rejection sampling); seed: rejection mode's draws. drafter:
         a shared MTPDrafter whose `slot` this sequence takes (the server's); None: a new one of
         one slot. chain: propose through an MTPChain (mtp_chain.py: one CUDA graph replay a
-        proposal, the same drafts) where one fits; None: on CUDA, for a drafter of its own and
-        drafts without q; True on the CPU runs the chain's body eagerly (tests, greedy only)."""
+        proposal, the same drafts) where one fits and the drafter proposes for few sequences
+        (MTP_CHAIN_MAX_SEQUENCES); None: on CUDA, for drafts without q; True on the CPU runs the
+        chain's body eagerly (tests, greedy only)."""
         if mode not in (COUPLED, REJECTION):
             raise ValueError(f"mode must be {REJECTION!r} or {COUPLED!r}, got {mode!r}")
-        own = drafter is None
         self.drafter = drafter if drafter is not None else MTPDrafter(head, 1, max_seq_len)
         if not 0 <= slot < self.drafter.n_slots:
             raise ValueError(f"MTP drafter: slot {slot} is outside its pool of {self.drafter.n_slots} slots")
@@ -319,10 +357,11 @@ class MTPProposer:
         self.params, self.seed, self.mode = sampling, seed, mode
         self.track: MTPTrack | None = None
         sends_q = mode == REJECTION and not sampling.greedy
-        cuda = torch.device(head.device).type == "cuda"
+        graphed = self.drafter.graphed
         if chain is None:
-            chain = cuda and own and not sends_q
-        self.chain = MTPChain(head, self.drafter.pool, slot, MTP_CHAIN_MAX_K, sampling, graphed=cuda) if chain else None
+            chain = graphed and not sends_q
+        self.chain = (MTPChain(head, self.drafter.pool, slot, MTP_CHAIN_MAX_K, sampling, graphed=graphed,
+                               memory=self.drafter.graph_memory) if chain else None)
 
     @property
     def head(self) -> MTPHead:
@@ -352,7 +391,7 @@ class MTPProposer:
 
     def ask(self, context: list[int], k: int) -> MTPAsk:
         """This sequence's request, for MTPDrafter.propose with others'."""
-        return MTPAsk(self._track(), context, k, self.params, self.seed, self.mode)
+        return MTPAsk(self._track(), context, k, self.params, self.seed, self.mode, self.chain)
 
     def propose(self, context: list[int], k: int) -> list[int]:
         """Up to k drafts for the positions after context (module docstring)."""
@@ -361,17 +400,7 @@ class MTPProposer:
     def propose_with_probs(self, context: list[int], k: int) -> Drafted:
         """Up to k drafts after `context`, and their distributions q [len, vocab] float32 when the
         session samples in rejection mode (else None: the drafts are deterministic given the logits)."""
-        ask = self.ask(context, k)
-        if self.chain is not None and not ask.sends_q:
-            if not self.drafter._check(ask):  # ValueError naming what is wrong; False: nothing to draft
-                return [], None
-            track, p = ask.track, ask.pending
-            start = min(track.fed, p - 1)  # the catch-up's rows, as MTPDrafter._catch_up takes them
-            if self.chain.fits(p - start, k) and p + k - 2 < self.max_seq_len:  # else the eager loop cuts them
-                drafts = self.chain.propose(start, context[start + 1 : p + 1], track.rows(start, p), k)
-                track.fed_to(p)
-                return drafts, None
-        (result,) = self.drafter.propose([ask])
+        (result,) = self.drafter.propose([self.ask(context, k)])
         if isinstance(result, Exception):
             raise result
         return result

@@ -43,9 +43,12 @@ MTP_CHAIN_MAX_K = 8  # drafts per proposal a chain covers (the server's default 
 
 
 class MTPChain:
-    def __init__(self, head: MTPHead, pool: SlotPool, slot: int, max_k: int, params: SamplingParams, graphed: bool):
+    def __init__(self, head: MTPHead, pool: SlotPool, slot: int, max_k: int, params: SamplingParams, graphed: bool,
+                 memory=None):
         """Chains of 1 .. max_k drafts after a catch-up of 1 .. max_k + 1 rows (the rows one verify
-        consumes: its accepted drafts and the bonus) for `slot` of `pool`, choosing as `params` says."""
+        consumes: its accepted drafts and the bonus) for `slot` of `pool`, choosing as `params` says.
+        memory: the CUDA graph memory pool to capture into (shared by chains that never replay at
+        once); None: one of its own."""
         if max_k < 1:
             raise ValueError(f"max_k must be at least 1, got {max_k}")
         self.head, self.pool, self.slot, self.max_k = head, pool, slot, max_k
@@ -67,7 +70,7 @@ class MTPChain:
         self._drafts = torch.zeros(max_k, dtype=torch.int64, device=device)
         self._host_drafts = torch.zeros(max_k, dtype=torch.int64, pin_memory=graphed)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._memory = torch.cuda.graph_pool_handle() if graphed else None
+        self._memory = (memory if memory is not None else torch.cuda.graph_pool_handle()) if graphed else None
         self._done = torch.cuda.Event() if graphed else None
         self.captures = 0  # graphs captured since construction
 
