@@ -101,3 +101,27 @@ def test_a_shared_drafter_proposes_few_sequences_through_their_chains(mtp_checkp
         rounds[chain] = log
     assert rounds[True] == rounds[False]
     assert any(len(d) > 1 for drafts in rounds[True] for d in drafts)
+
+
+def test_a_slot_keeps_its_chain_for_the_next_session_that_chooses_alike(mtp_checkpoint, model_device):
+    """A new sequence in a slot reuses the slot's chain (its captured graphs) when it chooses as the
+    last one did, and drafts what the eager drafter drafts; one that chooses otherwise gets a new chain."""
+    from verifier.proposers.mtp import MTPDrafter
+
+    path = mtp_checkpoint("qwen3_5_text")
+    model = load_model(path, model_device)
+    head = load_mtp_head(path, model)
+    engine = Engine(model, n_slots=1, max_seq_len=len(PROMPT) + NEW + K, max_k=K)
+    drafter = MTPDrafter(head, 1, engine.pool.max_seq_len)
+    first = drafter.proposer(0, SamplingParams(), chain=True)
+    second = drafter.proposer(0, SamplingParams(), chain=True)
+    assert second.chain is first.chain
+    eager = MTPProposer(head, engine.pool.max_seq_len, chain=False)
+    for proposer in (first, second):
+        with_chain, without = Recording(proposer), Recording(eager)
+        generate(engine, PROMPT, NEW, SamplingParams(), with_chain, K)
+        generate(engine, PROMPT, NEW, SamplingParams(), without, K)
+        assert with_chain.calls == without.calls
+    if model_device == "cuda":  # a coupled choice: another chain for the slot
+        sampled = drafter.proposer(0, SamplingParams(temperature=0.8, seed=2))
+        assert sampled.chain is not first.chain and drafter.proposer(0, SamplingParams()).chain is not first.chain

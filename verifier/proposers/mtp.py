@@ -155,6 +155,18 @@ class MTPDrafter:
         self.graphed = torch.device(head.device).type == "cuda"
         # every chain's graphs in one memory pool: chains replay one at a time on the worker's stream
         self.graph_memory = torch.cuda.graph_pool_handle() if self.graphed else None
+        self._chains: dict[int, MTPChain] = {}  # slot -> the chain its last sequence drafted with
+
+    def chain(self, slot: int, params: SamplingParams) -> MTPChain:
+        """The MTP chain of `slot` choosing as `params` says: the slot's last one when it chose so
+        (a new session in the slot then replays the graphs already captured: a capture costs far
+        more than a proposal), else a new one, which replaces it."""
+        chain = self._chains.get(slot)
+        if chain is None or chain.choose.params != params:
+            chain = MTPChain(self.head, self.pool, slot, MTP_CHAIN_MAX_K, params, graphed=self.graphed,
+                             memory=self.graph_memory)
+            self._chains[slot] = chain
+        return chain
 
     def track(self, slot: int, prompt_hidden: torch.Tensor) -> MTPTrack:
         """A new sequence in `slot`, whose prompt rows' hidden rows are prompt_hidden [len(prompt), H]."""
@@ -360,8 +372,7 @@ class MTPProposer:
         graphed = self.drafter.graphed
         if chain is None:
             chain = graphed and not sends_q
-        self.chain = (MTPChain(head, self.drafter.pool, slot, MTP_CHAIN_MAX_K, sampling, graphed=graphed,
-                               memory=self.drafter.graph_memory) if chain else None)
+        self.chain = self.drafter.chain(slot, sampling) if chain else None
 
     @property
     def head(self) -> MTPHead:
