@@ -404,6 +404,21 @@ class Tables:
             rows.append(f"{f['config']} block FP8 at full size: decode b=1 / K = 8 b=1 / decode b=64 | {f['decode_ms_b1']:.2f} / "
                         f"{f['verify_k8_ms_b1']:.2f} / {f['decode_ms_b64']:.2f} ms ({f['decode_ms_b1'] / f['hbm_floor_ms']:.1f}x "
                         f"its floor at batch 1), {f['gpu_memory_gib']:.1f} GiB | `{self.rel(fp8_path)}`")
+        mtp = f.get("mtp_draft") or {}
+        if mtp.get("drafts") and all(d.get("ms") is not None for d in mtp["drafts"].values()):
+            cells = " / ".join(f"{d['ms']:.2f} ({d['ratio']:.1f}x)" for _, d in sorted(mtp["drafts"].items()))
+            rows.append(f"{f['config']} block FP8: its MTP head drafting K = {' / '.join(sorted(mtp['drafts']))} tokens at b=1 "
+                        f"(one CUDA graph replay) | {cells} ms (x its own memory floor) | `{self.rel(fp8_path)}`")
+        served = self.files_with("serve", lambda d: (d.get("remote_drafter") or {}).get("remote_mtp_tokens_per_s") is not None)
+        if served:
+            path = max(served.values(), key=lambda p: self.load(p)["date"])
+            r = self.load(path)["remote_drafter"]
+            rows.append(f"Shipped target and its own MTP head, K = {r['k']}, one session: tokens/s through the service / in process | "
+                        f"{r['remote_mtp_tokens_per_s']:,.0f} ({r['remote_mtp_speedup']:.2f}x plain; the remote draft model "
+                        f"{r['remote_model_speedup']:.2f}x) / {r['inprocess_mtp_tokens_per_s']:,.0f} ({r['inprocess_mtp_speedup']:.2f}x; "
+                        f"the draft model {r['inprocess_model_speedup']:.2f}x), "
+                        + ("streams = plain" if all(r.get("streams_equal_by_mode", {"": r["streams_equal"]}).values()) else "STREAMS DIFFER")
+                        + f" | `{self.rel(path)}`")
         for _, p, name, mm in self.serve_models():  # each model's newest file that served it
             if name == "shipped":  # the 24M target's step is small beside the round trip, so its ratio would measure the RPC: bench/README.md
                 continue

@@ -47,7 +47,7 @@ def test_fp8_real_size_table_shows_each_figure_against_its_own_floor(tmp_path):
     """Files without own floors (the committed ones) keep the decode against the weights' floor; a
     file with `step_floors` shows every figure over its own floor, and the experts its rows route to."""
     old = json.loads(next(report.RESULTS.glob("fp8_real_size_*.json")).read_text())
-    for key in ("step_floors", "kernel_breakdowns"):  # as a file from before own floors
+    for key in ("step_floors", "kernel_breakdowns", "mtp_draft"):  # as a file from before own floors
         old.pop(key, None)
     (tmp_path / "fp8_real_size_2026-01-01_old.json").write_text(json.dumps(old))
     assert "x its own floor" not in report.Tables(tmp_path).fp8_real_size()
@@ -66,8 +66,12 @@ def test_fp8_real_size_table_shows_each_figure_against_its_own_floor(tmp_path):
 def test_serve_table_shows_the_round_breakdown_only_for_files_that_have_it(tmp_path):
     """The committed serve files (no round timings) give the serve table as before; a file with
     `round_breakdown_ms` adds the table of where a plain round goes."""
-    old_path = max(report.RESULTS.glob("serve_*.json"), key=lambda p: report.parse_name(p.name)[1])
+    with_models = [p for p in report.RESULTS.glob("serve_*.json") if json.loads(p.read_text())["models"]]
+    old_path = max(with_models, key=lambda p: report.parse_name(p.name)[1])
     old = json.loads(old_path.read_text())
+    for m in old["models"].values():  # as a file from before round timings
+        for key in ("round_breakdown_ms", "added_ms_per_round", "added_ms_per_round_p50"):
+            m.pop(key, None)
     (tmp_path / "serve_2026-01-01.json").write_text(json.dumps(old))
     before = report.Tables(tmp_path).serve()
     assert "server in" not in before
@@ -85,6 +89,7 @@ def test_fp8_real_size_adds_the_mtp_table_only_for_files_that_time_mtp_drafts(tm
     each K's draft against its own floor and a decode step, and the LM head's share of the floor."""
     old_path = max(report.RESULTS.glob("fp8_real_size_*.json"), key=lambda p: report.parse_name(p.name)[1])
     old = json.loads(old_path.read_text())
+    old.pop("mtp_draft", None)  # as a file from before the MTP timing
     (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps(old))
     before = report.Tables(tmp_path).fp8_real_size()
     assert "MTP draft" not in before
