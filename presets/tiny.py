@@ -82,6 +82,36 @@ KIMI_QLORA = dict(
     moe_renormalize=False, first_k_dense_replace=2, tie_word_embeddings=True,
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
+# Tensor parallelism (tests/test_tensor_parallel.py): every head count and every split size divisible by
+# 2 and by 3 (6 KV heads, 6 key heads, intermediate sizes and vocabularies multiples of 6), so one
+# checkpoint runs on 2 and on 3 ranks. Qwen3-Next's interleaved projections and per-expert MoE with a
+# dense layer; Qwen3.5-MoE's separate projections, fused experts and a tied head; Kimi's MLA, KDA and
+# grouped sigmoid router.
+QWEN_NEXT_TP = dict(
+    vocab_size=96, hidden_size=36, intermediate_size=48, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=12, num_key_value_heads=6, head_dim=4,
+    linear_num_key_heads=6, linear_num_value_heads=12, linear_key_head_dim=4, linear_value_head_dim=4,
+    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+    shared_expert_intermediate_size=18, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
+)
+QWEN35_MOE_TP = dict(
+    vocab_size=90, hidden_size=24, num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=6, num_key_value_heads=6, head_dim=6,
+    linear_num_key_heads=6, linear_num_value_heads=6, linear_key_head_dim=6, linear_value_head_dim=4,
+    linear_conv_kernel_dim=3, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=6,
+    shared_expert_intermediate_size=12, tie_word_embeddings=True,
+)
+KIMI_TP = dict(
+    vocab_size=96, hidden_size=24, intermediate_size=24, num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
+    linear_num_heads=6, linear_head_dim=4, linear_conv_kernel_dim=3,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6, num_shared_experts=1, routed_scaling_factor=2.0,
+    num_expert_group=2, topk_group=1, first_k_dense_replace=1, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
 
 SPECS = {
     "qwen3_next_moe": ("qwen3_next", QWEN_NEXT_MOE, {}),
@@ -94,4 +124,7 @@ SPECS = {
     "qwen3_5_text_bf16": ("qwen3_5_text", QWEN35_TEXT, {"storage": torch.bfloat16}),
     "qwen3_5_moe_text": ("qwen3_5_moe_text", QWEN35_MOE_TEXT, {}),
     "qwen3_5_moe": ("qwen3_5_moe", QWEN35_MOE_COMPOSITE_TEXT, {"fused_experts": True, "mtp_tensors": True}),
+    "qwen3_next_tp": ("qwen3_next", QWEN_NEXT_TP, {}),
+    "qwen3_5_moe_tp": ("qwen3_5_moe_text", QWEN35_MOE_TP, {"fused_experts": True}),
+    "kimi_linear_tp": ("kimi_linear", KIMI_TP, {}),
 }

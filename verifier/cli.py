@@ -67,6 +67,9 @@ def _add_generate(sub) -> None:
                       help="the largest --k accepted: the engine and the slot are sized for it")
     spec.add_argument("--seed-draft", type=int, default=0, help="seed of the random drafter and of the model drafter")
     spec.add_argument("--rollback", default=WOA, choices=ROLLBACK_MODES, help="recurrent-state rollback: write-on-accept or snapshots")
+    gen.add_argument("--tensor-parallel", type=at_least(1), default=1, metavar="N",
+                     help="split the target model over N processes (one rank each, torch.distributed: gloo on the CPU, "
+                          "NCCL with --device cuda); the bits are those of N ranks, the same on every run of N")
     add_sampling_arguments(gen)
     gen.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
@@ -119,27 +122,20 @@ def _generate(args) -> int:
         return _fail(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda, but torch sees no CUDA device")
+    if args.tensor_parallel > 1:
+        from .parallel_generate import generate_tensor_parallel
+
+        return generate_tensor_parallel(args, k, sampling)
     model_dir = args.model or default_model_dir()
     try:
         model = load_model(model_dir, args.device, DTYPES[args.dtype])
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
     tokenizer = TextTokenizer.from_model_dir(model_dir)
-    if args.text is not None:
-        if tokenizer is None:
-            return _fail(f"--text needs {model_dir}/tokenizer.json; pass --prompt-ids instead")
-        prompt = tokenizer.encode(args.text)
-        if not prompt:
-            return _fail("--text encodes to no tokens")
-    else:
-        prompt = args.prompt_ids
-    vocab = model.config.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        return _fail(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-    limit = model.config.max_position_embeddings
-    if len(prompt) + args.max_new_tokens > limit:
-        return _fail(f"{len(prompt)} prompt tokens + {args.max_new_tokens} new tokens exceed the context length {limit}")
+    try:
+        prompt = _prompt(args, model_dir, tokenizer, model.config)
+    except ValueError as exc:
+        return _fail(str(exc))
 
     engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + args.max_new_tokens + k, max_k=k, rollback_mode=args.rollback)
     try:
@@ -153,6 +149,33 @@ def _generate(args) -> int:
     result = generate(engine, prompt, args.max_new_tokens, sampling, proposer, k, on_tokens=printer.push)
     seconds = time.perf_counter() - start
     printer.end()
+    _report(args, model_dir, prompt, k, result, seconds, tokenizer)
+    return 0
+
+
+def _prompt(args, model_dir: Path, tokenizer: TextTokenizer | None, config) -> list[int]:
+    """The prompt's ids (--text encoded, or --prompt-ids) checked against the model's config;
+    ValueError naming the problem."""
+    if args.text is not None:
+        if tokenizer is None:
+            raise ValueError(f"--text needs {model_dir}/tokenizer.json; pass --prompt-ids instead")
+        prompt = tokenizer.encode(args.text)
+        if not prompt:
+            raise ValueError("--text encodes to no tokens")
+    else:
+        prompt = args.prompt_ids
+    vocab = config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+    limit = config.max_position_embeddings
+    if len(prompt) + args.max_new_tokens > limit:
+        raise ValueError(f"{len(prompt)} prompt tokens + {args.max_new_tokens} new tokens exceed the context length {limit}")
+    return prompt
+
+
+def _report(args, model_dir: Path, prompt: list[int], k: int, result, seconds: float, tokenizer: TextTokenizer | None) -> None:
+    """After the streamed tokens: --logits-out's file, then the JSON object or the summary line."""
     if args.logits_out:
         np.save(args.logits_out, result.logits.cpu().numpy().astype(np.float32))
     text = tokenizer.decode(result.tokens) if tokenizer else None
@@ -175,7 +198,6 @@ def _generate(args) -> int:
     else:
         spec = f", {result.steps} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s{spec}]", file=sys.stderr)
-    return 0
 
 
 def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | None:

@@ -84,9 +84,11 @@ PDL_MAX_ROWS = 96
 
 
 def graphs_supported(model) -> bool:
+    """Whether a model's steps may be graphed: the Triton backend, and no tensor parallelism (a
+    rank's steps run eagerly: capturing its collectives in a graph is not written yet)."""
     from hybrid_kernels.runtime import use_triton
 
-    return use_triton(model.embed)
+    return use_triton(model.embed) and getattr(model, "parallel", None) is None
 
 
 @contextlib.contextmanager

@@ -3,6 +3,12 @@
 `forward` computes logits for a ragged RowBatch and writes every row into its slot's state
 (prefill). `compute` is the forward itself, which a step (verifier/model/step.py: verify, then
 rollback) runs row-invariantly (see ops.py) on inputs it has checked and moved to the device.
+
+Tensor parallelism (verifier/model/parallel/): a model loaded with a TensorParallel holds its
+rank's part of every split weight and a config of its rank's heads; the embedding and the LM head
+hold its rank's vocabulary rows. Three collectives join the ranks: the embedding's look-up and each
+block's two output projections are summed across ranks, and the logits are gathered, so every rank
+returns the same whole-vocabulary logits. Without one (parallel None) no line of the forward changes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from .layers.mla import LatentAttention
 from .layers.mlp import DenseMLP, MoE
 
 from .ops import add_rms_norm, each_row, head_logits, rms_norm
+from .parallel.group import TensorParallel
+from .parallel.sharding import ShardedSource, local_config
 from .rollback import COMMIT, VerifyRecord
 from .rows import RowBatch, check_rows
 from .state import SlotPool
@@ -45,11 +53,17 @@ class Block:
 
 
 class HybridModel:
-    def __init__(self, config: ModelConfig, src: TensorSource):
+    def __init__(self, config: ModelConfig, src: TensorSource, parallel: TensorParallel | None = None):
+        """parallel: this rank's place in a tensor-parallel group; then `config` is the rank's
+        (parallel.sharding.local_config: its heads, the whole vocabulary) and `src` hands out the
+        rank's parts (parallel.sharding.ShardedSource)."""
         self.config = config
+        self.parallel = parallel
         self.device = src.device
         self.dtype = src.dtype
         V, H = config.vocab_size, config.hidden_size
+        if parallel is not None:  # the rank's rows of the embedding and the LM head
+            V = len(parallel.shard(V, "vocab_size"))
         self.embed = src.take("model.embed_tokens.weight", (V, H))
         self.blocks = [Block(config, src, i) for i in range(config.n_layers)]
         self.final_norm = src.take("model.norm.weight", (H,))
@@ -88,13 +102,18 @@ class HybridModel:
         hidden_out: an optional [rows, H] buffer (all rows, even with last_only) the final-normed
         hidden rows are copied into: the LM head's input, which an MTP head reads (verifier/model/mtp.py)."""
         positions = batch.positions(self.device)
-        x = residual_stream(self.config, self.blocks, pool.layers, self.embed[tokens], self.final_norm, batch, positions,
-                            row_invariant=row_invariant, mode=mode, record=record)
+        h = self.embed[tokens] if self.parallel is None else self.parallel.embed(self.embed, tokens)
+        x = residual_stream(self.config, self.blocks, pool.layers, h, self.final_norm, batch, positions,
+                            row_invariant=row_invariant, mode=mode, record=record, parallel=self.parallel)
         if hidden_out is not None:
             hidden_out.copy_(x)
         if last_only:
             x = x[[o - 1 for o in batch.offsets[1:]]]
-        return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
+        if self.parallel is None:
+            return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
+        # each rank's vocabulary columns [rows, V / N], gathered whole [rows, V] on every rank
+        logits = self.parallel.gather_last(head_logits(x, self.lm_head, row_invariant=row_invariant))
+        return logits if logits_out is None else logits_out.copy_(logits)
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False,
                 hidden_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,14 +137,17 @@ class HybridModel:
 
 def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: torch.Tensor, final_norm: torch.Tensor,
                     batch: RowBatch, positions: torch.Tensor, *, row_invariant: bool, mode: str,
-                    record: VerifyRecord | None = None) -> torch.Tensor:
+                    record: VerifyRecord | None = None, parallel: TensorParallel | None = None) -> torch.Tensor:
     """The stream h [rows, H] entering blocks[0] through every block (block i over states[i]) ->
     final_norm of the stream after the last block [rows, H]. The main model's blocks and an MTP
     head's layers (verifier/model/mtp.py) run this one loop.
 
     The residual stream's adds run fused into the norm that follows them: h + mixed with the
     block's post-norm, h + mlp with the next block's input norm (the final norm after the last);
-    on CUDA a split-K output projection's reduce runs fused in there too (ops.linear's into_add_norm)."""
+    on CUDA a split-K output projection's reduce runs fused in there too (ops.linear's into_add_norm).
+    parallel: each block's mixer and MLP outputs are this rank's partial sums [rows, H] (their
+    output projections split by inputs), added across ranks in rank order before the add and norm
+    (TensorParallel.sum: row-invariant, the same bits on every rank)."""
     eps, zero_centred = config.rms_norm_eps, config.zero_centred_norm
 
     def add_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,16 +159,27 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
         mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode)
         if record is not None and layer_record is not None:
             record.layers[index] = layer_record
+        if parallel is not None:
+            mixed = parallel.sum(mixed)
         h, x = each_row(lambda a, b: add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)
         mlp_out = each_row(lambda t: block.mlp.forward(t, into_add_norm=True), x, row_invariant=row_invariant)
+        if parallel is not None:
+            mlp_out = parallel.sum(mlp_out)
         h, x = each_row(lambda a, b: add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)
     return x
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
-    """Read config.json and the safetensors weights of an HF checkpoint directory."""
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               parallel: TensorParallel | None = None) -> HybridModel:
+    """Read config.json and the safetensors weights of an HF checkpoint directory.
+    parallel: load this rank's part of every split tensor (verifier/model/parallel/sharding.py);
+    ValueError naming the field whose heads or sizes do not divide by the parallel size."""
     config = load_config(model_dir)
-    src = TensorSource(model_dir, device, dtype)
-    model = HybridModel(config, src)
+    if parallel is None:
+        src = TensorSource(model_dir, device, dtype)
+        model = HybridModel(config, src)
+    else:
+        whole, config = config, local_config(config, parallel.size)  # checked before any tensor is read
+        model = HybridModel(config, ShardedSource(model_dir, device, dtype, whole, parallel), parallel)
     log.info("loaded %s: %d layers (%s), vocab %d, %s on %s", config.model_type, config.n_layers, "".join(k[0] for k in config.mixers), config.vocab_size, dtype, device)
     return model

@@ -160,6 +160,9 @@ class MTPHead:
 def load_mtp_head(model_dir: str | Path, model: HybridModel) -> MTPHead | None:
     """The MTP head of the checkpoint `model` was loaded from (on its device, in its dtype), or None
     when the checkpoint has none. Opt in: load_model skips the mtp.* tensors."""
+    if getattr(model, "parallel", None) is not None:
+        raise CheckpointError(f"the MTP head is not split across tensor-parallel ranks yet ({model.parallel.size} ranks); "
+                              "draft another way")
     src = TensorSource(model_dir, model.device, model.dtype, mtp=True)
     head = MTPHead.load(model, src, read_json_object(Path(model_dir) / "config.json"))
     if head is not None:

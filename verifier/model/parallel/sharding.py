@@ -1,0 +1,234 @@
+"""Which part of each checkpoint tensor a rank keeps (Megatron-style), and the per-rank config.
+
+A rank's model is the plain model built from `local_config` (heads, intermediate sizes divided by
+the parallel size) and a `ShardedSource`, which hands each layer its rank's part of a tensor in
+the shape the layer asks for: so every layer, the slot pool and every kernel run unchanged on the
+rank's heads and channels. The parts, by layer kind (N ranks, rank r keeps the r-th of N
+contiguous parts; columns are a weight's output features, dim -2; inputs its dim -1):
+  gated attention  q_proj (per head: query | gate), k_proj, v_proj: columns of whole KV heads and
+                   their query heads (query head j reads KV head j // group, so contiguous KV heads
+                   take contiguous query heads); o_proj: inputs -> the sum across ranks; its bias
+                   on rank 0 only (zeros elsewhere: added once in the sum); q_norm, k_norm whole.
+  MLA              q_proj / q_b_proj, kv_b_proj: columns of the rank's heads; o_proj: inputs; the
+                   latent projections and norms (shared by every head) whole.
+  Gated DeltaNet   in_proj_qkv and conv1d: the rank's key heads' q and k channels and its value
+                   heads' v channels (value head j reads key head j // r: contiguous key heads
+                   take contiguous value heads); in_proj_z, b, a, dt_bias, A_log: the rank's value
+                   heads; Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head: the rank's
+                   groups; norm (per head) whole; out_proj: inputs. The conv window and recurrent
+                   state of a head live with its rank (the pool is built from the local config).
+  KDA              q/k/v_proj, their convs, b_proj, f_b_proj, g_b_proj, dt_bias, A_log: the rank's
+                   heads; f_a_proj, g_a_proj (a low-rank input shared by every head), o_norm whole;
+                   o_proj: inputs.
+  dense MLP        gate_proj, up_proj: columns of the intermediate; down_proj: inputs.
+  MoE              router (and Kimi's score bias) and shared_expert_gate whole, so every rank routes
+                   every row alike; every expert split by its intermediate dimension on every rank
+                   (gate/up columns, down inputs), the shared expert likewise. Not experts by rank:
+                   split by intermediate, every rank does the same work for every row whatever the
+                   routing (no rank waits on a hot expert's owner), needs no all-to-all of rows,
+                   and the layer ends with one cross-rank sum like the dense MLP's.
+  embedding, head  rows of the vocabulary (embedding: look-up then a sum; head: logits gathered).
+  norms            whole.
+Everything else is whole on every rank. The vocabulary stays whole in the local config: every
+rank's logits are the gathered, whole-vocabulary rows.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..checkpoint import CheckpointError, TensorSource, _feeds_gemm
+from ..config import ATTENTION, DENSE, GDN, KDA, MLA, MOE, ModelConfig
+from ..fp8 import FP8_DTYPE
+from .group import TensorParallel, split_evenly
+
+
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The config one rank of `size` computes: heads and intermediate sizes divided by size (the
+    vocabulary whole, see the module docstring); ValueError naming the field that does not divide."""
+
+    def part(n: int, what: str) -> int:
+        return split_evenly(n, size, what)
+
+    split_evenly(config.vocab_size, size, "vocab_size (the embedding and LM head are split by vocabulary rows)")
+    changes = {}
+    if ATTENTION in config.mixers:
+        a = config.attention
+        kv = part(a.n_kv_heads, "attention n_kv_heads (each rank keeps whole KV heads with their query heads)")
+        changes["attention"] = replace(a, n_heads=kv * (a.n_heads // a.n_kv_heads), n_kv_heads=kv)
+    if MLA in config.mixers:
+        changes["mla"] = replace(config.mla, n_heads=part(config.mla.n_heads, "mla n_heads"))
+    if GDN in config.mixers:
+        g = config.gdn
+        k = part(g.n_k_heads, "gdn n_k_heads (each rank keeps whole key heads with their value heads)")
+        changes["gdn"] = replace(g, n_k_heads=k, n_v_heads=k * (g.n_v_heads // g.n_k_heads))
+    if KDA in config.mixers:
+        changes["kda"] = replace(config.kda, n_heads=part(config.kda.n_heads, "kda n_heads"))
+    if MOE in config.mlps:
+        m = config.moe
+        changes["moe"] = replace(
+            m, expert_intermediate_size=part(m.expert_intermediate_size, "moe expert_intermediate_size"),
+            shared_intermediate_size=part(m.shared_intermediate_size, "moe shared_intermediate_size") if m.shared_intermediate_size else 0)
+    if DENSE in config.mlps:
+        changes["intermediate_size"] = part(config.intermediate_size, "intermediate_size (the dense MLP's)")
+    return replace(config, **changes)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Split a tensor along `dim` into N contiguous parts; with `segments` (their sizes along dim,
+    summing to the whole dim) each segment is split so and a rank's parts are joined: q | k | v
+    channels, gate | up rows."""
+
+    dim: int
+    segments: tuple[int, ...] | None = None
+
+    def whole_shape(self, part_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        """The stored shape a rank's part of `part_shape` comes from."""
+        shape = list(part_shape)
+        shape[self.dim] *= size
+        return tuple(shape)
+
+    def part(self, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        segments = self.segments or (tensor.shape[self.dim],)
+        assert sum(segments) == tensor.shape[self.dim], f"segments {segments} do not cover dim {self.dim} of {list(tensor.shape)}"
+        pieces, offset = [], 0
+        for length in segments:
+            per_rank = length // size
+            pieces.append(tensor.narrow(self.dim, offset + rank * per_rank, per_rank))
+            offset += length
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def describe(self, size: int) -> str:
+        what = f"{len(self.segments)} segments {list(self.segments)}, each" if self.segments else "it"
+        return f"{what} split into {size} parts along dim {self.dim}"
+
+
+@dataclass(frozen=True)
+class FirstRankOnly:
+    """A bias added after a split sum: whole on rank 0, zeros elsewhere (the sum adds it once)."""
+
+    def whole_shape(self, part_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        return tuple(part_shape)
+
+    def part(self, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+
+    def describe(self, size: int) -> str:
+        return "whole on rank 0, zeros on the others"
+
+
+COLUMNS, INPUTS, VECTOR = Split(0), Split(1), Split(0)  # [out, in] weights: output features / input features; 1-D per-head vectors
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
+_EXPERT_INPUTS = ("down_proj", "w2")
+
+
+class ShardPlan:
+    """name -> the Split (or FirstRankOnly) of a canonical tensor name; None: whole on every rank."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    def rule(self, name: str):
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return COLUMNS  # vocabulary rows
+        match = _LAYER.match(name)
+        if match is None or int(match.group(1)) >= self.config.n_layers:
+            return None
+        index, rest = int(match.group(1)), match.group(2)
+        mixer = self._mixer_rules(self.config.mixers[index]).get(rest)
+        return mixer if mixer is not None else self._mlp_rule(self.config.mlps[index], rest)
+
+    def _mixer_rules(self, kind: str) -> dict:
+        c = self.config
+        if kind == ATTENTION:
+            p = "self_attn."
+            rules = {p + f"{n}_proj.{t}": COLUMNS for n in "qkv" for t in ("weight", "bias")}
+            return {**rules, p + "o_proj.weight": INPUTS, p + "o_proj.bias": FirstRankOnly()}
+        if kind == MLA:
+            p = "self_attn."
+            return {p + "q_proj.weight": COLUMNS, p + "q_b_proj.weight": COLUMNS, p + "kv_b_proj.weight": COLUMNS, p + "o_proj.weight": INPUTS}
+        if kind == GDN:
+            g, p = c.gdn, "linear_attn."
+            qkv = Split(0, (g.key_dim, g.key_dim, g.value_dim))
+            rules = {p + f"{n}.weight": COLUMNS for n in ("in_proj_qkvz", "in_proj_ba", "in_proj_z", "in_proj_b", "in_proj_a")}
+            return {**rules, p + "in_proj_qkv.weight": qkv, p + "conv1d.weight": qkv, p + "dt_bias": VECTOR, p + "A_log": VECTOR,
+                    p + "out_proj.weight": INPUTS}
+        if kind == KDA:
+            P, p = c.kda.proj_dim, "self_attn."
+            rules = {p + f"{n}.weight": COLUMNS for n in ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj",
+                                                          "q_conv1d", "k_conv1d", "v_conv1d")}
+            return {**rules, p + "conv1d.weight": Split(0, (P, P, P)), p + "dt_bias": VECTOR, p + "A_log": VECTOR,
+                    p + "o_proj.weight": INPUTS}
+        raise ValueError(f"unknown mixer {kind!r}")
+
+    def _mlp_rule(self, kind: str, rest: str):
+        if kind == DENSE:
+            return {"mlp.gate_proj.weight": COLUMNS, "mlp.up_proj.weight": COLUMNS, "mlp.down_proj.weight": INPUTS}.get(rest)
+        expert = _EXPERT.match(rest)
+        if expert:
+            return INPUTS if expert.group(1) in _EXPERT_INPUTS else COLUMNS
+        I = self.config.moe.expert_intermediate_size
+        fused = {"mlp.experts.gate_up_proj": Split(1, (I, I)), "mlp.experts.down_proj": Split(2)}  # [E, 2I, H], [E, H, I]
+        shared = {f"mlp.{s}.{n}.weight": INPUTS if n == "down_proj" else COLUMNS
+                  for s in ("shared_expert", "shared_experts") for n in ("gate_proj", "up_proj", "down_proj")}
+        return {**fused, **shared}.get(rest)
+
+
+class ShardedSource(TensorSource):
+    """A TensorSource that hands each layer its rank's part of a split tensor (ShardPlan), in the
+    shape the layer asks for (the local config's); whole tensors as TensorSource does.
+
+    The stored tensor's whole shape is checked first (an error names it, its stored shape and the
+    split), the part is cut on the CPU and only the part moves to the device. A block-FP8 tensor
+    is dequantized whole, then cut (what the CPU backend loads anyway); one the source would keep in
+    FP8 for the FP8 GEMMs (CUDA) is refused: cutting FP8 blocks across ranks is not written yet."""
+
+    def __init__(self, model_dir, device, dtype: torch.dtype, config: ModelConfig, parallel: TensorParallel, *,
+                 keep_fp8: bool | None = None):
+        super().__init__(model_dir, device, dtype, keep_fp8=keep_fp8)
+        self.plan = ShardPlan(config)
+        self.parallel = parallel
+
+    def take(self, name: str, shape: tuple[int, ...], *, fp32: bool = False):
+        rule = self.plan.rule(name)
+        if rule is None:
+            return super().take(name, shape, fp32=fp32)
+        size = self.parallel.size
+        whole = rule.whole_shape(tuple(shape), size)
+        tensor = self.take_raw(name)
+        if tuple(tensor.shape) != whole:
+            raise CheckpointError(f"tensor {self.stored_name(name)!r} has shape {list(tensor.shape)}, expected {list(whole)} "
+                                  f"(tensor parallelism: {rule.describe(size)}, each rank's part {list(shape)})")
+        dtype = torch.float32 if fp32 else self.dtype
+        tensor = self._dense(name, tensor, dtype, fp32)
+        part = rule.part(tensor, self.parallel.rank, size)
+        # a fresh allocation, as TensorSource.take makes (its comment: the CPU GEMV's path follows the address)
+        return part.to(device=self.device, dtype=dtype, copy=True).contiguous()
+
+    def take_flat(self, name: str, numel: int, *, fp32: bool = False) -> torch.Tensor:
+        rule = self.plan.rule(name)
+        if rule is None:
+            return super().take_flat(name, numel, fp32=fp32)
+        size = self.parallel.size
+        tensor = self.take_raw(name)
+        if tensor.numel() != numel * size:
+            raise CheckpointError(f"tensor {self.stored_name(name)!r} has shape {list(tensor.shape)}, expected {numel * size} "
+                                  f"values (tensor parallelism: {size} parts of {numel})")
+        dtype = torch.float32 if fp32 else self.dtype
+        flat = self._dense(name, tensor, dtype, fp32).reshape(-1)
+        return rule.part(flat, self.parallel.rank, size).to(device=self.device, dtype=dtype, copy=True)
+
+    def _dense(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, fp32: bool) -> torch.Tensor:
+        """A stored tensor just taken, as a plain tensor on the CPU (block FP8 dequantized to dtype)."""
+        if tensor.dtype != FP8_DTYPE:
+            return tensor
+        if self.keep_fp8 and not fp32 and _feeds_gemm(name, tensor.dim()):
+            raise CheckpointError(f"tensor {self.stored_name(name)!r} is block FP8, which this device keeps in FP8 for its "
+                                  "GEMMs; splitting FP8 weights across tensor-parallel ranks is not supported yet")
+        return self._block_fp8(name, tensor, dtype).dequantize()
