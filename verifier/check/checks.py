@@ -15,6 +15,10 @@ would follow another path).
 4. streams_vs_plain: verifier.generate with oracle, n-gram and random drafters == plain decoding,
    greedy and seeded sampling.
 Checks 2-4 run the engine as serving does (CUDA graphs where the backend has them).
+
+Under tensor parallelism (a model loaded with `parallel`) every rank runs these same functions on
+its part of the model, and each comparison is agreed across the ranks (results.agree): the checks
+compare the N-rank engine with itself, so they hold unchanged for any one N.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ def _step(engine: Engine, requests: list[StepRequest]):
     return results
 
 
+def _result(model, name: str, title: str, path: str) -> CheckResult:
+    """A check's empty result; its comparisons agreed across the model's ranks, if it has any."""
+    return CheckResult(name, title, path, parallel=getattr(model, "parallel", None))
+
+
 def _path(engine: Engine) -> str:
     return "cuda graphs" if engine.runner.graphed else "eager"
 
@@ -92,8 +101,8 @@ def _drafts(kind: str, truth: list[int], k: int, vocab: int, gen: torch.Generato
 def verify_vs_serial(model, settings: CheckSettings, progress) -> CheckResult:
     vocab = model.config.vocab_size
     engine = _engine(model, settings, cuda_graphs=False)  # eager, so the layer recorder sees every row
-    result = CheckResult("verify_vs_serial", f"verify rows == serial decode rows (K = 1..{settings.max_k}; "
-                         "wrong, right and random drafts; every layer's output row)", _path(engine))
+    result = _result(model, "verify_vs_serial", f"verify rows == serial decode rows (K = 1..{settings.max_k}; "
+                     "wrong, right and random drafts; every layer's output row)", _path(engine))
     prompt = make_prompt(vocab, settings.prompt_len, settings.seed)
     gen = torch.Generator().manual_seed(settings.seed + 1)
     with LayerOutputs(model) as recorder:
@@ -137,8 +146,8 @@ def rollback_state(model, settings: CheckSettings, progress) -> CheckResult:
     serial = serial_run(_engine(model, settings), prompt, n_tokens, keep_states=keep)
     gen = torch.Generator().manual_seed(settings.seed + 3)
     engines = {mode: _engine(model, settings, mode=mode) for mode in ROLLBACK_MODES}
-    result = CheckResult("rollback_state", "state after a partial accept and rollback == serial decode's, and the next "
-                         f"decode row ({', '.join(ROLLBACK_MODES)})", _path(engines[WOA]))
+    result = _result(model, "rollback_state", "state after a partial accept and rollback == serial decode's, and the next "
+                     f"decode row ({', '.join(ROLLBACK_MODES)})", _path(engines[WOA]))
     for mode, engine in engines.items():
         progress(f"rollback_state: {mode}")
         for k, a in accepted_at.items():
@@ -180,8 +189,9 @@ def full_batch_vs_alone(model, settings: CheckSettings, progress) -> CheckResult
     truths = [serial_run(serial_engine, prompt, settings.new_tokens + settings.max_k).tokens for prompt in prompts]
     del serial_engine
     together, alone = _engine(model, settings, n), _engine(model, settings, n)
-    result = CheckResult("full_batch_vs_alone", f"{n} sequences stepped in one batch (decodes, K = {settings.max_k} verifies, mixed K) "
-                         "== each sequence's step alone (rows and every layer's state)", _path(together))
+    result = _result(model, "full_batch_vs_alone",
+                     f"{n} sequences stepped in one batch (decodes, K = {settings.max_k} verifies, mixed K) "
+                     "== each sequence's step alone (rows and every layer's state)", _path(together))
     gen = torch.Generator().manual_seed(settings.seed + 4)
     seqs_t = [together.open(p, SamplingParams(), settings.new_tokens, eos_ids=()) for p in prompts]
     seqs_a = [alone.open(p, SamplingParams(), settings.new_tokens, eos_ids=()) for p in prompts]
@@ -217,8 +227,8 @@ def full_batch_vs_alone(model, settings: CheckSettings, progress) -> CheckResult
 def streams_vs_plain(model, settings: CheckSettings, progress) -> CheckResult:
     vocab = model.config.vocab_size
     engine = _engine(model, settings)
-    result = CheckResult("streams_vs_plain", "speculative streams == plain decoding (oracle, n-gram and random "
-                         "drafters; greedy and seeded sampling)", _path(engine))
+    result = _result(model, "streams_vs_plain", "speculative streams == plain decoding (oracle, n-gram and random "
+                     "drafters; greedy and seeded sampling)", _path(engine))
     half = make_prompt(vocab, (settings.prompt_len + 1) // 2, settings.seed + 5)
     prompt = (half * 2)[: settings.prompt_len]  # a repeat gives the n-gram drafter something to find
     ks = sorted({min(2, settings.max_k), settings.max_k})

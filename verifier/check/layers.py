@@ -5,7 +5,9 @@ whose output differs.
 The model has no hooks, so while the recorder is active each block's `mixer.forward` and
 `mlp.forward` are shadowed by instance attributes that call the method and keep a copy of its
 output; leaving the `with` deletes them. Eager engines only: a CUDA graph replays its kernels
-without running this Python.
+without running this Python. Under tensor parallelism a rank records its own partial sums (the
+cross-rank sum runs after the mixer and the MLP): each rank compares its part, and the verdicts
+are agreed across the ranks (results.agree).
 """
 
 from __future__ import annotations

@@ -38,7 +38,10 @@ def _counts(counts: Counts) -> dict:
     return {"checked": counts.checked, "equal": counts.equal}
 
 
-def build_report(model_dir, model, settings: CheckSettings, env: dict, results: list[CheckResult], seconds: float) -> dict:
+def build_report(model_dir, model, settings: CheckSettings, env: dict, results: list[CheckResult], seconds: float,
+                 tensor_parallel: int = 1) -> dict:
+    """tensor_parallel: the ranks the model ran on, whose bits were compared. model.config may be
+    one rank's (its heads divided); the layer kinds and counts the report names are the whole model's."""
     config = model.config
     first = next((r.first_difference for r in results if r.first_difference is not None), None)
     rows_checked = sum(r.rows.checked for r in results)
@@ -51,6 +54,7 @@ def build_report(model_dir, model, settings: CheckSettings, env: dict, results: 
         "states_equal": sum(r.states.equal for r in results),
         "first_difference": _difference(first),
         "seconds": round(seconds, 3),
+        "tensor_parallel": tensor_parallel,
         "model": {"dir": str(model_dir), "model_type": config.model_type, "layers": config.n_layers,
                   "mixers": dict(Counter(config.mixers)), "mlps": dict(Counter(config.mlps))},
         "environment": env,
@@ -78,10 +82,13 @@ def _kinds(counts: dict) -> str:
 
 def summary(report: dict) -> str:
     model, env, s = report["model"], report["environment"], report["settings"]
+    # one process says nothing (its line as it always was); N ranks say whose bits were compared
+    ranks = report.get("tensor_parallel", 1)
+    parallel = f", {ranks} tensor-parallel ranks" if ranks > 1 else ""
     lines = [
         f"verifier check: {model['dir']} ({model['model_type']}, {model['layers']} layers: "
         f"{_kinds(model['mixers'])} mixers, {_kinds(model['mlps'])} MLPs)",
-        f"{env['device']}{' (' + env['gpu'] + ')' if env['gpu'] else ''}, {env['dtype']}, torch {env['torch']}, "
+        f"{env['device']}{' (' + env['gpu'] + ')' if env['gpu'] else ''}, {env['dtype']}{parallel}, torch {env['torch']}, "
         f"triton {env['triton'] or 'absent'}; K = 1..{s['max_k']}, prompts of {s['prompt_len']} tokens, "
         f"{s['new_tokens']} new tokens, {s['sequences']} sequences, seed {s['seed']}",
     ]
