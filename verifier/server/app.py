@@ -43,10 +43,12 @@ HEALTH_SERVICES = ("", rpc.SERVICE_NAME)  # "" is the whole server
 CUT_MARGIN_S = 1.0
 
 
-def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine) -> Engine:
+def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine, parallel=None) -> Engine:
+    """The engine over the model config names; parallel: this rank's TensorParallel (its shards),
+    None for one process. `engine_class` is called as Engine is (a subclass, or a factory)."""
     import torch
 
-    model = load_model(config.model_dir, config.device, getattr(torch, config.dtype))
+    model = load_model(config.model_dir, config.device, getattr(torch, config.dtype), parallel=parallel)
     return engine_class(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback,
                         graph_rows=config.graph_rows)
 
@@ -58,8 +60,11 @@ class VerifierServer:
         self.tokenizer = TextTokenizer.from_model_dir(config.model_dir)
         # the MTP head, for sessions drafting with server_drafter "mtp"; None: none in the
         # checkpoint, or `--no-mtp`. Its KV pool is made once, here: a slot per engine slot (a
-        # session's MTP slot is its engine slot), every position of the engine's
-        self.mtp_head = load_mtp_head(config.model_dir, self.engine.model) if config.mtp else None
+        # session's MTP slot is its engine slot), every position of the engine's. None under tensor
+        # parallelism: the head is not split across ranks (load_mtp_head refuses), so "ngram" is
+        # the only server drafter then
+        sharded = getattr(self.engine.model, "parallel", None) is not None
+        self.mtp_head = load_mtp_head(config.model_dir, self.engine.model) if config.mtp and not sharded else None
         pool = self.engine.pool
         self.mtp = MTPDrafter(self.mtp_head, pool.n_slots, pool.max_seq_len) if self.mtp_head is not None else None
         self.metrics = Metrics(self.engine.max_k)
@@ -184,12 +189,17 @@ def _check_free(host: str, port: int, target: str) -> None:
         raise OSError(f"cannot listen on {target} (--host, --port): {exc.strerror or exc}") from None
 
 
-async def _serve_until_signalled(server: VerifierServer) -> None:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def _serve_until_signalled(server: VerifierServer, signals: tuple = STOP_SIGNALS) -> None:
+    """signals: those that stop the server (a tensor-parallel rank 0 takes SIGINT only, which its
+    launching process sends it: SIGTERM is the launcher's way to end a rank at once)."""
     address = await server.start()
     # the handlers before the line that says the server listens: a signal right after it stops it cleanly
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in signals:
         loop.add_signal_handler(signum, stop.set)
     extra = f", metrics on {server.config.host}:{server.metrics_port}" if server.metrics_port is not None else ""
     scheme = "TLS" if server.config.tls_cert is not None else "plaintext"
@@ -198,7 +208,7 @@ async def _serve_until_signalled(server: VerifierServer) -> None:
     config = server.config
     print(f"stopping: {config.drain_s:g} s with health NOT_SERVING (--drain-s), then up to {config.grace_s:g} s for calls in "
           f"flight (--grace-s); a second Ctrl-C or SIGTERM stops at once", file=sys.stderr, flush=True)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in signals:
         loop.add_signal_handler(signum, _stop_at_once)
     await server.stop()
     print("stopped", file=sys.stderr, flush=True)

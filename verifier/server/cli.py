@@ -93,8 +93,16 @@ def serve_command(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda, but torch sees no CUDA device")
+    if args.device == "cuda" and torch.cuda.device_count() < args.tensor_parallel:
+        return _fail(f"--tensor-parallel {args.tensor_parallel} with --device cuda needs {args.tensor_parallel} GPUs; "
+                     f"torch sees {torch.cuda.device_count()}")
     try:
-        return serve(config_from_args(args))
+        config = config_from_args(args)
+        if config.tensor_parallel > 1:
+            from .parallel import serve_tensor_parallel
+
+            return serve_tensor_parallel(config)
+        return serve(config)
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
 

@@ -65,6 +65,11 @@ class ServerConfig:
     mtp: bool = option(True, "load the checkpoint's MTP head, if it has one, for server-side MTP drafting "
                              "(--no-mtp: skip it)")
     goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")
+    # Tensor parallelism (verifier/server/parallel.py): rank 0 serves, ranks 1 .. N-1 mirror its
+    # engine calls on their shards; the MTP head is not split across ranks, so "ngram" is the only
+    # server drafter then. The bits are those of N ranks (generate --tensor-parallel N's).
+    tensor_parallel: int = option(1, "split the model over N processes (one rank each, torch.distributed: gloo on the "
+                                     "CPU, NCCL with --device cuda); server_drafter 'ngram' only when N > 1")
     # None: the engine's own list (verifier.model.graphs.DEFAULT_GRAPH_ROWS) cut to max_seq_len
     graph_rows: tuple[int, ...] | None = option(None, "verify-row buckets the engine captures as CUDA graphs at "
                                                 "startup, comma-separated; None: the engine's list up to max_seq_len")
@@ -91,9 +96,12 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.tensor_parallel > 1 and self.device.startswith("cuda:"):  # rank r runs on cuda:r
+            raise ValueError(f"tensor_parallel {self.tensor_parallel} places rank r on cuda:r: pass device cuda, "
+                             f"not {self.device!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        for name in ("n_slots", "max_batch_rows", "results_per_session"):
+        for name in ("n_slots", "max_batch_rows", "results_per_session", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.graph_rows is not None:  # the engine checks the buckets themselves
