@@ -179,13 +179,51 @@ def test_one_rank_is_the_plain_model_bit_for_bit(tp_paths):
         assert torch.equal(*logits), name
 
 
-def test_fp8_weights_kept_for_fp8_gemms_are_refused_under_tensor_parallelism(fp8_pair):
-    """CUDA keeps block-FP8 weights in FP8; cutting them across ranks is not written, so it is
-    refused naming the tensor (here forced on the CPU: keep_fp8, the plumbing CUDA uses)."""
-    config, parallel = load_config(fp8_pair[0]), TensorParallel(0, 2)
+@pytest.mark.parametrize("size, block_k", [(2, 3), (3, 2)])
+def test_fp8_weights_kept_in_fp8_are_cut_to_the_dequantized_parts(tp_paths, tmp_path, size, block_k):
+    """CUDA keeps block-FP8 weights in FP8 for its GEMMs: each rank's FP8 part (rows with their
+    scale rows; inputs on a scale block boundary) dequantizes to the dequantized whole's part, bit
+    for bit, for every split weight of every rank (here forced on the CPU: keep_fp8, the plumbing
+    CUDA uses). Blocks [16, block_k]: partial edge row blocks, and input parts a multiple of block_k."""
+    from verifier.model.fp8 import BlockFP8Weight
+
+    fp8 = write_block_fp8_checkpoint(tp_paths["qwen3_5_moe_tp"], tmp_path / "fp8", (16, block_k))
+    config = load_config(fp8)
+    kept_fp8 = 0
+    for rank in range(size):
+        parallel = TensorParallel(rank, size)
+        kept = ShardedSource(fp8, "cpu", torch.float32, config, parallel, keep_fp8=True)
+        dense = ShardedSource(fp8, "cpu", torch.float32, config, parallel, keep_fp8=False)
+        for name, shape in _split_weights(fp8, config, parallel):
+            a, b = kept.take(name, shape), dense.take(name, shape)
+            if isinstance(a, BlockFP8Weight):
+                kept_fp8 += 1
+                assert torch.equal(a.dequantize(), b), (rank, name)
+    assert kept_fp8 > 0
+
+
+def test_an_fp8_input_split_off_the_scale_blocks_is_named(fp8_pair):
+    """[16, 24] blocks on 2 ranks: an expert's down projection of 6 input columns splits into 3 + 3,
+    off its 24-column scale blocks: refused naming the tensor and the block."""
+    config, parallel = load_config(fp8_pair[0]), TensorParallel(1, 2)
     src = ShardedSource(fp8_pair[0], "cpu", torch.float32, config, parallel, keep_fp8=True)
-    with pytest.raises(CheckpointError, match="is block FP8, .* not supported yet"):
+    with pytest.raises(CheckpointError, match="scale blocks of 24 input columns"):
         HybridModel(local_config(config, 2), src, parallel)
+
+
+def _split_weights(path, config, parallel) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, the rank's part shape) of every tensor ShardedSource splits (scales aside), from the
+    stored shapes (read through a probe source of their own)."""
+    probe = ShardedSource(path, "cpu", torch.float32, config, parallel)
+    out = []
+    for name in sorted(probe._where):
+        rule = probe.plan.rule(name)
+        if rule is None or "scale_inv" in name or not hasattr(rule, "dim"):
+            continue
+        part = list(probe.take_raw(name).shape)
+        part[rule.dim] //= parallel.size
+        out.append((name, tuple(part)))
+    return out
 
 
 def test_sizes_that_do_not_divide_are_named(hf_checkpoint):

@@ -40,9 +40,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hybrid_kernels.linear_fp8 import BlockScales
+
 from ..checkpoint import CheckpointError, TensorSource, _feeds_gemm
 from ..config import ATTENTION, DENSE, GDN, KDA, MLA, MOE, ModelConfig
-from ..fp8 import FP8_DTYPE
+from ..fp8 import FP8_DTYPE, BlockFP8Weight
 from .group import TensorParallel, split_evenly
 
 
@@ -101,6 +103,13 @@ class Split:
             pieces.append(tensor.narrow(self.dim, offset + rank * per_rank, per_rank))
             offset += length
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def indices(self, length: int, rank: int, size: int) -> torch.Tensor:
+        """The positions along dim that `part` keeps, in its order: int64 [length / size]."""
+        segments = self.segments or (length,)
+        starts = torch.tensor(segments).cumsum(0) - torch.tensor(segments)
+        return torch.cat([torch.arange(int(start) + rank * (n // size), int(start) + (rank + 1) * (n // size))
+                          for start, n in zip(starts, segments)])
 
     def describe(self, size: int) -> str:
         what = f"{len(self.segments)} segments {list(self.segments)}, each" if self.segments else "it"
@@ -186,8 +195,9 @@ class ShardedSource(TensorSource):
 
     The stored tensor's whole shape is checked first (an error names it, its stored shape and the
     split), the part is cut on the CPU and only the part moves to the device. A block-FP8 tensor
-    is dequantized whole, then cut (what the CPU backend loads anyway); one the source would keep in
-    FP8 for the FP8 GEMMs (CUDA) is refused: cutting FP8 blocks across ranks is not written yet."""
+    is dequantized whole, then cut (what the CPU backend loads anyway), or, where the source keeps
+    FP8 for the FP8 GEMMs (CUDA), cut in FP8 (`fp8_part`): the same real values as the dequantized
+    part, bit for bit."""
 
     def __init__(self, model_dir, device, dtype: torch.dtype, config: ModelConfig, parallel: TensorParallel, *,
                  keep_fp8: bool | None = None):
@@ -206,6 +216,9 @@ class ShardedSource(TensorSource):
             raise CheckpointError(f"tensor {self.stored_name(name)!r} has shape {list(tensor.shape)}, expected {list(whole)} "
                                   f"(tensor parallelism: {rule.describe(size)}, each rank's part {list(shape)})")
         dtype = torch.float32 if fp32 else self.dtype
+        if tensor.dtype == FP8_DTYPE and self.keep_fp8 and not fp32 and _feeds_gemm(name, tensor.dim()):
+            weight = self._block_fp8(name, tensor, dtype)
+            return fp8_part(weight, rule, self.parallel.rank, size, self.stored_name(name)).to(self.device)
         tensor = self._dense(name, tensor, dtype, fp32)
         part = rule.part(tensor, self.parallel.rank, size)
         # a fresh allocation, as TensorSource.take makes (its comment: the CPU GEMV's path follows the address)
@@ -228,7 +241,31 @@ class ShardedSource(TensorSource):
         """A stored tensor just taken, as a plain tensor on the CPU (block FP8 dequantized to dtype)."""
         if tensor.dtype != FP8_DTYPE:
             return tensor
-        if self.keep_fp8 and not fp32 and _feeds_gemm(name, tensor.dim()):
-            raise CheckpointError(f"tensor {self.stored_name(name)!r} is block FP8, which this device keeps in FP8 for its "
-                                  "GEMMs; splitting FP8 weights across tensor-parallel ranks is not supported yet")
         return self._block_fp8(name, tensor, dtype).dequantize()
+
+
+def fp8_part(weight: BlockFP8Weight, rule, rank: int, size: int, stored: str) -> BlockFP8Weight:
+    """A rank's part of a block-FP8 weight [..., N, K], kept in FP8 (its real values those of the
+    dequantized whole's part, exactly: dequantization is per element, from the element's block).
+      rows (output features, any segments): the kept rows and their scale_row entries; scale_inv
+          whole (it is small, and scale_row names each row's scale row), so any row split works;
+      inputs (K): a contiguous range of columns, which must start on a scale block boundary (the
+          kernels find a column's scale block as column // block_k): a part of K / size columns
+          where K / size is a multiple of block_k; CheckpointError naming the tensor otherwise."""
+    data, scales = weight.data, weight.scales
+    if not isinstance(rule, Split) or rule.dim not in (data.dim() - 2, data.dim() - 1):
+        raise CheckpointError(f"tensor {stored!r}: block FP8 split as {rule.describe(size)} is not supported")
+    if rule.dim == data.dim() - 2:
+        index = rule.indices(data.shape[-2], rank, size)
+        return BlockFP8Weight(data.index_select(-2, index).contiguous(),
+                              BlockScales(scales.scale_inv, scales.scale_row.index_select(0, index).contiguous(), scales.block_k),
+                              weight.dtype)
+    block_k, per_rank = scales.block_k, data.shape[-1] // size
+    if rule.segments is not None or per_rank % block_k:
+        raise CheckpointError(f"tensor {stored!r} is block FP8 with scale blocks of {block_k} input columns: split into "
+                              f"{size} parts of {per_rank} columns, a part would not start on a block boundary; "
+                              f"run it with a parallel size whose part is a multiple of {block_k}, or dequantize it")
+    start = rank * per_rank
+    first, last = start // block_k, -(-(start + per_rank) // block_k)
+    return BlockFP8Weight(data.narrow(-1, start, per_rank).contiguous(),
+                          BlockScales(scales.scale_inv[..., first:last].contiguous(), scales.scale_row, block_k), weight.dtype)
