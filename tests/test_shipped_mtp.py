@@ -46,3 +46,24 @@ def test_its_drafts_are_accepted_and_the_stream_is_plain_decodings(shipped, samp
     assert torch.equal(drafted.logits, plain.logits)
     # a trained head: well over one token per step (a random one stays near 1.0)
     assert drafted.mean_acceptance_length > 2.0, drafted.mean_acceptance_length
+
+
+def test_the_acceptance_comparison_counts_as_the_acceptance_bench(tmp_path):
+    """python -m training acceptance on the shipped pair (two prompts, a few tokens): both drafters'
+    streams equal plain, and its figures are the acceptance bench's from the same steps."""
+    import json
+
+    from drafter.bench_stats import count, figures
+    from training.acceptance import DEFAULT_PROMPTS, measure
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(DEFAULT_PROMPTS.read_text().splitlines()[:2]) + "\n")
+    result = measure(TARGET.parent, prompts, (2,), 12, "cpu")
+    assert [(r["drafter"], r["k"]) for r in result["rows"]] == [("model", 2), ("mtp", 2)]
+    for row in result["rows"]:
+        assert row["streams_match_plain"] and row["mismatched_prompts"] == []
+        assert len(row["per_position_acceptance"]) == 2 and row["mean_acceptance_length"] >= 1.0
+    assert json.loads(json.dumps(result)) == result  # what the metrics file stores
+    # the same pooling as the bench: one step that kept 1 of 2 drafts, one that kept both
+    pooled = figures(count([1, 2], [2, 2], 5, 2))
+    assert pooled.mean_acceptance_length == 2.5 and pooled.per_position_acceptance == [1.0, 0.5]

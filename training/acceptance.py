@@ -7,7 +7,8 @@ Each prompt generates --max-new-tokens tokens plainly, then once per (drafter, K
 speculative stream must equal the plain one (the contract: a mismatch fails the run). The figure
 is the mean acceptance length (verifier/generation.py: tokens emitted per step that carried
 drafts, the bonus counted) over all prompts' steps together, and per drafted position the
-fraction of steps whose drafts were accepted that far. Written into training_metrics.json
+fraction of steps whose drafts were accepted that far: the acceptance bench's own counts and
+figures (drafter/bench_stats.py). Written into training_metrics.json
 ("acceptance") and the model card.
 """
 
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from drafter.bench_stats import Counts, count, figures
 from verifier.engine import Engine
 from verifier.generate import generate
-from verifier.generation import mean_acceptance_length
 from verifier.model import load_model
 from verifier.model.mtp import load_mtp_head
 from verifier.proposers import COUPLED, ModelProposer, MTPProposer, load_draft_model
@@ -52,15 +53,6 @@ def _proposers(models_dir: Path, engine: Engine, device: str) -> dict:
             MTP: lambda: MTPProposer(head, engine.pool.max_seq_len)}
 
 
-def per_position(accepted: list[int], drafted: list[int], k: int) -> list[float]:
-    """Position i (1 .. k): of the steps that drafted at least i tokens, the fraction that kept i."""
-    out = []
-    for i in range(1, k + 1):
-        n = sum(1 for d in drafted if d >= i)
-        out.append(sum(1 for a, d in zip(accepted, drafted) if d >= i and a >= i) / n if n else 0.0)
-    return out
-
-
 def measure(models_dir: Path, prompts_file: Path, ks: tuple[int, ...], max_new_tokens: int, device: str) -> dict:
     models_dir = Path(models_dir)
     tokenizer = TextTokenizer.from_model_dir(models_dir / "target")
@@ -73,16 +65,15 @@ def measure(models_dir: Path, prompts_file: Path, ks: tuple[int, ...], max_new_t
     rows = []
     for name, make in _proposers(models_dir, engine, device).items():
         for k in ks:
-            accepted, drafted, mismatched, t0 = [], [], [], time.perf_counter()
+            counts, mismatched, t0 = Counts(), [], time.perf_counter()
             for i, prompt in enumerate(prompts):
                 result = generate(engine, prompt, max_new_tokens, proposer=make(), k=k)
                 if result.tokens != plain[i]:
                     mismatched.append(i)
-                accepted += result.accepted_per_step
-                drafted += result.drafted_per_step
-            steps = [a for a, d in zip(accepted, drafted) if d]
-            row = {"drafter": name, "k": k, "mean_acceptance_length": mean_acceptance_length(sum(steps), len(steps)),
-                   "per_position_acceptance": per_position(accepted, drafted, k), "steps": len(accepted),
+                counts += count(result.accepted_per_step, result.drafted_per_step, len(result.tokens) - 1, k)
+            pooled = figures(counts)  # the acceptance bench's figures (drafter/bench_stats.py)
+            row = {"drafter": name, "k": k, "mean_acceptance_length": pooled.mean_acceptance_length,
+                   "per_position_acceptance": pooled.per_position_acceptance, "steps": counts.steps,
                    "seconds": time.perf_counter() - t0, "streams_match_plain": not mismatched, "mismatched_prompts": mismatched}
             say(f"acceptance: {name} K={k}: mean acceptance length {row['mean_acceptance_length']:.2f}")
             rows.append(row)
@@ -90,12 +81,12 @@ def measure(models_dir: Path, prompts_file: Path, ks: tuple[int, ...], max_new_t
             "prompt_count": len(prompts), "max_new_tokens": max_new_tokens, "sampling": "greedy", "rows": rows}
 
 
-def record_acceptance(models_dir: Path, figures: dict) -> None:
+def record_acceptance(models_dir: Path, acceptance: dict) -> None:
     """Into training_metrics.json ("acceptance"), then the card is rewritten."""
     from .card import write_card
 
     path = Path(models_dir) / METRICS_FILE
     metrics = json.loads(path.read_text())
-    metrics["acceptance"] = figures
+    metrics["acceptance"] = acceptance
     path.write_text(json.dumps(metrics, indent=1, default=str))
     write_card(Path(models_dir))

@@ -119,7 +119,7 @@ def mtp_section(metrics: dict) -> list[str]:
         ]
         for r in acc["rows"]:
             name = "draft model (`draft/`)" if r["drafter"] == "model" else "MTP head"
-            positions = " / ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
+            positions = " / ".join("-" if p is None else f"{p:.2f}" for p in r["per_position_acceptance"])
             lines.append(f"| {name} | {r['k']} | {r['mean_acceptance_length']:.2f} | {positions} | "
                          f"{'yes' if r['streams_match_plain'] else 'NO'} |")
     return lines

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from .data import DEV, TRAIN, load_corpus, stdlib_root
 from .mtp_head import TrainableMTP
 from .pipeline import device_name, say
 from .tokenizer import encode_stream, load_trained_tokenizer
-from .train import TrainResult
+from .train import TrainResult, learning_rate
 
 
 @dataclass(frozen=True)
@@ -98,12 +97,6 @@ def _windows(stream: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.
     return stream[starts[:, None] + torch.arange(seq_len, device=stream.device)]
 
 
-def _learning_rate(cfg: MTPTrainConfig, step: int, progress: float) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 @torch.no_grad()
 def dev_figures(head, target, dev: torch.Tensor, cfg: MTPTrainConfig, autocast: bool) -> tuple[float, list[float]] | None:
     """(mean loss, per-step agreement) over the first dev_windows windows of the dev stream."""
@@ -163,7 +156,7 @@ def train_head(target, train: np.ndarray, dev: np.ndarray, cfg: MTPTrainConfig, 
         if progress >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = _learning_rate(cfg, step, progress)
+            group["lr"] = learning_rate(cfg, step, progress)  # the pair's schedule (train.py)
         starts = torch.randint(0, len(train_t) - cfg.seq_len, (cfg.batch_size,), device=device, generator=gen)
         loss, _ = step_losses(head, target, _windows(train_t, starts, cfg.seq_len), cfg.steps, autocast)
         loss.backward()

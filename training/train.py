@@ -64,7 +64,8 @@ class TrainResult:
 
 
 def learning_rate(cfg: TrainConfig, step: int, progress: float) -> float:
-    """Peak lr after a linear warm-up, then a cosine in `progress` (0..1) down to min_lr_ratio."""
+    """Peak lr after a linear warm-up, then a cosine in `progress` (0..1) down to min_lr_ratio (cfg:
+    any config with lr, warmup_steps and min_lr_ratio: the MTP head's trainer uses it too)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

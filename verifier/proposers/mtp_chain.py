@@ -58,6 +58,7 @@ class MTPChain:
         vocab, H = head.vocab_size, head.config.hidden_size
         self.choose = DeviceChoice(params, vocab, device)
         self._host_control = torch.zeros(1 + self.max_catch, dtype=torch.int64, pin_memory=graphed)
+        self._host_control_view = self._host_control.numpy()  # written per proposal with no tensor made
         self._control = torch.zeros(1 + self.max_catch, dtype=torch.int64, device=device)  # [s, c tokens]
         self._start = self._control[0:1]
         self._offsets = torch.arange(self.max_catch, dtype=torch.int64, device=device)
@@ -88,8 +89,8 @@ class MTPChain:
         the draft rows fit the pool (start + c - 2 + k < max_seq_len)."""
         c = len(tokens)
         assert self.fits(c, k) and hidden.shape == (c, self._hidden.shape[1]), (c, k, list(hidden.shape))
-        self._host_control[0] = start
-        self._host_control[1 : 1 + c] = torch.tensor(tokens, dtype=torch.int64)
+        self._host_control_view[0] = start
+        self._host_control_view[1 : 1 + c] = tokens
         self._hidden[:c].copy_(hidden)
         if not self.graphed:
             self._body(start, c, k)

@@ -43,7 +43,7 @@ class ServerDrafter:
     def __init__(self, name: str, k: int, prompt: list[int], seq: Sequence, engine: Engine,
                  mtp: MTPDrafter | None = None):
         """On the worker, right after engine.open (with want_hidden for "mtp"): k drafts per step.
-        mtp: the server's MTPDrafter (its slot seq.slot becomes this session's)."""
+        mtp: the server's MTPDrafter (the sequence's slot seq.slot is its slot there too)."""
         self.name = name
         self.k = k
         self.context = list(prompt) + [seq.pending]  # the prompt, then every emitted token
