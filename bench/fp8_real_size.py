@@ -73,7 +73,7 @@ from verifier.check.checks import CheckSettings, full_batch_vs_alone
 from verifier.engine import Engine
 from verifier.model import load_model
 from verifier.model.config import ATTENTION, GDN, ModelConfig
-from verifier.model.fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Format
+from verifier.model.fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Format, BlockFP8Weight, OutFeatureGroups
 from verifier.model.fp8_checkpoint import INDEX, is_quantized
 from verifier.model.hf_config import config_from_dict
 
@@ -91,11 +91,21 @@ BATCH = 64
 # the gate's full batch: BATCH sequences, prompts of 16..23 tokens, 12 tokens each, K up to 8
 FULL_BATCH = CheckSettings(max_k=K, prompt_len=16, new_tokens=12, sequences=BATCH, seed=0)
 WARMUP = 3  # untimed steps before each figure's timed ones
+# drafts of the batch-1 verifies an MTP drafter pairs with (bench/fp8_mtp.py's MTP_KS), beside K
+MTP_VERIFY_KS = (1, 2, 3, 4)
 # the timed figures: (sequences, drafts K, results key), in the order they are timed
-FIGURES = tuple((n, k, f"decode_ms_b{n}" if k == 0 else f"verify_k{k}_ms_b{n}") for n in (1, BATCH) for k in (0, K))
-BUCKETS = (1, K + 1, BATCH, BATCH * (K + 1))  # one graph bucket per timed shape: no padding rows
+FIGURES = tuple((n, k, f"decode_ms_b{n}" if k == 0 else f"verify_k{k}_ms_b{n}")
+                for n, ks in ((1, (0, *MTP_VERIFY_KS, K)), (BATCH, (0, K))) for k in ks)
+BUCKETS = tuple(sorted({n * (k + 1) for n, k, _ in FIGURES}))  # one graph bucket per timed shape: no padding rows
 # figures timed on CUDA only, after a green gate (None otherwise)
 TIMED = ("hbm_floor_ms", *(key for _, _, key in FIGURES), "gpu_memory_gib", "kernel_breakdowns")
+# An assumption, not a measurement (the checkpoint's weights are random): the mean acceptance length
+# (tokens a verify step emits, the bonus counted) of the published Qwen3.5/3.6 MTP heads at K = 1, 2, 3
+# drafts, from which `per_token` states the time per output token at one request
+PUBLISHED_MTP_ACCEPTANCE = {1: 1.9, 2: 2.4, 3: 2.8}
+# kernels/linear_fp8.py's and kernels/moe_grouped.py's launches, as the profiler names them
+FP8_GEMM_KERNEL = "_linear_fp8_kernel"
+EXPERT_KERNELS = ("_grouped_hidden_kernel", "_grouped_down_kernel")
 MTP = "mtp."  # the MTP head's tensors, as the published files name them
 
 # --scale tiny: sizes only (every other field as published); partial 128-blocks everywhere, and
@@ -104,7 +114,7 @@ TINY_TEXT_SIZES = dict(
     vocab_size=1024, hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=160,
-    shared_expert_intermediate_size=96,
+    shared_expert_intermediate_size=160,  # the experts' width, as published: the shared expert is folded in as theirs
 )
 TINY_MROPE_SECTION = [2, 1, 1]  # the rotary half-width int(32 * 0.25) / 2, as [11, 11, 10] is at head_dim 256
 
@@ -400,6 +410,8 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int, mtp:
         experts = floor["distinct_experts"]
         log(f"{key}: {floor['total_bytes'] / 1e9:.3f} GB a step, distinct experts a layer {experts['mean']:.1f} of {experts['of']}"
             + (f"; own floor {floor['floor_ms']:.2f} ms, measured {out[key]:.2f} ms ({floor['ratio']:.1f}x)" if cuda else ""))
+    if cuda:
+        out["kernel_figures"] = kernel_figures(out, fp8_dense_params(model))
     if mtp:  # last: loading the head changes none of the figures above
         try:
             out["mtp_draft"] = mtp_draft(path, model, steps, bandwidth if cuda else None, out["decode_ms_b1"],
@@ -407,6 +419,13 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int, mtp:
         except Exception as exc:  # the figures above stand; the results file and the exit status say what failed
             out["mtp_draft"] = {"error": f"{type(exc).__name__}: {exc}"}
             log(f"MTP draft failed: {out['mtp_draft']['error']}")
+        if cuda:
+            out["per_token"] = per_token(out)
+            if out["per_token"]:
+                log("per output token at one request with the MTP head (assumed acceptance "
+                    + ", ".join(f"K={k}: {a}" for k, a in PUBLISHED_MTP_ACCEPTANCE.items()) + "): "
+                    + ", ".join(f"K={k} {out['per_token'][f'k{k}_ms']:.2f} ms" for k in PUBLISHED_MTP_ACCEPTANCE
+                                if out["per_token"][f"k{k}_ms"] is not None))
     return out
 
 
@@ -475,6 +494,61 @@ def main(argv: list[str] | None = None) -> dict:
         out_file.write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {out_file}")
     return result
+
+
+def per_token(result: dict) -> dict | None:
+    """ms per output token at one request with the checkpoint's MTP head drafting K tokens: (the
+    graphed MTP draft of K + the batch-1 verify of K + 1 rows) / the mean acceptance length, for the
+    K of PUBLISHED_MTP_ACCEPTANCE (an assumption the results file states beside the figure)."""
+    drafts = (result.get("mtp_draft") or {}).get("drafts")
+    if not drafts:
+        return None
+    out = {"assumed_mean_acceptance_length": {str(k): a for k, a in PUBLISHED_MTP_ACCEPTANCE.items()},
+           "assumption": "mean acceptance lengths published for these MTP heads; the checkpoint's weights are random"}
+    for k, accepted in PUBLISHED_MTP_ACCEPTANCE.items():
+        draft, verify = drafts.get(str(k), {}).get("ms"), result.get(f"verify_k{k}_ms_b1")
+        out[f"k{k}_ms"] = None if draft is None or verify is None else (draft + verify) / accepted
+    return out
+
+
+def fp8_dense_params(model) -> int:
+    """Parameters of the block-FP8 weights outside the experts (kernels/linear_fp8.py multiplies them)."""
+    total = 0
+    for block in model.blocks:
+        for owner in (block.mixer, block.mlp, getattr(block.mlp, "shared", None)):
+            for value in vars(owner).values() if owner is not None else ():
+                groups = value.groups if isinstance(value, OutFeatureGroups) else (value,)
+                total += sum(g.data.numel() for g in groups if isinstance(g, BlockFP8Weight) and g.data.dim() == 2)
+    return total
+
+
+def kernel_figures(result: dict, fp8_params: int) -> dict:
+    """The step's kernels against their own bytes or FLOPs (each from its figure's kernel table):
+    the FP8 GEMM's weight bytes per second at one row and its TFLOP/s at BATCH x (K + 1) rows, the
+    routed experts' distinct expert bytes per second at batch 1 and BATCH, and the launches of
+    torch's sort and top-k (the routing should have none)."""
+    tables = result.get("kernel_breakdowns") or {}
+
+    def device_ms(key: str, names: tuple[str, ...]) -> float | None:
+        table = tables.get(key)
+        if table is None:
+            return None
+        rows = [r for r in table["top"] if r["kernel"] in names]
+        return sum(r["device_ms"] for r in rows) if rows else None
+
+    out = {"fp8_dense_params": fp8_params}
+    one_row, many = "decode_ms_b1", f"verify_k{K}_ms_b{BATCH}"
+    ms = device_ms(one_row, (FP8_GEMM_KERNEL,))
+    out["fp8_gemm_one_row_tb_s"] = None if ms is None else fp8_params / (ms / 1e3) / 1e12
+    ms = device_ms(many, (FP8_GEMM_KERNEL,))
+    out[f"fp8_gemm_{BATCH * (K + 1)}_rows_tflop_s"] = None if ms is None else 2 * BATCH * (K + 1) * fp8_params / (ms / 1e3) / 1e12
+    for key in ("decode_ms_b1", f"decode_ms_b{BATCH}"):
+        ms = device_ms(key, EXPERT_KERNELS)
+        routed = result["step_floors"][key]["bytes"]["routed_experts"] if result.get("step_floors") else None
+        out[f"routed_experts_{key.removeprefix('decode_ms_')}_tb_s"] = None if ms is None or routed is None else routed / (ms / 1e3) / 1e12
+    out["sort_topk_launches"] = {key: table.get("sort_topk_launches") for key, table in tables.items()}
+    out["launches"] = {key: table["launches"] for key, table in tables.items()}
+    return out
 
 
 def passed(result: dict) -> bool:

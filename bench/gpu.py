@@ -127,7 +127,8 @@ def decode_bytes(model) -> int:
                 total += weight_bytes(value)
         mlp = block.mlp
         if hasattr(mlp, "w_router"):
-            total += cfg.moe.top_k * layer_expert_bytes(mlp) + weight_bytes(mlp.w_router)
+            # a folded shared expert is one more expert every row reads (verifier/model/layers/mlp.py)
+            total += (cfg.moe.top_k + mlp.shared_folded) * layer_expert_bytes(mlp) + weight_bytes(mlp.w_router)
             if mlp.shared is not None:
                 total += weight_bytes(mlp.shared.w_gate_up) + weight_bytes(mlp.shared.w_down)
             if hasattr(mlp, "w_shared_gate"):
@@ -311,7 +312,9 @@ def kernel_table(fn, top: int = 15) -> dict:
     device_ms = sum(r["device_ms"] for r in kernels)
     for r in rows:
         r["share"] = r["device_ms"] / device_ms if device_ms else None
-    return {"launches": sum(r["calls"] for r in kernels), "device_ms": device_ms, "top": rows[:top]}
+    sort_topk = sum(r["calls"] for r in kernels if any(word in r["kernel"].lower() for word in ("sort", "topk")))
+    return {"launches": sum(r["calls"] for r in kernels), "copies_and_sets": sum(r["calls"] for r in rows if r not in kernels),
+            "sort_topk_launches": sort_topk, "device_ms": device_ms, "top": rows[:top]}
 
 
 def hf_figures(path: Path, repeats: int) -> dict:

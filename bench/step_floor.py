@@ -137,10 +137,10 @@ def recorded_routing(model):
             continue
         routed[i] = []
 
-        def route(x, _route=mlp.route, _ids=routed[i]):
-            ids, weights = _route(x)
-            _ids.append(ids)
-            return ids, weights
+        def route(x, _route=mlp.route, _ids=routed[i], _top_k=mlp.cfg.top_k):
+            routing = _route(x)  # (ids, weights) or a Routing: the ids first, the routed slots before a folded shared expert's
+            _ids.append(routing[0][:, :_top_k])
+            return routing
 
         mlp.route = route  # an instance attribute over the class's method, removed below
         hooked.append(mlp)

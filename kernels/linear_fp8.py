@@ -64,7 +64,7 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .linear import (REDUCE_BLOCK_N, LinearConfig, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear_config,
+from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear_config,
                      linear_ref, split_bounds)
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
@@ -207,11 +207,14 @@ def linear_fp8(
     out: torch.Tensor | None = None,
     *,
     config: LinearConfig | None = None,
-) -> torch.Tensor:
+    defer_split: bool = False,
+) -> torch.Tensor | SplitSums:
     """x [M, K] @ real(weight, scales)[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
     out: an optional [M, N] buffer (rows may be strided, features contiguous), filled and returned.
     config: overrides `fp8_config`: that one config then runs every M.
+    defer_split: as kernels/linear.py's: where K is split, the splits' sums (SplitSums) for a
+    consumer that finishes them the reduce's way (add_rms_norm); out must then be None.
     """
     _check(x, weight, scales, bias, out)
     check_launchable("linear_fp8", "x", x)
@@ -221,11 +224,16 @@ def linear_fp8(
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    if out is None:
+    if defer_split and out is not None:
+        raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
+    cfg = config or fp8_config(n, k, x.dtype)  # never a function of m: the module docstring
+    deferred = defer_split and cfg.SPLIT_K > 1
+    if out is None and not deferred:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
-    cfg = config or fp8_config(n, k, x.dtype)  # never a function of m: the module docstring
+        return SplitSums(torch.zeros((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device), bias, x.dtype) if deferred else out
+    if out is None:
+        out = x  # deferred: never stored (the partial takes the sums), so the launch compiles as undeferred
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
@@ -241,6 +249,8 @@ def linear_fp8(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(x.device),
     )
+    if deferred:
+        return SplitSums(partial, bias, x.dtype)
     if cfg.SPLIT_K > 1:
         _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N,

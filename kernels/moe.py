@@ -43,7 +43,8 @@ import torch
 
 from .checks import check_launchable, check_operand, check_tensor
 from .linear_fp8 import FP8, BlockScales, check_block_scales, dequantize_ref
-from .moe_grouped import grouped_experts
+from .moe_grouped import group_pairs, grouped_experts
+from .moe_route import Routing
 
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_TOP_K = 16  # the ids live in one register block; the supported families use top_k 8 or 10
@@ -110,6 +111,24 @@ def moe_experts_fp8(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: t
     return _launch(x, expert_ids, expert_weights, w_gate, w_up, w_down, out, scales)
 
 
+def moe_experts_routed(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                       scales: ExpertScales | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`moe_experts` (scales None) or `moe_experts_fp8` on a routing already grouped by expert:
+    kernels/moe_route.py's `route` (a MoE layer's routing launch) or moe_grouped.group_pairs.
+    routing.counts is left all zero, as the next routing needs it."""
+    _check(x, routing.ids, routing.weights, w_gate, w_up, w_down, out, scales)
+    e_all = w_gate.shape[0]
+    check_tensor("moe_experts", "routing.counts", routing.counts, (e_all,), torch.int32, ("x", x), layout="[E]", contiguous=True)
+    check_tensor("moe_experts", "routing.lists", routing.lists, (e_all, max(x.shape[0], 1)), torch.int32, ("x", x), layout="[E, R]",
+                 contiguous=True)
+    check_launchable("moe_experts", "x", x)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    return grouped_experts(x.contiguous(), routing, w_gate, w_up, w_down, out, scales)
+
+
 def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
             w_down: torch.Tensor, out: torch.Tensor | None, scales: ExpertScales | None) -> torch.Tensor:
     """The grouped kernels on checked arguments; scales None: the bf16/fp32 weights' path."""
@@ -119,7 +138,7 @@ def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Ten
     if x.shape[0] == 0:
         return out
     x, expert_ids, expert_weights = x.contiguous(), expert_ids.contiguous(), expert_weights.contiguous()
-    return grouped_experts(x, expert_ids, expert_weights, w_gate, w_up, w_down, out, scales)
+    return grouped_experts(x, group_pairs(expert_ids, expert_weights, w_gate.shape[0]), w_gate, w_up, w_down, out, scales)
 
 
 def moe_experts_ref(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,

@@ -2,29 +2,29 @@
 (row, slot) pairs routed to it, for every row count (decode included). kernels/moe.py states the
 formulas and the contract and checks the arguments; this module computes them.
 
-    pairs           P = R * T: pair p = row * T + slot, one per (row, expert) of the batch
-    sorted_ids      [P]      int64: the flattened expert ids, stably sorted (torch.sort, on the device)
-    order           [P]      int64: the pair at each sorted position
-    hidden          [P, I]   x's dtype: h of the pair at each sorted position (stage 1 -> stage 2)
+    pairs           P = R * S: pair p = row * S + slot, one per (row, expert) of the batch
+    counts, lists   kernels/moe_route.py's Routing: pairs per expert, and each expert's pairs
+    hidden          [P, I]   x's dtype: h of each pair, by pair index (stage 1 -> stage 2)
     expert_out      [P, H]   fp32: y of each pair, by pair index (stage 2 -> combine)
 
-Grouping, with no host synchronisation: one torch.sort of the flattened ids puts the pairs of each
-expert side by side. Expert e owns the sorted positions [start_e, end_e); its pairs are cut into
-blocks of BLOCK_M from start_e, so it has cdiv(count_e, BLOCK_M) blocks, and the blocks of all
-experts are numbered in ascending expert order. Every program finds its block itself
-(`_expert_block`): one lane per expert bisects sorted_ids for start_e and end_e, a cumulative sum
-of the block counts maps the program's block number to its expert. The grid's block axis has the
-static bound n + (P - n) // BLOCK_M, n = min(E, P) the most experts that can own pairs (each owns
-at most one partly filled block); programs past the real blocks return at once. Every shape is a
-function of R, T, H, I, E: nothing is read back to size a launch, so a CUDA graph captures it.
+Grouping, with no host synchronisation: the routing launch (kernels/moe_route.py, or
+`group_pairs` for a caller's ids) lists each expert's pairs. Expert e's pairs are cut into blocks
+of BLOCK_M from the start of its list, so it has cdiv(count_e, BLOCK_M) blocks, and the blocks of
+all experts are numbered in ascending expert order. Every program finds its block itself
+(`_expert_block`): one lane per expert reads its count, a cumulative sum of the block counts maps
+the program's block number to its expert. The grid's block axis has the static bound
+n + (P - n) // BLOCK_M, n = min(E, P) the most experts that can own pairs (each owns at most one
+partly filled block); programs past the real blocks return at once. Every shape is a function of
+R, S, H, I, E: nothing is read back to size a launch, so a CUDA graph captures it. The combine,
+the last to read the grouping, sets counts back to zero.
 
 Stage 1, `_grouped_hidden_kernel`, grid (blocks, cdiv(I, BLOCK_N)): a block's BLOCK_M pairs gather
 their rows of x (rows past the block's end load as 0 and are never stored) and multiply them by
 w_gate[e]^T and w_up[e]^T over one BLOCK_N tile of features: a K walk over H from 0 upward in
 BLOCK_K steps, tl.dot into fp32, then h = cast(silu(g) * u). Stage 2, `_grouped_down_kernel`, grid
 (blocks, cdiv(H, BLOCK_N2)): the same over I with w_down[e], y kept in fp32 and stored by pair.
-`_combine_kernel`, grid (R, cdiv(H, BLOCK_H)): per row, its T pairs' y in ascending expert id
-order (T passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
+`_combine_kernel`, grid (R, cdiv(H, BLOCK_H)): per row, its S pairs' y in ascending expert id
+order (S passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
 
 Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what
 a pair computes does not: BLOCK_M, the tiles and the K walks are pinned per (H, I, dtype)
@@ -32,10 +32,11 @@ a pair computes does not: BLOCK_M, the tiles and the K walks are pinned per (H, 
 instruction at any place in any block, and an MMA's output row is a function of its own input row
 (swept on the H200 for every published expert shape, bf16 and FP8, M = 1..1024 rows:
 `python -m bench.row_invariance`). The tile is one for every row count, by construction: nothing
-here follows the batch's size. Row counts (P, the bisection steps)
-are not specialised on, and the caller's row-side pointers are not specialised on alignment. The
-sum over a row's experts is the combine's, in ascending id order: the listing order of a row's ids
-and its block-mates never reach it. Decode and verify take this one path.
+here follows the batch's size. The order of an expert's list (handed out by atomic increments)
+decides only which pairs share a block, which a pair's bits do not depend on. Row counts are not
+specialised on, and the caller's row-side pointers are not specialised on alignment. The sum over
+a row's experts is the combine's, in ascending id order: the listing order of a row's ids and its
+block-mates never reach it. Decode and verify take this one path.
 
 The dot is kernels/linear.py's `_dot_acc`: under the interpreter not tl.dot but `_dot_rows_apart`
 (tiles upcast to fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
@@ -57,6 +58,7 @@ import triton.language as tl
 from .dependent_launch import after_previous, launch_options
 from .linear import _dot_acc
 from .linear_fp8 import BlockScales, dequantize_tile, scale_row_offsets
+from .moe_route import Routing, add_pairs
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -129,42 +131,27 @@ def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _lower_bound(sorted_ids, n_pairs, n_steps, keys):
-    """Per lane, the first sorted position whose id is >= its key ([BLOCK_E] int64 keys):
-    a bisection of [0, n_pairs) in n_steps steps (n_pairs < 2^n_steps)."""
-    lo = tl.zeros_like(keys)
-    hi = tl.zeros_like(keys) + n_pairs
-    for _ in range(n_steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        b_id = tl.load(sorted_ids + mid, mask=active, other=0)
-        below = active & (b_id < keys)
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(active & ~below, mid, hi)
-    return lo
-
-
-@triton.jit
-def _expert_block(sorted_ids, n_pairs, n_steps, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                  PDL: tl.constexpr):
-    """A grouped kernel's opening: this program's block (program id 0) -> (its expert: an int64
-    scalar, >= E past the last block; the sorted positions of its pairs: [BLOCK_M] int64; their
-    mask: false past the expert's last pair). It first waits for the kernel before (after_previous,
-    before any global memory is touched: kernels/dependent_launch.py), whose output sorted_ids is."""
+def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """A grouped kernel's opening: this program's block (program id 0) -> (its expert: an int32
+    scalar, >= E_ALL past the last block; the pairs of the block: [BLOCK_M] int32; their mask:
+    false past the expert's last pair). Expert e owns cdiv(counts[e], BLOCK_M) blocks, numbered in
+    ascending expert order; block j of e holds entries j * BLOCK_M .. of its list (kernels/moe_route.py).
+    It first waits for the kernel before (after_previous, before any global memory is touched:
+    kernels/dependent_launch.py), whose output the lists are."""
     after_previous(PDL)
-    i_b = tl.program_id(0).to(tl.int64)
-    o_e = tl.arange(0, BLOCK_E).to(tl.int64)  # [BLOCK_E] one lane per expert (lanes >= E own no pair)
-    b_start = _lower_bound(sorted_ids, n_pairs, n_steps, o_e)  # [BLOCK_E]
-    b_end = _lower_bound(sorted_ids, n_pairs, n_steps, o_e + 1)
-    b_blocks = (b_end - b_start + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E] blocks of each expert
+    i_b = tl.program_id(0)
+    o_e = tl.arange(0, BLOCK_E)  # [BLOCK_E] one lane per expert (lanes >= E_ALL own no pair)
+    b_count = tl.load(counts + o_e, mask=o_e < E_ALL, other=0)
+    b_blocks = (b_count + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E] blocks of each expert
     b_blocks_end = tl.cumsum(b_blocks, axis=0)  # [BLOCK_E] one past each expert's last block
-    i_e = tl.sum((b_blocks_end <= i_b).to(tl.int64), axis=0)  # experts whose blocks all come before
+    i_e = tl.sum((b_blocks_end <= i_b).to(tl.int32), axis=0)  # experts whose blocks all come before
     m_e = o_e == i_e
     first_block = tl.sum(tl.where(m_e, b_blocks_end - b_blocks, 0), axis=0)
-    start = tl.sum(tl.where(m_e, b_start, 0), axis=0) + (i_b - first_block) * BLOCK_M
-    end = tl.sum(tl.where(m_e, b_end, 0), axis=0)
-    o_p = start + tl.arange(0, BLOCK_M)
-    return i_e, o_p, o_p < end
+    count = tl.sum(tl.where(m_e, b_count, 0), axis=0)
+    o_q = (i_b - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)  # entries of the expert's list
+    m_p = o_q < count
+    pairs = tl.load(lists + i_e.to(tl.int64) * R + o_q, mask=m_p, other=0)  # past the last block: count 0, nothing read
+    return i_e, pairs, m_p
 
 
 @triton.jit
@@ -180,22 +167,22 @@ def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
     return b_w
 
 
-@triton.jit(do_not_specialize=["n_pairs", "n_steps"], do_not_specialize_on_alignment=["x"])
+@triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=["x"])
 def _grouped_hidden_kernel(
-    x, sorted_ids, order, w_gate, w_up, hidden,
+    x, counts, lists, w_gate, w_up, hidden,
     gate_scale, gate_scale_row, up_scale, up_scale_row,  # FP8 only (else unused)
     stride_se, stride_sn,  # FP8: scale_inv strides per expert and per scale row (gate's = up's)
-    n_pairs, n_steps,
-    H: tl.constexpr, I: tl.constexpr, T: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+    R,
+    H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
-    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M, PDL)
+    i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
     if i_e >= E:
         return
-    b_row = tl.load(order + o_p, mask=m_p, other=0) // T  # [BLOCK_M] each pair's row of x
+    b_row = (b_pair // S).to(tl.int64)  # [BLOCK_M] each pair's row of x
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_n = o_n < I
@@ -227,29 +214,30 @@ def _grouped_hidden_kernel(
         p_g += BLOCK_K
         p_u += BLOCK_K
     b_h = tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u as torch: g / (1 + exp(-g))
-    p_h = hidden + o_p[:, None] * I + o_n[None, :]
+    p_h = hidden + b_pair[:, None].to(tl.int64) * I + o_n[None, :]  # by pair
     tl.store(p_h, cast_rtne(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_p[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["n_pairs", "n_steps"])
+@triton.jit(do_not_specialize=["R"])
 def _grouped_down_kernel(
-    hidden, sorted_ids, order, w_down, expert_out,
+    hidden, counts, lists, w_down, expert_out,
     down_scale, down_scale_row,  # FP8 only (else unused)
     stride_se, stride_sn,  # FP8: scale_inv strides per expert and per scale row
-    n_pairs, n_steps,
+    R,
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
-    i_e, o_p, m_p = _expert_block(sorted_ids, n_pairs, n_steps, E, BLOCK_E, BLOCK_M, PDL)
+    i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
     if i_e >= E:
         return
+    b_pair = b_pair.to(tl.int64)
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_n = o_n < H
-    p_h = hidden + o_p[:, None] * I + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_h = hidden + b_pair[:, None] * I + o_k[None, :]  # [BLOCK_M, BLOCK_K]
     p_w = w_down + i_e * (H * I) + o_n[None, :].to(tl.int64) * I + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w_down[e]^T
     m_srow = m_n[None, :]
     p_srow = o_n[None, :]  # FP8: [1, BLOCK_N] scale row offsets of each output feature (else unused)
@@ -265,15 +253,14 @@ def _grouped_down_kernel(
         b_y = _dot_acc(b_h, b_w, b_y, INTERPRET)
         p_h += BLOCK_K
         p_w += BLOCK_K
-    b_pair = tl.load(order + o_p, mask=m_p, other=0)  # [BLOCK_M] pair index = row * T + slot
     tl.store(expert_out + b_pair[:, None] * H + o_n[None, :], b_y, mask=m_p[:, None] & m_n[None, :])
 
 
 @triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
 def _combine_kernel(
-    expert_out, expert_ids, expert_weights, out,
-    H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
+    expert_out, expert_ids, expert_weights, out, counts,
+    H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_r = tl.program_id(0).to(tl.int64)  # the row
@@ -293,26 +280,53 @@ def _combine_kernel(
         b_out += b_w * b_y
         i_prev = i_e
     tl.store(out + i_r * H + o_h, cast_rtne(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
+    if (i_r == 0) & (i_h == 0):  # the last reader of the grouping: the counts back to zero for the next routing
+        o_e = tl.arange(0, BLOCK_E)
+        tl.store(counts + o_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=o_e < E_ALL)
 
 
-def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
-                    w_up: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor,
-                    scales: tuple[BlockScales, BlockScales, BlockScales] | None,
+@triton.jit(do_not_specialize=["R"])
+def _group_kernel(expert_ids, counts, lists, R, S: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    """Given ids [R, S] (a caller's own routing) -> counts and lists, as kernels/moe_route.py's routing
+    leaves them: one program per row."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < S
+    b_ids = tl.load(expert_ids + r * S + o_s, mask=m_s, other=0).to(tl.int32)
+    add_pairs(b_ids, counts, lists, r, o_s, m_s, R, S)
+
+
+def group_pairs(expert_ids: torch.Tensor, expert_weights: torch.Tensor, n_experts: int) -> Routing:
+    """A caller's routing (ids [R, S] int64, distinct in [0, n_experts) per row; fp32 weights [R, S])
+    -> the Routing the grouped experts read, with fresh zeroed counts (a layer's routing kernel
+    writes its own: kernels/moe_route.py)."""
+    rows, slots = expert_ids.shape
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=expert_ids.device)
+    lists = torch.empty((n_experts, max(rows, 1)), dtype=torch.int32, device=expert_ids.device)
+    if rows:
+        _group_kernel[(rows,)](expert_ids, counts, lists, rows, S=slots, BLOCK_S=max(2, triton.next_power_of_2(slots)),
+                               num_warps=1, **launch_options(expert_ids.device))
+    return Routing(expert_ids, expert_weights, counts, lists)
+
+
+def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                    out: torch.Tensor, scales: tuple[BlockScales, BlockScales, BlockScales] | None,
                     config: GroupedConfig | None = None) -> torch.Tensor:
     """The three launches on arguments kernels/moe.py has checked (x, ids and weights contiguous,
-    out [R, H] contiguous, R >= 1); scales None: weights in x's dtype. Fills and returns out.
+    out [R, H] contiguous, R >= 1; routing's counts and lists as kernels/moe_route.py leaves them);
+    scales None: weights in x's dtype. Fills and returns out, and sets routing.counts back to zero.
     config: overrides `grouped_config` (bench.fp8_configs times candidates): that one config then
     runs every row count, so the rows stay invariant under it too."""
     r, h = x.shape
-    t = expert_ids.shape[1]
+    slots = routing.ids.shape[1]
     e, i, _ = w_gate.shape
-    n_pairs = r * t
-    cfg = config or grouped_config(h, i, x.dtype, e, t, fp8=scales is not None)
-    sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)  # [P], [P]: pairs grouped by expert
-    hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by sorted position
+    n_pairs = r * slots
+    cfg = config or grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
+    hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by pair
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)
-    grouping = dict(n_pairs=n_pairs, n_steps=n_pairs.bit_length(), E=e, BLOCK_E=triton.next_power_of_2(e),
+    grouping = dict(R=routing.lists.shape[1], E=e, BLOCK_E=triton.next_power_of_2(e),
                     INTERPRET=interpreting(), BLOCK_M=cfg.BLOCK_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # scale pointers, strides and flags per stage (unused placeholders without FP8)
     hidden_fp8, down_fp8 = (x, x, x, x, 0, 0), (x, x, 0, 0)
@@ -324,16 +338,16 @@ def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: t
         hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0)
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0)
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
-        x, sorted_ids, order, w_gate, w_up, hidden, *hidden_fp8,
-        H=h, I=i, T=t, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags, **launch_options(x.device),
+        x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
+        H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
-        hidden, sorted_ids, order, w_down, expert_out, *down_fp8,
+        hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
         H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags, **launch_options(x.device),
     )
     _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
-        expert_out, expert_ids, expert_weights, out,
-        H=h, T=t, BLOCK_T=triton.next_power_of_2(t), INTERPRET=interpreting(), BLOCK_H=cfg.BLOCK_H, num_warps=cfg.num_warps,
-        **launch_options(x.device),
+        expert_out, routing.ids, routing.weights, out, routing.counts,
+        H=h, T=slots, BLOCK_T=triton.next_power_of_2(slots), E_ALL=e, BLOCK_E=triton.next_power_of_2(e), INTERPRET=interpreting(),
+        BLOCK_H=cfg.BLOCK_H, num_warps=cfg.num_warps, **launch_options(x.device),
     )
     return out

@@ -60,12 +60,16 @@ def expected_shapes(fields: dict, mixers: tuple[str, ...], mlps: tuple[str, ...]
                            (H, heads * f["v_head_dim"])])
         if mlp == DENSE:
             shapes.update([(2 * f["intermediate_size"], H), (H, f["intermediate_size"])])
-        elif kimi:  # shared experts as one MLP; the router is fp32
+        elif kimi:  # shared experts as one MLP, unless folded into the experts (their width); the router is fp32
             shared = f["moe_intermediate_size"] * f["num_shared_experts"]
-            shapes.update([(2 * shared, H), (H, shared)])
+            if shared != f["moe_intermediate_size"]:
+                shapes.update([(2 * shared, H), (H, shared)])
         else:  # softmax router, shared expert, its sigmoid gate
             shared = f["shared_expert_intermediate_size"]
-            shapes.update([(f["num_experts"], H), (2 * shared, H), (H, shared), (1, H)])
+            if shared == f["moe_intermediate_size"]:  # folded into the experts, its gate a row of the router
+                shapes.update([(f["num_experts"] + 1, H)])
+            else:
+                shapes.update([(f["num_experts"], H), (2 * shared, H), (H, shared), (1, H)])
     shapes[(f["vocab_size"], H)] += 1  # the LM head
     return shapes
 
@@ -102,9 +106,10 @@ def traced_forward(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.T
         result = F.linear(x, weight, bias)
         return result if out is None else out.copy_(result)  # the LM head's fp32 logits (ops.head_logits)
 
-    def kernel_linear_fp8(x, data, scales, bias=None):
+    def kernel_linear_fp8(x, data, scales, bias=None, out=None, defer_split=False):
         record(fp8, data)
-        return F.linear(x, dequantize_ref(data, scales, x.dtype), bias)
+        result = F.linear(x, dequantize_ref(data, scales, x.dtype), bias)
+        return result if out is None else out.copy_(result)  # a group of an OutFeatureGroups' output
 
     monkeypatch.setattr(ops, "use_triton", lambda t: True)
     monkeypatch.setattr(ops, "linear_kernel", SimpleNamespace(linear=kernel_linear))
@@ -164,14 +169,15 @@ def test_fp8_weights_are_skipped_and_their_bf16_groups_kept(tmp_path, monkeypatc
     t = config["text_config"]
     H, n_gdn = t["hidden_size"], sum(kind == GDN for kind in model.config.mixers)
     want = Counter({(2 * t["linear_num_value_heads"], H): n_gdn})
-    want[(t["num_experts"], H)] += model.config.n_layers  # routers
-    want[(1, H)] += model.config.n_layers  # shared-expert gates
+    # routers, each with its shared expert's gate as a last row (the shared expert folded into the experts)
+    assert t["shared_expert_intermediate_size"] == t["moe_intermediate_size"]
+    want[(t["num_experts"] + 1, H)] += model.config.n_layers
     want[(t["vocab_size"], H)] += 1
     assert {tuple(gw.weight.shape): gw.count for gw in weights} == dict(want)
     assert weights[0].name == "layer 0 gdn w_in group 1"
     n_attention = model.config.n_layers - n_gdn
-    # FP8: GDN's q|k|v|z and out_proj, attention's q|k|v and o_proj, the shared experts' gate|up and down
-    assert skipped[gemm.FP8_WEIGHTS] == 2 * n_gdn + 2 * n_attention + 2 * model.config.n_layers
+    # FP8: GDN's q|k|v|z and out_proj, attention's q|k|v and o_proj (the shared experts are experts)
+    assert skipped[gemm.FP8_WEIGHTS] == 2 * n_gdn + 2 * n_attention
 
 
 def test_row_invariance_checked_and_no_timing_without_a_green_gate(hf_checkpoint):

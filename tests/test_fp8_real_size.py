@@ -264,6 +264,7 @@ def test_step_floor_counts_by_hand(tmp_path):
 def test_recorded_routing_counts_distinct_ids_and_unhooks():
     class Router:
         w_router = None
+        cfg = SimpleNamespace(top_k=2)
 
         def route(self, x):
             return x, x.float()
@@ -374,8 +375,10 @@ def test_draft_floor_counts_by_hand(tmp_path):
     attention = (256 * 64 + 2 * 4 + 256 * 4) + 2 * (64 * 64 + 4 + 64 * 4) + (64 * 128 + 4 + 64 * 4)  # q (with its gate), k, v, o
     norms = 2 * 32 * 2 + 2 * 64 * 2  # q_norm, k_norm; input and post-attention norms (bf16)
     router_and_gate = 8 * 64 * 2 + 64 * 2
-    shared = 2 * (96 * 64 + 4 + 96 * 4) + (64 * 96 + 4 + 64 * 4)  # gate and up [96, 64], down [64, 96]
-    assert sizes.mtp_layer == attention + norms + router_and_gate + shared == 55584
+    # the shared expert, as wide as the experts, folded in as one more: gate and up [160, 64] (2 scale rows), down [64, 160]
+    shared = 2 * (160 * 64 + 2 * 4 + 160 * 4) + (64 * 160 + 2 * 4 + 64 * 4)
+    assert shared == sizes.expert
+    assert sizes.mtp_layer == attention + norms + router_and_gate + shared == 68396
     assert sizes.mtp_layer == sum(stored_bytes(t) for t in plan if t.name.startswith("mtp.layers.0.") and not t.per_expert)
     assert sizes.fc_and_norms == 64 * 128 * 2 + 3 * 64 * 2 == 16768  # fc [64, 128] in bf16; the pre-fc norms, the final norm
     assert (sizes.lm_head, sizes.embed_row, sizes.expert, sizes.n_experts) == (1024 * 64 * 2, 64 * 2, 32280, 8)
@@ -384,7 +387,7 @@ def test_draft_floor_counts_by_hand(tmp_path):
     # K = 3 after a verify that accepted one draft: the catch-up over positions 40, 41, then drafts at 42, 43
     forwards = [DraftForward(40, 2, 3), DraftForward(42, 1, 2), DraftForward(43, 1, 2)]
     assert draft_bytes(sizes, forwards) == {
-        "mtp_layer": 3 * 55584,
+        "mtp_layer": 3 * 68396,
         "fc_and_norms": 3 * 16768,
         "lm_head": 3 * 131072,  # the full head once per drafted token
         "embedding_rows": 4 * 128,

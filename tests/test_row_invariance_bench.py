@@ -15,17 +15,17 @@ def test_every_published_config_is_swept():
 
 def test_weights_as_the_engine_joins_them():
     """Qwen3.6-35B-A3B: GDN's q|k|v|z|b|a is one bf16 GEMM, or in FP8 the q|k|v|z GEMM beside the
-    kept b|a one; attention's q|k|v, the projections and the shared expert are FP8; the router,
-    the shared-expert gate and the head stay bf16; the experts are [E, I, H] with top-k 8."""
+    kept b|a one; attention's q|k|v and the projections are FP8; the router (the shared expert's
+    gate its last row) and the head stay bf16; the experts, the shared expert folded in as the
+    last, are [E + 1, I, H] with top-k 8."""
     config = PUBLISHED["Qwen3.6-35B-A3B"]
     bf16 = model_weights(config, fp8=False)
-    assert ("dense", "bf16", (12352, 2048)) in bf16 and ("experts", "bf16", (256, 512, 2048, 8)) in bf16
+    assert ("dense", "bf16", (12352, 2048)) in bf16 and ("experts", "bf16", (257, 512, 2048, 8)) in bf16
     assert {dtype for _, dtype, _ in bf16} == {"bf16"}
     fp8 = model_weights(config, fp8=True)
     assert {("dense", "fp8", (12288, 2048)), ("dense", "bf16", (64, 2048)), ("dense", "fp8", (9216, 2048)),
-            ("dense", "fp8", (2048, 4096)), ("dense", "fp8", (1024, 2048)), ("dense", "fp8", (2048, 512)),
-            ("dense", "bf16", (256, 2048)), ("dense", "bf16", (1, 2048)), ("dense", "bf16", (248320, 2048)),
-            ("experts", "fp8", (256, 512, 2048, 8))} == set(fp8)
+            ("dense", "fp8", (2048, 4096)), ("dense", "bf16", (257, 2048)), ("dense", "bf16", (248320, 2048)),
+            ("experts", "fp8", (257, 512, 2048, 8))} == set(fp8)
     assert len(fp8["dense", "fp8", (12288, 2048)]) == 30  # one per GDN layer
 
 

@@ -206,6 +206,17 @@ def stack_experts(weights: list[torch.Tensor | BlockFP8Weight]) -> torch.Tensor 
     return BlockFP8Weight(torch.stack([w.data for w in weights]), scales, weights[0].dtype)
 
 
+def append_expert(stacked: torch.Tensor | BlockFP8Weight, weight: torch.Tensor | BlockFP8Weight) -> torch.Tensor | BlockFP8Weight:
+    """Stacked experts [E, N, K] and one more expert's weight [N, K] -> [E + 1, N, K], the new one
+    last (a shared expert folded in). FP8 with FP8 of one scale layout stays FP8; else dequantized."""
+    if isinstance(stacked, BlockFP8Weight) and isinstance(weight, BlockFP8Weight):
+        s, w = stacked.scales, weight.scales
+        if torch.equal(s.scale_row, w.scale_row) and s.block_k == w.block_k and stacked.dtype == weight.dtype:
+            scales = BlockScales(torch.cat((s.scale_inv, w.scale_inv[None])).contiguous(), s.scale_row, s.block_k)
+            return BlockFP8Weight(torch.cat((stacked.data, weight.data[None])).contiguous(), scales, stacked.dtype)
+    return torch.cat((dense(stacked), dense(weight)[None])).contiguous()
+
+
 def dense(weight: torch.Tensor | BlockFP8Weight) -> torch.Tensor:
     """A plain tensor: FP8 weights dequantized to their compute dtype."""
     return weight.dequantize() if isinstance(weight, BlockFP8Weight) else weight

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from hybrid_kernels import linear as linear_kernel
 from hybrid_kernels import linear_fp8, moe, norms
 from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.moe_grouped import group_pairs
+from hybrid_kernels.moe_route import Routing
 from hybrid_kernels.runtime import pick, use_triton
 
 from .fp8 import BlockFP8Weight, LinearWeight, OutFeatureGroups
@@ -58,14 +60,30 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     (48 a step for the 2B model)."""
     if isinstance(weight, OutFeatureGroups):
         biases = [None] * len(weight.groups) if bias is None else bias.split(weight.sizes)
-        return torch.cat([linear(x, w, b) for w, b in zip(weight.groups, biases)], dim=1)
+        if not use_triton(x):
+            return torch.cat([linear(x, w, b) for w, b in zip(weight.groups, biases)], dim=1)
+        # on CUDA each group's GEMM writes its columns of one output: no copy to join them
+        out = torch.empty((x.shape[0], sum(weight.sizes)), dtype=x.dtype, device=x.device)
+        start = 0
+        for w, b in zip(weight.groups, biases):
+            _gemm(x, w, b, out[:, start : start + w.shape[0]])
+            start += w.shape[0]
+        return out
     if isinstance(weight, BlockFP8Weight):
         if use_triton(x):
-            return linear_fp8.linear_fp8(x, weight.data, weight.scales, bias)
+            return linear_fp8.linear_fp8(x, weight.data, weight.scales, bias, defer_split=into_add_norm)
         weight = weight.dequantize()
     if use_triton(x):
         return linear_kernel.linear(x, weight, bias, defer_split=into_add_norm)
     return F.linear(x, weight, bias)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """One CUDA GEMM into out (rows may be strided, features contiguous)."""
+    if isinstance(weight, BlockFP8Weight):
+        linear_fp8.linear_fp8(x, weight.data, weight.scales, bias, out)
+    else:
+        linear_kernel.linear(x, weight, bias, out)
 
 
 def head_logits(x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None = None, *, row_invariant: bool) -> torch.Tensor:
@@ -82,15 +100,23 @@ def head_logits(x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None 
     return logits if out is None else out.copy_(logits)
 
 
-def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
-    """A MoE layer's routed experts (kernels/moe.py): x [rows, H], ids and fp32 routing weights
-    [rows, top_k]; stacked expert weights [E, I, H], [E, I, H], [E, H, I], all tensors in x's
-    dtype or all BlockFP8Weight -> [rows, H]."""
-    if isinstance(w_gate, BlockFP8Weight):
-        scales = (w_gate.scales, w_up.scales, w_down.scales)
-        experts = pick(moe.moe_experts_fp8, moe.moe_experts_fp8_ref, x)
-        return experts(x, expert_ids, expert_weights, w_gate.data, w_up.data, w_down.data, scales)
-    return pick(moe.moe_experts, moe.moe_experts_ref, x)(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """A MoE layer's experts (kernels/moe.py): x [rows, H]; routing: (ids, fp32 weights) [rows,
+    slots], on CUDA normally the routing launch's Routing (its pairs already grouped by expert);
+    stacked expert weights [E, I, H], [E, I, H], [E, H, I], all tensors in x's dtype or all
+    BlockFP8Weight -> [rows, H]."""
+    fp8 = isinstance(w_gate, BlockFP8Weight)
+    weights = (w_gate.data, w_up.data, w_down.data) if fp8 else (w_gate, w_up, w_down)
+    scales = (w_gate.scales, w_up.scales, w_down.scales) if fp8 else None
+    grouped = pick(moe.moe_experts_routed, None, x)  # the kernels on CUDA
+    if grouped is not None:
+        if not isinstance(routing, Routing):
+            routing = group_pairs(routing[0].contiguous(), routing[1].float().contiguous(), weights[0].shape[0])
+        return grouped(x, routing, *weights, scales)
+    ids, expert_weights = routing[0], routing[1].float()
+    if fp8:
+        return moe.moe_experts_fp8_ref(x, ids, expert_weights, *weights, scales)
+    return moe.moe_experts_ref(x, ids, expert_weights, *weights)
 
 
 def _rowwise(launcher, reference, x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
