@@ -92,7 +92,8 @@ class Tables:
         for variant, paths in by_variant(self.results, "serve").items():
             for path in paths:  # newest first: a model keeps its newest file
                 for name, m in self.load(path)["models"].items():
-                    picked.setdefault((variant, name), (path, m))
+                    if "error" not in m:  # a model whose run failed has no figures: an older file's stand
+                        picked.setdefault((variant, name), (path, m))
         return [(variant, path, name, m) for (variant, name), (path, m) in picked.items()]
 
     def one(self, bench: str, variant: str = "") -> tuple[Path, dict]:

@@ -19,9 +19,12 @@ written by its writer under --workdir (--fp8-scale tiny: shrunk for the CPU); or
            (K = 0); plain from twice the processes (when the two agree, the load generator is not the
            bottleneck); plain with a Verify call per round (what the stream saves); random
            drafts K; oracle drafts K (the plain continuation); and oracle drafts untrimmed on a second
-           server, started with --no-goodput beside the first. With --pairs N each ratio (random vs
-           plain, oracle trimmed vs untrimmed) is measured N - 1 more times as back-to-back pairs,
-           alternating which run goes first, and the median is reported (`pair_ratios` lists them).
+           server, started with --no-goodput once the first has stopped (one copy of the model on the
+           device at a time, the engine's included: the real-size checkpoint fits one H100). With
+           --pairs N each ratio (random vs plain, oracle trimmed vs untrimmed) is measured N - 1 more
+           times as pairs, alternating which run goes first (random vs plain back to back; the
+           oracle's trimmed runs on the first server, its untrimmed ones on the second), and the
+           median is reported (`pair_ratios` lists them).
            Every stream is compared with the engine's. Each server keeps round timings
            (--round-timings): every run reports added_ms_per_round (its round, ms_per_batch, minus the
            engine step) and the round's parts from timestamps: engine, server in, server out, wire,
@@ -35,8 +38,10 @@ self-drafting through the service (server_drafter "mtp" at K) and MTP in process
 with the MTP proposer), each with tokens/s, mean acceptance length and its streams against plain;
 otherwise `mtp_skipped` says why they did not run. Each mode runs every prompt once untimed first.
 
-Writes OUT/serve_<date>[_<name>].json (--name: what differs, e.g. the model) and prints a short table last; progress goes to stderr. Exit 1 when a
-stream differs from plain decoding or a step failed, 2 on bad options.
+Writes OUT/serve_<date>[_<name>].json (--name: what differs, e.g. the model) after every model, so
+a later failure keeps the figures of the models before it (a model that failed holds its `error`,
+and the run goes on to the next), and prints a short table last; progress goes to stderr. Exit 1
+when a stream differs from plain decoding, a step or a model failed, 2 on bad options.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext, redirect_stderr
+from contextlib import contextmanager, redirect_stderr
 from io import StringIO
 from pathlib import Path
 
@@ -66,6 +71,7 @@ from verifier.defaults import SHIPPED_DRAFT, SHIPPED_TARGET
 from verifier.engine import LENGTH
 from verifier.server.app import build_engine
 from verifier.server.config import ServerConfig
+from verifier.model.hf_config import load_config
 
 TAG = "serve"
 FP8 = "fp8-real-size"  # bench.fp8_real_size's checkpoint (--fp8-config, --fp8-scale), written by its writer
@@ -96,7 +102,7 @@ class ServeConfig:
     draft_device: str | None = None  # None: --device
     time_limit_s: float = 300.0
     seed: int = 0
-    pairs: int = 1  # back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed); the median is reported
+    pairs: int = 1  # pairs per ratio (random vs plain, oracle trimmed vs untrimmed); the median is reported
     name: str = ""  # what differs from the default run (a model, a host), appended to the results file's name
     fp8_config: str = "qwen3.6-35b-a3b"  # --model fp8-real-size: the published config it writes
     fp8_scale: str = "full"  # or "tiny": the same layers shrunk, for the CPU
@@ -263,10 +269,14 @@ def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = 
 
 
 def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) -> dict:
-    """The engine alone, then the service runs. The untrimmed oracle's server (--no-goodput) runs beside
-    the first from the start, so that with --pairs N each ratio is also measured N - 1 more times as
-    back-to-back pairs, alternating which run goes first: the hosts lent differ from run to run by
-    more than the effects measured, and a pair run seconds apart shares its host's state."""
+    """The engine alone, then the service runs, one copy of the model on the device at a time (the
+    real-size checkpoint fits one GPU once, not three times): the engine in this process, freed;
+    the server with goodput trimming for every run but the untrimmed oracle's, stopped; then the
+    untrimmed oracle's server (--no-goodput). With --pairs N each ratio is also measured N - 1
+    more times as pairs, alternating which run goes first: random vs plain back to back on the
+    first server; oracle trimmed vs untrimmed with the trimmed runs on the first server and the
+    untrimmed ones on the second, in the same order (the hosts lent differ from run to run by more
+    than the effects measured; the medians of the pairs say how much)."""
     with_goodput_off = server_has_flag(NO_GOODPUT)
     # each server's timestamps file (None: a server without the switch); written when it stops
     timings = {trimmed: scratch / f"round_timings_{name}_{'goodput' if trimmed else 'no_goodput'}.json"
@@ -278,46 +288,49 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
     pairs: dict[str, list[float]] = {"random_vs_plain": [], "oracle_trimmed_vs_untrimmed": []}
     if not with_goodput_off:
         say(f"the server has no {NO_GOODPUT} flag yet: oracle_trimmed_vs_untrimmed is not measured", TAG)
-    untrimmed_server = serving(config, model_dir, (NO_GOODPUT,), timings[False]) if with_goodput_off else nullcontext((None, None))
-    with serving(config, model_dir, timings=timings[True]) as (server, client), untrimmed_server as (untrimmed, untrimmed_client):
-        info = client.model_info()
-        plan = workload.Plan(info.vocab_size, info.eos_ids, config.k, "none", config.reference_tokens,
-                             config.warmup_steps + config.steps, config.seed, sampling_mix="greedy", generations=1)
-        # the engine alone while the servers idle: they share the device, never its time
-        engine_figures, streams = engine_alone(config, model_dir, plan)
+    model_config = load_config(model_dir)  # what GetModelInfo would say: vocabulary and end ids
+    plan = workload.Plan(model_config.vocab_size, list(model_config.eos_token_ids), config.k, "none", config.reference_tokens,
+                         config.warmup_steps + config.steps, config.seed, sampling_mix="greedy", generations=1)
+    engine_figures, streams = engine_alone(config, model_dir, plan)  # before any server: the device holds one model
+    oracle = f"oracle K={config.k}"
+    oracle_pairs: dict[int, dict] = {}  # pair i of the oracle ratio: its trimmed run now, its untrimmed run on the second server
 
-        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None, trimmed: bool = True,
-                transport: str = FLEET) -> dict:
-            address, caller = (server.address, client) if trimmed else (untrimmed.address, untrimmed_client)
-            figures = service_run(config, address, caller, dataclasses.replace(plan, drafter=drafter), n_processes,
+    def runner(server, client, trimmed: bool):
+        def run(label: str, drafter: str = "none", n_processes: int = one, at_start=None, transport: str = FLEET) -> dict:
+            figures = service_run(config, server.address, client, dataclasses.replace(plan, drafter=drafter), n_processes,
                                   streams, scratch, f"{name} {label}", at_start, transport)
             timed.append((figures, trimmed))
             return figures
+        return run
 
-        oracle = f"oracle K={config.k}"
+    with serving(config, model_dir, timings=timings[True]) as (server, client):
+        run = runner(server, client, True)
         runs["plain"] = run("plain", at_start=lambda: rss.setdefault("before", server.rss_mib()))
         runs["plain_more_processes"] = run(f"plain, {more} processes", n_processes=more)
         runs["plain_verify_calls"] = run("plain, a Verify call per round", transport=FLEET_VERIFY)
         runs["random"] = run(f"random K={config.k}", "random")
         runs["oracle"] = run(oracle, "oracle")
-        if with_goodput_off:
-            runs["oracle_untrimmed"] = run(f"{oracle}, {NO_GOODPUT}", "oracle", trimmed=False)
         _add_pair(pairs["random_vs_plain"], runs["random"], runs["plain"])
-        _add_pair(pairs["oracle_trimmed_vs_untrimmed"], runs["oracle"], runs.get("oracle_untrimmed"))
-        comparisons = [("random_vs_plain", True, lambda i: run(f"random K={config.k}, pair {i}", "random"),
-                        lambda i: run(f"plain, pair {i}"))]  # (key, baseline ran first in pair 1, drafts, baseline)
-        if with_goodput_off:
-            comparisons.append(("oracle_trimmed_vs_untrimmed", False, lambda i: run(f"{oracle}, pair {i}", "oracle"),
-                                lambda i: run(f"{oracle}, {NO_GOODPUT}, pair {i}", "oracle", trimmed=False)))
         for i in range(2, config.pairs + 1):
-            for key, baseline_first_in_pair_1, drafts, baseline in comparisons:
-                if baseline_first_in_pair_1 != (i % 2 == 0):  # every other pair swaps the order
-                    pair = {"baseline": baseline(i), "drafts": drafts(i)}
-                else:
-                    pair = {"drafts": drafts(i), "baseline": baseline(i)}
-                runs[f"{key}_pair_{i}"] = pair
-                _add_pair(pairs[key], pair["drafts"], pair["baseline"])
+            if i % 2 == 0:  # every other pair swaps the order; pair 1 ran the baseline first
+                pair = {"drafts": run(f"random K={config.k}, pair {i}", "random"), "baseline": run(f"plain, pair {i}")}
+            else:
+                pair = {"baseline": run(f"plain, pair {i}"), "drafts": run(f"random K={config.k}, pair {i}", "random")}
+            runs[f"random_vs_plain_pair_{i}"] = pair
+            _add_pair(pairs["random_vs_plain"], pair["drafts"], pair["baseline"])
+            if with_goodput_off:
+                oracle_pairs[i] = {"drafts": run(f"{oracle}, pair {i}", "oracle")}
         rss["after"] = server.rss_mib()
+    if with_goodput_off:
+        _free_device_memory()
+        with serving(config, model_dir, (NO_GOODPUT,), timings[False]) as (untrimmed, untrimmed_client):
+            run = runner(untrimmed, untrimmed_client, False)
+            runs["oracle_untrimmed"] = run(f"{oracle}, {NO_GOODPUT}", "oracle")
+            _add_pair(pairs["oracle_trimmed_vs_untrimmed"], runs["oracle"], runs["oracle_untrimmed"])
+            for i, pair in oracle_pairs.items():
+                pair["baseline"] = run(f"{oracle}, {NO_GOODPUT}, pair {i}", "oracle")
+                runs[f"oracle_trimmed_vs_untrimmed_pair_{i}"] = pair
+                _add_pair(pairs["oracle_trimmed_vs_untrimmed"], pair["drafts"], pair["baseline"])
     add_breakdowns(timed, timings)  # the servers have stopped: their timings files are written
     return model_figures(config, engine_figures, runs, rss, with_goodput_off, pairs)
 
@@ -355,7 +368,7 @@ def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss:
         "p50_ms": plain["p50_ms"], "p99_ms": plain["p99_ms"],
         "graph_captures_during_load": None if None in captures else sum(captures),
         "rss_before_mib": _mib(rss.get("before")), "rss_after_mib": _mib(rss.get("after")),
-        # the median of the back-to-back pairs (--pairs; one pair: that pair's ratio)
+        # the median of the pairs (--pairs; one pair: that pair's ratio)
         "random_drafts_vs_plain_b64": _median(pairs["random_vs_plain"]),
         "oracle_trimmed_vs_untrimmed": _median(pairs["oracle_trimmed_vs_untrimmed"]),
         "pair_ratios": pairs,
@@ -412,24 +425,40 @@ def run_serve(config: ServeConfig) -> dict:
     result["settings"] = json.loads(json.dumps(result["settings"], default=str))
     if config.workdir is not None:
         config.workdir.mkdir(parents=True, exist_ok=True)
+    config.out.mkdir(parents=True, exist_ok=True)
+    path = results_path(config.out, "serve", result["date"], config.name)
+    result["path"] = str(path)
+
+    def write() -> None:  # after every model: a later failure keeps what finished
+        finished = [m for m in result["models"].values() if "error" not in m]
+        result["ok"] = (len(finished) == len(result["models"]) and all(m["mismatches"] == 0 and m["errors"] == 0 for m in finished)
+                        and (result["remote_drafter"] is None or bool(result["remote_drafter"].get("streams_equal"))))
+        path.write_text(json.dumps({k: v for k, v in result.items() if k != "path"}, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="serve-", dir=config.workdir) as scratch:
         scratch = Path(scratch)
         for name in config.models:
-            model_dir = checkpoint(name, scratch, config)
-            key = name if name in MODEL_NAMES and name != FP8 else model_dir.name
-            result["models"][key] = bench_model(config, key, model_dir, scratch)
+            key = name
+            try:
+                model_dir = checkpoint(name, scratch, config)
+                key = name if name in MODEL_NAMES and name != FP8 else model_dir.name
+                result["models"][key] = bench_model(config, key, model_dir, scratch)
+            except Exception as exc:  # the models before stand; this one says what failed, and the run goes on
+                result["models"][key] = {"error": f"{type(exc).__name__}: {exc}"}
+                say(f"{key} failed: {result['models'][key]['error']}", TAG)
             _free_device_memory()
+            write()
         if config.remote:
-            result["remote_drafter"] = remote_drafter(config.remote_target, config.remote_draft, config.remote_prompts,
-                                                      config.remote_prompt_count, config.remote_new_tokens, config.k,
-                                                      config.device, config.served_dtype,
-                                                      config.draft_device or config.device, progress=lambda m: say(m, TAG))
-    result["ok"] = all(m["mismatches"] == 0 and m["errors"] == 0 for m in result["models"].values()) and \
-        (result["remote_drafter"] is None or result["remote_drafter"]["streams_equal"])
-    config.out.mkdir(parents=True, exist_ok=True)
-    path = results_path(config.out, "serve", result["date"], config.name)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    result["path"] = str(path)
+            try:
+                result["remote_drafter"] = remote_drafter(config.remote_target, config.remote_draft, config.remote_prompts,
+                                                          config.remote_prompt_count, config.remote_new_tokens, config.k,
+                                                          config.device, config.served_dtype,
+                                                          config.draft_device or config.device, progress=lambda m: say(m, TAG))
+            except Exception as exc:
+                result["remote_drafter"] = {"error": f"{type(exc).__name__}: {exc}", "streams_equal": False}
+                say(f"remote drafter failed: {result['remote_drafter']['error']}", TAG)
+            write()
+    write()
     return result
 
 
@@ -437,20 +466,28 @@ def table(result: dict) -> str:
     head = ("model", "engine tok/s", "service tok/s", "svc/engine", "2x procs tok/s", "p50 ms", "p99 ms", "captures",
             "rss MiB", "random/plain", "oracle trim/untrim", "mismatches")
     rows = [head]
+    failed = {name: m["error"] for name, m in result["models"].items() if "error" in m}
     for name, m in result["models"].items():
+        if name in failed:
+            continue
         rows.append((name, m["engine_tokens_per_s"], m["service_tokens_per_s"], m["service_over_engine"],
                      m["service_tokens_per_s_more_processes"], m["p50_ms"], m["p99_ms"], m["graph_captures_during_load"],
                      f"{m['rss_before_mib']}->{m['rss_after_mib']}", m["random_drafts_vs_plain_b64"],
                      m["oracle_trimmed_vs_untrimmed"], m["mismatches"]))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows]
+    lines += [f"{name} FAILED: {error}" for name, error in failed.items()]
     for name, m in result["models"].items():
+        if name in failed:
+            continue
         runs = {key: run for key, run in m["runs"].items() if "baseline" not in run}
         breakdown = serve_breakdown.table(runs)
         if breakdown:
             lines += [f"{name}: a round and its parts, ms (bench/serve_breakdown.py)", breakdown]
     remote = result["remote_drafter"]
-    if remote is not None:
+    if remote is not None and "error" in remote:
+        lines.append(f"remote drafter FAILED: {remote['error']}")
+    elif remote is not None:
         lines.append(f"remote drafter K={remote['k']}: plain {remote['plain_tokens_per_s']} tok/s, model drafter "
                      f"{remote['remote_model_tokens_per_s']} tok/s ({remote['remote_model_speedup']}x); in process "
                      f"{remote['inprocess_model_speedup']}x; streams equal: {remote['streams_equal']}; ms per round "
@@ -497,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit-s", type=float, default=defaults.time_limit_s, help="per service run: stop its sessions then")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the prompts and the random drafts")
     p.add_argument("--pairs", type=int, default=defaults.pairs,
-                   help="back-to-back pairs per ratio (random vs plain, oracle trimmed vs untrimmed), alternating "
+                   help="pairs per ratio (random vs plain back to back, oracle trimmed vs untrimmed on its two servers), alternating "
                         "which runs first; the median ratio is reported")
     p.add_argument("--name", default=defaults.name, help=NAME_HELP)
     p.add_argument("--fp8-config", default=defaults.fp8_config, help=f"--model {FP8}: the published config written "

@@ -81,7 +81,9 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     assert second["drafts"]["mismatches"] == 0 and second["baseline"]["mismatches"] == 0
     if server_has_flag("--no-goodput"):
         assert len(ratios["oracle_trimmed_vs_untrimmed"]) == 2
-        assert list(runs["oracle_trimmed_vs_untrimmed_pair_2"]) == ["baseline", "drafts"]  # pair 1 ran trimmed first
+        # one server at a time: the trimmed runs on the first, the untrimmed ones on the second
+        pair = runs["oracle_trimmed_vs_untrimmed_pair_2"]
+        assert list(pair) == ["drafts", "baseline"] and pair["baseline"]["mean_acceptance_length"] == K + 1
         # untrimmed, the oracle's every draft is accepted: K + 1 tokens per step
         assert runs["oracle_untrimmed"]["mean_acceptance_length"] == K + 1
         assert runs["oracle_untrimmed"]["mismatches"] == 0 and model["oracle_trimmed_vs_untrimmed"] > 0
@@ -203,3 +205,26 @@ def test_bad_options_exit_2(tmp_path, capsys):
     assert "2b needs --device cuda" in capsys.readouterr().err
     assert main(["--out", str(tmp_path), "--model", "fp8-real-size", "--device", "cpu"]) == 2  # full size: the GPU only
     assert "--fp8-scale tiny runs on the CPU" in capsys.readouterr().err
+
+
+def test_a_failing_model_keeps_the_models_before_it(tmp_path, monkeypatch):
+    """The results file is written after every model: a model that fails holds its error, the one
+    before keeps its figures, the run goes on, and the exit status says it failed."""
+    from bench import serve
+
+    def bench_model(config, name, model_dir, scratch):
+        if name == "second":
+            raise RuntimeError("CUDA out of memory")
+        return {"mismatches": 0, "errors": 0, "figures": name}
+
+    monkeypatch.setattr(serve, "checkpoint", lambda name, scratch, config: Path(scratch) / name)
+    monkeypatch.setattr(serve, "bench_model", bench_model)
+    config = serve.ServeConfig(out=tmp_path, models=("first", "second", "third"), remote=False)
+    result = serve.run_serve(config)
+    written = json.loads(Path(result["path"]).read_text())
+    assert written["models"]["first"] == {"mismatches": 0, "errors": 0, "figures": "first"}
+    assert written["models"]["second"] == {"error": "RuntimeError: CUDA out of memory"}
+    assert written["models"]["third"]["figures"] == "third"
+    assert written["ok"] is False
+    failed_only = {"models": {"second": written["models"]["second"]}, "remote_drafter": None}
+    assert "second FAILED: RuntimeError: CUDA out of memory" in serve.table(failed_only)
