@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 _VERIFY_STREAM = f"/{rpc.SERVICE_NAME}/VerifyStream"
 _VERIFY_ROUNDS = f"/{rpc.SERVICE_NAME}/VerifyRounds"
+# a StepResult's fields beside its logits and its two ids (status, positions, counts, at most K + 1
+# tokens, a status message), generously; the ids are counted as sent
+ANSWER_FIELD_BYTES = 1024
 _STOPPING = "the server is stopping: this stream takes no more requests (its earlier ones are answered); resend on a new call"
 
 
@@ -355,9 +358,34 @@ class VerifierService:
         session_ids = [step.session_id for step in steps]  # read once: each read of a wire string makes a new str
         repeated = repeated_sessions(session_ids)
         arrived, now = time.perf_counter(), self.sessions.clock()
+        too_large = self._answer_over_limit(steps, session_ids)
         return RequestAnswer([self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated
+                              else self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large) if too_large and step.return_logits
                               else self._submit(step, session_id, arrived, now)
                               for i, (step, session_id) in enumerate(zip(steps, session_ids))])
+
+    def _answer_bytes(self, step: rpc.VerifyStep, session_id: str) -> int:
+        """The most bytes a step's result can take on the wire: its logits (len(tokens) <= the drafts
+        verified + 1 rows of the vocabulary in float32, when asked), its ids and ANSWER_FIELD_BYTES for the rest."""
+        fields = ANSWER_FIELD_BYTES + len(session_id) + len(step.request_id)
+        if not step.return_logits:
+            return fields
+        session = self.sessions.find(session_id)
+        drafts = session.drafter.k if session is not None and session.drafter is not None else len(step.draft_ids)
+        rows = min(drafts, self.engine.max_k) + 1
+        return fields + rows * self.vocab * 4
+
+    def _answer_over_limit(self, steps: list, session_ids: list[str]) -> str | None:
+        """Why the answer to these steps could exceed the message limit (--max-message-mb), before any
+        runs: a step that ran and could not be answered would lose its tokens for good; None if it fits."""
+        total = sum(self._answer_bytes(step, session_id) for step, session_id in zip(steps, session_ids))
+        limit = self.config.max_message_bytes
+        if total <= limit:
+            return None
+        asking = sum(1 for step in steps if step.return_logits)
+        return (f"return_logits: the answer could take {total / (1 << 20):.1f} MiB ({asking} step(s) with up to K + 1 logits rows "
+                f"of {self.vocab} float32 each), over the server's message limit of {limit / (1 << 20):g} MiB (--max-message-mb); "
+                "nothing ran: ask for logits in fewer steps per call, or raise --max-message-mb")
 
     def _refuse(self, step: rpc.VerifyStep, code: grpc.StatusCode, message: str, session: Session | None = None) -> PendingStep:
         """Answer a step without the engine, at its session's position (0 without a live session)."""
@@ -373,6 +401,10 @@ class VerifierService:
         `arrived` (perf_counter) and `now` (the session table's clock) are read once per request."""
         if self._cut_message is not None:  # the grace period is over: nothing more runs
             return self._refuse(step, grpc.StatusCode.UNAVAILABLE, self._cut_message)
+        if step.return_logits:  # one step's answer alone (a VerifyStream message) must fit too
+            too_large = self._answer_over_limit([step], [session_id])
+            if too_large:
+                return self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large)
         try:
             drafts, draft_probs = step_drafts(step, session_id, self.engine.max_k, self.vocab)
         except Invalid as exc:
