@@ -198,7 +198,39 @@ class Tables:
         text = table(["config", "params (active)", "checkpoint", "load", "HBM floor ms", *head, "rows = serial", "gate",
                       "peak GPU memory"], rows, "")
         mtp = self.fp8_mtp_draft([self.load(path) for path in files])
-        return text + ("\n" + mtp if mtp else "") + "\n" + self.source(*files) + "\n"
+        steps = self.fp8_step_figures([self.load(path) for path in files])
+        return text + ("\n" + mtp if mtp else "") + ("\n" + steps if steps else "") + "\n" + self.source(*files) + "\n"
+
+    def fp8_step_figures(self, results: list[dict]) -> str:
+        """One row per fp8_real_size file with kernel figures: the batch-1 verifies of K + 1 rows an
+        MTP drafter pairs with, the time per output token at one request with the MTP head at the
+        published acceptance (an assumption the file states), launches a step, and the kernels
+        against their own bytes or FLOPs; "" when none has them."""
+        rows = []
+        for d in results:
+            kf = d.get("kernel_figures")
+            if not kf:
+                continue
+            verifies = " / ".join(f"{d[f'verify_k{k}_ms_b1']:.2f}" for k in (1, 2, 3, 4) if d.get(f"verify_k{k}_ms_b1") is not None)
+            pt = d.get("per_token") or {}
+            accept = pt.get("assumed_mean_acceptance_length", {})
+            per_token = " / ".join(f"{pt[f'k{k}_ms']:.2f}" for k in (1, 2, 3) if pt.get(f"k{k}_ms") is not None)
+            accepted = " / ".join(str(accept[str(k)]) for k in (1, 2, 3) if str(k) in accept)
+            launches = kf["launches"]
+            many = next((key for key in kf if key.startswith("fp8_gemm_") and key.endswith("_rows_tflop_s")), None)
+
+            def num(value, digits=2):
+                return "-" if value is None else f"{value:.{digits}f}"
+            rows.append(f"{d['config']} | {verifies or '-'} | {per_token or '-'} (acceptance {accepted or '-'}) | "
+                        f"{launches.get('decode_ms_b1', '-')} / {max(launches.values()) if launches else '-'} | "
+                        f"{num(kf['fp8_gemm_one_row_tb_s'])} | {num(kf.get(many), 0) if many else '-'} | "
+                        f"{num(kf['routed_experts_b1_tb_s'])} / {num(kf.get('routed_experts_b64_tb_s'))} | "
+                        f"{sum(v or 0 for v in kf['sort_topk_launches'].values())}")
+        if not rows:
+            return ""
+        return table(["config", "verify K+1 rows at b=1, K = 1 / 2 / 3 / 4, ms", "ms per output token, MTP K = 1 / 2 / 3 at b=1 (assumed acceptance)",
+                      "launches a step (decode b=1 / most)", "FP8 GEMM, one row, TB/s", "FP8 GEMM, 576 rows, TFLOP/s",
+                      "routed experts b=1 / b=64, TB/s of distinct experts", "torch sort / top-k launches"], rows, "")
 
     def fp8_mtp_draft(self, results: list[dict]) -> str:
         """One row per fp8_real_size file that timed MTP drafts: per K its ms (x its own floor; x a

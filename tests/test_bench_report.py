@@ -47,7 +47,7 @@ def test_fp8_real_size_table_shows_each_figure_against_its_own_floor(tmp_path):
     """Files without own floors (the committed ones) keep the decode against the weights' floor; a
     file with `step_floors` shows every figure over its own floor, and the experts its rows route to."""
     old = json.loads(next(report.RESULTS.glob("fp8_real_size_*.json")).read_text())
-    for key in ("step_floors", "kernel_breakdowns", "mtp_draft"):  # as a file from before own floors
+    for key in ("step_floors", "kernel_breakdowns", "mtp_draft", "kernel_figures", "per_token"):  # as a file from before own floors
         old.pop(key, None)
     (tmp_path / "fp8_real_size_2026-01-01_old.json").write_text(json.dumps(old))
     assert "x its own floor" not in report.Tables(tmp_path).fp8_real_size()
@@ -89,7 +89,8 @@ def test_fp8_real_size_adds_the_mtp_table_only_for_files_that_time_mtp_drafts(tm
     each K's draft against its own floor and a decode step, and the LM head's share of the floor."""
     old_path = max(report.RESULTS.glob("fp8_real_size_*.json"), key=lambda p: report.parse_name(p.name)[1])
     old = json.loads(old_path.read_text())
-    old.pop("mtp_draft", None)  # as a file from before the MTP timing
+    for key in ("mtp_draft", "kernel_figures", "per_token"):  # as a file from before the MTP timing and the kernel figures
+        old.pop(key, None)
     (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps(old))
     before = report.Tables(tmp_path).fp8_real_size()
     assert "MTP draft" not in before
@@ -169,3 +170,23 @@ def test_serve_tables_read_the_newest_file_that_has_their_part(tmp_path):
     (tmp_path / "serve_2026-12-12.json").unlink()
     summary = report.Tables(tmp_path).summary()
     assert "0 streams differ | `serve_2026-12-10.json` |" in summary and "serve_2026-12-11" not in summary
+
+
+def test_fp8_real_size_adds_the_step_figures_for_files_that_have_them(tmp_path):
+    """A file with kernel figures adds a row: the batch-1 verifies of K + 1 rows, the per-token figure
+    with its assumed acceptance, launches, the kernels' bytes or FLOPs and torch's sort/top-k launches."""
+    path = max(report.RESULTS.glob("fp8_real_size_*.json"), key=lambda p: report.parse_name(p.name)[1])
+    d = json.loads(path.read_text())
+    for key in ("kernel_figures", "per_token"):
+        d.pop(key, None)
+    (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps(d))
+    assert "launches a step" not in report.Tables(tmp_path).fp8_real_size()
+    d.update({f"verify_k{k}_ms_b1": float(k) for k in (1, 2, 3, 4)},
+             per_token={"assumed_mean_acceptance_length": {"1": 1.9, "2": 2.4, "3": 2.8}, "k1_ms": 3.0, "k2_ms": 2.5, "k3_ms": 2.0},
+             kernel_figures={"launches": {"decode_ms_b1": 500, "verify_k8_ms_b64": 510}, "fp8_gemm_one_row_tb_s": 2.5,
+                             "fp8_gemm_576_rows_tflop_s": 401.2, "routed_experts_b1_tb_s": 2.4, "routed_experts_b64_tb_s": 2.6,
+                             "sort_topk_launches": {"decode_ms_b1": 0, "verify_k8_ms_b64": 0}})
+    (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps(d))
+    text = report.Tables(tmp_path).fp8_real_size()
+    assert (f"| {d['config']} | 1.00 / 2.00 / 3.00 / 4.00 | 3.00 / 2.50 / 2.00 (acceptance 1.9 / 2.4 / 2.8) | 500 / 510 | 2.50 | 401 | "
+            "2.40 / 2.60 | 0 |") in text
