@@ -218,10 +218,17 @@ def route_ref(logits: torch.Tensor, n_experts: int, top_k: int, *, router: str =
     if router != SOFTMAX:
         weights = weights * scaling
     weights = weights.to(weight_dtype).float()
-    if shared != NO_SHARED:
-        rows = logits.shape[0]
-        gate = (torch.sigmoid(logits[:, n_experts:].float()).to(weight_dtype).float() if shared == GATED_SHARED
-                else torch.ones(rows, 1, dtype=torch.float32, device=logits.device))
-        ids = torch.cat((ids, torch.full((rows, 1), n_experts, dtype=torch.int64, device=logits.device)), dim=1)
-        weights = torch.cat((weights, gate), dim=1)
-    return ids, weights
+    if shared == NO_SHARED:
+        return ids, weights
+    gate = torch.sigmoid(logits[:, n_experts:].float()).to(weight_dtype).float() if shared == GATED_SHARED else None
+    return with_shared(ids, weights, n_experts, gate)
+
+
+def with_shared(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing's ids and fp32 weights [R, T] with the folded shared expert's slot appended: id
+    n_experts, weight gate [R, 1] (None: 1, ungated) -> [R, T + 1] each."""
+    rows = ids.shape[0]
+    if gate is None:
+        gate = torch.ones(rows, 1, dtype=torch.float32, device=weights.device)
+    shared_ids = torch.full((rows, 1), n_experts, dtype=ids.dtype, device=ids.device)
+    return torch.cat((ids, shared_ids), dim=1), torch.cat((weights, gate), dim=1)

@@ -358,10 +358,11 @@ class VerifierService:
         session_ids = [step.session_id for step in steps]  # read once: each read of a wire string makes a new str
         repeated = repeated_sessions(session_ids)
         arrived, now = time.perf_counter(), self.sessions.clock()
-        too_large = self._answer_over_limit(steps, session_ids)
+        # sized once for the whole answer (only logits can make it large), not again per step
+        too_large = self._answer_over_limit(steps, session_ids) if any(step.return_logits for step in steps) else None
         return RequestAnswer([self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated
                               else self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large) if too_large and step.return_logits
-                              else self._submit(step, session_id, arrived, now)
+                              else self._submit(step, session_id, arrived, now, sized=True)
                               for i, (step, session_id) in enumerate(zip(steps, session_ids))])
 
     def _answer_bytes(self, step: rpc.VerifyStep, session_id: str) -> int:
@@ -395,13 +396,14 @@ class VerifierService:
         self.metrics.record_error(code.name)
         return self.scheduler.answered(step, error_result(step, code, message, position))
 
-    def _submit(self, step: rpc.VerifyStep, session_id: str, arrived: float, now: float) -> PendingStep:
+    def _submit(self, step: rpc.VerifyStep, session_id: str, arrived: float, now: float, sized: bool = False) -> PendingStep:
         """Check the step's wire fields, find its session, answer a retry from the stored result or
         join it to the same step in flight, else queue it. `session_id`: the step's, read once;
-        `arrived` (perf_counter) and `now` (the session table's clock) are read once per request."""
+        `arrived` (perf_counter) and `now` (the session table's clock) are read once per request;
+        sized: its answer's size was checked with its request's (else, a stream's step, here)."""
         if self._cut_message is not None:  # the grace period is over: nothing more runs
             return self._refuse(step, grpc.StatusCode.UNAVAILABLE, self._cut_message)
-        if step.return_logits:  # one step's answer alone (a VerifyStream message) must fit too
+        if step.return_logits and not sized:  # a stream's step: its answer is one message
             too_large = self._answer_over_limit([step], [session_id])
             if too_large:
                 return self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large)

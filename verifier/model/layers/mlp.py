@@ -140,18 +140,18 @@ class MoE:
         if m.renormalize:
             weights = weights / (_column_sum(weights) + 1e-20)
         weights = (weights * m.routed_scaling_factor).to(weight_dtype).float()
-        if self.shared_folded:
-            rows = ids.shape[0]
-            ids = torch.cat((ids, torch.full((rows, 1), m.n_experts, dtype=ids.dtype, device=ids.device)), dim=1)
-            weights = torch.cat((weights, torch.ones(rows, 1, dtype=weights.dtype, device=weights.device)), dim=1)
-        return ids, weights
+        return moe_route.with_shared(ids, weights, m.n_experts, None) if self.shared_folded else (ids, weights)
 
     def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor:
         """into_add_norm is DenseMLP's; a sum of experts is always finished here."""
         routing = self.route(x)
         # Per row, its experts in ascending id order, fp32 accumulation (kernels/moe.py): no host
         # sync on the routing, so a CUDA graph can capture it.
-        out = routed_experts(x, routing, self.w_gate, self.w_up, self.w_down)
+        try:
+            out = routed_experts(x, routing, self.w_gate, self.w_up, self.w_down)
+        except BaseException:  # the combine never ran: the counts go back to zero here, or the next routing starts off them
+            self.counts.zero_()
+            raise
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.cfg.shared_gate:
