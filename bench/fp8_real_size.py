@@ -104,7 +104,11 @@ TIMED = ("hbm_floor_ms", *(key for _, _, key in FIGURES), "gpu_memory_gib", "ker
 # drafts, from which `per_token` states the time per output token at one request
 PUBLISHED_MTP_ACCEPTANCE = {1: 1.9, 2: 2.4, 3: 2.8}
 # kernels/linear_fp8.py's and kernels/moe_grouped.py's launches, as the profiler names them
-FP8_GEMM_KERNEL = "_linear_fp8_kernel"
+# (below kernels/linear_fp8.DEQUANTIZED_ROWS rows; above, the weight is dequantized by
+# DEQUANTIZE_KERNEL and multiplied by kernels/linear.py's bf16 GEMM, whose launches the profiler
+# names as those of the bf16 weights: no FP8 GEMM figure is read from such a table)
+FP8_GEMM_KERNELS = ("_linear_fp8_kernel", "_linear_fp8_rows_kernel")
+DEQUANTIZE_KERNEL = "_dequantize_kernel"
 EXPERT_KERNELS = ("_grouped_hidden_kernel", "_grouped_down_kernel")
 MTP = "mtp."  # the MTP head's tensors, as the published files name them
 
@@ -524,7 +528,8 @@ def fp8_dense_params(model) -> int:
 
 def kernel_figures(result: dict, fp8_params: int) -> dict:
     """The step's kernels against their own bytes or FLOPs (each from its figure's kernel table):
-    the FP8 GEMM's weight bytes per second at one row and its TFLOP/s at BATCH x (K + 1) rows, the
+    the FP8 GEMM's weight bytes per second at one row and its TFLOP/s at BATCH x (K + 1) rows
+    (None where those rows take the dequantized path: then the dequantization's ms), the
     routed experts' distinct expert bytes per second at batch 1 and BATCH, and the launches of
     torch's sort and top-k (the routing should have none)."""
     tables = result.get("kernel_breakdowns") or {}
@@ -538,10 +543,12 @@ def kernel_figures(result: dict, fp8_params: int) -> dict:
 
     out = {"fp8_dense_params": fp8_params}
     one_row, many = "decode_ms_b1", f"verify_k{K}_ms_b{BATCH}"
-    ms = device_ms(one_row, (FP8_GEMM_KERNEL,))
+    ms = device_ms(one_row, FP8_GEMM_KERNELS)
     out["fp8_gemm_one_row_tb_s"] = None if ms is None else fp8_params / (ms / 1e3) / 1e12
-    ms = device_ms(many, (FP8_GEMM_KERNEL,))
+    dequantized = device_ms(many, (DEQUANTIZE_KERNEL,))
+    ms = None if dequantized is not None else device_ms(many, FP8_GEMM_KERNELS)
     out[f"fp8_gemm_{BATCH * (K + 1)}_rows_tflop_s"] = None if ms is None else 2 * BATCH * (K + 1) * fp8_params / (ms / 1e3) / 1e12
+    out[f"fp8_dequantize_{BATCH * (K + 1)}_rows_ms"] = dequantized
     for key in ("decode_ms_b1", f"decode_ms_b{BATCH}"):
         ms = device_ms(key, EXPERT_KERNELS)
         routed = result["step_floors"][key]["bytes"]["routed_experts"] if result.get("step_floors") else None

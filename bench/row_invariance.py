@@ -4,9 +4,10 @@
 
 What it proves. kernels/linear.py's bf16 GEMM picks its tile by row count (16-row mma.sync tiles
 below 32 rows, 64- and 128-row wgmma tiles above), which keeps a row's bits only if the two MMA
-instructions round every sum alike: measured, not documented. kernels/linear_fp8.py and
-kernels/moe_grouped.py use one tile for every row count, so there it holds by construction; the
-sweep checks them too. For each config, the weights are those the engine multiplies, as the loader
+instructions round every sum alike: measured, not documented. kernels/linear_fp8.py's bf16 path
+does the same (a weight-first 16-row tile below 64 rows, the bf16 GEMM of the dequantized weight
+from 64 on), so it rests on this sweep too; kernels/moe_grouped.py uses one tile for every row
+count, so there it holds by construction, and the sweep checks it anyway. For each config, the weights are those the engine multiplies, as the loader
 joins them (`model_weights`: a model built on the meta device, so no bytes), in bf16 and as a
 published block-FP8 checkpoint stores them (bench/fp8_real_size.py's rule and kept modules: the
 head, routers, shared-expert gate and GDN's b and a inputs stay bf16; the Kimi router is fp32):

@@ -27,23 +27,30 @@ registers and multiplied with the bf16 (or fp32) activations as they are, so the
 `linear_ref` over the dequantized weight up to the GEMM's summation order, and the CPU and GPU
 backends compute the same real weights.
 
-Row invariance holds by construction: one launch config per weight shape (`fp8_config`), the
-same for every row count. A program owns a BLOCK_M x BLOCK_N tile with BLOCK_M = FP8_BLOCK_M (64
-rows: one Hopper wgmma warpgroup tile) and walks its range of K upward in BLOCK_K steps into one
+Row invariance. fp32 activations (and a caller's config) take one launch config per weight shape
+(`fp8_config`), the same for every row count: a BLOCK_M x BLOCK_N tile with BLOCK_M = FP8_BLOCK_M
+(64 rows: one Hopper wgmma warpgroup tile) walking its range of K upward in BLOCK_K steps into one
 fp32 register block (or kernels/linear.py's fixed split of K, reduced in ascending order); M is
-never specialised on, nor are the row-side pointers and strides (x, out) on alignment. So a decode
-of one row and a verify of 576 run one compiled kernel, and a row's sums are the same
-instructions on the same values whatever rows share the launch. Unlike kernels/linear.py's bf16
-GEMM, the tile does not follow the row count: on the H200 the 16-row tile (mma.sync, the
-dequantized weight tile handed over from registers) gave other bits than the 64-row tile on many
-rows at the published widths, and other bits than the bf16 GEMM over `dequantize_ref`'s weight,
-while the 64-row tile equals that GEMM (tests/kernel_tests/test_linear_fp8.py holds it there).
-With tiles by row count a row alone and the same row in a batch of 32 or more took different
-tiles, and `python -m verifier check`'s full batch saw every sequence of a 64-sequence decode
-change (bench/results/check_2026-12-04_*). `python -m bench.row_invariance` sweeps this kernel too;
-kernels/linear.py says which tiles its bf16 path may switch between and how that is swept. The
-64-row tile runs a decode slower than the 16-row one did (bench/README.md, "Real size in block
-FP8"); a faster tile must still be one per weight shape, never one per row count.
+never specialised on, nor are the row-side pointers and strides (x, out) on alignment.
+
+bf16 activations take one of two paths by row count, both the bf16 GEMM of the real weight:
+- below DEQUANTIZED_ROWS, `_linear_fp8_rows_kernel`: out^T = real x^T, the dequantized weight tile
+  [64 features, BLOCK_K] the MMA's first operand (from registers, where it is made) and x^T
+  [BLOCK_K, 16 rows] its second, the K walk (split, BLOCK_K steps) `fp8_config`'s. One row fills a
+  16-wide operand, not a 64-row tile: a decode reads the weight at a multiple of the old speed.
+- from DEQUANTIZED_ROWS on: `dequantize` makes the real weight once (dequantize_ref's values) and
+  kernels/linear.py's bf16 GEMM multiplies it. Many rows are MMA-bound, and that GEMM's wgmma tiles
+  outrun any tile that dequantizes in registers per row block.
+Both must equal the bf16 GEMM over dequantize_ref's weight, row by row, whatever the row count:
+what shares a row's launch, and which path it took, must not change its bits. That is measured,
+not documented (as kernels/linear.py's tiles by row count are): on the H200 a 16-row tile that
+took the weight as the MMA's *second* operand (mma.sync, the dequantized tile handed over from
+registers) gave other bits than the 64-row tile at the published widths, and `python -m verifier
+check`'s full batch saw every sequence of a 64-sequence decode change (bench/results/check_2026-12-04_*).
+tests/kernel_tests/test_linear_fp8.py holds both paths to the bf16 GEMM of the real weight, and
+`python -m bench.row_invariance` sweeps every published FP8 weight shape, each row alone against
+the first M rows for M = 1 .. 1024, across the path switch (bench/README.md: every row equal).
+A new tile or path lands only with that sweep and the full-batch gate green on the same device.
 The scales add nothing that depends on the rows: each weight element is multiplied by its one
 scale before the dot. When block_k is a multiple of BLOCK_K every K step lies in one block
 column and the scales are one [BLOCK_N] vector per step; otherwise they are gathered per element.
@@ -64,14 +71,16 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
-from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear_config,
-                     linear_ref, split_bounds)
+from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear,
+                     linear_config, linear_ref, split_bounds)
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
-FP8_BLOCK_M = 64  # bf16 activations: rows per tile for every row count (one wgmma warpgroup tile)
+FP8_BLOCK_M = 64  # the one-tile kernel's rows per tile (one wgmma warpgroup tile): fp32, and a caller's config
+ROWS_TILE, ROWS_TILE_FEATURES = 16, 64  # bf16, few rows: rows (the MMA's N) and weight features (its M) a tile
+DEQUANTIZED_ROWS = 64  # bf16, from this many rows: the real weight made once, then the bf16 GEMM
 
 
 class BlockScales(NamedTuple):
@@ -147,6 +156,81 @@ def _linear_fp8_kernel(
 
     # out is in x's dtype (checked): rounded once to it; a split's partial is left to _reduce_splits_kernel
     _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"], do_not_specialize_on_alignment=["x", "out"])
+def _linear_fp8_rows_kernel(
+    x, weight, scale_inv, scale_row, bias, out, partial,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    SCALE_BLOCK_K: tl.constexpr,
+    ONE_SCALE_COLUMN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The few-rows path: out^T = real(weight) x^T, the dequantized weight tile [BLOCK_N features,
+    BLOCK_K] the MMA's first operand (held in registers where it is made) and x^T [BLOCK_K,
+    BLOCK_M rows] the second, so one row fills a 16-wide operand instead of a 64-row tile. The K
+    walk (the split's ranges, BLOCK_K steps, the 16-wide chunks in ascending order) is the pinned
+    config's."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_s = tl.program_id(2)  # which range of K (0 without a split)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    p_w = weight + o_n[:, None].to(tl.int64) * stride_wn + (k_start + o_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    p_x = x + o_m[None, :].to(tl.int64) * stride_xm + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[:, None]  # [BLOCK_N, 1]
+    b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        m_k = (k0 + o_k) < k_end
+        m_w = m_n[:, None] & m_k[None, :]
+        b_w8 = tl.load(p_w, mask=m_w, other=0.0)
+        b_w = dequantize_tile(b_w8, scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
+                              x.dtype.element_ty, INTERPRET)
+        b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
+        b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
+        p_w += BLOCK_K
+        p_x += BLOCK_K
+    _store_tile(tl.trans(b_acc), bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+
+
+@triton.jit
+def _dequantize_kernel(weight, scale_inv, scale_row, out, N, K, stride_sn, SCALE_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """out [N, K] = the real weight in out's dtype: dequantize_ref's values, element by element."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    p = o_n[:, None].to(tl.int64) * K + o_k[None, :]
+    b_w8 = tl.load(weight + p, mask=m, other=0.0)
+    p_srow = (tl.load(scale_row + o_n, mask=o_n < N, other=0).to(tl.int64) * stride_sn)[:, None]
+    b_w = dequantize_tile(b_w8, scale_inv, p_srow, m, 0, o_k[None, :], m, SCALE_BLOCK_K, False, out.dtype.element_ty, INTERPRET)
+    tl.store(out + p, b_w, mask=m)
+
+
+def dequantize(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_ref` on the device in one launch (the same values): fp8 [N, K] -> [N, K] in dtype."""
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    if n and k:
+        _dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](
+            weight, scales.scale_inv, scales.scale_row, out, n, k, scales.scale_inv.stride(0), SCALE_BLOCK_K=scales.block_k,
+            BLOCK_N=32, BLOCK_K=256, INTERPRET=interpreting(), num_warps=4, **launch_options(weight.device))
+    return out
 
 
 def fp8_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -226,7 +310,9 @@ def linear_fp8(
         bias = bias.contiguous()
     if defer_split and out is not None:
         raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
-    cfg = config or fp8_config(n, k, x.dtype)  # never a function of m: the module docstring
+    if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS:  # many rows: the bf16 GEMM of the real weight
+        return linear(x, dequantize(weight, scales, x.dtype), bias, out, defer_split=defer_split)
+    cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: the module docstring
     deferred = defer_split and cfg.SPLIT_K > 1
     if out is None and not deferred:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -236,19 +322,17 @@ def linear_fp8(
         out = x  # deferred: never stored (the partial takes the sums), so the launch compiles as undeferred
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
-    _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
-        x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
-        m, n, k, split_bounds(k, cfg),
-        x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0),
-        SCALE_BLOCK_K=scales.block_k,
-        ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0,
-        **flags,
-        BLOCK_M=cfg.BLOCK_M,
-        BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_options(x.device),
-    )
+    args = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
+            m, n, k, split_bounds(k, cfg), x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0))
+    if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
+        _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
+            *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,
+            BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=4, num_warps=4, **launch_options(x.device))
+    else:
+        _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
+            *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch_options(x.device))
     if deferred:
         return SplitSums(partial, bias, x.dtype)
     if cfg.SPLIT_K > 1:

@@ -187,7 +187,8 @@ def _grouped_hidden_kernel(
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_n = o_n < I
     p_x = x + b_row[:, None] * H + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    o_w = i_e * (I * H) + o_n[None, :].to(tl.int64) * H + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w[e]^T
+    # int64: an expert stack can pass 2**31 elements (Qwen3.5-397B-A17B with its shared slot: 513 x 1024 x 4096)
+    o_w = i_e.to(tl.int64) * (I * H) + o_n[None, :].to(tl.int64) * H + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w[e]^T
     p_g = w_gate + o_w
     p_u = w_up + o_w
     m_srow = m_n[None, :]
@@ -238,7 +239,8 @@ def _grouped_down_kernel(
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_n = o_n < H
     p_h = hidden + b_pair[:, None] * I + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    p_w = w_down + i_e * (H * I) + o_n[None, :].to(tl.int64) * I + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w_down[e]^T
+    # int64: as stage 1's
+    p_w = w_down + i_e.to(tl.int64) * (H * I) + o_n[None, :].to(tl.int64) * I + o_k[:, None]  # [BLOCK_K, BLOCK_N]: w_down[e]^T
     m_srow = m_n[None, :]
     p_srow = o_n[None, :]  # FP8: [1, BLOCK_N] scale row offsets of each output feature (else unused)
     if FP8:

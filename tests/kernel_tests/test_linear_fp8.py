@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid_kernels import linear_fp8 as linear_fp8_module
-from hybrid_kernels.linear import LinearConfig, linear
+from hybrid_kernels.linear import LinearConfig, linear, linear_config
 from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, fp8_config, linear_fp8, linear_fp8_ref, standard_scale_row
 
 from .conftest import ROW_COUNTS, assert_close, assert_refused, nan_like
@@ -211,15 +211,14 @@ class _Launches:
         return lambda *args, **kwargs: self.calls.append((grid, kwargs))
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_one_config_for_every_row_count(device, monkeypatch, dtype):
-    """The launch's constexprs (tile, K step, split, warps, stages) are those of fp8_config for the
-    weight's shape at every row count, decode and a 64 x 9-row verify alike; only the grid's row
-    axis follows M. A tile chosen by M here is what broke the contract at the published widths."""
+def test_one_config_for_every_row_count(device, monkeypatch):
+    """fp32: the launch's constexprs (tile, K step, split, warps, stages) are those of fp8_config for
+    the weight's shape at every row count; only the grid's row axis follows M."""
+    dtype = torch.float32
     launches = _Launches()
     monkeypatch.setattr(linear_fp8_module, "_linear_fp8_kernel", launches)
     monkeypatch.setattr(linear_fp8_module, "_reduce_splits_kernel", _Launches())
-    k, n = 2048, 1024  # a shared expert's gate | up at the published width: a split of K in bf16
+    k, n = 2048, 1024
     weight, scales = make_weight(n, k, (128, 128), device)
     cfg = fp8_config(n, k, dtype)
     for m in (1, 9, 31, 32, 64, 65, 128, 576):
@@ -229,8 +228,21 @@ def test_one_config_for_every_row_count(device, monkeypatch, dtype):
         tile = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")}
         assert tile == {key: getattr(cfg, key) for key in tile}, f"M = {m}: launched {tile}, not {cfg}"
         assert grid == (-(-m // cfg.BLOCK_M), -(-n // cfg.BLOCK_N), cfg.SPLIT_K)
-    if dtype == torch.bfloat16:
-        assert cfg.BLOCK_M == linear_fp8_module.FP8_BLOCK_M and cfg.SPLIT_K > 1
+
+
+@pytest.mark.parametrize("m", [1, 9, 63, 64, 65, 130], ids=lambda m: f"M{m}")
+def test_bf16_paths_are_the_gemm_of_the_dequantized_weight(device, m):
+    """bf16: few rows take the weight-first tile, many the bf16 GEMM of the weight dequantized once;
+    both walk the pinned K (its split included) and give, bitwise, the bf16 GEMM over
+    dequantize_ref's weight, so a row's bits do not depend on which path its batch took."""
+    k, n = 640, 96  # a split of K in bf16, and a partial block column of scales
+    x, weight, scales, b = make(m, k, n, (128, 128), torch.bfloat16, True, device)
+    real = dequantize_ref(weight, scales, torch.bfloat16)
+    assert torch.equal(linear_fp8_module.dequantize(weight, scales, torch.bfloat16), real)
+    # the interpreter's dot sums each tile's K step at once, so there its bits follow BLOCK_K, which
+    # the bf16 GEMM's wide tiles change: compare with its pinned tile (the GPU's MMAs add 16-wide chunks)
+    config = linear_config(n, k, torch.bfloat16) if device == "cpu" and m < linear_fp8_module.DEQUANTIZED_ROWS else None
+    assert torch.equal(linear_fp8(x, weight, scales, b), linear(x, real, b, config=config))
 
 
 @pytest.mark.parametrize("m", [1, 9, 64, 72], ids=lambda m: f"M{m}")

@@ -21,8 +21,10 @@ from .conftest import assert_close, assert_refused, nan_like
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.0**-7, 2.0**-7)}
 # (R, H, I, E, T, [block_n, block_k]): H and I off the block grid (partial edge blocks); block_k
-# 24 and 8 are no multiple of the K steps (scales gathered per element), 16 and 128 are
-SHAPES = [(2, 40, 24, 4, 2, (16, 16)), (3, 70, 33, 5, 3, (16, 24)), (2, 300, 140, 4, 2, (128, 128)), (1, 19, 9, 6, 4, (8, 8))]
+# 24 and 8 are no multiple of the K steps (scales gathered per element), 16 and 128 are; the last
+# two route to many experts per slot (FP8 in bf16 then takes grouped_config's wider feature tiles)
+SHAPES = [(2, 40, 24, 4, 2, (16, 16)), (3, 70, 33, 5, 3, (16, 24)), (2, 300, 140, 4, 2, (128, 128)), (1, 19, 9, 6, 4, (8, 8)),
+          (3, 70, 33, 16, 2, (16, 24)), (2, 300, 140, 17, 2, (128, 128))]
 INVARIANCE_ROWS = [1, 2, 3, 5, 16, 17]
 
 
@@ -62,11 +64,12 @@ def test_matches_reference(device, dtype, shape):
     assert_close(f"moe_experts_fp8 {dtype} {shape_id(shape)}", got.cpu(), moe_experts_fp8_ref(*on_cpu(*args)), *TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("experts", [6, 24], ids=["few-experts", "many-experts"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_row_invariance(device, dtype):
+def test_row_invariance(device, dtype, experts):
     """op(x[:r]) == op(x)[:r] bitwise; a row alone (a copy, or a view at an odd offset: H 21) ==
-    that row in the batch."""
-    x, ids, weights, w_gate, w_up, w_down, scales = make(max(INVARIANCE_ROWS), 21, 20, 6, 3, (16, 8), dtype, device)
+    that row in the batch. Many experts per slot: bf16 takes the wider feature tiles."""
+    x, ids, weights, w_gate, w_up, w_down, scales = make(max(INVARIANCE_ROWS), 21, 20, experts, 3, (16, 8), dtype, device)
     full = moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, scales)
     for r in INVARIANCE_ROWS:
         got = moe_experts_fp8(x[:r], ids[:r], weights[:r], w_gate, w_up, w_down, scales)
