@@ -401,6 +401,12 @@ class Tables:
 
     # --- README.md -------------------------------------------------------------------------------
 
+    def device_of(self, path: Path) -> str:
+        """The GPU a results file was measured on, short ("H100", "H200"): figures compare only within one."""
+        d = self.load(path)
+        name = d.get("device") if "environment" not in d else d["environment"].get("gpu") or d["environment"].get("device", "?")
+        return next((part for part in name.split() if part[:1] in "HABL" and part[1:].isdigit()), name)
+
     def summary(self) -> str:
         gpu_path, g = self.one("gpu")
         m = g["models"]["qwen35_2b"]
@@ -413,35 +419,35 @@ class Tables:
         checks = [(p, self.load(p)) for v, p in self.files("check").items() if "fp8" in v and self.load(p)["passed"]]
         rows = [
             f"2B hybrid (Qwen3.5-style, bf16), decode at batch 1 | {m['decode_ms']:.2f} ms, {m['decode_ms'] / m['hbm_floor_ms']:.2f}x "
-            f"its HBM floor ({m['hbm_floor_ms']:.2f} ms) | `{self.rel(gpu_path)}`",
+            f"its HBM floor ({m['hbm_floor_ms']:.2f} ms) | {self.device_of(gpu_path)} | `{self.rel(gpu_path)}`",
             f"2B, verify K = 8 drafts at batch 1 | {m['verify_ms']['8']:.2f} ms, {m['verify_ms']['8'] / m['decode_ms']:.2f}x "
-            f"a decode step | `{self.rel(gpu_path)}`",
+            f"a decode step | {self.device_of(gpu_path)} | `{self.rel(gpu_path)}`",
             f"2B, 64 sequences: decode / verify K = 8 | {b64['decode_ms']:.2f} / {b64['verify8_ms']:.2f} ms "
             f"({b64['verify8_ms'] / b64['decode_ms']:.2f}x); the decode {b64['decode_ms'] / b64['hbm_floor_ms']:.2f}x its floor "
-            f"(weights and fp32 states, {b64['hbm_floor_ms']:.2f} ms) | `{self.rel(gpu_path)}`",
+            f"(weights and fp32 states, {b64['hbm_floor_ms']:.2f} ms) | {self.device_of(gpu_path)} | `{self.rel(gpu_path)}`",
             f"2B, write-on-accept rollback (a = 4 of K = 8) | {woa['rollback_ms']:.3f} ms, {woa['rollback_ms'] / woa['verify_ms']:.1%} "
-            f"of its verify | `{self.rel(gpu_path)}`",
+            f"of its verify | {self.device_of(gpu_path)} | `{self.rel(gpu_path)}`",
         ]
         if checks:
             names = ", ".join(p.stem.split("_", 2)[2] for p, _ in checks)
             rows.append(f"`verifier check` at full size in block FP8 ({names}): a batch of "
                         f"{checks[0][1]['settings']['sequences']} against each sequence alone | PASS: "
                         + "; ".join(f"{c['rows_equal']}/{c['rows_checked']} rows, {c['states_equal']}/{c['states_checked']} layer states"
-                                    for _, c in checks) + " | " + ", ".join(f"`{self.rel(p)}`" for p, _ in checks))
+                                    for _, c in checks) + f" | {self.device_of(checks[0][0])} | " + ", ".join(f"`{self.rel(p)}`" for p, _ in checks))
         figures = ("decode_ms_b1", "verify_k8_ms_b1", "decode_ms_b64", "verify_k8_ms_b64")
         if "step_floors" in f:  # each figure against its own floor
             times = " / ".join(f"{f[k]:.2f} ({f['step_floors'][k]['ratio']:.1f}x)" for k in figures)
             rows.append(f"{f['config']} block FP8 at full size: decode b=1 / K = 8 b=1 / decode b=64 / K = 8 b=64 | {times} ms "
-                        f"(x each step's own memory floor), {f['gpu_memory_gib']:.1f} GiB | `{self.rel(fp8_path)}`")
+                        f"(x each step's own memory floor), {f['gpu_memory_gib']:.1f} GiB | {self.device_of(fp8_path)} | `{self.rel(fp8_path)}`")
         else:
             rows.append(f"{f['config']} block FP8 at full size: decode b=1 / K = 8 b=1 / decode b=64 | {f['decode_ms_b1']:.2f} / "
                         f"{f['verify_k8_ms_b1']:.2f} / {f['decode_ms_b64']:.2f} ms ({f['decode_ms_b1'] / f['hbm_floor_ms']:.1f}x "
-                        f"its floor at batch 1), {f['gpu_memory_gib']:.1f} GiB | `{self.rel(fp8_path)}`")
+                        f"its floor at batch 1), {f['gpu_memory_gib']:.1f} GiB | {self.device_of(fp8_path)} | `{self.rel(fp8_path)}`")
         mtp = f.get("mtp_draft") or {}
         if mtp.get("drafts") and all(d.get("ms") is not None for d in mtp["drafts"].values()):
             cells = " / ".join(f"{d['ms']:.2f} ({d['ratio']:.1f}x)" for _, d in sorted(mtp["drafts"].items()))
             rows.append(f"{f['config']} block FP8: its MTP head drafting K = {' / '.join(sorted(mtp['drafts']))} tokens at b=1 "
-                        f"(one CUDA graph replay) | {cells} ms (x its own memory floor) | `{self.rel(fp8_path)}`")
+                        f"(one CUDA graph replay) | {cells} ms (x its own memory floor) | {self.device_of(fp8_path)} | `{self.rel(fp8_path)}`")
         served = self.files_with("serve", lambda d: (d.get("remote_drafter") or {}).get("remote_mtp_tokens_per_s") is not None)
         if served:
             path = max(served.values(), key=lambda p: self.load(p)["date"])
@@ -451,15 +457,15 @@ class Tables:
                         f"{r['remote_model_speedup']:.2f}x) / {r['inprocess_mtp_tokens_per_s']:,.0f} ({r['inprocess_mtp_speedup']:.2f}x; "
                         f"the draft model {r['inprocess_model_speedup']:.2f}x), "
                         + ("streams = plain" if all(r.get("streams_equal_by_mode", {"": r["streams_equal"]}).values()) else "STREAMS DIFFER")
-                        + f" | `{self.rel(path)}`")
+                        + f" | {self.device_of(path)} | `{self.rel(path)}`")
         for _, p, name, mm in self.serve_models():  # each model's newest file that served it
             if name == "shipped":  # the 24M target's step is small beside the round trip, so its ratio would measure the RPC: bench/README.md
                 continue
             label = "2B" if name == "2b" else (p.stem.split("_", 2)[2] if p.stem.count("_") > 1 else name)
             rows.append(f"Through the gRPC service, 64 sessions, {label}: tokens/s over the engine's alone | "
                         f"{mm['service_over_engine']:.2f} ({mm['service_tokens_per_s']:,.0f} / {mm['engine_tokens_per_s']:,.0f}), "
-                        f"{mm['mismatches']} streams differ | `{self.rel(p)}`")
-        return table(["what (one H200)", "today", "results file (bench/results/)"], rows, "")
+                        f"{mm['mismatches']} streams differ | {self.device_of(p)} | `{self.rel(p)}`")
+        return table(["what", "today", "device", "results file (bench/results/)"], rows, "")
 
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
         return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,

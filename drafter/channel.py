@@ -54,6 +54,7 @@ def call_error(err: grpc.RpcError, address: str) -> VerifierError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     retry_after = None
+    server_stopping = False
     try:
         trailing = err.trailing_metadata() or ()
     except Exception:  # a call that never started has no metadata to read
@@ -64,8 +65,9 @@ def call_error(err: grpc.RpcError, address: str) -> VerifierError:
                 retry_after = int(value) / 1000.0
             except ValueError:
                 pass
-    if code == grpc.StatusCode.UNAVAILABLE:
-        details = f"cannot reach the verifier at {address}: {details}"
+        server_stopping |= key == rpc.STOPPING_KEY
+    if code == grpc.StatusCode.UNAVAILABLE:  # the server's own word as it stops, or gRPC's: it could not be reached
+        details = f"the verifier at {address} is stopping: {details}" if server_stopping else f"cannot reach the verifier at {address}: {details}"
     return VerifierError(code, details, retry_after_s=retry_after)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from verifier.arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
+from verifier.arguments import DefaultsHelpFormatter, OneLineErrors, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
 from verifier.printing import TokenPrinter
 
 from .adaptive import AdaptiveK
@@ -52,7 +52,7 @@ def _add_connection(parser: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m drafter", description="Drafter: propose tokens, let a verifier server check them.")
+    parser = OneLineErrors(prog="python -m drafter", description="Drafter: propose tokens, let a verifier server check them.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from a prompt through a verifier server", formatter_class=DefaultsHelpFormatter,
                          description=f"{__doc__.split(chr(10) * 2, 1)[1]} {STREAMS_NOTE}")

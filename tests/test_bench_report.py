@@ -165,11 +165,11 @@ def test_serve_tables_read_the_newest_file_that_has_their_part(tmp_path):
     assert len(remote_rows) == 1 and "| 123.4 |" in remote_rows[0] and remote_rows[0].endswith("| `serve_2026-12-11.json` |")
     summary = tables.summary()
     assert "| Through the gRPC service, 64 sessions, 2B: tokens/s over the engine's alone | 0.50 (5,000 / 10,000), 0 streams differ | " \
-           "`serve_2026-12-12.json` |" in summary
+           "H200 | `serve_2026-12-12.json` |" in summary
     # the file of the remote part alone gives no model row; without the newer 2B run the 2B row reads the older full file
     (tmp_path / "serve_2026-12-12.json").unlink()
     summary = report.Tables(tmp_path).summary()
-    assert "0 streams differ | `serve_2026-12-10.json` |" in summary and "serve_2026-12-11" not in summary
+    assert "0 streams differ | H200 | `serve_2026-12-10.json` |" in summary and "serve_2026-12-11" not in summary
 
 
 def test_fp8_real_size_adds_the_step_figures_for_files_that_have_them(tmp_path):

@@ -72,12 +72,14 @@ def test_frictions_a_newcomer_met_get_one_line_errors(hf_checkpoint, tmp_path):
         ("--model", path, "--text", b"def \xff():"): "argument --text: is not valid UTF-8 (byte 0xff at character 4)",
         ("--model", path, "--prompt-ids", "1,2", "--draft", "model", "--k", 0): "--k 0 with --draft model drafts nothing",
         ("--model", broken, "--prompt-ids", "1,2"): f"{broken / 'config.json'}: not valid JSON (Expecting property name",
+        ("--model", path, "--text", ""): "argument --text: is empty: give the prompt text, or --prompt-ids",
+        ("--model", path, "--prompt-ids", "1", "--temperature"): "argument --temperature: expected one argument",
     }
     for args, message in cases.items():
         proc = _run("generate", *args, "--max-new-tokens", 2)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
-        # argparse prints its usage first; the error is the last line
-        assert message in proc.stderr.splitlines()[-1], (args, proc.stderr)
+        (line,) = proc.stderr.splitlines()  # one line, argparse's errors too (no usage before them)
+        assert line.startswith("error: ") and message in line, (args, proc.stderr)
 
 
 def test_default_model_is_the_shipped_pair():
@@ -123,6 +125,14 @@ def test_speculative_runs_print_the_plain_tokens_and_logits(hf_checkpoint, tmp_p
             assert out["steps"] == len(out["accepted_per_step"]) and out["mean_acceptance_length"] >= 1.0
             if draft == "oracle":
                 assert out["mean_acceptance_length"] > 3.0
+
+
+def test_a_k_past_the_default_maximum_says_what_a_step_costs(hf_checkpoint):
+    proc = _run("generate", "--model", hf_checkpoint("qwen3_5_text"), "--prompt-ids", "1,2", "--max-new-tokens", 3,
+                "--draft", "ngram", "--k", 12, "--max-k", 12)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("note: --k 12: each step drafts up to 12 tokens one by one and verifies 13 rows "
+                                  "(on the CPU a verify row costs about a decode step)"), proc.stderr
 
 
 def test_k_above_max_k_exits_2_naming_the_limit(hf_checkpoint):
@@ -185,3 +195,19 @@ def test_generate_streams_each_steps_tokens(hf_checkpoint):
     result = generate(engine, [1, 2, 3], 10, proposer=RandomProposer(model.config.vocab_size, 0), k=3, on_tokens=calls.append)
     assert len(calls) == result.steps + 1 and calls[0] == result.tokens[:1]
     assert [t for call in calls for t in call] == result.tokens
+
+
+@pytest.mark.parametrize("command", ["generate", "check"])
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, command):
+    """Ctrl-C (KeyboardInterrupt) in generate or check: one line on stderr and exit 130, the status
+    a shell gives an interrupted command; no traceback."""
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    monkeypatch.setattr(cli, "check_command", interrupted)
+    args = ["generate", "--prompt-ids", "1", "--max-new-tokens", "2"] if command == "generate" else ["check"]
+    assert cli.main(args) == 130
+    err = capsys.readouterr().err
+    assert err == f"interrupted: {command} stopped (exit 130)\n", err

@@ -30,6 +30,15 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr, naming the command and the flag, and
+    exit status 2 (argparse's own prints the whole usage first). Subcommands' parsers are of the
+    same class (add_subparsers makes its parsers so)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def token_ids(text: str) -> list[int]:
     """--prompt-ids 1,2,3 -> [1, 2, 3]."""
     try:
@@ -50,6 +59,8 @@ def utf8_text(text: str) -> str:
         byte = ord(exc.object[exc.start]) - 0xDC00 if 0xDC80 <= ord(exc.object[exc.start]) <= 0xDCFF else None
         where = f"byte 0x{byte:02x} at character {exc.start}" if byte is not None else f"character {exc.start}"
         raise argparse.ArgumentTypeError(f"is not valid UTF-8 ({where})") from None
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: give the prompt text, or --prompt-ids")
     return text
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .arguments import DefaultsHelpFormatter, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
+from .arguments import DefaultsHelpFormatter, OneLineErrors, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
 from .check import add_check_parser, check_command
 from .defaults import default_draft_model_dir, default_model_dir
 from .dtypes import DTYPES
@@ -32,7 +32,7 @@ DEFAULT_K = 4  # drafts per step with a drafter, when --k is not given
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verifier", description="Bit-exact speculative-decoding verifier for hybrid LLMs.")
+    parser = OneLineErrors(prog="python -m verifier", description="Bit-exact speculative-decoding verifier for hybrid LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
@@ -80,10 +80,21 @@ def _add_serve(sub) -> None:
     add_serve_parser(sub)
 
 
+INTERRUPTED = 130  # exit status of a command stopped by Ctrl-C (SIGINT), as a shell reports it
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+        print(f"interrupted: {args.command} stopped (exit {INTERRUPTED})", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run_command(args) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
@@ -122,6 +133,10 @@ def _generate(args) -> int:
         return _fail(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda, but torch sees no CUDA device")
+    if k > DEFAULT_MAX_K:  # allowed (--max-k raised), but a user should know why a step is slow
+        print(f"note: --k {k}: each step drafts up to {k} tokens one by one and verifies {k + 1} rows"
+              + (" (on the CPU a verify row costs about a decode step)" if args.device == "cpu" else "")
+              + f"; the engine's default most is {DEFAULT_MAX_K}", file=sys.stderr)
     if args.tensor_parallel > 1:
         from .parallel_generate import generate_tensor_parallel
 

@@ -10,6 +10,7 @@ import pytest
 
 from drafter import retry
 from drafter.client import AsyncVerifierClient, RetryPolicy, Step, VerifierClient, VerifierError
+from drafter.channel import call_error
 from drafter.retry import Call, Plan, StreamStep, Wait
 from verifier import rpc
 
@@ -318,3 +319,28 @@ def test_both_clients_make_the_same_tries_with_the_same_request_ids():
     dropped = "UNAVAILABLE: cannot reach the verifier at ADDRESS: scripted: GetModelInfo reply dropped"
     assert unavailable == (grpc.StatusCode.UNAVAILABLE, dropped, None)
     assert stale == (grpc.StatusCode.ABORTED, "ABORTED (session s0): stale expected_position", 10) and blocking[-1] is True
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code, details, trailing=()):
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+def test_an_unavailable_the_server_said_is_passed_on_as_its_own():
+    """UNAVAILABLE from a server that drains or stops carries its reason (trailing "verifier-stopping"):
+    the client says the verifier is stopping and passes the reason on; gRPC's own UNAVAILABLE (no
+    server reached) stays "cannot reach"."""
+    said = call_error(_Failed(grpc.StatusCode.UNAVAILABLE, "the server is stopping: resend on a new call",
+                              ((rpc.STOPPING_KEY, "1"),)), "h:1")
+    assert str(said).endswith("the verifier at h:1 is stopping: the server is stopping: resend on a new call"), str(said)
+    unreached = call_error(_Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), "h:1")
+    assert "cannot reach the verifier at h:1: failed to connect to all addresses" in str(unreached)

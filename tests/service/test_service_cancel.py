@@ -241,3 +241,31 @@ def test_open_abandoned_by_its_deadline_is_reaped(text_checkpoint):
             server.engine.gate.set()
             _wait_until(lambda: stub.GetStats(rpc.GetStatsRequest()).free_slots == 2, timeout=10)
             assert stub.GetStats(rpc.GetStatsRequest()).open_sessions == 0
+
+
+def test_an_open_request_id_names_one_session_under_every_timing(gated, closed_gate):
+    """AIP-155 for OpenSession, each timing driven by the gate, 50 times: the first call gives up
+    while its open is inside the engine; a retry arrives while it still is; another after it was
+    admitted; one more after the session was closed (a duplicate delivered late). All four name
+    one session; the late one opens nothing; the slots come back."""
+    server, engine, stub = gated
+    engine.gate.set()
+    stats = lambda: stub.GetStats(rpc.GetStatsRequest())  # noqa: E731
+    free = stats().free_slots
+    for run in range(50):
+        engine.gate.clear()
+        engine.entered.clear()
+        request = rpc.OpenSessionRequest(prompt_ids=[1, 2, 3], max_new_tokens=5, request_id=f"one-open-{run}")
+        assert rpc_error(stub.OpenSession, request, timeout=0.1).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert engine.entered.wait(10)  # the abandoned open is inside the engine, held at the gate
+        retry, out = _in_thread(stub.OpenSession, request)
+        _wait_until(lambda: server.run_on_loop(lambda: len(server.server.service._admission_waits)) == 1)
+        engine.gate.set()
+        retry.join(30)
+        first = out["value"]
+        assert stub.OpenSession(request).session_id == first.session_id, f"run {run}"
+        assert (stats().open_sessions, stats().free_slots) == (1, free - 1), f"run {run}"
+        assert stub.CloseSession(rpc.CloseSessionRequest(session_id=first.session_id)).closed
+        late = stub.OpenSession(request)
+        assert late.session_id == first.session_id, f"run {run}: a late duplicate opened a second session"
+        assert (stats().open_sessions, stats().free_slots) == (0, free), f"run {run}"

@@ -60,6 +60,29 @@ def test_serve_logs_its_port_answers_and_stops_on_sigterm(text_checkpoint):
             proc.wait()
 
 
+@pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.3])
+def test_a_second_sigterm_soon_after_the_first_exits_0_or_130_never_143(text_checkpoint, gap_s):
+    """With the default drain and grace the shutdown is quick, so a second SIGTERM may come while it
+    runs (130: stopped at once) or after it, while the process exits (130 too, or 0 if the process
+    is gone first): never 143, the status of a SIGTERM no handler took."""
+    proc = subprocess.Popen([sys.executable, "-m", "verifier", "serve", "--model", str(text_checkpoint), "--port", "0",
+                             "--n-slots", "2", "--max-seq-len", "64"],
+                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stderr:
+            if "listening on" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(gap_s)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, 130)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_second_signal_stops_at_once_and_the_wait_is_said(text_checkpoint):
     """The first SIGINT says how long the shutdown may take (here a 60 s drain); a second one ends
     the process at once, exit 130."""

@@ -25,7 +25,7 @@ __all__ = [
     "ModelInfo", "OpenSessionRequest", "OpenSessionResponse", "Sampling", "Stats", "Status", "StepResult",
     "VerifyRequest", "VerifyResponse", "VerifyStep", "VerifierStub", "servicer_handler",
     "FINISH_NONE", "FINISH_EOS", "FINISH_LENGTH", "FILE", "SERVICE", "PACKAGE", "SERVICE_NAME", "PROTOCOL_VERSION",
-    "RETRY_AFTER_KEY",
+    "RETRY_AFTER_KEY", "STOPPING_KEY",
 ]
 
 FILE = verifier_pb2.DESCRIPTOR  # registered in the default pool as "verifier/v1/verifier.proto": reflection finds it
@@ -34,6 +34,9 @@ PACKAGE = FILE.package  # "verifier.v1"
 SERVICE_NAME = SERVICE.full_name  # "verifier.v1.Verifier"
 PROTOCOL_VERSION = PACKAGE
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED from OpenSession
+# trailing metadata ("1") on an UNAVAILABLE the server itself ends a call with because it drains or
+# stops: the server was reached and said so (gRPC's own UNAVAILABLE means it could not be reached)
+STOPPING_KEY = "verifier-stopping"
 
 FINISH_NONE = verifier_pb2.FINISH_REASON_UNSPECIFIED
 FINISH_EOS = verifier_pb2.FINISH_REASON_EOS

@@ -1,13 +1,13 @@
 """The verifier process: load the model, build the engine, serve gRPC (our service, standard
 health checking, reflection), optional auth, TLS and a Prometheus endpoint; drain and stop.
 
-Shutdown order: health says NOT_SERVING and OpenSession answers UNAVAILABLE (drain_s, so load
-balancers notice), then the port closes to new calls (UNAVAILABLE from grpc itself) while
-in-flight calls get grace_s to finish: steps already accepted run at once (the gather window
-closes), streams end UNAVAILABLE once their accepted requests are answered, and when grace_s runs
-out every call still waiting is answered UNAVAILABLE by the service itself (VerifierService.cut).
-gRPC's own cut, which would end those calls CANCELLED, is only a backstop CUT_MARGIN_S later. Then
-the worker finishes what it runs and stops.
+The shutdown's order is `VerifierServer.stop`'s, and only there. In short: health NOT_SERVING and
+no new sessions (drain_s); then the grace period (grace_s): the gather window closes, every step
+that reaches the service runs, streams end UNAVAILABLE once their accepted requests are answered;
+the port stays open until every call has ended (verifier/server/calls.py: a call gRPC's core
+holds unseen would otherwise end CANCELLED), and when the grace period runs out everything still
+waiting is answered UNAVAILABLE by the service itself, saying how long the server waited. Only
+then does gRPC stop and the port close; the worker finishes what it runs and stops.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +31,7 @@ from ..model.mtp import load_mtp_head
 from ..proposers.mtp import MTPDrafter
 from ..tokenizer import TextTokenizer
 from .auth import BearerTokenAuth
+from .calls import CallBook, CallStarts
 from .config import ServerConfig
 from .malformed import MalformedRequestGuard
 from .metrics import Metrics
@@ -38,8 +40,8 @@ from .service import VerifierService
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", rpc.SERVICE_NAME)  # "" is the whole server
-# gRPC cancels the calls still in flight this long after grace_s; by then the service has answered
-# every one of them UNAVAILABLE (handlers return within a turn of the event loop), so it never does
+# after a cut, how long the calls get to end (handlers return within a turn of the event loop once
+# answered), and gRPC's own grace when it stops: a call it would cancel then arrived after both
 CUT_MARGIN_S = 1.0
 
 
@@ -68,12 +70,14 @@ class VerifierServer:
         pool = self.engine.pool
         self.mtp = MTPDrafter(self.mtp_head, pool.n_slots, pool.max_seq_len) if self.mtp_head is not None else None
         self.metrics = Metrics(self.engine.max_k)
+        self.calls = CallBook()  # the calls in flight: the port closes once they have ended (stop)
         self.service: VerifierService | None = None
         self.address: str | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics_http = None
+        self._stopping: asyncio.Task | None = None  # the one shutdown: a second stop waits for it
 
     async def start(self) -> str:
         """Bind and serve; returns "host:port" (the real port when config.port is 0). A port that
@@ -107,7 +111,9 @@ class VerifierServer:
 
     async def _start_grpc(self) -> str:
         config = self.config
-        interceptors = [BearerTokenAuth(config.auth_token)] if config.auth_token else []
+        interceptors = [CallStarts(self.calls)]  # first: every call's start counts, a stranger's too
+        if config.auth_token:
+            interceptors.append(BearerTokenAuth(config.auth_token))
         interceptors.append(MalformedRequestGuard())  # after auth: a stranger's bytes are not even parsed
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes),
@@ -120,7 +126,7 @@ class VerifierServer:
         except BaseException:
             await server.stop(None)  # an unstarted server left to the garbage collector outlives the loop
             raise
-        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp)
+        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp, self.calls)
         server.add_generic_rpc_handlers([rpc.servicer_handler(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -153,23 +159,40 @@ class VerifierServer:
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
+        """The shutdown, in this order (the one place it is decided):
+        1. drain: health NOT_SERVING, OpenSession UNAVAILABLE; open sessions keep stepping (drain_s).
+        2. begin_stop: the gather window closes (queued steps run now) and every step that reaches
+           the service still runs; streams end UNAVAILABLE once their accepted requests are answered.
+        3. the grace period (grace_s): wait until no call of the service is in flight and none has
+           started for calls.QUIET_S, so gRPC's core holds no call the service has not seen.
+        4. if the grace period ran out first, cut: every call still waiting is answered UNAVAILABLE,
+           saying how long the server waited and why; the calls then end (CUT_MARGIN_S at most).
+        5. gRPC stops: the port closes (a call that arrives now is refused by gRPC itself).
+        6. the service stops: the batcher runs what is left, sessions close, the worker stops.
+        A call received before the stop began is answered with its result, or UNAVAILABLE: never
+        CANCELLED, never "the grace period ran out" before it did. A second call waits for the
+        first's shutdown."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(grace_s, drain_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float | None, drain_s: float | None) -> None:
         config = self.config
         grace_s = config.grace_s if grace_s is None else grace_s
-        await self.drain()
+        began = time.monotonic()
+        await self.drain()  # 1
         await asyncio.sleep(config.drain_s if drain_s is None else drain_s)
         if self.service is not None:
-            self.service.begin_stop()
+            self.service.begin_stop()  # 2
+            if not await self.calls.settled(time.monotonic() + grace_s):  # 3
+                waited = time.monotonic() - began
+                self.service.cut(f"the server began stopping {waited:.1f} s ago and its grace period ({grace_s:g} s, --grace-s) "
+                                 f"ran out before this was answered: retry on another replica")  # 4
+                await self.calls.settled(time.monotonic() + CUT_MARGIN_S)
         if self._server is not None:
-            closing = asyncio.ensure_future(self._server.stop(grace_s + CUT_MARGIN_S))
-            try:  # done early once every call has ended
-                await asyncio.wait_for(asyncio.shield(closing), grace_s)
-            except asyncio.TimeoutError:
-                if self.service is not None:
-                    self.service.cut(f"the server is stopping and its grace period ({grace_s:g} s, --grace-s) ran out "
-                                     f"before this was answered: retry on another replica")
-                await closing
+            await self._server.stop(CUT_MARGIN_S)  # 5
         if self.service is not None:
-            await self.service.stop()
+            await self.service.stop()  # 6
         self._stop_metrics()
 
 
@@ -199,8 +222,12 @@ async def _serve_until_signalled(server: VerifierServer, signals: tuple = STOP_S
     # the handlers before the line that says the server listens: a signal right after it stops it cleanly
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:  # the first signal starts the shutdown; any later one ends the process at once
+        _stop_at_once() if stop.is_set() else stop.set()
+
     for signum in signals:
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     extra = f", metrics on {server.config.host}:{server.metrics_port}" if server.metrics_port is not None else ""
     scheme = "TLS" if server.config.tls_cert is not None else "plaintext"
     print(f"listening on {address} ({scheme}{extra})", file=sys.stderr, flush=True)
@@ -208,9 +235,10 @@ async def _serve_until_signalled(server: VerifierServer, signals: tuple = STOP_S
     config = server.config
     print(f"stopping: {config.drain_s:g} s with health NOT_SERVING (--drain-s), then up to {config.grace_s:g} s for calls in "
           f"flight (--grace-s); a second Ctrl-C or SIGTERM stops at once", file=sys.stderr, flush=True)
-    for signum in signals:
-        loop.add_signal_handler(signum, _stop_at_once)
     await server.stop()
+    for signum in signals:  # from here on, as the process exits, a signal ends it at once (130)
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, lambda *_: _stop_at_once())
     print("stopped", file=sys.stderr, flush=True)
 
 
@@ -222,7 +250,13 @@ def _stop_at_once() -> None:
 
 
 def serve(config: ServerConfig) -> int:
-    """`python -m verifier serve`: serve until SIGTERM or SIGINT, then shut down gracefully."""
+    """`python -m verifier serve`: serve until SIGTERM or SIGINT, then shut down gracefully, and end
+    the process: exit 0 once stopped, 130 for a second signal, even one that comes while the
+    process exits (the interpreter's own teardown would set the signals back to their default
+    action, and a SIGTERM then would end it 143: so it is skipped, nothing being left to run)."""
     server = VerifierServer(config)
     asyncio.run(_serve_until_signalled(server))
-    return 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -147,7 +147,8 @@ class Scheduler:
         self._queued_rows = 0  # the queued steps' least rows: what the next batch runs at the least
         self._awaited: set[str] = set()  # sessions of the last batch whose next step is not queued yet
         self._wakeup = asyncio.Event()
-        self._stopping = False
+        self._stopping = False  # begin_stop: no gather window; steps still come and run
+        self._ending = False  # stop: the batcher ends once its queue is empty
         self._task: asyncio.Task | None = None
         self._last_answered: float | None = None  # when the last batch's results went out (perf_counter)
         self._round_trip_s = 0.0  # decayed time from a batch's results to its awaited sessions' next steps
@@ -161,13 +162,15 @@ class Scheduler:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
 
     def begin_stop(self) -> None:
-        """The server is stopping: no batch waits for awaited sessions any more; what is queued runs."""
+        """The server is stopping: no batch waits for awaited sessions any more; what is queued runs,
+        and so does every step submitted after (the batcher runs on until `stop`)."""
         self._stopping = True
         self._wakeup.set()
 
     async def stop(self) -> None:
-        """Run what is still queued, then end the batcher."""
+        """Run what is still queued, then end the batcher (no call can submit any more: gRPC has stopped)."""
         self.begin_stop()
+        self._ending = True
         if self._task is not None:
             await self._task
         self.keep_books()
@@ -254,7 +257,7 @@ class Scheduler:
     async def _batcher(self) -> None:
         while True:
             if not self._queue:
-                if self._stopping:
+                if self._ending:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()

@@ -5,12 +5,14 @@ and VerifyRounds errors are per step (StepResult.status) and the call itself suc
 step never fails the others. An error result's position is the session's current position, 0 when
 the server holds no such session.
 
-Stopping (verifier/server/app.py): `begin_stop` when the port closes: the scheduler runs what is
-queued without gathering, and each stream, once the requests it accepted are answered, reads no
-more and ends UNAVAILABLE (a drafter's next step goes to another replica, never into a call gRPC
-cuts at the end of the grace period). `cut` when the grace period runs out: every step still
-unanswered gets UNAVAILABLE, every OpenSession still admitting ends UNAVAILABLE, so every call
-has ended before gRPC would cancel it: no call ends CANCELLED.
+Stopping (verifier/server/app.py, `VerifierServer.stop`, holds the order): `begin_stop` when the
+grace period starts: the scheduler runs what is queued without gathering and runs every step
+submitted after, and each stream, once the requests it accepted are answered, reads no more and
+ends UNAVAILABLE (a drafter's next step goes to another replica). `cut` when the grace period runs
+out: every step still unanswered gets UNAVAILABLE, every OpenSession still admitting ends
+UNAVAILABLE, and later steps are refused so. The handlers that wait enter and leave `calls`
+(verifier/server/calls.py), so the server closes its port only once every call has ended: no
+call ends CANCELLED.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .malformed import Malformed, refuse
 from .metrics import Metrics
 from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fingerprint
 from .answer import Answer
+from .calls import CallBook
 from .scheduler import PendingStep, Scheduler
 from .sessions import Session, SessionTable
 from .timings import RoundTimings
@@ -46,6 +49,7 @@ _VERIFY_ROUNDS = f"/{rpc.SERVICE_NAME}/VerifyRounds"
 # a StepResult's fields beside its logits and its two ids (status, positions, counts, at most K + 1
 # tokens, a status message), generously; the ids are counted as sent
 ANSWER_FIELD_BYTES = 1024
+_STOPPING_TRAILER = ((rpc.STOPPING_KEY, "1"),)  # on the UNAVAILABLE the server ends a call with as it drains or stops
 _STOPPING = "the server is stopping: this stream takes no more requests (its earlier ones are answered); resend on a new call"
 
 
@@ -81,10 +85,13 @@ class RequestAnswer(Answer):
 
 
 class VerifierService:
-    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics, mtp: MTPDrafter | None = None):
+    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics, mtp: MTPDrafter | None = None,
+                 calls: CallBook | None = None):
         """mtp: the checkpoint's MTP head with its KV pool of a slot per engine slot
-        (proposers/mtp.py), made by the server; None: no "mtp" drafter."""
+        (proposers/mtp.py), made by the server; None: no "mtp" drafter. calls: the server's book of
+        calls in flight (verifier/server/calls.py), which the handlers that wait enter and leave."""
         self.config = config
+        self.calls = calls if calls is not None else CallBook()
         self.engine = engine
         self.mtp = mtp
         # ModelInfo.server_drafters: the n-gram proposer needs no model, the MTP one the head
@@ -165,11 +172,19 @@ class VerifierService:
         )
 
     async def OpenSession(self, request: rpc.OpenSessionRequest, context) -> rpc.OpenSessionResponse:
+        self.calls.enter()
+        try:
+            return await self._open_session(request, context)
+        finally:
+            self.calls.leave()
+
+    async def _open_session(self, request: rpc.OpenSessionRequest, context) -> rpc.OpenSessionResponse:
         if self.draining:
-            await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, "the server is draining: open the session on another replica")
+            await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, "the server is draining: open the session on another replica",
+                                   _STOPPING_TRAILER)
         rid = request.request_id
         fingerprint = open_fingerprint(request) if rid else None
-        if rid and rid in self.sessions.opens:  # a retry: the same session, admitted once
+        if rid and rid in self.sessions.opens:  # a retry: the same session, admitted once (even if closed since)
             earlier, task = self.sessions.opens[rid]
             if earlier != fingerprint:
                 error = reused_open_id(rid)
@@ -208,7 +223,7 @@ class VerifierService:
             finally:
                 self._admission_waits.discard(waiter)
             if not task.done():
-                await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, self._cut_message)
+                await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, self._cut_message, _STOPPING_TRAILER)
         return task.result()
 
     async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
@@ -217,11 +232,14 @@ class VerifierService:
             # one wait for the whole request (its steps usually finish in one batch), not one per step
             answered = asyncio.get_running_loop().create_future()
             answer.on_done(lambda: answered.done() or answered.set_result(None))
+            self.calls.enter()
             try:
                 await answered
             except asyncio.CancelledError:
                 answer.withdraw(self.scheduler)
                 raise
+            finally:
+                self.calls.leave()
         if self.timings is not None:  # handed to gRPC (a unary answer's write is not seen from here)
             self.timings.written(answer)
         return answer.result
@@ -275,6 +293,7 @@ class VerifierService:
         reader = loop.create_task(read())
         self._stream_wakers.add(wake)
         timings = self.timings
+        self.calls.enter()
         try:
             while True:
                 while outstanding and outstanding[0].result is not None:
@@ -293,9 +312,10 @@ class VerifierService:
                 # requests it did not read (or read and did not accept) were never taken: UNAVAILABLE
                 # tells the client to resend them elsewhere (an ended stream, OK, would say it is done)
                 reader.cancel()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING, trailing_metadata=_STOPPING_TRAILER)
             await reader  # a broken request stream raises here
         finally:
+            self.calls.leave()
             self._stream_wakers.discard(wake)
             reader.cancel()
             for ticket in outstanding:

@@ -8,8 +8,10 @@ The worker runs jobs in order, so the engine's pool never sees more admits than 
 
 Retries (verifier/server/retries.py): a session keeps the results of its last
 `results_per_session` answered steps with a request id, each beside its request's fingerprint;
-OpenSession calls with a request id are kept (fingerprint, admitting task) until their session
-is closed or reaped.
+OpenSession calls with a request id are kept (fingerprint, admitting task) while their session
+lives and, once it is closed or reaped, among the last GONE_REMEMBERED such: a duplicate of the
+open that arrives late (its first call abandoned by its caller, handled after the session it made
+was closed) gets that session's response again (AIP-155), never a second session no one knows.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class SessionTable:
         self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it is gone
         # OpenSession request id -> (its request's fingerprint, the task admitting it)
         self.opens: dict[str, tuple[Fingerprint, asyncio.Task]] = {}
+        self._gone_opens: OrderedDict[str, None] = OrderedDict()  # request ids in opens whose session is gone, oldest first
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -120,8 +123,11 @@ class SessionTable:
         self._gone[session_id] = why
         while len(self._gone) > GONE_REMEMBERED:
             self._gone.popitem(last=False)
-        if session.open_request_id:
-            self.opens.pop(session.open_request_id, None)
+        rid = session.open_request_id
+        if rid and rid in self.opens:  # kept for a late duplicate of the open, among the last GONE_REMEMBERED
+            self._gone_opens[rid] = None
+            while len(self._gone_opens) > GONE_REMEMBERED:
+                self.opens.pop(self._gone_opens.popitem(last=False)[0], None)
         return session
 
     def idle(self, timeout_s: float) -> list[Session]:
