@@ -305,6 +305,25 @@ class Tables:
         return table(["model", "sessions", "processes", "steps", "steps/s", "tokens/s", "p50 ms", "p99 ms", "rows/batch",
                       "errors", "mismatches", "free slots"], rows, self.source(*paths))
 
+    def soak(self) -> str:
+        found = newest(self.results, "soak")
+        if not found:
+            return "No soak results yet.\n"
+        rows = []
+        for path in found.values():
+            d = self.load(path)
+            c, mem = d["config"], d["memory"]
+            gpu = "-" if mem["steady"]["gpu_mib"] is None else f"{mem['steady']['gpu_mib']:,.0f} -> {mem['end']['gpu_mib']:,.0f}"
+            rows.append(f"{Path(d['model_dir']).name} ({c['device']}, {d['device']}) | {c['minutes']:g} | {c['sessions']} x {c['processes']} | "
+                        f"{d['soak']['kills']} | {d['soak']['steps'] + d['stop']['steps']:,} | {d['compared_generations']:,} | "
+                        f"{d['mismatches']} | {d['tokens_lost']} | {d['cancelled']} | "
+                        f"{', '.join(f'{k} {v}' for k, v in d['stop']['errors_by_code'].items()) or 'none'} | "
+                        f"{d['idle']['free_slots']}/{d['idle']['n_slots']} | {mem['steady']['rss_mib']:,.0f} -> {mem['end']['rss_mib']:,.0f} | "
+                        f"{gpu} | {'PASS' if d['ok'] else 'FAIL: ' + ', '.join(k for k, v in d['checks'].items() if not v)}")
+        return table(["model (device)", "minutes", "sessions x processes", "kills", "steps", "generations compared", "mismatches",
+                      "tokens lost", "CANCELLED", "errors at the stop", "slots free after", "server RSS MiB", "GPU MiB", "result"],
+                     rows, self.source(*found.values()))
+
     def serve(self) -> str:
         rows, paths = [], []
         for variant, path, name, m in self.serve_models():
@@ -470,7 +489,7 @@ class Tables:
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
         return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,
                 "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "contract": self.contract,
-                "acceptance": self.acceptance, "load": self.load_table, "serve": self.serve,
+                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "serve": self.serve,
                 "serve_remote": self.serve_remote, "service_floor": self.service_floor,
                 "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
 

@@ -122,6 +122,9 @@ def test_open_asserts_its_arguments_and_holds_no_slot_after(model):
     (dict(top_k=-2), "top_k must be"),
     (dict(top_p=0.0), "top_p must be"),
     (dict(seed=-1), "seed must be"),
+    # below float32's reach: logits / temperature would overflow, top_p would round to nothing
+    (dict(temperature=1e-310), r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"),
+    (dict(top_p=1e-300), r"top_p must be in \[1e-06, 1\]"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

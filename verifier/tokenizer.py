@@ -30,6 +30,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
+        self._longest: int | None = None
+
+    @property
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes a vocabulary entry takes (added tokens included), as its string is
+        written: no token covers more input bytes than this (a byte-level entry writes each byte as
+        one character of at most two bytes, so the bound is loose, never short). So a text of C
+        characters, at least C bytes, encodes to at least C / longest_token_bytes tokens."""
+        if self._longest is None:
+            self._longest = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._longest
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":

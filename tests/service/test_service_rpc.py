@@ -196,6 +196,27 @@ def test_open_session_argument_errors(stub):
     assert stub.GetStats(rpc.GetStatsRequest()).free_slots == free  # no slot leaked
 
 
+def test_oversized_prompts_and_drafts_are_refused_by_their_length_alone(stub):
+    """Millions of prompt ids, megabytes of text, millions of draft ids: each refused from its length
+    before it is copied, scanned or tokenized (the server stays responsive), naming the field."""
+    import time
+
+    info = stub.GetModelInfo(rpc.GetModelInfoRequest())
+    cases = [(rpc.OpenSessionRequest(prompt_ids=[1] * 3_000_000, max_new_tokens=4), "prompt_ids: a prompt of 3000000 tokens"),
+             (rpc.OpenSessionRequest(text="A" * 20_000_000, max_new_tokens=4), "text: 20000000 characters (at least")]
+    for request, message in cases:
+        started = time.monotonic()
+        error = rpc_error(stub.OpenSession, request, timeout=60)
+        assert error.code() == grpc.StatusCode.OUT_OF_RANGE and message in error.details(), error.details()
+        assert f"context of {info.max_context} positions" in error.details()
+    opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[1, 2], max_new_tokens=4))
+    huge = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=opened.session_id, expected_position=opened.position,
+                                                               draft_ids=[3] * 3_000_000)]), timeout=60).results[0]
+    assert huge.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "3000000 ids, more than max_k" in huge.status.message
+    assert time.monotonic() - started < 30
+    stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
+
+
 def test_draft_probs_reach_rejection_sampling(stub, text_checkpoint):
     """draft_probs travel as float32 bytes: the server's step equals the same step in process."""
     rng = np.random.default_rng(0)

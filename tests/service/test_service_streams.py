@@ -119,3 +119,35 @@ def test_one_stream_can_carry_several_sessions(server, stub, plain):
         assert toks == exp.tokens
     for o in opened:
         stub.CloseSession(rpc.CloseSessionRequest(session_id=o.session_id))
+
+
+def test_a_stream_that_never_reads_holds_a_bounded_server(text_checkpoint):
+    """A client sends steps on a VerifyStream and never reads: the server reads at most its window
+    of requests ahead of what the client took (then HTTP/2 flow control stops the client), instead
+    of answering everything into a pile of unread replies. Each step names no session, so each is
+    answered at once and counted as an error: the count is what the server read. The session ids
+    are long so that the answers, which repeat them, fill gRPC's send buffers within the test."""
+    import threading
+    import time
+
+    from verifier.server.testing import LoopbackServer
+
+    with LoopbackServer(text_checkpoint, n_slots=2, max_seq_len=64, max_k=2) as server:
+        window = server.run_on_loop(lambda: server.server.service.stream_window)
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            sent = [0]
+
+            def requests():
+                for i in range(200_000):
+                    sent[0] = i
+                    yield step(f"{i % 7}" * 8192, 0, [1])
+
+            call = stub.VerifyStream(requests())  # never iterated: no answer is read
+            threading.Thread(target=lambda: call.initial_metadata(), daemon=True).start()
+            time.sleep(3.0)
+            read = stub.GetStats(rpc.GetStatsRequest()).errors
+            call.cancel()
+    # the server read its window and what gRPC took off its hands into its send buffers (a few MiB of
+    # 8 KiB answers): hundreds, where a server that reads on would have taken every request sent
+    assert window == 4 and read < 1_000, (read, sent[0])

@@ -92,6 +92,9 @@ class VerifierService:
         calls in flight (verifier/server/calls.py), which the handlers that wait enter and leave."""
         self.config = config
         self.calls = calls if calls is not None else CallBook()
+        # requests a stream may have outstanding (accepted, not yet taken by its client): every slot's
+        # step queued and one more being answered
+        self.stream_window = 2 * engine.pool.n_slots
         self.engine = engine
         self.mtp = mtp
         # ModelInfo.server_drafters: the n-gram proposer needs no model, the MTP one the head
@@ -262,10 +265,15 @@ class VerifierService:
         (VerifyStream) or a RequestAnswer (VerifyRounds): `.result` once answered, `.on_done`.
         `outstanding` holds those not yet answered to the client, oldest first; the answering loop
         waits on one future at a time, woken when the oldest is answered or when reading ends (not
-        a queue hop plus a future per request: each hop is a turn of the event loop)."""
+        a queue hop plus a future per request: each hop is a turn of the event loop). At most
+        `window` requests are outstanding: past that the reader reads no more until the client has
+        taken an answer, so a client that sends and never reads holds a bounded server (HTTP/2 flow
+        control then stops its writes), never a growing pile of unread answers."""
         outstanding: collections.deque = collections.deque()
         loop = asyncio.get_running_loop()
         woken: asyncio.Future | None = None  # what the answering loop awaits, None while it runs
+        room: asyncio.Future | None = None  # what the reader awaits while the window is full
+        window = self.stream_window
         reading = True
         refused_more = False  # the reader stopped at a request because the server is stopping
 
@@ -273,8 +281,12 @@ class VerifierService:
             if woken is not None and not woken.done():
                 woken.set_result(None)
 
+        def make_room() -> None:
+            if room is not None and not room.done():
+                room.set_result(None)
+
         async def read():
-            nonlocal reading, refused_more
+            nonlocal reading, refused_more, room
             try:
                 async for request in request_iterator:
                     if self.stopping:  # not accepted: the stream ends UNAVAILABLE, the client resends elsewhere
@@ -286,6 +298,10 @@ class VerifierService:
                     outstanding.append(ticket)
                     if len(outstanding) == 1 and woken is not None:  # the answering loop waits for it
                         ticket.on_done(wake)
+                    while len(outstanding) >= window and not self.stopping:  # full: wait for the client to read
+                        room = loop.create_future()
+                        await room
+                        room = None
             finally:
                 reading = False
                 wake()
@@ -298,6 +314,7 @@ class VerifierService:
             while True:
                 while outstanding and outstanding[0].result is not None:
                     answered = outstanding.popleft()
+                    make_room()
                     yield answered.result  # resumes once gRPC has taken the message
                     if timings is not None:
                         timings.written(answered)

@@ -28,28 +28,40 @@ def _bad_ids(ids, vocab: int) -> list[int]:
 
 def open_prompt(request: rpc.OpenSessionRequest, tokenizer, vocab: int, max_seq_len: int) -> list[int]:
     """The prompt of an OpenSessionRequest: exactly one of prompt_ids and text, in the vocabulary,
-    with room for at least one step in the context."""
-    has_ids, has_text = len(request.prompt_ids) > 0, request.text != ""
-    if has_ids and has_text:
+    with room for at least one step in the context. A prompt too long for the context is refused
+    before it is copied or tokenized (its length alone says so), so an oversized request costs the
+    server a length check, not seconds of its event loop."""
+    n_ids = len(request.prompt_ids)
+    text = request.text  # read once: each read of a wire string makes a new str
+    if n_ids and text:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids and text are both set: send exactly one")
-    if not has_ids and not has_text:
+    if not n_ids and not text:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids and text are both empty: send exactly one")
-    if has_text:
+    if n_ids + 1 > max_seq_len:
+        raise _too_long("prompt_ids", f"a prompt of {n_ids} tokens", max_seq_len)
+    if text:
         if tokenizer is None:
             raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text needs a tokenizer and this model has none "
                           "(ModelInfo.has_tokenizer is false): send prompt_ids")
-        prompt, field = tokenizer.encode(request.text), "text"
+        if len(text) > (max_seq_len - 1) * tokenizer.longest_token_bytes:  # too long whatever it encodes to
+            raise _too_long("text", f"{len(text)} characters (at least {-(-len(text) // tokenizer.longest_token_bytes)} "
+                            f"tokens: no token covers more than {tokenizer.longest_token_bytes} bytes)", max_seq_len)
+        prompt, field = tokenizer.encode(text), "text"
         if not prompt:
             raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text encodes to no tokens")
     else:
-        prompt, field = list(request.prompt_ids), "prompt_ids"
+        prompt, field = request.prompt_ids[:], "prompt_ids"
     bad = _bad_ids(prompt, vocab)
     if bad:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
     if len(prompt) + 1 > max_seq_len:
-        raise Invalid(grpc.StatusCode.OUT_OF_RANGE, f"{field}: a prompt of {len(prompt)} tokens leaves no room in the "
-                      f"context of {max_seq_len} positions (ModelInfo.max_context)")
+        raise _too_long(field, f"a prompt of {len(prompt)} tokens", max_seq_len)
     return prompt
+
+
+def _too_long(field: str, what: str, max_seq_len: int) -> Invalid:
+    return Invalid(grpc.StatusCode.OUT_OF_RANGE, f"{field}: {what} leaves no room in the context of {max_seq_len} "
+                   f"positions (ModelInfo.max_context)")
 
 
 def open_limits(request: rpc.OpenSessionRequest) -> tuple[SamplingParams, int]:
@@ -85,10 +97,11 @@ def step_drafts(step: rpc.VerifyStep, session_id: str, max_k: int, vocab: int) -
     caller has read already (each read of a wire field makes a new Python object)."""
     if not session_id:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
-    drafts = step.draft_ids[:]  # a list; half the cost of list() on the wire's container
+    wire = step.draft_ids
+    if len(wire) > max_k:  # before the copy: a step of millions of ids costs a length check
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids has {len(wire)} ids, more than max_k {max_k}")
+    drafts = wire[:]  # a list; half the cost of list() on the wire's container
     if drafts:
-        if len(drafts) > max_k:
-            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids has {len(drafts)} ids, more than max_k {max_k}")
         if min(drafts) < 0 or max(drafts) >= vocab:
             bad = _bad_ids(drafts, vocab)
             raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"draft_ids: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
