@@ -19,18 +19,25 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # logits rows: K+1 rows of a 150k vocabula
 
 @dataclass(frozen=True)
 class Connection:
-    """How to reach a verifier: address, optional TLS root certificate and bearer token."""
+    """How to reach a verifier: address, optional TLS root certificate, client certificate and
+    bearer token."""
 
     address: str
     auth_token: str | None = None
     tls_root_cert: str | Path | None = None  # PEM file of the CA that signed the server's certificate
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tls_client_cert: str | Path | None = None  # PEM client certificate, for a server that asks for one (mutual TLS)
+    tls_client_key: str | Path | None = None  # its private key
 
     def __post_init__(self):
         if not self.address or ":" not in self.address:
             raise ValueError(f"address must be HOST:PORT, got {self.address!r}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token is empty")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("tls_client_cert and tls_client_key go together: pass both or neither")
+        if self.tls_client_cert is not None and self.tls_root_cert is None:
+            raise ValueError("a client certificate is sent over TLS: pass tls_root_cert too")
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -42,11 +49,20 @@ class Connection:
                    ("grpc.max_send_message_length", self.max_message_bytes)]
         if self.tls_root_cert is None:
             return module.insecure_channel(self.address, options=options)
-        try:
-            root = Path(self.tls_root_cert).read_bytes()
-        except OSError as exc:
-            raise ValueError(f"tls_root_cert: cannot read {self.tls_root_cert}: {exc.strerror}") from None
-        return module.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=root), options=options)
+        root, key, chain = (_read(name, path) for name, path in (("tls_root_cert", self.tls_root_cert),
+                                                                 ("tls_client_key", self.tls_client_key),
+                                                                 ("tls_client_cert", self.tls_client_cert)))
+        credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
+        return module.secure_channel(self.address, credentials, options=options)
+
+
+def _read(name: str, path: str | Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{name}: cannot read {path}: {exc.strerror}") from None
 
 
 def call_error(err: grpc.RpcError, address: str) -> VerifierError:
@@ -88,9 +104,11 @@ class ClientChannel:
     grpc_module = grpc
 
     def __init__(self, address: str, *, auth_token: str | None = None, tls_root_cert: str | Path | None = None,
-                 timeout_s: float = 60.0, retry: RetryPolicy = RetryPolicy(), max_message_bytes: int | None = None):
+                 timeout_s: float = 60.0, retry: RetryPolicy = RetryPolicy(), max_message_bytes: int | None = None,
+                 tls_client_cert: str | Path | None = None, tls_client_key: str | Path | None = None):
         self.connection = Connection(address, auth_token, tls_root_cert,
-                                     DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes)
+                                     DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes,
+                                     tls_client_cert, tls_client_key)
         self.timeout_s = timeout_s  # the deadline of every unary call, and how long a stream step waits
         self.retry = retry
         self._channel = self.connection.open(self.grpc_module)

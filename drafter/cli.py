@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,10 +43,38 @@ CLIENT_DRAFTER_FLAGS = ("--drafter", "--draft-model", "--draft-device", "--seed-
                         "--coupled-drafts", "--adaptive-k")
 
 
+TOKEN_ENV = "VERIFIER_AUTH_TOKEN"  # the client's bearer token, kept out of the process list
+
+
+def auth_token(args: argparse.Namespace) -> str | None:
+    """The token to send: --auth-token (with a warning: it shows in the process list),
+    --auth-token-file's first line, or $VERIFIER_AUTH_TOKEN; ValueError for an unreadable or empty file."""
+    if args.auth_token is not None:
+        if args.auth_token_file is not None:
+            raise ValueError("pass --auth-token or --auth-token-file, not both")
+        print(f"warning: --auth-token shows in the process list to every local user; use --auth-token-file or ${TOKEN_ENV}",
+              file=sys.stderr)
+        return args.auth_token
+    if args.auth_token_file is not None:
+        try:
+            lines = args.auth_token_file.read_text().strip().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--auth-token-file {args.auth_token_file}: {exc.strerror or exc}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--auth-token-file {args.auth_token_file} is empty")
+        return lines[0].strip()
+    return os.environ.get(TOKEN_ENV) or None
+
+
 def _add_connection(parser: argparse.ArgumentParser):
     """The connection flags generate and bench share; returns their group."""
     conn = parser.add_argument_group("connection")
-    conn.add_argument("--auth-token", help="bearer token the server expects (default: none sent)")
+    conn.add_argument("--auth-token-file", type=Path,
+                      help=f"file whose first line is the bearer token to send (default: ${TOKEN_ENV} if set, else none sent)")
+    conn.add_argument("--auth-token", help="the bearer token on the command line: every local user can read it in the process "
+                                           "list, so prefer --auth-token-file or $" + TOKEN_ENV + " (default: none)")
+    conn.add_argument("--tls-client-cert", type=Path, help="PEM client certificate for a server that asks for one (with --tls-client-key; default: none)")
+    conn.add_argument("--tls-client-key", type=Path, help="PEM private key of --tls-client-cert (default: none)")
     conn.add_argument("--tls-root-cert", type=Path, help="PEM root certificate: connect with TLS (default: plaintext)")
     conn.add_argument("--timeout", type=float, default=60.0, help="seconds per call before it is retried")
     return conn
@@ -148,7 +177,8 @@ def _generate(args) -> int:
             from .text import load_tokenizer
 
             text_stream = TextStream(load_tokenizer(args.tokenizer))
-        client = VerifierClient(args.server, auth_token=args.auth_token, tls_root_cert=args.tls_root_cert, timeout_s=args.timeout)
+        client = VerifierClient(args.server, auth_token=auth_token(args), tls_root_cert=args.tls_root_cert, timeout_s=args.timeout,
+                                tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key)
     except ValueError as exc:
         return _fail(str(exc), 2)
     with client:
@@ -277,7 +307,8 @@ def _bench(args) -> int:
             raise ValueError("--k values must be >= 1 (plain decoding is measured anyway)")
         prompts = load_prompts(args.prompts)
         _check_connection_arguments(args)
-        client = VerifierClient(args.server, auth_token=args.auth_token, tls_root_cert=args.tls_root_cert, timeout_s=args.timeout)
+        client = VerifierClient(args.server, auth_token=auth_token(args), tls_root_cert=args.tls_root_cert, timeout_s=args.timeout,
+                                tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key)
     except (ValueError, OSError) as exc:
         return _fail(str(exc), 2)
     with client:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from verifier import rpc
+from verifier.server.principals import ANONYMOUS
 from service.helpers import code_of, open_session, rpc_error, step, verify_one
 
 from .conftest import VOCAB
@@ -31,7 +32,7 @@ def slowed(slow_server):
     engine.entered.clear()
 
     def slow(session_id):
-        seq = server.run_on_loop(lambda: server.server.service.sessions.get(session_id).sequence)
+        seq = server.run_on_loop(lambda: server.server.service.sessions.get(session_id, ANONYMOUS).sequence)
         engine.slow.add(id(seq))
 
     yield slow

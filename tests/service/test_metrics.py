@@ -37,3 +37,64 @@ def test_draft_counts_by_position():
     assert stats.rows_per_batch.count == 0 and metrics.stats().rows_per_batch.count == 1
     metrics.record_batch(3, 0.5)
     assert metrics.stats().engine_seconds == 0.75
+
+
+def _get(port: int, token: str | None = None) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_the_endpoint_asks_for_its_token():
+    from verifier.server.metrics_http import MetricsEndpoint
+
+    metrics = Metrics(max_k=2)
+    endpoint = MetricsEndpoint(metrics.registry, "127.0.0.1", 0, token="scrape-me")
+    port = endpoint.start()
+    try:
+        assert _get(port)[0] == 401 and _get(port, "wrong")[0] == 401
+        status, body = _get(port, "scrape-me")
+        assert status == 200 and b"verifier_steps_total" in body
+    finally:
+        endpoint.stop()
+
+
+def test_idle_connections_hold_a_bounded_number_of_threads():
+    """Connections that never send a request take at most MAX_HANDLERS threads; the rest are closed
+    at once, and once the silent ones time out a scrape is answered again."""
+    import socket
+    import threading
+    import time
+
+    from verifier.server import metrics_http
+
+    metrics = Metrics(max_k=2)
+    endpoint = metrics_http.MetricsEndpoint(metrics.registry, "127.0.0.1", 0)
+    port = endpoint.start()
+    before = threading.active_count()
+    silent = []
+    try:
+        for _ in range(40):
+            silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.5)
+        assert threading.active_count() - before <= metrics_http.MAX_HANDLERS
+        for sock in silent:
+            sock.close()
+        deadline = time.monotonic() + metrics_http.TIMEOUT_S + 10
+        while time.monotonic() < deadline:
+            try:
+                if _get(port)[0] == 200:
+                    break
+            except OSError:  # refused while the silent ones still hold every handler
+                time.sleep(0.2)
+        else:
+            raise AssertionError("no scrape was answered after the silent connections closed")
+    finally:
+        endpoint.stop()

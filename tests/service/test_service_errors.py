@@ -6,7 +6,7 @@ import numpy as np
 
 from verifier import rpc
 
-from .helpers import code_of, open_session, step, verify_one
+from .helpers import code_of, open_session, rpc_error, step, verify_one
 
 PROMPT = [9, 8, 7, 6, 5]
 VOCAB, MAX_K = 90, 8
@@ -100,3 +100,16 @@ def test_errors_are_counted_by_stats(stub):
     verify_one(stub, "unknown", 0)
     verify_one(stub, "", 0)
     assert stub.GetStats(rpc.GetStatsRequest()).errors == before + 2
+
+
+def test_a_request_of_more_steps_than_slots_is_refused_whole(server, stub):
+    """Each step names a distinct session, so a request of more steps than slots is refused before
+    any step is read: INVALID_ARGUMENT for the call (Verify) or the stream (VerifyRounds)."""
+    n = server.config.n_slots + 1
+    request = rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=f"s{i}") for i in range(n)])
+    error = rpc_error(stub.Verify, request, timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{n} steps in one request" in error.details()
+    error = rpc_error(lambda: list(stub.VerifyRounds(iter([request]), timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "n_slots" in error.details()
+    opened = open_session(stub, [1, 2, 3], 4)  # the server goes on
+    assert verify_one(stub, opened.session_id, opened.position).status.code == 0

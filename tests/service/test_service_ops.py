@@ -35,7 +35,19 @@ def test_reflection_lists_and_describes_the_service(server):
                     reflection_pb2.ServerReflectionRequest(file_containing_symbol=rpc.SERVICE_NAME)]
         listed, described = list(stub.ServerReflectionInfo(iter(requests)))
     names = {s.name for s in listed.list_services_response.service}
-    assert {rpc.SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {rpc.SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+            "grpc.reflection.v1.ServerReflection"} <= names
+    files = described.file_descriptor_response.file_descriptor_proto
+    assert files and any(b"verifier.v1" in f and b"VerifyStream" in f for f in files)
+
+
+def test_reflection_v1_answers_as_v1alpha(server):
+    """grpc.reflection.v1 (what current tools ask first): the same messages under another package."""
+    with grpc.insecure_channel(server.address) as channel:
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        (described,) = list(info(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=rpc.SERVICE_NAME)])))
     files = described.file_descriptor_response.file_descriptor_proto
     assert files and any(b"verifier.v1" in f and b"VerifyStream" in f for f in files)
 
@@ -116,3 +128,15 @@ def test_draining_then_stop(text_checkpoint):
             assert after.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
+
+
+def test_requests_over_what_the_server_can_need_are_refused_unread(server, stub):
+    """The default request limit is the largest request this server's shape can use (1 MiB here);
+    a larger one is RESOURCE_EXHAUSTED from its length prefix, and the server goes on."""
+    from verifier.server.app import MIN_REQUEST_BYTES
+
+    assert server.server.request_limit == MIN_REQUEST_BYTES
+    error = rpc_error(stub.OpenSession, rpc.OpenSessionRequest(prompt_ids=[5] * (2 << 20), max_new_tokens=3), timeout=10)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    opened = open_session(stub, [1, 2, 3], 4)
+    assert verify_one(stub, opened.session_id, opened.position).status.code == 0

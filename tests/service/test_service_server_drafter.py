@@ -17,6 +17,7 @@ from verifier.params import SamplingParams
 from verifier.proposers.mtp import MTPProposer
 from verifier.proposers.ngram import NgramProposer
 from verifier.server.convert import sampling_params
+from verifier.server.principals import ANONYMOUS
 from verifier.server.testing import LoopbackServer
 
 from .conftest import NAME
@@ -158,7 +159,7 @@ class Proposals:
 
 
 def _slot(server, sid) -> int:
-    return server.run_on_loop(lambda: server.server.service.sessions.find(sid).sequence.slot)
+    return server.run_on_loop(lambda: server.server.service.sessions.find(sid, ANONYMOUS).sequence.slot)
 
 
 def test_a_retried_step_gets_the_stored_result_without_a_new_proposal(drafting_stub, plain):
@@ -289,7 +290,7 @@ def test_a_failing_proposer_fails_its_own_step_alone(drafting_stub, plain):
     sid, p = opened.session_id, opened.position
 
     def shift_known(by: int):
-        server.server.service.sessions.find(sid).drafter.proposer.track.known += by
+        server.server.service.sessions.find(sid, ANONYMOUS).drafter.proposer.track.known += by
 
     server.run_on_loop(shift_known, 1)
     steps = [step(sid, p), step(mate.session_id, mate.position), step(other.session_id, other.position)]
@@ -301,7 +302,7 @@ def test_a_failing_proposer_fails_its_own_step_alone(drafting_stub, plain):
     server.run_on_loop(shift_known, -1)
 
     def break_observe():
-        server.server.service.sessions.find(sid).drafter.proposer.observe = lambda hidden: 1 / 0
+        server.server.service.sessions.find(sid, ANONYMOUS).drafter.proposer.observe = lambda hidden: 1 / 0
 
     first = verify_one(stub, sid, p)
     assert first.status.code == 0

@@ -14,6 +14,7 @@ import time
 import grpc
 
 from verifier import rpc
+from verifier.server.principals import ANONYMOUS
 from verifier.server.testing import LoopbackServer
 
 from .helpers import code_of, open_session, step
@@ -234,7 +235,7 @@ def test_stop_while_streams_step_loses_no_step(text_checkpoint):
     own (trailing verifier-stopping), never CANCELLED."""
     for run, server, stub in _servers(text_checkpoint, n_slots=2, max_seq_len=128, max_k=2):
         opened = [open_session(stub, [3, 4, 5 + i], 60) for i in range(2)]
-        sequences = server.run_on_loop(lambda: [server.server.service.sessions.find(s.session_id).sequence for s in opened])
+        sequences = server.run_on_loop(lambda: [server.server.service.sessions.find(s.session_id, ANONYMOUS).sequence for s in opened])
         drafters = [_Drafter(stub, s) for s in opened]
         drafters[0].wait_for(1 + run % 5)
         server.stop(grace_s=GRACE_S)

@@ -22,7 +22,7 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from .. import rpc
 from ..engine import Engine
@@ -35,6 +35,8 @@ from .calls import CallBook, CallStarts
 from .config import ServerConfig
 from .malformed import MalformedRequestGuard
 from .metrics import Metrics
+from .metrics_http import MetricsEndpoint, read_token
+from .principals import Principals, load_tokens
 from .service import VerifierService
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,10 @@ def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine, para
 class VerifierServer:
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
         self.config = config
+        # first: a bad token source fails before the model loads
+        self.principals = Principals(load_tokens(config.auth_token, config.auth_tokens_file),
+                                     client_certificates=config.tls_client_ca is not None)
+        self._metrics_token = read_token(config.metrics_token_file) if config.metrics_token_file is not None else None
         self.engine = engine if engine is not None else build_engine(config)
         self.tokenizer = TextTokenizer.from_model_dir(config.model_dir)
         # the MTP head, for sessions drafting with server_drafter "mtp"; None: none in the
@@ -76,7 +82,8 @@ class VerifierServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
-        self._metrics_http = None
+        self._metrics_http: MetricsEndpoint | None = None
+        self.request_limit: int | None = None  # bytes, once started (request_limit_bytes)
         self._stopping: asyncio.Task | None = None  # the one shutdown: a second stop waits for it
 
     async def start(self) -> str:
@@ -91,31 +98,25 @@ class VerifierServer:
             raise
 
     def _start_metrics(self) -> None:
-        if self.config.metrics_port is None:
+        config = self.config
+        if config.metrics_port is None:
             return
-        from prometheus_client import start_http_server
-
-        try:
-            self._metrics_http, _ = start_http_server(self.config.metrics_port, addr=self.config.host,
-                                                      registry=self.metrics.registry)
-        except OSError as exc:
-            raise OSError(f"cannot serve metrics on {self.config.host}:{self.config.metrics_port} "
-                          f"(--metrics-port): {exc.strerror or exc}") from None
-        self.metrics_port = self._metrics_http.server_port
+        self._metrics_http = MetricsEndpoint(self.metrics.registry, config.metrics_host, config.metrics_port, self._metrics_token)
+        self.metrics_port = self._metrics_http.start()
 
     def _stop_metrics(self) -> None:
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.stop()
             self._metrics_http = None
 
     async def _start_grpc(self) -> str:
         config = self.config
         interceptors = [CallStarts(self.calls)]  # first: every call's start counts, a stranger's too
-        if config.auth_token:
-            interceptors.append(BearerTokenAuth(config.auth_token))
+        if self.principals.by_token:
+            interceptors.append(BearerTokenAuth(self.principals))
         interceptors.append(MalformedRequestGuard())  # after auth: a stranger's bytes are not even parsed
-        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+        self.request_limit = request_limit_bytes(config, self.engine, self.tokenizer)
+        options = [("grpc.max_receive_message_length", self.request_limit),
                    ("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # a second server on the same port must fail, not share it
         server = grpc.aio.server(interceptors=interceptors, options=options)
@@ -126,11 +127,11 @@ class VerifierServer:
         except BaseException:
             await server.stop(None)  # an unstarted server left to the garbage collector outlives the loop
             raise
-        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp, self.calls)
+        self.service = VerifierService(config, self.engine, self.tokenizer, self.metrics, self.mtp, self.calls, self.principals)
         server.add_generic_rpc_handlers([rpc.servicer_handler(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((rpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        _enable_reflection(server)
         await self.service.start()
         await server.start()
         self._server = server
@@ -144,7 +145,9 @@ class VerifierServer:
         _check_free(config.host, config.port, target)
         try:
             if config.tls_cert is not None:
-                credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
+                credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+                                                          root_certificates=client_ca, require_client_auth=client_ca is not None)
                 return server.add_secure_port(target, credentials)
             return server.add_insecure_port(target)
         except RuntimeError as exc:  # grpc's way of saying the address cannot be bound
@@ -196,6 +199,42 @@ class VerifierServer:
         self._stop_metrics()
 
 
+MIN_REQUEST_BYTES = 1 << 20  # the derived request limit's floor: headroom for ids, metadata and future fields
+STEP_FIELD_BYTES = 512  # a VerifyStep's session id, request id, position and framing, generously
+
+
+def request_limit_bytes(config: ServerConfig, engine: Engine, tokenizer) -> int:
+    """The largest request message the server accepts (--max-request-mb, or what its own shape can
+    need): a Verify of n_slots steps, each of max_k drafts (5 bytes an id at most) with their
+    draft_probs (max_k x vocab float32), or an OpenSession of a prompt filling the context, as ids
+    or as text (no token covers more than the tokenizer's longest token, at most 4 UTF-8 bytes a
+    character). At least MIN_REQUEST_BYTES, at most --max-message-mb."""
+    if config.max_request_mb is not None:
+        return int(config.max_request_mb * (1 << 20))
+    max_k, positions = engine.max_k, engine.pool.max_seq_len
+    verify = engine.pool.n_slots * (STEP_FIELD_BYTES + max_k * 5 + max_k * engine.vocab_size * 4)
+    text = positions * tokenizer.longest_token_bytes * 4 if tokenizer is not None else 0
+    open_session = STEP_FIELD_BYTES + positions * 5 + text
+    return min(config.max_message_bytes, max(MIN_REQUEST_BYTES, verify, open_session))
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Server reflection under both its names: v1 (what current grpcurl, Postman and grpc-js tools
+    ask first) and v1alpha (older ones). The two protocols' messages are the same fields under two
+    package names, so one servicer answers both. Reflection is a method like the others: with
+    tokens configured it needs one."""
+    names = (rpc.SERVICE_NAME, health.SERVICE_NAME, REFLECTION_V1, reflection.SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(servicer.ServerReflectionInfo,
+                                               request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                                               response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1})])
+
+
 def _check_free(host: str, port: int, target: str) -> None:
     """OSError naming the flags when host:port cannot be bound, asked of the OS before gRPC is:
     gRPC's core logs its own failure to stderr before it raises, which would print a second line
@@ -228,7 +267,8 @@ async def _serve_until_signalled(server: VerifierServer, signals: tuple = STOP_S
 
     for signum in signals:
         loop.add_signal_handler(signum, on_signal)
-    extra = f", metrics on {server.config.host}:{server.metrics_port}" if server.metrics_port is not None else ""
+    extra = f", requests up to {server.request_limit / (1 << 20):.3g} MiB"
+    extra += f", metrics on {server.config.metrics_host}:{server.metrics_port}" if server.metrics_port is not None else ""
     scheme = "TLS" if server.config.tls_cert is not None else "plaintext"
     print(f"listening on {address} ({scheme}{extra})", file=sys.stderr, flush=True)
     await stop.wait()

@@ -98,6 +98,9 @@ def serve_command(args: argparse.Namespace) -> int:
                      f"torch sees {torch.cuda.device_count()}")
     try:
         config = config_from_args(args)
+        if config.auth_token:
+            print("warning: --auth-token shows in the process list to every local user; put name:token lines in "
+                  "--auth-tokens-file or $VERIFIER_AUTH_TOKENS instead", file=sys.stderr)
         if config.tensor_parallel > 1:
             from .parallel import serve_tensor_parallel
 

@@ -1,7 +1,8 @@
 """The server's settings: one frozen dataclass, validated on construction, and the one place their
 defaults and help live. `python -m verifier serve` derives its flags from these fields
 (verifier/server/cli.py) and LoopbackServer its test configs (verifier/server/testing.py);
-nothing is read from the environment.
+nothing is read from the environment but the auth tokens of VERIFIER_AUTH_TOKENS, which the
+server reads when it starts (verifier/server/principals.py).
 
 Each field's metadata holds its `help`, and for the command line only what a field's type cannot
 say: `flag` (a name other than --field-name), `choices`, `fallback` (what a field without a
@@ -77,12 +78,32 @@ class ServerConfig:
     # slot for longer than this.
     idle_timeout_s: float = option(600.0, "reap sessions unused this long (their slots come back)")
     results_per_session: int = option(8, "step results a session keeps for retries with the same request id")
-    retry_after_ms: int = option(200, "the retry hint sent with RESOURCE_EXHAUSTED when every slot is in use")
-    auth_token: str | None = option(None, "require 'authorization: Bearer TOKEN' (health checks exempt); None: no auth")
+    # The hint is the expected wait for a slot, from the spacing of recent slot releases, never
+    # below this (verifier/server/service.py, _retry_after_ms).
+    retry_after_ms: int = option(200, "the least retry hint sent with RESOURCE_EXHAUSTED when an open finds no slot")
+    # Principals (verifier/server/principals.py): each token names one; a session is its opener's.
+    max_sessions_per_principal: int = option(0, "most sessions one principal (a token's name, a client certificate's) "
+                                                "holds at once; 0: no cap but --n-slots")
+    auth_tokens_file: Path | None = option(None, "file of name:token lines, one principal each; calls must carry "
+                                                 "'authorization: Bearer TOKEN' (health checks exempt). Entries in "
+                                                 "$VERIFIER_AUTH_TOKENS count too; None: no token auth")
+    auth_token: str | None = option(None, "one token on the command line (principal 'default'): every local user can "
+                                          "read it in the process list, so prefer --auth-tokens-file; None: none")
     tls_cert: Path | None = option(None, "PEM server certificate (with --tls-key); None: plaintext")
     tls_key: Path | None = option(None, "PEM private key (with --tls-cert)")
-    max_message_mb: float = option(64.0, "largest request or response message, MiB")
+    tls_client_ca: Path | None = option(None, "PEM CA bundle: require client certificates it signed (mutual TLS); "
+                                              "without tokens a certificate's common name is its principal")
+    max_message_mb: float = option(64.0, "largest response message, and the most a request may be, MiB")
+    # Requests larger than this are refused by gRPC from their length prefix, before a byte of them
+    # is parsed (a 30 MB request costs the event loop a third of a second to parse on a small CPU).
+    # None: the largest request this server's own shape can need (app.request_limit_bytes).
+    max_request_mb: float | None = option(None, "largest request message, MiB; None: what this server's calls can need "
+                                                "(n_slots steps of max_k drafts with their probabilities, or a prompt of "
+                                                "max_seq_len), at least 1 MiB and at most --max-message-mb")
     metrics_port: int | None = option(None, "serve Prometheus metrics on this port; None: no endpoint (GetStats still answers)")
+    # Its own address, loopback by default: --host 0.0.0.0 opens gRPC, not the metrics.
+    metrics_host: str = option("127.0.0.1", "address the metrics endpoint binds")
+    metrics_token_file: Path | None = option(None, "file holding the bearer token a metrics scrape must send; None: none asked")
     grace_s: float = option(5.0, "shutdown: time in-flight calls get to finish")
     drain_s: float = option(0.0, "shutdown: time health says NOT_SERVING before the port closes")
     # A measurement switch (bench.serve): per-batch and per-request timestamps, kept in memory
@@ -124,8 +145,14 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together: pass both or neither")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token is empty (pass None to turn auth off)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca asks clients for certificates over TLS: pass tls_cert and tls_key too")
+        if self.max_sessions_per_principal < 0:
+            raise ValueError(f"max_sessions_per_principal must be >= 0, got {self.max_sessions_per_principal}")
         if not (math.isfinite(self.max_message_mb) and self.max_message_mb > 0):
             raise ValueError(f"max_message_mb must be > 0, got {self.max_message_mb}")
+        if self.max_request_mb is not None and not (math.isfinite(self.max_request_mb) and 0 < self.max_request_mb <= self.max_message_mb):
+            raise ValueError(f"max_request_mb must be > 0 and at most max_message_mb ({self.max_message_mb:g}), got {self.max_request_mb}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 

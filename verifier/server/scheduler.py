@@ -197,14 +197,13 @@ class Scheduler:
         return PendingStep(step, step.request_id, None, [], None, None, 0.0, result)
 
     def submit(self, step: rpc.VerifyStep, request_id: str, session: Session, drafts: list[int] | None,
-               draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float, now: float) -> PendingStep:
-        """Queue a step; `arrived` (perf_counter) and `now` (the session table's clock) are its request's.
+               draft_probs: torch.Tensor | None, fingerprint: Fingerprint | None, arrived: float) -> PendingStep:
+        """Queue a step; `arrived` (perf_counter) is its request's.
         `drafts` None: the session's server-side drafter proposes them when a batch takes the step."""
         pending = PendingStep(step, request_id, session, drafts, draft_probs, fingerprint, arrived)
         if self.policy is not None and not session.verify_all_drafts:
             pending.least = 1  # the policy may verify none of its drafts
         session.busy += 1
-        session.last_used = now
         if request_id:
             session.inflight[request_id] = pending
         queue = self._queue
@@ -241,15 +240,17 @@ class Scheduler:
             return
         self._queue.remove(pending)
         self._queued_rows -= pending.least
-        self._release(pending, self.sessions.clock())
+        self._release(pending)
         pending.forget_callers()
 
     @staticmethod
-    def _release(pending: PendingStep, now: float) -> None:
-        """The step no longer holds its session; `now`: the session table's clock."""
+    def _release(pending: PendingStep, answered_ok_at: float | None = None) -> None:
+        """The step no longer holds its session; answered_ok_at: the session table's clock when it
+        was answered OK (the session's idle time starts again), None for any other end."""
         session = pending.session
         session.busy -= 1
-        session.last_used = now
+        if answered_ok_at is not None:
+            session.last_used = answered_ok_at
         rid = pending.request_id
         if rid and session.inflight.get(rid) is pending:
             del session.inflight[rid]
@@ -368,7 +369,7 @@ class Scheduler:
         """The step against its session: the error result, or None when it may run. Never changes state."""
         session, step = pending.session, pending.step
         if not self.sessions.is_live(session):
-            return error_result(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session.id), 0)
+            return error_result(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session.id, session.principal), 0)
         position = session.sequence.position
         if step.expected_position != position:
             return error_result(step, grpc.StatusCode.ABORTED, f"expected_position {step.expected_position} is stale: "
@@ -450,7 +451,7 @@ class Scheduler:
         for pending in batch:
             if failed is not None:
                 if pending.result is not None:  # `cut` answered it while its drafts were proposed: it runs no more
-                    self._release(pending, self.sessions.clock())
+                    self._release(pending)
                     continue
                 if pending in failed:
                     self._deliver(pending, failed[pending], self.sessions.clock())
@@ -532,9 +533,10 @@ class Scheduler:
 
     def _deliver(self, pending: PendingStep, result: rpc.StepResult, now: float) -> None:
         """Answer a step that a batch took; `now`: the session table's clock."""
-        if result.HasField("status"):  # only error results set it (an unset Status reads as OK)
+        failed = result.HasField("status")  # only error results set it (an unset Status reads as OK)
+        if failed:
             self.metrics.record_error(code_name(result.status.code))
-        self._release(pending, now)
+        self._release(pending, None if failed else now)
         if pending.result is None:
             pending.finish(result)
 

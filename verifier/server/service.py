@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 
@@ -37,9 +38,10 @@ from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fing
 from .answer import Answer
 from .calls import CallBook
 from .scheduler import PendingStep, Scheduler
-from .sessions import Session, SessionTable
+from .principals import ANONYMOUS, Principals
+from .sessions import OVER_QUOTA, Session, SessionTable
 from .timings import RoundTimings
-from .validate import Invalid, open_drafter, open_limits, open_prompt, repeated_sessions, step_drafts
+from .validate import Invalid, checked_prompt, open_drafter, open_limits, prompt_source, repeated_sessions, request_steps, step_drafts
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -86,11 +88,14 @@ class RequestAnswer(Answer):
 
 class VerifierService:
     def __init__(self, config: ServerConfig, engine: Engine, tokenizer, metrics: Metrics, mtp: MTPDrafter | None = None,
-                 calls: CallBook | None = None):
+                 calls: CallBook | None = None, principals: Principals | None = None):
         """mtp: the checkpoint's MTP head with its KV pool of a slot per engine slot
         (proposers/mtp.py), made by the server; None: no "mtp" drafter. calls: the server's book of
-        calls in flight (verifier/server/calls.py), which the handlers that wait enter and leave."""
+        calls in flight (verifier/server/calls.py), which the handlers that wait enter and leave.
+        principals: who each call comes from (verifier/server/principals.py); None: no auth, one
+        anonymous principal."""
         self.config = config
+        self.principals = principals if principals is not None else Principals({})
         self.calls = calls if calls is not None else CallBook()
         # requests a stream may have outstanding (accepted, not yet taken by its client): every slot's
         # step queued and one more being answered
@@ -102,8 +107,11 @@ class VerifierService:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.vocab = engine.vocab_size
-        self.sessions = SessionTable(engine.pool.n_slots, config.results_per_session)
+        self.sessions = SessionTable(engine.pool.n_slots, config.results_per_session,
+                                     max_per_principal=config.max_sessions_per_principal)
         self.worker = Worker()
+        # OpenSession texts are encoded here, one at a time, never on the event loop nor the engine's worker
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-tokenize")
         self.scheduler: Scheduler | None = None
         self.draining = False
         self.stopping = False  # begin_stop: streams end once answered; steps of a cut server get UNAVAILABLE
@@ -158,6 +166,7 @@ class VerifierService:
         for session in self.sessions.all():
             self._end(session.id, "closed: the server stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
+        self._tokenizing.shutdown(wait=False)
         if self.timings is not None:
             self.timings.write()
 
@@ -185,34 +194,49 @@ class VerifierService:
         if self.draining:
             await self._abort_open(context, grpc.StatusCode.UNAVAILABLE, "the server is draining: open the session on another replica",
                                    _STOPPING_TRAILER)
+        principal = self.principals.of(context)
         rid = request.request_id
+        key = (principal, rid)  # request ids are the principal's own
         fingerprint = open_fingerprint(request) if rid else None
-        if rid and rid in self.sessions.opens:  # a retry: the same session, admitted once (even if closed since)
-            earlier, task = self.sessions.opens[rid]
-            if earlier != fingerprint:
-                error = reused_open_id(rid)
-                await self._abort_open(context, error.code, error.message)
-            return await self._admitted(task, context)
+        if rid and key in self.sessions.opens:  # a retry: the same session, admitted once (even if closed since)
+            return await self._retried_open(key, fingerprint, context)
+        max_seq_len = self.engine.pool.max_seq_len
         try:
-            prompt = open_prompt(request, self.tokenizer, self.vocab, self.engine.pool.max_seq_len)
+            prompt, text = prompt_source(request, self.tokenizer, max_seq_len)
             sampling, max_new_tokens = open_limits(request)
             drafter = open_drafter(request, self.server_drafters, self.engine.max_k)
+            if text is not None:  # off the event loop: other calls go on while a long text is encoded
+                prompt = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.tokenizer.encode, text)
+            prompt = checked_prompt(prompt, "prompt_ids" if text is None else "text", self.vocab, max_seq_len)
         except Invalid as exc:
             await self._abort_open(context, exc.code, exc.message)
-        if not self.sessions.reserve():
-            ms = self.config.retry_after_ms
-            await self._abort_open(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"all {self.sessions.n_slots} slots are in use: retry after {ms} ms ({rpc.RETRY_AFTER_KEY})",
+        if rid and key in self.sessions.opens:  # the same request arrived while this one was tokenized
+            return await self._retried_open(key, fingerprint, context)
+        # from here to the registration of the admission in opens nothing awaits: one admission per request id
+        refused = self.sessions.reserve(principal)
+        if refused is not None:
+            ms = self._retry_after_ms()
+            why = (f"{principal!r} holds {self.sessions.max_per_principal} sessions, its most (--max-sessions-per-principal): "
+                   f"close one first" if refused == OVER_QUOTA else f"all {self.sessions.n_slots} slots are in use")
+            await self._abort_open(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry after {ms} ms ({rpc.RETRY_AFTER_KEY})",
                                    ((rpc.RETRY_AFTER_KEY, str(ms)),))
-        task = asyncio.ensure_future(self._admit(prompt, sampling, max_new_tokens, request, drafter))
+        task = asyncio.ensure_future(self._admit(prompt, sampling, max_new_tokens, request, drafter, principal))
         if rid:
-            self.sessions.opens[rid] = (fingerprint, task)  # a retry after a cancel or deadline finds the session
+            self.sessions.opens[key] = (fingerprint, task)  # a retry after a cancel or deadline finds the session
         try:
             return await self._admitted(task, context)
         except asyncio.CancelledError:
             if not rid:  # no one can ever name the session: close it once it is admitted
                 task.add_done_callback(self._close_orphan)
             raise
+
+    async def _retried_open(self, key: tuple[str, str], fingerprint, context) -> rpc.OpenSessionResponse:
+        """A repeat of an open's request id: the first one's response, or INVALID_ARGUMENT for other content."""
+        earlier, task = self.sessions.opens[key]
+        if earlier != fingerprint:
+            error = reused_open_id(key[1])
+            await self._abort_open(context, error.code, error.message)
+        return await self._admitted(task, context)
 
     async def _admitted(self, task: asyncio.Future, context) -> rpc.OpenSessionResponse:
         """The admission's response; the admission runs on if this caller leaves. UNAVAILABLE when
@@ -230,7 +254,10 @@ class VerifierService:
         return task.result()
 
     async def Verify(self, request: rpc.VerifyRequest, context) -> rpc.VerifyResponse:
-        answer = self._submit_request(request)
+        try:
+            answer = self._submit_request(request, self.principals.of(context))
+        except Invalid as exc:  # the request as a whole (its size)
+            await context.abort(exc.code, exc.message)
         if answer.result is None:
             # one wait for the whole request (its steps usually finish in one batch), not one per step
             answered = asyncio.get_running_loop().create_future()
@@ -250,13 +277,15 @@ class VerifierService:
     # The two streams are async generator functions of their own (grpc.aio runs any other handler
     # as a sync one), each one hop over the shared _answer_in_order.
     async def VerifyStream(self, request_iterator, context):
-        clock = self.sessions.clock
-        submit = lambda step: self._submit(step, step.session_id, time.perf_counter(), clock())  # noqa: E731
+        principal = self.principals.of(context)
+        submit = lambda step: self._submit(step, step.session_id, time.perf_counter(), principal)  # noqa: E731
         async for result in self._answer_in_order(request_iterator, context, _VERIFY_STREAM, submit):
             yield result
 
     async def VerifyRounds(self, request_iterator, context):
-        async for response in self._answer_in_order(request_iterator, context, _VERIFY_ROUNDS, self._submit_request):
+        principal = self.principals.of(context)
+        submit = lambda request: self._submit_request(request, principal)  # noqa: E731
+        async for response in self._answer_in_order(request_iterator, context, _VERIFY_ROUNDS, submit):
             yield response
 
     async def _answer_in_order(self, request_iterator, context, method: str, submit):
@@ -294,7 +323,10 @@ class VerifierService:
                         break
                     if isinstance(request, Malformed):  # the guard leaves stream requests unwrapped
                         await refuse(context, method, request)
-                    ticket = submit(request)
+                    try:
+                        ticket = submit(request)
+                    except Invalid as exc:  # a request as a whole (its size): the stream ends with it
+                        await context.abort(exc.code, exc.message)
                     outstanding.append(ticket)
                     if len(outstanding) == 1 and woken is not None:  # the answering loop waits for it
                         ticket.on_done(wake)
@@ -341,7 +373,9 @@ class VerifierService:
     async def CloseSession(self, request: rpc.CloseSessionRequest, context) -> rpc.CloseSessionResponse:
         # A step the engine runs now completes and is answered; the slot's release queues behind it.
         # A step still queued finds its session gone when its batch is taken: NOT_FOUND.
-        session = self._end(request.session_id, "closed")
+        session = self.sessions.find(request.session_id, self.principals.of(context))
+        if session is not None:  # another principal's session is not there for this caller
+            self._end(session.id, "closed")
         return rpc.CloseSessionResponse(closed=session is not None)
 
     async def GetStats(self, request: rpc.GetStatsRequest, context) -> rpc.Stats:
@@ -356,18 +390,18 @@ class VerifierService:
         await context.abort(code, message, trailing_metadata=trailing)
 
     async def _admit(self, prompt: list[int], sampling, max_new_tokens: int, request: rpc.OpenSessionRequest,
-                     drafter: tuple[str, int] | None) -> rpc.OpenSessionResponse:
+                     drafter: tuple[str, int] | None, principal: str) -> rpc.OpenSessionResponse:
         """Prefill on the worker and register the session; runs to the end even if the caller leaves.
-        `drafter`: (server_drafter, drafts per step), None when the client drafts."""
+        `drafter`: (server_drafter, drafts per step), None when the client drafts; `principal`: its owner."""
         try:
             seq, logits, proposer = await self.worker.run(_open, self.engine, prompt, sampling, max_new_tokens,
                                                           request.return_logits, drafter, self.mtp)
         except BaseException:
-            self.sessions.unreserve()
+            self.sessions.unreserve(principal)
             if request.request_id:
-                self.sessions.opens.pop(request.request_id, None)
+                self.sessions.opens.pop((principal, request.request_id), None)
             raise
-        session = self.sessions.add(seq, request.request_id, request.verify_all_drafts, proposer)
+        session = self.sessions.add(seq, principal, request.request_id, request.verify_all_drafts, proposer)
         response = rpc.OpenSessionResponse(session_id=session.id, position=seq.position, first_token=seq.pending,
                                            finish_reason=FINISH_REASONS[seq.finish_reason], prompt_ids=prompt)
         if logits is not None:
@@ -389,34 +423,46 @@ class VerifierService:
             return
         self._end(task.result().session_id, "closed: its OpenSession call was cancelled")
 
-    def _submit_request(self, request: rpc.VerifyRequest) -> "RequestAnswer":
-        """A VerifyRequest's steps submitted (or answered at once), as one answer to wait for."""
+    def _retry_after_ms(self) -> int:
+        """The retry hint of a refused open: the expected wait for a slot (the recent spacing of slot
+        releases), at least --retry-after-ms and at most the idle timeout (what an abandoned session
+        can hold a slot for); --retry-after-ms itself before any release was seen."""
+        expected = self.sessions.expected_wait_s()
+        if expected is None:
+            return self.config.retry_after_ms
+        return int(min(max(expected * 1000, self.config.retry_after_ms), self.config.idle_timeout_s * 1000))
+
+    def _submit_request(self, request: rpc.VerifyRequest, principal: str) -> "RequestAnswer":
+        """A VerifyRequest's steps submitted (or answered at once), as one answer to wait for; Invalid
+        for a request of more steps than slots (checked before any step is read)."""
+        request_steps(len(request.steps), self.sessions.n_slots)
         steps = list(request.steps)  # one wrapper per step, kept: each pass over the wire's list makes new ones
         session_ids = [step.session_id for step in steps]  # read once: each read of a wire string makes a new str
         repeated = repeated_sessions(session_ids)
-        arrived, now = time.perf_counter(), self.sessions.clock()
+        arrived = time.perf_counter()
         # sized once for the whole answer (only logits can make it large), not again per step
-        too_large = self._answer_over_limit(steps, session_ids) if any(step.return_logits for step in steps) else None
-        return RequestAnswer([self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i]) if i in repeated
-                              else self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large) if too_large and step.return_logits
-                              else self._submit(step, session_id, arrived, now, sized=True)
+        too_large = self._answer_over_limit(steps, session_ids, principal) if any(step.return_logits for step in steps) else None
+        return RequestAnswer([self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT, repeated[i], principal=principal) if i in repeated
+                              else self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large, principal=principal)
+                              if too_large and step.return_logits
+                              else self._submit(step, session_id, arrived, principal, sized=True)
                               for i, (step, session_id) in enumerate(zip(steps, session_ids))])
 
-    def _answer_bytes(self, step: rpc.VerifyStep, session_id: str) -> int:
+    def _answer_bytes(self, step: rpc.VerifyStep, session_id: str, principal: str) -> int:
         """The most bytes a step's result can take on the wire: its logits (len(tokens) <= the drafts
         verified + 1 rows of the vocabulary in float32, when asked), its ids and ANSWER_FIELD_BYTES for the rest."""
         fields = ANSWER_FIELD_BYTES + len(session_id) + len(step.request_id)
         if not step.return_logits:
             return fields
-        session = self.sessions.find(session_id)
+        session = self.sessions.find(session_id, principal)
         drafts = session.drafter.k if session is not None and session.drafter is not None else len(step.draft_ids)
         rows = min(drafts, self.engine.max_k) + 1
         return fields + rows * self.vocab * 4
 
-    def _answer_over_limit(self, steps: list, session_ids: list[str]) -> str | None:
+    def _answer_over_limit(self, steps: list, session_ids: list[str], principal: str) -> str | None:
         """Why the answer to these steps could exceed the message limit (--max-message-mb), before any
         runs: a step that ran and could not be answered would lose its tokens for good; None if it fits."""
-        total = sum(self._answer_bytes(step, session_id) for step, session_id in zip(steps, session_ids))
+        total = sum(self._answer_bytes(step, session_id, principal) for step, session_id in zip(steps, session_ids))
         limit = self.config.max_message_bytes
         if total <= limit:
             return None
@@ -425,32 +471,36 @@ class VerifierService:
                 f"of {self.vocab} float32 each), over the server's message limit of {limit / (1 << 20):g} MiB (--max-message-mb); "
                 "nothing ran: ask for logits in fewer steps per call, or raise --max-message-mb")
 
-    def _refuse(self, step: rpc.VerifyStep, code: grpc.StatusCode, message: str, session: Session | None = None) -> PendingStep:
-        """Answer a step without the engine, at its session's position (0 without a live session)."""
+    def _refuse(self, step: rpc.VerifyStep, code: grpc.StatusCode, message: str, session: Session | None = None,
+                principal: str = ANONYMOUS) -> PendingStep:
+        """Answer a step without the engine, at its session's position (0 without a live session of
+        `principal`'s: another's session's position is not told)."""
         if session is None:
-            session = self.sessions.find(step.session_id)
+            session = self.sessions.find(step.session_id, principal)
         position = session.sequence.position if session is not None else 0
         self.metrics.record_error(code.name)
         return self.scheduler.answered(step, error_result(step, code, message, position))
 
-    def _submit(self, step: rpc.VerifyStep, session_id: str, arrived: float, now: float, sized: bool = False) -> PendingStep:
+    def _submit(self, step: rpc.VerifyStep, session_id: str, arrived: float, principal: str,
+                sized: bool = False) -> PendingStep:
         """Check the step's wire fields, find its session, answer a retry from the stored result or
         join it to the same step in flight, else queue it. `session_id`: the step's, read once;
-        `arrived` (perf_counter) and `now` (the session table's clock) are read once per request;
-        sized: its answer's size was checked with its request's (else, a stream's step, here)."""
+        `arrived` (perf_counter) is read once per request;
+        sized: its answer's size was checked with its request's (else, a stream's step, here);
+        `principal`: the caller's, who must own the session."""
         if self._cut_message is not None:  # the grace period is over: nothing more runs
-            return self._refuse(step, grpc.StatusCode.UNAVAILABLE, self._cut_message)
+            return self._refuse(step, grpc.StatusCode.UNAVAILABLE, self._cut_message, principal=principal)
         if step.return_logits and not sized:  # a stream's step: its answer is one message
-            too_large = self._answer_over_limit([step], [session_id])
+            too_large = self._answer_over_limit([step], [session_id], principal)
             if too_large:
-                return self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large)
+                return self._refuse(step, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large, principal=principal)
         try:
             drafts, draft_probs = step_drafts(step, session_id, self.engine.max_k, self.vocab)
         except Invalid as exc:
-            return self._refuse(step, exc.code, exc.message)
-        session = self.sessions.find(session_id)
+            return self._refuse(step, exc.code, exc.message, principal=principal)
+        session = self.sessions.find(session_id, principal)
         if session is None:
-            return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session_id))
+            return self._refuse(step, grpc.StatusCode.NOT_FOUND, self.sessions.why_missing(session_id, principal))
         if session.drafter is not None:
             if drafts:  # draft_probs without draft_ids is refused by step_drafts
                 return self._refuse(step, grpc.StatusCode.INVALID_ARGUMENT,
@@ -469,7 +519,7 @@ class VerifierService:
                 return self.scheduler.answered(step, stored.result)
             if in_flight is not None:
                 return self.scheduler.join(in_flight)
-        return self.scheduler.submit(step, rid, session, drafts, draft_probs, fingerprint, arrived, now)
+        return self.scheduler.submit(step, rid, session, drafts, draft_probs, fingerprint, arrived)
 
     async def _reap(self, timeout_s: float) -> None:
         interval = min(1.0, timeout_s / 4)

@@ -12,11 +12,21 @@ OpenSession calls with a request id are kept (fingerprint, admitting task) while
 lives and, once it is closed or reaped, among the last GONE_REMEMBERED such: a duplicate of the
 open that arrives late (its first call abandoned by its caller, handled after the session it made
 was closed) gets that session's response again (AIP-155), never a second session no one knows.
+
+Principals (verifier/server/principals.py): a session belongs to the principal that opened it. To
+every other principal it does not exist: `find` returns None and `why_missing` says "not known",
+as for an id never issued. OpenSession request ids are keyed by (principal, request id), so one
+principal's ids never meet another's. `reserve` enforces the slots and, when set, the sessions one
+principal may hold (max_per_principal).
+
+Idle time counts from a session's admission and its last step answered OK: a session that is only
+sent failing steps (stale, finished, malformed) is still reaped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import secrets
 import time
 from collections import OrderedDict
@@ -32,6 +42,8 @@ if TYPE_CHECKING:
     from .drafting import ServerDrafter
 
 GONE_REMEMBERED = 4096  # ids of closed / reaped sessions kept to say why a later call fails
+RELEASES_TIMED = 32  # recent slot releases whose spacing estimates the wait for a slot (expected_wait_s)
+FULL, OVER_QUOTA = "full", "over quota"  # why `reserve` refused
 
 
 class StoredResult(NamedTuple):  # a tuple: one is made per answered step with a request id
@@ -43,8 +55,9 @@ class StoredResult(NamedTuple):  # a tuple: one is made per answered step with a
 class Session:
     id: str
     sequence: Sequence
+    principal: str  # who opened it (verifier/server/principals.py): no one else can see or step it
     open_request_id: str  # the OpenSession request id ("" if none): a retry finds the session by it
-    last_used: float
+    last_used: float  # admission, then the last step answered OK: the reaper's clock starts here
     results: OrderedDict[str, StoredResult] = field(default_factory=OrderedDict)  # request id -> its answer
     inflight: dict[str, Answer] = field(default_factory=dict)  # request id -> its queued or running step (scheduler.PendingStep)
     busy: int = 0  # steps queued or running: a busy session is never reaped
@@ -56,17 +69,24 @@ class Session:
     drafter: "ServerDrafter | None" = None
 
 
+OpenKey = tuple[str, str]  # (principal, OpenSession request id)
+
+
 class SessionTable:
-    def __init__(self, n_slots: int, results_per_session: int, clock=time.monotonic):
+    def __init__(self, n_slots: int, results_per_session: int, clock=time.monotonic, max_per_principal: int = 0):
+        """max_per_principal: the most slots one principal may hold at once (0: no cap but n_slots)."""
         self.n_slots = n_slots
         self.results_per_session = results_per_session
+        self.max_per_principal = max_per_principal
         self.clock = clock
         self.reserved = 0  # slots held by open sessions and by opens in flight
+        self.held: dict[str, int] = {}  # principal -> its share of `reserved`
+        self._releases: collections.deque[float] = collections.deque(maxlen=RELEASES_TIMED)  # clock() of recent releases
         self._sessions: dict[str, Session] = {}
-        self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it is gone
-        # OpenSession request id -> (its request's fingerprint, the task admitting it)
-        self.opens: dict[str, tuple[Fingerprint, asyncio.Task]] = {}
-        self._gone_opens: OrderedDict[str, None] = OrderedDict()  # request ids in opens whose session is gone, oldest first
+        self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # session id -> (its principal, why it is gone)
+        # (principal, OpenSession request id) -> (its request's fingerprint, the task admitting it)
+        self.opens: dict[OpenKey, tuple[Fingerprint, asyncio.Task]] = {}
+        self._gone_opens: OrderedDict[OpenKey, None] = OrderedDict()  # keys in opens whose session is gone, oldest first
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -75,40 +95,57 @@ class SessionTable:
     def free_slots(self) -> int:
         return self.n_slots - self.reserved
 
-    def reserve(self) -> bool:
+    def reserve(self, principal: str) -> str | None:
+        """Hold a slot for an open of `principal`: None, or why not (FULL, OVER_QUOTA)."""
+        held = self.held.get(principal, 0)
+        if self.max_per_principal and held >= self.max_per_principal:
+            return OVER_QUOTA
         if self.reserved >= self.n_slots:
-            return False
+            return FULL
         self.reserved += 1
-        return True
+        self.held[principal] = held + 1
+        return None
 
-    def unreserve(self) -> None:
-        assert self.reserved > 0, "unreserve without reserve"
+    def unreserve(self, principal: str) -> None:
+        assert self.reserved > 0 and self.held.get(principal, 0) > 0, "unreserve without reserve"
         self.reserved -= 1
+        self.held[principal] -= 1
+        if not self.held[principal]:
+            del self.held[principal]
+        self._releases.append(self.clock())
 
-    def add(self, sequence: Sequence, open_request_id: str = "", verify_all_drafts: bool = False,
+    def expected_wait_s(self) -> float | None:
+        """The mean spacing of the recent slot releases (closes, reaps, failed opens): the expected
+        wait for the next one, or None before two releases were seen."""
+        if len(self._releases) < 2:
+            return None
+        return (self._releases[-1] - self._releases[0]) / (len(self._releases) - 1)
+
+    def add(self, sequence: Sequence, principal: str, open_request_id: str = "", verify_all_drafts: bool = False,
             drafter: "ServerDrafter | None" = None) -> Session:
-        """Register an admitted sequence (its slot was reserved before the prefill)."""
-        session = Session(secrets.token_hex(16), sequence, open_request_id, self.clock(), verify_all_drafts=verify_all_drafts,
-                          drafter=drafter)
+        """Register an admitted sequence (its slot was reserved for `principal` before the prefill)."""
+        session = Session(secrets.token_hex(16), sequence, principal, open_request_id, self.clock(),
+                          verify_all_drafts=verify_all_drafts, drafter=drafter)
         self._sessions[session.id] = session
         return session
 
-    def find(self, session_id: str) -> Session | None:
-        """The live session, or None."""
-        return self._sessions.get(session_id)
-
-    def get(self, session_id: str) -> Session:
-        """The live session; LookupError saying whether it was never known, closed or reaped."""
+    def find(self, session_id: str, principal: str) -> Session | None:
+        """The live session if `principal` owns it, else None (another's session does not exist for it)."""
         session = self._sessions.get(session_id)
+        return session if session is not None and session.principal == principal else None
+
+    def get(self, session_id: str, principal: str) -> Session:
+        """`find`, or LookupError saying whether it was never known (to this principal), closed or reaped."""
+        session = self.find(session_id, principal)
         if session is None:
-            raise LookupError(self.why_missing(session_id))
+            raise LookupError(self.why_missing(session_id, principal))
         return session
 
-    def why_missing(self, session_id: str) -> str:
-        why = self._gone.get(session_id)
-        if why is None:
+    def why_missing(self, session_id: str, principal: str) -> str:
+        gone = self._gone.get(session_id)
+        if gone is None or gone[0] != principal:
             return f"session_id {session_id!r} is not known to this server"
-        return f"session_id {session_id!r} was {why}"
+        return f"session_id {session_id!r} was {gone[1]}"
 
     def is_live(self, session: Session) -> bool:
         return self._sessions.get(session.id) is session
@@ -119,13 +156,13 @@ class SessionTable:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return None
-        self.reserved -= 1
-        self._gone[session_id] = why
+        self.unreserve(session.principal)
+        self._gone[session_id] = (session.principal, why)
         while len(self._gone) > GONE_REMEMBERED:
             self._gone.popitem(last=False)
-        rid = session.open_request_id
-        if rid and rid in self.opens:  # kept for a late duplicate of the open, among the last GONE_REMEMBERED
-            self._gone_opens[rid] = None
+        key = (session.principal, session.open_request_id)
+        if key[1] and key in self.opens:  # kept for a late duplicate of the open, among the last GONE_REMEMBERED
+            self._gone_opens[key] = None
             while len(self._gone_opens) > GONE_REMEMBERED:
                 self.opens.pop(self._gone_opens.popitem(last=False)[0], None)
         return session

@@ -26,11 +26,11 @@ def _bad_ids(ids, vocab: int) -> list[int]:
     return [t for t in ids if not 0 <= t < vocab]
 
 
-def open_prompt(request: rpc.OpenSessionRequest, tokenizer, vocab: int, max_seq_len: int) -> list[int]:
-    """The prompt of an OpenSessionRequest: exactly one of prompt_ids and text, in the vocabulary,
-    with room for at least one step in the context. A prompt too long for the context is refused
-    before it is copied or tokenized (its length alone says so), so an oversized request costs the
-    server a length check, not seconds of its event loop."""
+def prompt_source(request: rpc.OpenSessionRequest, tokenizer, max_seq_len: int) -> tuple[list[int] | None, str | None]:
+    """(prompt_ids, None) or (None, text to tokenize): exactly one of prompt_ids and text, with
+    room for at least one step in the context. A prompt too long for the context is refused before
+    it is copied or tokenized (its length alone says so), so an oversized request costs the server
+    a length check, not seconds of its event loop."""
     n_ids = len(request.prompt_ids)
     text = request.text  # read once: each read of a wire string makes a new str
     if n_ids and text:
@@ -39,24 +39,35 @@ def open_prompt(request: rpc.OpenSessionRequest, tokenizer, vocab: int, max_seq_
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids and text are both empty: send exactly one")
     if n_ids + 1 > max_seq_len:
         raise _too_long("prompt_ids", f"a prompt of {n_ids} tokens", max_seq_len)
-    if text:
-        if tokenizer is None:
-            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text needs a tokenizer and this model has none "
-                          "(ModelInfo.has_tokenizer is false): send prompt_ids")
-        if len(text) > (max_seq_len - 1) * tokenizer.longest_token_bytes:  # too long whatever it encodes to
-            raise _too_long("text", f"{len(text)} characters (at least {-(-len(text) // tokenizer.longest_token_bytes)} "
-                            f"tokens: no token covers more than {tokenizer.longest_token_bytes} bytes)", max_seq_len)
-        prompt, field = tokenizer.encode(text), "text"
-        if not prompt:
-            raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text encodes to no tokens")
-    else:
-        prompt, field = request.prompt_ids[:], "prompt_ids"
+    if not text:
+        return request.prompt_ids[:], None
+    if tokenizer is None:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text needs a tokenizer and this model has none "
+                      "(ModelInfo.has_tokenizer is false): send prompt_ids")
+    if len(text) > (max_seq_len - 1) * tokenizer.longest_token_bytes:  # too long whatever it encodes to
+        raise _too_long("text", f"{len(text)} characters (at least {-(-len(text) // tokenizer.longest_token_bytes)} "
+                        f"tokens: no token covers more than {tokenizer.longest_token_bytes} bytes)", max_seq_len)
+    return None, text
+
+
+def checked_prompt(prompt: list[int], field: str, vocab: int, max_seq_len: int) -> list[int]:
+    """A prompt's ids (from `field`) in the vocabulary and with room for one step."""
+    if not prompt:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, "text encodes to no tokens")
     bad = _bad_ids(prompt, vocab)
     if bad:
         raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
     if len(prompt) + 1 > max_seq_len:
         raise _too_long(field, f"a prompt of {len(prompt)} tokens", max_seq_len)
     return prompt
+
+
+def request_steps(n_steps: int, n_slots: int) -> None:
+    """A VerifyRequest's size, checked before its steps are read: each step names a distinct
+    session, so more steps than the server has slots cannot all be live."""
+    if n_steps > n_slots:
+        raise Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"steps: {n_steps} steps in one request, more than the server's "
+                      f"{n_slots} slots (ModelInfo.n_slots): each step names a distinct open session")
 
 
 def _too_long(field: str, what: str, max_seq_len: int) -> Invalid:
