@@ -324,6 +324,23 @@ class Tables:
                       "tokens lost", "CANCELLED", "errors at the stop", "slots free after", "server RSS MiB", "GPU MiB", "result"],
                      rows, self.source(*found.values()))
 
+    def abuse(self) -> str:
+        found = newest(self.results, "abuse")
+        if not found:
+            return "No abuse results yet.\n"
+        rows = []
+        for path in found.values():
+            d = self.load(path)
+            idle = d["idle"]["rss_mib"]
+            for a in d["attempts"]:
+                rows.append(f"{a['attempt']} | {a['status']} | {a['longest_health_ms']:.1f} | {a['peak_rss_mib'] - idle:+.0f} | "
+                            f"{a['peak_threads']} | {a['witness_longest_step_ms']:.1f}")
+            rows.append(f"**{d['model']} ({d['device']}): witnesses {d['witness_equal']}/{d['witness_streams']} equal to plain, "
+                        f"idle RSS {idle:,.0f} MiB, requests up to {d['request_limit_bytes'] / (1 << 20):.2f} MiB** | "
+                        f"**{'PASS' if d['pass'] else 'FAIL'}** | | | |")
+        return table(["attempt", "status", "longest health ms", "RSS over idle MiB", "server threads", "witness's longest step ms"],
+                     rows, self.source(*found.values()))
+
     def serve(self) -> str:
         rows, paths = [], []
         for variant, path, name, m in self.serve_models():
@@ -489,7 +506,7 @@ class Tables:
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
         return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,
                 "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "contract": self.contract,
-                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "serve": self.serve,
+                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "abuse": self.abuse, "serve": self.serve,
                 "serve_remote": self.serve_remote, "service_floor": self.service_floor,
                 "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
 
