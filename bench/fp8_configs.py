@@ -1,17 +1,22 @@
-"""Candidate launch configs of the block-FP8 GEMM and the grouped FP8 experts at a published MoE's
-shapes, timed against the pinned ones (one H200).
+"""Candidate launch configs of the grouped FP8 experts and of the few-rows FP8 GEMM at a published
+MoE's shapes, timed against the pinned ones as the engine runs them.
 
-    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config qwen3.6-35b-a3b] [--rows 1,9,64,576]
+    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576]
+    PYTHONPATH=. python -m bench.fp8_real_size --out DIR --candidates DIR/fp8_configs_<date>_<config>.json
 
-Row invariance holds for any one config that runs every row count (kernels/linear_fp8.py,
-kernels/moe_grouped.py), so a config may be picked for speed alone; each candidate is still
-checked (row 0 alone equals row 0 among M rows, torch.equal) before it is timed. For every FP8
-weight shape and the routed experts of `--config` (bench.row_invariance's list of the shapes a
-step multiplies), every candidate's median time at each row count in `--rows`, with the pinned
-config's beside it, the weight bytes each call reads at least once and the bandwidth that makes.
-Each call is timed alone, its split-K reduce included and no neighbour overlapping it (PDL), so a
-candidate that wins here is confirmed in the engine (`python -m bench.fp8_real_size`'s
-kernel_breakdowns) before it is pinned. Writes DIR/fp8_configs_<date>[_<config>].json.
+Row invariance holds for any one config that runs every row count (kernels/moe_grouped.py), so an
+experts config may be picked for speed alone; each candidate is still checked (row 0 alone equals
+row 0 among M rows, torch.equal) before it is timed. The few-rows FP8 kernel must give the bf16
+GEMM's bits over the dequantized weight (kernels/linear_fp8.py): each launch candidate (weight
+features a tile, warps, stages, the next tile loaded ahead; never its K walk) is checked against
+that GEMM at every timed row count first.
+
+Timing as in a step: LAYERS distinct weight stacks (more bytes than the L2 holds) in one CUDA graph,
+the experts with their routing launch per layer, replayed; ms per layer (experts) or per call
+(dense). A candidate that changes one expert stage leaves the other pinned, so differences are that
+stage's. The winners (per expert shape, and one few-rows launch for every dense shape) are judged
+in the engine before they are pinned: `bench.fp8_real_size --candidates` runs them in place of the
+pinned configs. Writes DIR/fp8_configs_<date>_<config>.json, after every shape.
 """
 
 from __future__ import annotations
@@ -27,73 +32,141 @@ import torch
 
 from bench.machine import device_name, results_path
 from bench.row_invariance import FP8_BLOCK, dense_weight, model_weights
-from hybrid_kernels.linear import LinearConfig
-from hybrid_kernels.linear_fp8 import BlockScales, FP8_BLOCK_M, fp8_config, linear_fp8, standard_scale_row
-from hybrid_kernels.moe_grouped import GroupedConfig, grouped_config, grouped_experts
+from hybrid_kernels.linear import linear
+from hybrid_kernels.linear_fp8 import BlockScales, linear_fp8, standard_scale_row
+from hybrid_kernels.moe_grouped import GroupedConfig, group_pairs, grouped_config, grouped_experts
 from presets.published import PUBLISHED
 from verifier.arguments import DefaultsHelpFormatter
 
-# BLOCK_M is FP8_BLOCK_M in every dense candidate: the 64-row wgmma tile the contract needs
-# (8 warps only for the widest tile: narrower ones give each warp too little of a 64-row tile)
-DENSE_CANDIDATES = [LinearConfig(n, k, w, s, split, FP8_BLOCK_M)
-                    for n, k, w, s, split in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4), (1, 2, 4)) if w == 4 or n == 128]
-EXPERT_CANDIDATES = [(m, n, k, 3) for m, n, k in itertools.product((16, 32, 64), (32, 64), (64, 128))]
+LAYERS = 8  # distinct weight stacks per timed graph: more bytes than the L2 holds, as in a step
 
 
-def time_ms(fn) -> float:
-    import triton
+def graph_ms(body, reps: int = 10) -> float:
+    """body() captured once in a CUDA graph and replayed: ms per replay (median of 5 timings of
+    `reps` replays), so launches cost what they cost in the engine's graphed steps."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / reps)
+    return sorted(times)[2]
 
-    return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median")
 
-
-def _timed(op, xs: dict[int, tuple]) -> dict[str, float] | str:
-    """{rows: ms} of op over each input, after checking row 0 alone == row 0 among the rows; a
-    config the kernel refuses or that breaks invariance -> why, as a string."""
-    try:
-        alone = op(*(t[:1] for t in xs[max(xs)]))
-        for rows, args in xs.items():
-            if not torch.equal(op(*args)[:1], alone):
-                return f"row 0 differs among {rows} rows"
-        return {str(rows): round(time_ms(lambda args=args: op(*args)), 4) for rows, args in xs.items()}
-    except Exception as exc:  # a candidate the launcher or the compiler refuses (shared memory, shapes)
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-
-
-def sweep_dense(n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
-    values, scales = dense_weight(n, k, "fp8", gen)
-    x = torch.randn(max(rows), k, generator=gen, device="cuda").bfloat16()
-    xs = {m: (x[:m],) for m in rows}
-    pinned = fp8_config(n, k, torch.bfloat16)
-    times = {",".join(map(str, c)): _timed(lambda a, c=c: linear_fp8(a, values, scales, config=c), xs) for c in DENSE_CANDIDATES}
-    return _summary(times, ",".join(map(str, pinned)), _timed(lambda a: linear_fp8(a, values, scales), xs),
-                    values.numel() + scales.scale_inv.numel() * 4)
+def expert_candidates(pinned: GroupedConfig) -> list[GroupedConfig]:
+    """Stage 1's tile, walk and launch varied with stage 2 pinned, then stage 2's with stage 1 pinned:
+    4 warps with and without the next step's tiles loaded ahead, and 8 warps for the longer steps."""
+    launches = ((4, 3, False), (4, 3, True))
+    out = [pinned._replace(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=pf)
+           for n, k, (w, st, pf) in itertools.product((64, 32), (128, 256, 64), launches)]
+    out += [pinned._replace(BLOCK_N=n, BLOCK_K=k, num_warps=8, PREFETCH=True) for n, k in itertools.product((64, 32), (128, 256))]
+    out += [pinned._replace(BLOCK_N2=n, BLOCK_K2=k, num_warps2=w, num_stages2=st, PREFETCH2=pf)
+            for n, k, (w, st, pf) in itertools.product((64, 128, 32), (128, 256, 64), launches)]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
 def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torch.Generator) -> dict:
-    stacks = []
-    for n, k in ((i, h), (i, h), (h, i)):
-        values, scales = dense_weight(e * n, k, "fp8", gen)
-        stacks.append((values.view(e, n, k), BlockScales(scales.scale_inv.view(e, -(-n // FP8_BLOCK), -1),
-                                                          standard_scale_row(n, FP8_BLOCK, "cuda"), FP8_BLOCK)))
-    (wg, sg), (wu, su), (wd, sd) = stacks
+    """The grouped experts of one MoE layer as the engine runs them (the shared expert folded in:
+    the stack's last expert, in one more slot of every row), LAYERS distinct layers in one CUDA graph, each with its
+    own routing launch: ms per layer for every candidate at every row count. Candidates that change
+    one stage's config leave the other's pinned, so differences are that stage's."""
+    top_k += 1  # the shared expert's slot (e counts it: bench.row_invariance's shapes)
+    layers = []
+    for _ in range(LAYERS):
+        stacks = []
+        for n, k in ((i, h), (i, h), (h, i)):
+            values, scales = dense_weight(e * n, k, "fp8", gen)
+            stacks.append((values.view(e, n, k), BlockScales(scales.scale_inv.view(e, -(-n // FP8_BLOCK), -1),
+                                                              standard_scale_row(n, FP8_BLOCK, "cuda"), FP8_BLOCK)))
+        layers.append(stacks)
     x = torch.randn(max(rows), h, generator=gen, device="cuda").bfloat16()
-    ids = torch.rand(max(rows), e, generator=gen, device="cuda").argsort(dim=1)[:, :top_k].contiguous()
-    weights = torch.rand(max(rows), top_k, generator=gen, device="cuda")
-    xs = {m: (x[:m], ids[:m], weights[:m]) for m in rows}
+    routes = []
+    for _ in range(LAYERS):
+        ids = torch.rand(max(rows), e - 1, generator=gen, device="cuda").argsort(dim=1)[:, :top_k - 1]
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], e - 1)], dim=1).contiguous()
+        routes.append((ids, torch.rand(max(rows), top_k, generator=gen, device="cuda")))
     pinned = grouped_config(h, i, torch.bfloat16, e, top_k, fp8=True)
+    out = torch.empty_like(x)
 
-    def op(config):
-        return lambda a, d, w: grouped_experts(a, d, w, wg, wu, wd, torch.empty_like(a), (sg, su, sd), config)
+    def layer(m: int, j: int, config) -> torch.Tensor:
+        (wg, sg), (wu, su), (wd, sd) = layers[j]
+        ids, weights = routes[j]
+        return grouped_experts(x[:m], group_pairs(ids[:m], weights[:m], e), wg, wu, wd, out[:m], (sg, su, sd), config)
 
+    def timed(config) -> dict[str, float] | str:
+        try:
+            alone = layer(1, 0, config).clone()
+            for m in rows:
+                if not torch.equal(layer(m, 0, config)[:1], alone):
+                    return f"row 0 differs among {m} rows"
+            return {str(m): round(graph_ms(lambda m=m: [layer(m, j, config) for j in range(LAYERS)]) / LAYERS, 4) for m in rows}
+        except Exception as exc:  # a candidate the compiler or launcher refuses (registers, shared memory)
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+    routing_ms = {str(m): round(graph_ms(lambda m=m: [group_pairs(routes[j][0][:m], routes[j][1][:m], e) for j in range(LAYERS)])
+                                / LAYERS, 4) for m in rows}
     times = {}
-    for block_m, block_n, block_k, stages in EXPERT_CANDIDATES:
-        config = pinned._replace(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_N2=block_n, BLOCK_K2=block_k, num_stages=stages)
-        times[",".join(map(str, config))] = _timed(op(config), xs)
-    expert_bytes = 3 * i * h + (wg.numel() // e // FP8_BLOCK ** 2) * 12  # one expert's values and scales, about
-    return _summary(times, ",".join(map(str, pinned)), _timed(op(None), xs), expert_bytes, top_k, e)
+    for config in expert_candidates(pinned):
+        times[",".join(map(str, config))] = timed(config)
+        print(f"    {','.join(map(str, config))}: {times[','.join(map(str, config))]}", file=sys.stderr, flush=True)
+    expert_bytes = 3 * i * h + (3 * -(-i // FP8_BLOCK) * -(-h // FP8_BLOCK)) * 4  # one expert's values and scales
+    summary = _summary(times, ",".join(map(str, pinned)), timed(None), expert_bytes, top_k - 1, e - 1, shared=True)
+    return {"routing_ms": routing_ms, **summary}
 
 
-def _summary(times: dict, pinned_key: str, pinned: dict | str, nbytes: int, top_k: int = 0, experts: int = 0) -> dict:
+def rows_candidates() -> list[tuple[int, int, int, bool]]:
+    """The few-rows FP8 kernel's launch (weight features a tile, warps, stages, prefetch): none of
+    them changes its K walk, which is the pinned config's."""
+    return [(f, w, st, pf) for (f, w), st, pf in itertools.product(((64, 4), (128, 4), (128, 8)), (1, 4), (False, True))]
+
+
+def sweep_rows_kernel(n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
+    """The few-rows path of an FP8 weight [n, k] (below DEQUANTIZED_ROWS), LAYERS distinct weights
+    in one CUDA graph: ms per call for each launch candidate, each first checked to give the bf16
+    GEMM's bits over the dequantized weight at DEQUANTIZED_ROWS rows (the path it must equal)."""
+    import hybrid_kernels.linear_fp8 as lf
+
+    weights = [dense_weight(n, k, "fp8", gen) for _ in range(LAYERS)]
+    x = torch.randn(lf.DEQUANTIZED_ROWS, k, generator=gen, device="cuda").bfloat16()
+    few = [m for m in rows if m < lf.DEQUANTIZED_ROWS]
+    reference = linear(x, lf.dequantize(*weights[0], torch.bfloat16))
+    saved = (lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH)
+    pinned = ",".join(map(str, saved))
+    times = {}
+    try:
+        for cand in rows_candidates():
+            lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH = cand
+            key = ",".join(map(str, cand))
+            try:
+                bad = [m for m in few if not torch.equal(linear_fp8(x[:m], *weights[0]), reference[:m])]
+                times[key] = (f"differs from the bf16 GEMM at {bad} rows" if bad else
+                              {str(m): round(graph_ms(lambda m=m: [linear_fp8(x[:m], *w) for w in weights]) / LAYERS, 4) for m in few})
+            except Exception as exc:
+                times[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            print(f"    {key}: {times[key]}", file=sys.stderr, flush=True)
+    finally:
+        lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH = saved
+    return _summary(times, pinned, times.get(pinned, {}), values_bytes(n, k))
+
+
+def values_bytes(n: int, k: int) -> int:
+    return n * k + -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK) * 4
+
+
+def _summary(times: dict, pinned_key: str, pinned: dict | str, nbytes: int, top_k: int = 0, experts: int = 0,
+             shared: bool = False) -> dict:
     """The candidates' times, the pinned config's, and per row count the fastest candidate with its
     speed-up over the pinned config and the bandwidth of the weight bytes it must read."""
     valid = {key: t for key, t in times.items() if isinstance(t, dict)}
@@ -101,13 +174,53 @@ def _summary(times: dict, pinned_key: str, pinned: dict | str, nbytes: int, top_
     for rows in (pinned.keys() if isinstance(pinned, dict) else []):
         key = min(valid, key=lambda c: valid[c][rows])
         # the experts random ids of `rows` rows route to, expected: E (1 - (1 - top_k / E) ^ rows)
-        read = nbytes * (experts * (1 - (1 - top_k / experts) ** int(rows)) if experts else 1)
+        read = nbytes * ((experts * (1 - (1 - top_k / experts) ** int(rows)) + shared) if experts else 1)
         best[rows] = {"config": key, "ms": valid[key][rows], "x_pinned": round(pinned[rows] / valid[key][rows], 3),
                       "pinned_ms": pinned[rows], "pinned_gb_s": round(read / pinned[rows] / 1e6, 1),
                       "best_gb_s": round(read / valid[key][rows] / 1e6, 1)}
-    overall = min(valid, key=lambda c: sum(valid[c].values())) if valid else None
+    # overall: the least time relative to the pinned config's, summed over the row counts (each row
+    # count weighs the same, so the many-row times do not drown the one-row ones)
+    scale = pinned if isinstance(pinned, dict) else {}
+    overall = min(valid, key=lambda c: sum(t / scale.get(r, 1.0) for r, t in valid[c].items())) if valid else None
     return {"pinned": pinned_key, "pinned_ms": pinned, "best_by_rows": best, "best_overall": overall,
             "best_overall_ms": valid.get(overall), "candidates": times}
+
+
+def apply_winners(path: Path) -> dict[str, str]:
+    """Pin this process's kernels to a results file's winners, to time them in the engine
+    (`python -m bench.fp8_real_size --candidates FILE`) before they are pinned in the code: each
+    expert shape's best_overall config for grouped_config at that shape, and the few-rows FP8
+    kernel's launch with the least time relative to the pinned one summed over every dense shape
+    (one launch serves them all). -> {what: the config applied}."""
+    import hybrid_kernels.linear_fp8 as lf
+    import hybrid_kernels.moe_grouped as mg
+
+    def value(text: str):
+        return text == "True" if text in ("True", "False") else int(text)
+
+    shapes = json.loads(Path(path).read_text())["shapes"]
+    applied = {}
+    for name, shape in shapes.items():
+        if name.startswith("experts") and shape.get("best_overall"):
+            _, i, h, _ = map(int, name.split()[1].split("x"))
+            config = GroupedConfig(*map(value, shape["best_overall"].split(",")))
+            pinned = mg.grouped_config
+
+            def chosen(h_, i_, dtype, n_experts=0, top_k=0, fp8=False, config=config, h=h, i=i, pinned=pinned):
+                if (h_, i_, fp8, dtype) == (h, i, True, torch.bfloat16):
+                    return config
+                return pinned(h_, i_, dtype, n_experts, top_k, fp8)
+
+            mg.grouped_config = chosen
+            applied[name] = shape["best_overall"]
+    dense = [shape for name, shape in shapes.items() if name.startswith("dense") and isinstance(shape.get("pinned_ms"), dict)]
+    valid = set.intersection(*({k for k, t in shape["candidates"].items() if isinstance(t, dict)} for shape in dense)) if dense else set()
+    totals = {key: sum(t / shape["pinned_ms"][r] for shape in dense for r, t in shape["candidates"][key].items()) for key in valid}
+    if totals:
+        best = min(totals, key=totals.get)
+        lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH = map(value, best.split(","))
+        applied["rows kernel"] = best
+    return applied
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
     parser.add_argument("--config", default="Qwen3.6-35B-A3B", choices=sorted(PUBLISHED), help="published config whose shapes are swept")
-    parser.add_argument("--rows", default="1,9,64,576", help="row counts timed (decode and K = 8 verify at batch 1 and 64)")
+    parser.add_argument("--rows", default="1,9,64,576",
+                        help="row counts timed (decode and K = 8 verify at batch 1 and 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -125,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {}
     # the experts first: most of a MoE step's time at every batch size
     for (kind, dtype, shape), where in sorted(model_weights(PUBLISHED[args.config], fp8=True).items(), key=lambda kv: (kv[0][0] != "experts", kv[0])):
-        if dtype != "fp8":
+        if dtype != "fp8" or all(".shared." in w for w in where):  # the engine folds the shared expert into the experts
             continue
         name = f"{kind} {'x'.join(map(str, shape))}"
         print(f"[fp8_configs] {name} ({len(where)} weights)", file=sys.stderr, flush=True)
         shapes[name] = {"where": where[:3] + ([f"... {len(where)} in all"] if len(where) > 3 else []),
-                        **(sweep_dense(*shape, rows, gen) if kind == "dense" else sweep_experts(*shape, rows, gen))}
+                        **(sweep_rows_kernel(*shape, rows, gen) if kind == "dense" else sweep_experts(*shape, rows, gen))}
         for r, b in shapes[name]["best_by_rows"].items():
             print(f"  {r} rows: pinned {b['pinned_ms']} ms ({b['pinned_gb_s']} GB/s), best {b['ms']} ms ({b['x_pinned']}x) {b['config']}",
                   file=sys.stderr, flush=True)
@@ -144,7 +258,8 @@ def write(args: argparse.Namespace, rows: list[int], shapes: dict) -> Path:
 
     today = datetime.date.today().isoformat()
     result = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
-              "config": args.config, "rows": rows, "dense_fields": list(LinearConfig._fields),
+              "config": args.config, "rows": rows, "layers_per_graph": LAYERS,
+              "dense_fields": ["ROWS_TILE_FEATURES", "ROWS_WARPS", "ROWS_STAGES", "ROWS_PREFETCH"],
               "expert_fields": list(GroupedConfig._fields), "shapes": shapes}
     args.out.mkdir(parents=True, exist_ok=True)
     path = results_path(args.out, "fp8_configs", today, args.config)

@@ -447,6 +447,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
                         help="write the MTP head (as published) and time its drafts after every other figure")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint after the run")
+    parser.add_argument("--candidates", type=Path, default=None,
+                        help="a bench.fp8_configs results file: run its winning kernel configs instead of the pinned ones "
+                             "(recorded as kernel_candidates), to judge them in the engine")
     return parser.parse_args(argv)
 
 
@@ -468,6 +471,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": device_name(device.type), "date": today, "torch": torch.__version__, "triton": triton_version,
               "config": args.config, "scale": args.scale, "experts": args.experts, "dtype": str(dtype).removeprefix("torch."),
               "quantization_config": config["quantization_config"], "steps": args.steps, "mtp": args.mtp}
+    if args.candidates is not None:
+        from bench.fp8_configs import apply_winners
+
+        result["kernel_candidates"] = apply_winners(args.candidates)
+        log(f"kernel candidates from {args.candidates}: {result['kernel_candidates']}")
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="fp8_real_size_", dir=args.workdir))

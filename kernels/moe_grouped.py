@@ -76,8 +76,12 @@ class GroupedConfig(NamedTuple):
     BLOCK_N2: int  # stage 2: output features per program
     BLOCK_K2: int  # stage 2: the step of the walk over I
     BLOCK_H: int  # combine: output features per program
-    num_warps: int
-    num_stages: int
+    num_warps: int  # stage 1 and the combine
+    num_stages: int  # stage 1
+    num_warps2: int  # stage 2
+    num_stages2: int  # stage 2
+    PREFETCH: bool  # stage 1: the next K step's weight tiles are loaded before this step's dots
+    PREFETCH2: bool  # stage 2: the same
 
 
 def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k: int = 0, fp8: bool = False) -> GroupedConfig:
@@ -119,7 +123,8 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
 
     return GroupedConfig(
         BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n, h), BLOCK_K2=fit(block_k, i),
-        BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages,
+        BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages, num_warps2=4, num_stages2=num_stages,
+        PREFETCH=False, PREFETCH2=False,
     )
 
 
@@ -155,12 +160,11 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
 
 
 @triton.jit
-def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
+def _weight_tile(b_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
                  stride_se, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
                  FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of an expert's weight^T in DTYPE (FP8: dequantized in registers;
-    p_srow [1, BLOCK_N]: each column's scale row offset within an expert's scales)."""
-    b_w = tl.load(p_w, mask=m_w, other=0.0)
+    """A loaded [BLOCK_K, BLOCK_N] tile of an expert's weight^T -> in DTYPE (FP8: dequantized in
+    registers; p_srow [1, BLOCK_N]: each column's scale row offset within an expert's scales)."""
     if FP8:
         b_w = dequantize_tile(b_w, scale_inv, i_e * stride_se + p_srow, m_srow, k0, o_kk, m_w,
                               SCALE_BLOCK_K, ONE_SCALE_COLUMN, DTYPE, INTERPRET)
@@ -176,7 +180,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -200,14 +204,27 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:  # the first step's tiles; each step then loads the next one's before its dots
+        m_w = (o_k < H)[:, None] & m_n[None, :]
+        b_g8 = tl.load(p_g, mask=m_w, other=0.0)
+        b_u8 = tl.load(p_u, mask=m_w, other=0.0)
     for k0 in range(0, H, BLOCK_K):
         m_k = (k0 + o_k) < H
         m_w = m_k[:, None] & m_n[None, :]
         o_kk = (k0 + o_k)[:, None]
         b_x = tl.load(p_x, mask=m_p[:, None] & m_k[None, :], other=0.0)
-        b_wg = _weight_tile(p_g, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+        if PREFETCH:
+            c_g8 = b_g8
+            c_u8 = b_u8
+            m_next = ((k0 + BLOCK_K + o_k) < H)[:, None] & m_n[None, :]
+            b_g8 = tl.load(p_g + BLOCK_K, mask=m_next, other=0.0)
+            b_u8 = tl.load(p_u + BLOCK_K, mask=m_next, other=0.0)
+        else:
+            c_g8 = tl.load(p_g, mask=m_w, other=0.0)
+            c_u8 = tl.load(p_u, mask=m_w, other=0.0)
+        b_wg = _weight_tile(c_g8, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                             FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-        b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+        b_wu = _weight_tile(c_u8, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                             FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_g = _dot_acc(b_x, b_wg, b_g, INTERPRET)
         b_u = _dot_acc(b_x, b_wu, b_u, INTERPRET)
@@ -228,7 +245,7 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -247,10 +264,18 @@ def _grouped_down_kernel(
         p_srow = scale_row_offsets(down_scale_row, o_n, m_n, stride_sn)
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:  # as stage 1's
+        b_w8 = tl.load(p_w, mask=(o_k < I)[:, None] & m_n[None, :], other=0.0)
     for k0 in range(0, I, BLOCK_K):
         m_k = (k0 + o_k) < I
+        m_w = m_k[:, None] & m_n[None, :]
         b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
-        b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
+        if PREFETCH:
+            c_w8 = b_w8
+            b_w8 = tl.load(p_w + BLOCK_K, mask=((k0 + BLOCK_K + o_k) < I)[:, None] & m_n[None, :], other=0.0)
+        else:
+            c_w8 = tl.load(p_w, mask=m_w, other=0.0)
+        b_w = _weight_tile(c_w8, m_w, i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
                            hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_y = _dot_acc(b_h, b_w, b_y, INTERPRET)
         p_h += BLOCK_K
@@ -329,7 +354,7 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)
     grouping = dict(R=routing.lists.shape[1], E=e, BLOCK_E=triton.next_power_of_2(e),
-                    INTERPRET=interpreting(), BLOCK_M=cfg.BLOCK_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                    INTERPRET=interpreting(), BLOCK_M=cfg.BLOCK_M)
     # scale pointers, strides and flags per stage (unused placeholders without FP8)
     hidden_fp8, down_fp8 = (x, x, x, x, 0, 0), (x, x, 0, 0)
     hidden_flags, down_flags = {}, {}
@@ -341,11 +366,13 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0)
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
-        H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags, **launch_options(x.device),
+        H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
+        PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
-        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags, **launch_options(x.device),
+        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
+        PREFETCH=cfg.PREFETCH2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
     _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
         expert_out, routing.ids, routing.weights, out, routing.counts,

@@ -1,14 +1,25 @@
-"""bench.fp8_configs off the GPU: the candidates keep the 64-row FP8 tile the contract needs, the
-summary picks the fastest valid candidate per row count, and without a GPU the command refuses."""
+"""bench.fp8_configs off the GPU: each expert candidate changes one stage only and keeps the pinned
+block of pairs, the summary picks the fastest valid candidate per row count, and without a GPU
+the command refuses."""
 
 import pytest
+import torch
 
 from bench import fp8_configs
-from hybrid_kernels.linear_fp8 import FP8_BLOCK_M
+from hybrid_kernels.moe_grouped import grouped_config
+
+STAGE1 = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PREFETCH")
+STAGE2 = ("BLOCK_N2", "BLOCK_K2", "num_warps2", "num_stages2", "PREFETCH2")
 
 
-def test_every_dense_candidate_keeps_the_64_row_tile():
-    assert {c.BLOCK_M for c in fp8_configs.DENSE_CANDIDATES} == {FP8_BLOCK_M}
+def test_each_expert_candidate_changes_one_stage_and_keeps_the_block():
+    pinned = grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)
+    candidates = fp8_configs.expert_candidates(pinned)
+    assert len(candidates) == len(set(candidates)) > 20
+    for candidate in candidates:
+        changed = {f for f in pinned._fields if getattr(candidate, f) != getattr(pinned, f)}
+        assert changed <= set(STAGE1) or changed <= set(STAGE2), changed
+        assert candidate.BLOCK_M == pinned.BLOCK_M and candidate.BLOCK_H == pinned.BLOCK_H
 
 
 def test_summary_picks_the_fastest_valid_candidate_per_row_count():
@@ -17,7 +28,7 @@ def test_summary_picks_the_fastest_valid_candidate_per_row_count():
     assert summary["best_by_rows"]["1"] == {"config": "b", "ms": 1.0, "x_pinned": 4.0, "pinned_ms": 4.0,
                                            "pinned_gb_s": 0.2, "best_gb_s": 1.0}
     assert summary["best_by_rows"]["9"]["config"] == "a"
-    assert summary["best_overall"] == "a"  # 3.0 ms over both row counts against b's 4.0
+    assert summary["best_overall"] == "a"  # 2/4 + 1/2 of the pinned times against b's 1/4 + 3/2
 
 
 def test_expert_bytes_count_the_experts_random_rows_reach():
@@ -32,3 +43,26 @@ def test_without_a_gpu_it_refuses(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         fp8_configs.main(["--out", str(tmp_path)])
     assert exit_.value.code == 2 and "CUDA" in capsys.readouterr().err
+
+
+def test_winners_are_applied_for_the_engine(tmp_path, monkeypatch):
+    import json
+
+    import hybrid_kernels.linear_fp8 as lf
+    import hybrid_kernels.moe_grouped as mg
+
+    pinned = grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)
+    winner = pinned._replace(BLOCK_K=128, PREFETCH=True)
+    dense = {"pinned_ms": {"1": 1.0}, "candidates": {"64,4,4,False": {"1": 1.0}, "128,4,4,True": {"1": 0.5}, "64,4,1,True": "refused"}}
+    results = {"shapes": {"experts 257x512x2048x8": {"best_overall": ",".join(map(str, winner))},
+                          "dense 12288x2048": dense,
+                          "dense 2048x4096": {**dense, "candidates": {**dense["candidates"], "128,4,4,True": {"1": 3.0}}}}}
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    for name in ("ROWS_TILE_FEATURES", "ROWS_WARPS", "ROWS_STAGES", "ROWS_PREFETCH"):
+        monkeypatch.setattr(lf, name, getattr(lf, name))
+    monkeypatch.setattr(mg, "grouped_config", mg.grouped_config)
+    applied = fp8_configs.apply_winners(tmp_path / "r.json")
+    assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True) == winner
+    assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9) == grouped_config(2048, 512, torch.bfloat16, 257, 9)  # bf16 experts keep theirs
+    # 128,4,4,True: 0.5 + 3.0 relative against the pinned launch's 1 + 1
+    assert applied["rows kernel"] == "64,4,4,False" and (lf.ROWS_TILE_FEATURES, lf.ROWS_PREFETCH) == (64, False)
