@@ -84,6 +84,18 @@ class VerifierClient(ClientChannel):
                                server_drafter, server_draft_k)
         return Session.from_proto(self._call("OpenSession", request))
 
+    def generate(self, prompt_ids: list[int] | None = None, text: str | None = None, *,
+                 sampling: SamplingParams = SamplingParams(), max_new_tokens: int, request_id: str | None = None,
+                 return_logits: bool = False, verify_all_drafts: bool = False, server_drafter: str,
+                 server_draft_k: int = 0) -> "GenerateCall":
+        """A session the server drafts for, run by the server to its end (the Generate call): the
+        returned call's `session` is the opening, iterating it gives each step's outcome as the server
+        streams it. The server closes the session when the call ends; `cancel()` ends it early. Not
+        retried: a call that breaks midway has closed its session, and what was streamed is final."""
+        request = open_request(prompt_ids, text, sampling, max_new_tokens, request_id, return_logits, verify_all_drafts,
+                               server_drafter, server_draft_k)
+        return GenerateCall(self, rpc.GenerateRequest(open=request))
+
     def verify(self, steps: list[Step]) -> list[StepOutcome]:
         """Steps of distinct sessions, run as one engine batch: one outcome per step, in order, each with
         its own status (check `.ok`, or `.check()` to raise). Steps whose status is UNAVAILABLE or
@@ -175,6 +187,40 @@ class _MessageStream:
         if self._call is not None:
             self._requests.put(_CLOSE)
             self._call = None
+
+
+class GenerateCall:
+    """A Generate call in flight: `session` (the first event), then iterate for StepOutcomes."""
+
+    def __init__(self, client: VerifierClient, request):
+        self._address = client.connection.address
+        self._call = client._stub.Generate(request, metadata=client.connection.metadata)
+        first = self._next()
+        if first is None or not first.HasField("opened"):
+            self.cancel()
+            raise VerifierError(grpc.StatusCode.INTERNAL, "inconsistent reply from the verifier: Generate's first event "
+                                                          "is not the session's opening")
+        self.session = Session.from_proto(first.opened)
+
+    def _next(self):
+        try:
+            return next(self._call)
+        except StopIteration:
+            return None
+        except grpc.RpcError as err:
+            raise call_error(err, self._address) from None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepOutcome:
+        event = self._next()
+        if event is None:
+            raise StopIteration
+        return StepOutcome.from_proto(event.step)
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class StepStream(_MessageStream):

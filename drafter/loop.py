@@ -25,7 +25,10 @@ with OpenSessionRequest.server_drafter and server_draft_k = k, and the server pr
 drafts itself; the loop sends steps without drafts and takes verified_drafts as the step's drafted
 count. The server cuts its drafts by the same draft_room rule, so a reply that verified more than
 the step had room for is refused as inconsistent. There is no proposer and no adaptive K then:
-the session's k is fixed at its open.
+the session's k is fixed at its open. Over the stream transport the blocking driver runs such a
+session in one Generate call: the server steps it back to back with no round trip per step and
+streams the results, which the same DraftLoop checks; the unary transport and the asyncio driver
+send its steps one by one.
 """
 
 from __future__ import annotations
@@ -190,6 +193,9 @@ def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = 
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
     check_server_drafting(server_drafter, proposer, k, adaptive)  # before a session is opened
     info = info or client.model_info()
+    if server_drafter and transport == STREAM:
+        return (yield from _run_on_server(client, info, prompt_ids, text, max_new_tokens, sampling, k, return_logits, on_open,
+                                          verify_all_drafts, server_drafter))
     session = client.open_session(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens,
                                   return_logits=return_logits, verify_all_drafts=verify_all_drafts,
                                   **_server_drafting(server_drafter, k))
@@ -209,6 +215,27 @@ def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = 
         return loop.result()
     finally:
         _close_quietly(lambda: client.close_session(session.id), session.id)
+
+
+def _run_on_server(client, info: ModelInfo, prompt_ids, text, max_new_tokens: int, sampling: SamplingParams, k: int,
+                   return_logits: bool, on_open, verify_all_drafts: bool, server_drafter: str) -> Iterator[list[int]]:
+    """`stream` of a server-drafted session as one Generate call: the server steps it; each result is
+    checked by the DraftLoop as if this side had sent its step. The call ends (and the server closes
+    the session) on every way out."""
+    call = client.generate(prompt_ids, text, sampling=sampling, max_new_tokens=max_new_tokens, return_logits=return_logits,
+                           verify_all_drafts=verify_all_drafts, server_drafter=server_drafter, server_draft_k=k)
+    try:
+        if on_open is not None:
+            on_open(call.session)
+        loop = DraftLoop(call.session, info, None, k, max_new_tokens, return_logits, sampling, None, server_drafter)
+        yield list(loop.tokens)
+        for outcome in call:
+            yield loop.advance(loop.next_step(), outcome)  # next_step: the drafts-free step the server ran
+        if not loop.finished:
+            raise _internal("the Generate stream ended before its session finished")
+        return loop.result()
+    finally:
+        call.cancel()
 
 
 def generate(client, proposer: Proposer | None, *, on_tokens: Callable[[list[int]], None] | None = None,

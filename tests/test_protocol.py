@@ -36,7 +36,7 @@ def test_exports_are_the_generated_code():
     pool = descriptor_pool.Default()
     assert pool.FindFileByName("verifier/v1/verifier.proto").package == "verifier.v1"
     assert {method.name for method in pool.FindServiceByName(rpc.SERVICE_NAME).methods} == {
-        "GetModelInfo", "OpenSession", "Verify", "VerifyStream", "VerifyRounds", "CloseSession", "GetStats"}
+        "GetModelInfo", "OpenSession", "Verify", "VerifyStream", "VerifyRounds", "CloseSession", "GetStats", "Generate"}
 
 
 class _RecordingChannel:
@@ -61,6 +61,7 @@ _METHODS = [
     ("VerifyRounds", "stream_stream", rpc.VerifyRequest, rpc.VerifyResponse),
     ("CloseSession", "unary_unary", rpc.CloseSessionRequest, rpc.CloseSessionResponse),
     ("GetStats", "unary_unary", rpc.GetStatsRequest, rpc.Stats),
+    ("Generate", "unary_stream", rpc.GenerateRequest, rpc.GenerateEvent),
 ]
 
 
@@ -76,7 +77,7 @@ def test_stub_and_handler_follow_the_descriptor():
     handler = rpc.servicer_handler(servicer)
     for name, kind, request, response in _METHODS:
         method = handler.service(_CallDetails(f"/verifier.v1.Verifier/{name}"))
-        assert (method.request_streaming, method.response_streaming) == (kind == "stream_stream",) * 2
+        assert (method.request_streaming, method.response_streaming) == (kind.startswith("stream"), kind.endswith("_stream"))
         assert method.request_deserializer == request.FromString
         assert method.response_serializer == response.SerializeToString
         assert getattr(method, kind) == getattr(servicer, name)
@@ -131,6 +132,10 @@ class _Echo:
     async def GetStats(self, request, context):
         return rpc.Stats(steps=7)
 
+    async def Generate(self, request, context):
+        yield rpc.GenerateEvent(opened=rpc.OpenSessionResponse(session_id="g", prompt_ids=request.open.prompt_ids))
+        yield rpc.GenerateEvent(step=rpc.StepResult(session_id="g", tokens=[6]))
+
 
 def test_every_method_kind_over_loopback():
     async def run():
@@ -155,6 +160,8 @@ def test_every_method_kind_over_loopback():
                 assert [r.results[0].accepted async for r in stub.VerifyRounds(iter(rounds))] == [2, 0, 1]
                 assert (await stub.CloseSession(rpc.CloseSessionRequest(session_id="a"))).closed is False
                 assert (await stub.GetStats(rpc.GetStatsRequest())).steps == 7
+                events = [e async for e in stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(prompt_ids=[2])))]
+                assert [list(events[0].opened.prompt_ids), list(events[1].step.tokens)] == [[2], [6]]
         finally:
             await server.stop(None)
 
@@ -172,7 +179,7 @@ class _SyncEcho:
     def OpenSession(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
 
-    Verify = VerifyRounds = CloseSession = GetStats = OpenSession
+    Verify = VerifyRounds = CloseSession = GetStats = Generate = OpenSession
 
 
 def test_sync_server_and_stub():

@@ -16,12 +16,12 @@ from __future__ import annotations
 import grpc
 
 from ..v1 import verifier_pb2
-from ..v1.verifier_pb2 import (CloseSessionRequest, CloseSessionResponse, GetModelInfoRequest, GetStatsRequest,
-                               Histogram, Logits, ModelInfo, OpenSessionRequest, OpenSessionResponse, Sampling,
+from ..v1.verifier_pb2 import (CloseSessionRequest, CloseSessionResponse, GenerateEvent, GenerateRequest, GetModelInfoRequest,
+                               GetStatsRequest, Histogram, Logits, ModelInfo, OpenSessionRequest, OpenSessionResponse, Sampling,
                                Stats, Status, StepResult, VerifyRequest, VerifyResponse, VerifyStep)
 
 __all__ = [
-    "CloseSessionRequest", "CloseSessionResponse", "GetModelInfoRequest", "GetStatsRequest", "Histogram", "Logits",
+    "CloseSessionRequest", "CloseSessionResponse", "GenerateEvent", "GenerateRequest", "GetModelInfoRequest", "GetStatsRequest", "Histogram", "Logits",
     "ModelInfo", "OpenSessionRequest", "OpenSessionResponse", "Sampling", "Stats", "Status", "StepResult",
     "VerifyRequest", "VerifyResponse", "VerifyStep", "VerifierStub", "servicer_handler",
     "FINISH_NONE", "FINISH_EOS", "FINISH_LENGTH", "FILE", "SERVICE", "PACKAGE", "SERVICE_NAME", "PROTOCOL_VERSION",

@@ -60,14 +60,15 @@ def error_result(step: rpc.VerifyStep, code: grpc.StatusCode, message: str, posi
     return rpc.StepResult(status=status, session_id=step.session_id, request_id=step.request_id, position=position)
 
 
-def ok_result(session_id: str, request_id: str, result, verified_drafts: int, logits: rpc.Logits | None = None) -> rpc.StepResult:
-    """engine.StepResult of a step that ran, with its first `verified_drafts` drafts verified (and
+def ok_result(session_id: str, request_id: str, result, verified_drafts: int, proposed_drafts: int,
+              logits: rpc.Logits | None = None) -> rpc.StepResult:
+    """engine.StepResult of a step that ran with `proposed_drafts` drafts, its first `verified_drafts` verified (and
     its rpc.Logits, when asked) -> rpc.StepResult of the step's session and request ids. Fields at
     proto3's default (status: OK, no request id, no finish reason) are left unset: they read back,
     and go on the wire, the same; setting them is host work on every step for nothing
     (`python -m bench.server_overhead` measures the server's cost per step)."""
     out = rpc.StepResult(session_id=session_id, accepted=result.accepted, tokens=result.tokens, position=result.position,
-                         verified_drafts=verified_drafts)  # optional: set even at 0 (present means counted)
+                         verified_drafts=verified_drafts, proposed_drafts=proposed_drafts)  # optional: set even at 0
     if request_id:
         out.request_id = request_id
     if result.finish_reason is not None:

@@ -499,7 +499,7 @@ class Scheduler:
                 # no room for even a one-row step: the context is full, which ends the session
                 seq.finish_reason = result.finish_reason = LENGTH
             rid = pending.request_id
-            answer = ok_result(session.id, rid, result, k, rows)
+            answer = ok_result(session.id, rid, result, k, asked, rows)
             if rid:
                 store(session, rid, pending.fingerprint, answer)
             ok_verified.append(k)

@@ -370,6 +370,52 @@ class VerifierService:
             for ticket in outstanding:
                 ticket.withdraw(self.scheduler)
 
+    async def Generate(self, request: rpc.GenerateRequest, context):
+        """A self-drafting session run to its end on the server (the proto says the contract): the
+        open as OpenSession's, then each step submitted the moment the last one is answered, so a
+        step waits for no client; its results streamed as they come."""
+        opening = request.open
+        if not opening.server_drafter:
+            await self._abort_open(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                   "open.server_drafter: Generate runs a session the server drafts for: name one of "
+                                   f"ModelInfo.server_drafters ({', '.join(self.server_drafters)})")
+        principal = self.principals.of(context)
+        self.calls.enter()
+        try:
+            opened = await self._open_session(opening, context)
+        finally:
+            self.calls.leave()
+        yield rpc.GenerateEvent(opened=opened)
+        session_id, position, finished = opened.session_id, opened.position, opened.finish_reason != rpc.FINISH_NONE
+        try:
+            while not finished:
+                if self.stopping:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping: the tokens streamed so far are final; "
+                                        "open the prompt and them on another replica", trailing_metadata=_STOPPING_TRAILER)
+                step = rpc.VerifyStep(session_id=session_id, expected_position=position, return_logits=opening.return_logits)
+                result = await self._answer_of(self._submit(step, session_id, time.perf_counter(), principal))
+                yield rpc.GenerateEvent(step=result)
+                if result.status.code:
+                    return
+                position, finished = result.position, result.finish_reason != rpc.FINISH_NONE
+        finally:
+            self._end(session_id, "closed: its Generate call ended")
+
+    async def _answer_of(self, pending: PendingStep) -> rpc.StepResult:
+        """A submitted step's result; if the caller leaves first, the step is withdrawn."""
+        if pending.result is None:
+            answered = asyncio.get_running_loop().create_future()
+            pending.on_done(lambda: answered.done() or answered.set_result(None))
+            self.calls.enter()
+            try:
+                await answered
+            except asyncio.CancelledError:
+                pending.withdraw(self.scheduler)
+                raise
+            finally:
+                self.calls.leave()
+        return pending.result
+
     async def CloseSession(self, request: rpc.CloseSessionRequest, context) -> rpc.CloseSessionResponse:
         # A step the engine runs now completes and is answered; the slot's release queues behind it.
         # A step still queued finds its session gone when its batch is taken: NOT_FOUND.

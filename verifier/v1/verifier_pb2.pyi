@@ -15,6 +15,20 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class GenerateRequest(_message.Message):
+    __slots__ = ["open"]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSessionRequest
+    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ["opened", "step"]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    opened: OpenSessionResponse
+    step: StepResult
+    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
 class Status(_message.Message):
     __slots__ = ["code", "message", "current_position"]
     CODE_FIELD_NUMBER: _ClassVar[int]
@@ -140,7 +154,7 @@ class VerifyStep(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., request_id: _Optional[str] = ..., return_logits: bool = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ["status", "session_id", "request_id", "accepted", "tokens", "position", "finish_reason", "logits", "verified_drafts"]
+    __slots__ = ["status", "session_id", "request_id", "accepted", "tokens", "position", "finish_reason", "logits", "verified_drafts", "proposed_drafts"]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +164,7 @@ class StepResult(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     session_id: str
     request_id: str
@@ -159,7 +174,8 @@ class StepResult(_message.Message):
     finish_reason: FinishReason
     logits: Logits
     verified_drafts: int
-    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., verified_drafts: _Optional[int] = ...) -> None: ...
+    proposed_drafts: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., verified_drafts: _Optional[int] = ..., proposed_drafts: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ["steps"]

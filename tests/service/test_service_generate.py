@@ -1,0 +1,109 @@
+"""Generate: a session the server drafts for, run to its end with no round trip per step. Its
+tokens equal plain decoding, every step says what it proposed, verified and accepted, the session
+is closed when the call ends (finished, refused, or cancelled by its caller), and a session the
+client drafts for is refused."""
+
+import threading
+import time
+
+import grpc
+
+from verifier import rpc
+from verifier.params import SamplingParams
+
+from .helpers import rpc_error
+
+PROMPT = [5, 17, 33, 2, 5, 17, 33, 2, 5, 17]  # repeats: the n-gram drafter has something to propose
+
+
+def _free(stub) -> int:
+    return stub.GetStats(rpc.GetStatsRequest()).free_slots
+
+
+def test_generate_equals_plain_and_reports_each_step(server, stub, plain):
+    free = _free(stub)
+    for sampling in (None, SamplingParams(temperature=0.9, top_k=40, seed=7)):
+        wire = rpc.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, seed=sampling.seed) if sampling else None
+        events = list(stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(
+            prompt_ids=PROMPT, max_new_tokens=30, sampling=wire, server_drafter="ngram", server_draft_k=4)), timeout=60))
+        opened, steps = events[0].opened, [e.step for e in events[1:]]
+        assert opened.session_id and not events[0].HasField("step") and all(not e.HasField("opened") for e in events[1:])
+        tokens = [opened.first_token] + [t for step in steps for t in step.tokens]
+        assert tokens == list(plain(PROMPT, 30, sampling).tokens)
+        assert steps[-1].finish_reason != rpc.FINISH_NONE
+        for step in steps:
+            assert step.status.code == 0 and step.HasField("proposed_drafts") and step.HasField("verified_drafts")
+            assert step.accepted <= step.verified_drafts <= step.proposed_drafts <= 4
+        assert any(step.proposed_drafts for step in steps)  # the server drafter proposed, and its drafts were judged
+    assert _free(stub) == free  # each session was closed with its call
+
+
+def test_a_client_drafted_session_is_refused(stub):
+    error = rpc_error(lambda: list(stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(prompt_ids=PROMPT, max_new_tokens=5)),
+                                                 timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "server_drafter" in error.details()
+    error = rpc_error(lambda: list(stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(
+        prompt_ids=PROMPT, max_new_tokens=5, server_drafter="nope")), timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "server_drafter 'nope'" in error.details()
+
+
+def test_cancelling_the_call_closes_the_session(server, stub):
+    free = _free(stub)
+    call = stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(prompt_ids=PROMPT, max_new_tokens=60,
+                                                                          server_drafter="ngram", server_draft_k=2)), timeout=60)
+    first = next(call)
+    assert first.opened.session_id
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while _free(stub) != free and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _free(stub) == free
+    closed = stub.CloseSession(rpc.CloseSessionRequest(session_id=first.opened.session_id))
+    assert not closed.closed  # already closed by the server when the call ended
+
+
+def test_generate_beside_stepping_sessions(server, stub, plain):
+    """Two Generate calls and a client-drafted session at once: every stream plain decoding's."""
+    outcomes = {}
+
+    def run(name, prompt):
+        events = list(stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(
+            prompt_ids=prompt, max_new_tokens=24, server_drafter="ngram")), timeout=60))
+        outcomes[name] = [events[0].opened.first_token] + [t for e in events[1:] for t in e.step.tokens]
+
+    threads = [threading.Thread(target=run, args=(f"g{i}", PROMPT[i:] + [3])) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=12))
+    tokens, position = [opened.first_token], opened.position
+    while True:
+        (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=opened.session_id, expected_position=position)])).results
+        tokens += result.tokens
+        position = result.position
+        if result.finish_reason != rpc.FINISH_NONE:
+            break
+    for thread in threads:
+        thread.join(timeout=60)
+    assert tokens == list(plain([9, 8, 7], 12).tokens)
+    for i in range(2):
+        assert outcomes[f"g{i}"] == list(plain(PROMPT[i:] + [3], 24).tokens)
+    stub.CloseSession(rpc.CloseSessionRequest(session_id=opened.session_id))
+
+
+def test_the_drafter_runs_a_server_drafted_session_in_one_generate_call(server, plain, monkeypatch):
+    """drafter.loop over the stream transport: one Generate call, no step sent from this side."""
+    from drafter.client import VerifierClient
+    from drafter.loop import STREAM, generate
+
+    def no_steps(*args, **kwargs):
+        raise AssertionError("a server-drafted session over the stream transport sent a step")
+
+    monkeypatch.setattr(VerifierClient, "verify_stream", no_steps)
+    monkeypatch.setattr(VerifierClient, "verify", no_steps)
+    seen = []
+    with VerifierClient(server.address) as client:
+        result = generate(client, None, prompt_ids=PROMPT, max_new_tokens=20, k=3, transport=STREAM, server_drafter="ngram",
+                          on_tokens=seen.append)
+        assert client.stats().open_sessions == 0  # closed with its call
+    assert result.tokens == list(plain(PROMPT, 20).tokens) == [t for chunk in seen for t in chunk]
+    assert len(result.accepted_per_step) == len(result.drafted_per_step) == len(seen) - 1 and result.finish_reason is not None
