@@ -99,6 +99,10 @@ class ScriptedVerifier:
         with self.lock:
             return rpc.CloseSessionResponse(closed=self.sessions.pop(request.session_id, None) is not None)
 
+    def Generate(self, request, context):
+        self._record("Generate", request, context)
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
     def GetStats(self, request, context):
         self._record("GetStats", request, context)
         return rpc.Stats(steps=len(self.results), drafted_per_position=[3, 2], rows_per_batch=rpc.Histogram(upper_bounds=[1.0], counts=[2, 1], count=3))
