@@ -48,7 +48,7 @@ class _BareServicer:
     async def _unimplemented(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
 
-    GetModelInfo = OpenSession = Verify = VerifyStream = VerifyRounds = CloseSession = _unimplemented
+    GetModelInfo = OpenSession = Verify = VerifyStream = VerifyRounds = CloseSession = Generate = _unimplemented
 
 
 def _bare_server(port_out, stop) -> None:
