@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="all", help=f"comma-separated names, or all: {', '.join(sweep_configs())}")
     parser.add_argument("--max-rows", type=int, default=1024, help="row counts 1 .. this are swept")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--candidates", type=Path, default=None,
+                        help="a bench.fp8_configs results file: sweep its winning kernel configs instead of the pinned ones "
+                             "(recorded as kernel_candidates), as a change to them must be swept before it lands")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the sweep runs on a CUDA device (the interpreter's dot never mixes rows)", file=sys.stderr)
@@ -215,9 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
+    candidates = {}
+    if args.candidates is not None:
+        from bench.fp8_configs import apply_winners
+
+        candidates = {"kernel_candidates": apply_winners(args.candidates)}
     today = datetime.date.today().isoformat()
     out = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
-           "max_rows": args.max_rows, "seed": args.seed,
+           "max_rows": args.max_rows, "seed": args.seed, **candidates,
            **run({n: known[n] for n in names}, args.max_rows, args.seed, lambda m: print(m, file=sys.stderr, flush=True))}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"row_invariance_{today}.json"

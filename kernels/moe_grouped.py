@@ -106,23 +106,30 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     pairs spends the MMAs on padding (on the 35B FP8 config, 256 experts, top 8, 64-row blocks
     were slower at batch 1 and at batch 64; `python -m bench.fp8_real_size` times it). The block is
     still a function of the weights' shapes only.
-    FP8 weights with many experts take 64-feature tiles in both stages: `python -m bench.fp8_configs`
-    times 12 candidates on a published MoE's experts at 1, 9, 64 and 576 rows, and this one has the
-    least time summed over them (bench/results/fp8_configs_2026-12-04_Qwen3.6-35B-A3B.json): a
-    tile dequantized in registers wants more features per program than the bf16 one.
+    FP8 weights with many experts take 128-wide K steps in both stages (64 features in stage 1, 128
+    in stage 2): a tile dequantized in registers wants more bytes per step than the bf16 one.
+    `python -m bench.fp8_configs` screened each stage's tiles at 1, 9, 64 and 576 rows in CUDA
+    graphs over distinct layers (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B.json), and
+    `python -m bench.fp8_real_size --candidates` chose in the engine on an H100: stage 1 at 32
+    features was faster at one row and slower at 576 rows; 64 features with the 128-feature
+    stage 2 was faster at every step than 64/64 with 64-wide K steps (bench/results/
+    fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's tiles ahead by hand
+    (GroupedConfig.PREFETCH) was slower at every row count: Triton's pipelining already does it.
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
-    block_n = 32
+    block_n, block_n2, block_k2 = 32, 32, block_k
     if n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k:
         block_m = 16
         if fp8 and dtype == torch.bfloat16:
-            block_n = 64
+            block_n, block_k, block_n2, block_k2 = 64, 128, 128, 128
+    else:
+        block_n2 = block_n
 
     def fit(block: int, n: int) -> int:
         return max(16, min(block, triton.next_power_of_2(n)))
 
     return GroupedConfig(
-        BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n, h), BLOCK_K2=fit(block_k, i),
+        BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n2, h), BLOCK_K2=fit(block_k2, i),
         BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages, num_warps2=4, num_stages2=num_stages,
         PREFETCH=False, PREFETCH2=False,
     )

@@ -137,12 +137,13 @@ def test_many_experts_take_small_blocks_in_every_dtype():
     assert grouped_config(2048, 512, torch.float32, n_experts=8, top_k=2).BLOCK_M == 16
 
 
-def test_fp8_experts_of_many_take_wider_feature_tiles_and_nothing_else_changes():
-    """FP8 weights dequantized in registers take 64-feature tiles in both stages where experts are
-    many (bench.fp8_configs measured them); bf16 experts and fp32 keep their tiles."""
+def test_fp8_experts_of_many_take_wider_tiles_and_nothing_else_changes():
+    """FP8 weights dequantized in registers take wider tiles and longer K steps where experts are
+    many (bench.fp8_configs screened them, bench.fp8_real_size chose); bf16 experts and fp32 keep theirs."""
     fp8 = grouped_config(2048, 512, torch.bfloat16, n_experts=256, top_k=8, fp8=True)
     bf16 = grouped_config(2048, 512, torch.bfloat16, n_experts=256, top_k=8)
-    assert (fp8.BLOCK_N, fp8.BLOCK_N2) == (64, 64) and (bf16.BLOCK_N, bf16.BLOCK_N2) == (32, 32)
-    assert fp8._replace(BLOCK_N=32, BLOCK_N2=32) == bf16
+    assert (fp8.BLOCK_N, fp8.BLOCK_K, fp8.BLOCK_N2, fp8.BLOCK_K2) == (64, 128, 128, 128)
+    assert (bf16.BLOCK_N, bf16.BLOCK_K, bf16.BLOCK_N2, bf16.BLOCK_K2) == (32, 64, 32, 64)
+    assert fp8._replace(BLOCK_N=32, BLOCK_K=64, BLOCK_N2=32, BLOCK_K2=64) == bf16
     assert grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2, fp8=True) == grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2)
     assert grouped_config(64, 32, torch.float32, n_experts=256, top_k=8, fp8=True) == grouped_config(64, 32, torch.float32, n_experts=256, top_k=8)
