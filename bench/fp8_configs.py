@@ -8,7 +8,7 @@ Row invariance holds for any one config that runs every row count (kernels/moe_g
 experts config may be picked for speed alone; each candidate is still checked (row 0 alone equals
 row 0 among M rows, torch.equal) before it is timed. The few-rows FP8 kernel must give the bf16
 GEMM's bits over the dequantized weight (kernels/linear_fp8.py): each launch candidate (weight
-features a tile, warps, stages, the next tile loaded ahead; never its K walk) is checked against
+features a tile, warps, stages; never its K walk) is checked against
 that GEMM at every timed row count first.
 
 Timing as in a step: LAYERS distinct weight stacks (more bytes than the L2 holds) in one CUDA graph,
@@ -16,7 +16,8 @@ the experts with their routing launch per layer, replayed; ms per layer (experts
 (dense). A candidate that changes one expert stage leaves the other pinned, so differences are that
 stage's. The winners (per expert shape, and one few-rows launch for every dense shape) are judged
 in the engine before they are pinned: `bench.fp8_real_size --candidates` runs them in place of the
-pinned configs. Writes DIR/fp8_configs_<date>_<config>.json, after every shape.
+pinned configs (bench/kernel_candidates.py). Writes DIR/fp8_configs_<date>_<config>.json, after
+every shape.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernel_candidates import ROWS_FIELDS
 from bench.machine import device_name, results_path
 from bench.row_invariance import FP8_BLOCK, dense_weight, model_weights
 from hybrid_kernels.linear import linear
@@ -66,14 +68,11 @@ def graph_ms(body, reps: int = 10) -> float:
 
 
 def expert_candidates(pinned: GroupedConfig) -> list[GroupedConfig]:
-    """Stage 1's tile, walk and launch varied with stage 2 pinned, then stage 2's with stage 1 pinned:
-    4 warps with and without the next step's tiles loaded ahead, and 8 warps for the longer steps."""
-    launches = ((4, 3, False), (4, 3, True))
-    out = [pinned._replace(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=pf)
-           for n, k, (w, st, pf) in itertools.product((64, 32), (128, 256, 64), launches)]
-    out += [pinned._replace(BLOCK_N=n, BLOCK_K=k, num_warps=8, PREFETCH=True) for n, k in itertools.product((64, 32), (128, 256))]
-    out += [pinned._replace(BLOCK_N2=n, BLOCK_K2=k, num_warps2=w, num_stages2=st, PREFETCH2=pf)
-            for n, k, (w, st, pf) in itertools.product((64, 128, 32), (128, 256, 64), launches)]
+    """Stage 1's tile and K step varied with stage 2 pinned (4 and 8 warps), then stage 2's with
+    stage 1 pinned."""
+    out = [pinned._replace(BLOCK_N=n, BLOCK_K=k, num_warps=w)
+           for n, k, w in itertools.product((64, 32), (128, 256, 64), (4, 8))]
+    out += [pinned._replace(BLOCK_N2=n, BLOCK_K2=k) for n, k in itertools.product((64, 128, 32), (128, 256, 64))]
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
@@ -126,10 +125,10 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torc
     return {"routing_ms": routing_ms, **summary}
 
 
-def rows_candidates() -> list[tuple[int, int, int, bool]]:
-    """The few-rows FP8 kernel's launch (weight features a tile, warps, stages, prefetch): none of
-    them changes its K walk, which is the pinned config's."""
-    return [(f, w, st, pf) for (f, w), st, pf in itertools.product(((64, 4), (128, 4)), (1, 4), (False, True))]
+def rows_candidates() -> list[tuple[int, int, int]]:
+    """The few-rows FP8 kernel's launch (weight features a tile, warps, stages): none of them changes
+    its K walk, which is the pinned config's."""
+    return list(itertools.product((64, 128), (4,), (1, 2, 4, 6)))
 
 
 def sweep_rows_kernel(n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
@@ -142,12 +141,12 @@ def sweep_rows_kernel(n: int, k: int, rows: list[int], gen: torch.Generator) -> 
     x = torch.randn(lf.DEQUANTIZED_ROWS, k, generator=gen, device="cuda").bfloat16()
     few = [m for m in rows if m < lf.DEQUANTIZED_ROWS]
     reference = linear(x, lf.dequantize(*weights[0], torch.bfloat16))
-    saved = (lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH)
+    saved = (lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES)
     pinned = ",".join(map(str, saved))
     times = {}
     try:
         for cand in rows_candidates():
-            lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH = cand
+            lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES = cand
             key = ",".join(map(str, cand))
             try:
                 bad = [m for m in few if not torch.equal(linear_fp8(x[:m], *weights[0]), reference[:m])]
@@ -157,7 +156,7 @@ def sweep_rows_kernel(n: int, k: int, rows: list[int], gen: torch.Generator) -> 
                 times[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             print(f"    {key}: {times[key]}", file=sys.stderr, flush=True)
     finally:
-        lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH = saved
+        lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES = saved
     return _summary(times, pinned, times.get(pinned, {}), values_bytes(n, k))
 
 
@@ -184,43 +183,6 @@ def _summary(times: dict, pinned_key: str, pinned: dict | str, nbytes: int, top_
     overall = min(valid, key=lambda c: sum(t / scale.get(r, 1.0) for r, t in valid[c].items())) if valid else None
     return {"pinned": pinned_key, "pinned_ms": pinned, "best_by_rows": best, "best_overall": overall,
             "best_overall_ms": valid.get(overall), "candidates": times}
-
-
-def apply_winners(path: Path) -> dict[str, str]:
-    """Pin this process's kernels to a results file's winners, to time them in the engine
-    (`python -m bench.fp8_real_size --candidates FILE`) before they are pinned in the code: each
-    expert shape's best_overall config for grouped_config at that shape, and the few-rows FP8
-    kernel's launch with the least time relative to the pinned one summed over every dense shape
-    (one launch serves them all). -> {what: the config applied}."""
-    import hybrid_kernels.linear_fp8 as lf
-    import hybrid_kernels.moe_grouped as mg
-
-    def value(text: str):
-        return text == "True" if text in ("True", "False") else int(text)
-
-    shapes = json.loads(Path(path).read_text())["shapes"]
-    applied = {}
-    for name, shape in shapes.items():
-        if name.startswith("experts") and shape.get("best_overall"):
-            _, i, h, _ = map(int, name.split()[1].split("x"))
-            config = GroupedConfig(*map(value, shape["best_overall"].split(",")))
-            pinned = mg.grouped_config
-
-            def chosen(h_, i_, dtype, n_experts=0, top_k=0, fp8=False, config=config, h=h, i=i, pinned=pinned):
-                if (h_, i_, fp8, dtype) == (h, i, True, torch.bfloat16):
-                    return config
-                return pinned(h_, i_, dtype, n_experts, top_k, fp8)
-
-            mg.grouped_config = chosen
-            applied[name] = shape["best_overall"]
-    dense = [shape for name, shape in shapes.items() if name.startswith("dense") and isinstance(shape.get("pinned_ms"), dict)]
-    valid = set.intersection(*({k for k, t in shape["candidates"].items() if isinstance(t, dict)} for shape in dense)) if dense else set()
-    totals = {key: sum(t / shape["pinned_ms"][r] for shape in dense for r, t in shape["candidates"][key].items()) for key in valid}
-    if totals:
-        best = min(totals, key=totals.get)
-        lf.ROWS_TILE_FEATURES, lf.ROWS_WARPS, lf.ROWS_STAGES, lf.ROWS_PREFETCH = map(value, best.split(","))
-        applied["rows kernel"] = best
-    return applied
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +221,7 @@ def write(args: argparse.Namespace, rows: list[int], shapes: dict) -> Path:
     today = datetime.date.today().isoformat()
     result = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
               "config": args.config, "rows": rows, "layers_per_graph": LAYERS,
-              "dense_fields": ["ROWS_TILE_FEATURES", "ROWS_WARPS", "ROWS_STAGES", "ROWS_PREFETCH"],
+              "dense_fields": list(ROWS_FIELDS),
               "expert_fields": list(GroupedConfig._fields), "shapes": shapes}
     args.out.mkdir(parents=True, exist_ok=True)
     path = results_path(args.out, "fp8_configs", today, args.config)

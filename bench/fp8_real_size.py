@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
               "config": args.config, "scale": args.scale, "experts": args.experts, "dtype": str(dtype).removeprefix("torch."),
               "quantization_config": config["quantization_config"], "steps": args.steps, "mtp": args.mtp}
     if args.candidates is not None:
-        from bench.fp8_configs import apply_winners
+        from bench.kernel_candidates import apply_winners
 
         result["kernel_candidates"] = apply_winners(args.candidates)
         log(f"kernel candidates from {args.candidates}: {result['kernel_candidates']}")

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
     candidates = {}
     if args.candidates is not None:
-        from bench.fp8_configs import apply_winners
+        from bench.kernel_candidates import apply_winners
 
         candidates = {"kernel_candidates": apply_winners(args.candidates)}
     today = datetime.date.today().isoformat()

@@ -80,7 +80,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
 FP8_BLOCK_M = 64  # the one-tile kernel's rows per tile (one wgmma warpgroup tile): fp32, and a caller's config
 ROWS_TILE, ROWS_TILE_FEATURES = 16, 64  # bf16, few rows: rows (the MMA's N) and weight features (its M) a tile
-ROWS_WARPS, ROWS_STAGES, ROWS_PREFETCH = 4, 4, False  # its launch: warps, pipeline stages, the next tile loaded ahead
+ROWS_WARPS, ROWS_STAGES = 4, 4  # its launch: warps and pipeline stages
 DEQUANTIZED_ROWS = 64  # bf16, from this many rows: the real weight made once, then the bf16 GEMM
 
 
@@ -173,7 +173,6 @@ def _linear_fp8_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The few-rows path: out^T = real(weight) x^T, the dequantized weight tile [BLOCK_N features,
@@ -196,17 +195,11 @@ def _linear_fp8_rows_kernel(
     p_x = x + o_m[None, :].to(tl.int64) * stride_xm + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
     p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[:, None]  # [BLOCK_N, 1]
     b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PREFETCH:  # the first step's tile; each step then loads the next one's before its dot
-        b_w8 = tl.load(p_w, mask=m_n[:, None] & ((k_start + o_k) < k_end)[None, :], other=0.0)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         m_k = (k0 + o_k) < k_end
         m_w = m_n[:, None] & m_k[None, :]
-        if PREFETCH:
-            c_w8 = b_w8
-            b_w8 = tl.load(p_w + BLOCK_K, mask=m_n[:, None] & ((k0 + BLOCK_K + o_k) < k_end)[None, :], other=0.0)
-        else:
-            c_w8 = tl.load(p_w, mask=m_w, other=0.0)
-        b_w = dequantize_tile(c_w8, scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
+        b_w8 = tl.load(p_w, mask=m_w, other=0.0)
+        b_w = dequantize_tile(b_w8, scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
                               x.dtype.element_ty, INTERPRET)
         b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
         b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
@@ -335,7 +328,7 @@ def linear_fp8(
     if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
         _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
             *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,
-            BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES, PREFETCH=ROWS_PREFETCH,
+            BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES,
             num_warps=ROWS_WARPS, **launch_options(x.device))
     else:
         _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](

@@ -80,8 +80,6 @@ class GroupedConfig(NamedTuple):
     num_stages: int  # stage 1
     num_warps2: int  # stage 2
     num_stages2: int  # stage 2
-    PREFETCH: bool  # stage 1: the next K step's weight tiles are loaded before this step's dots
-    PREFETCH2: bool  # stage 2: the same
 
 
 def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k: int = 0, fp8: bool = False) -> GroupedConfig:
@@ -113,25 +111,22 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     `python -m bench.fp8_real_size --candidates` chose in the engine on an H100: stage 1 at 32
     features was faster at one row and slower at 576 rows; 64 features with the 128-feature
     stage 2 was faster at every step than 64/64 with 64-wide K steps (bench/results/
-    fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's tiles ahead by hand
-    (GroupedConfig.PREFETCH) was slower at every row count: Triton's pipelining already does it.
+    fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's tiles ahead by hand,
+    tried in that screen, was slower at every row count: Triton's pipelining already does it.
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
-    block_n, block_n2, block_k2 = 32, 32, block_k
+    block_n = block_n2 = 32
     if n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k:
         block_m = 16
         if fp8 and dtype == torch.bfloat16:
-            block_n, block_k, block_n2, block_k2 = 64, 128, 128, 128
-    else:
-        block_n2 = block_n
+            block_n, block_k, block_n2 = 64, 128, 128
 
     def fit(block: int, n: int) -> int:
         return max(16, min(block, triton.next_power_of_2(n)))
 
     return GroupedConfig(
-        BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n2, h), BLOCK_K2=fit(block_k2, i),
+        BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n2, h), BLOCK_K2=fit(block_k, i),
         BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages, num_warps2=4, num_stages2=num_stages,
-        PREFETCH=False, PREFETCH2=False,
     )
 
 
@@ -167,11 +162,12 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
 
 
 @triton.jit
-def _weight_tile(b_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
+def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
                  stride_se, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
                  FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr):
-    """A loaded [BLOCK_K, BLOCK_N] tile of an expert's weight^T -> in DTYPE (FP8: dequantized in
-    registers; p_srow [1, BLOCK_N]: each column's scale row offset within an expert's scales)."""
+    """A [BLOCK_K, BLOCK_N] tile of an expert's weight^T in DTYPE (FP8: dequantized in registers;
+    p_srow [1, BLOCK_N]: each column's scale row offset within an expert's scales)."""
+    b_w = tl.load(p_w, mask=m_w, other=0.0)
     if FP8:
         b_w = dequantize_tile(b_w, scale_inv, i_e * stride_se + p_srow, m_srow, k0, o_kk, m_w,
                               SCALE_BLOCK_K, ONE_SCALE_COLUMN, DTYPE, INTERPRET)
@@ -187,7 +183,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -211,27 +207,14 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:  # the first step's tiles; each step then loads the next one's before its dots
-        m_w = (o_k < H)[:, None] & m_n[None, :]
-        b_g8 = tl.load(p_g, mask=m_w, other=0.0)
-        b_u8 = tl.load(p_u, mask=m_w, other=0.0)
     for k0 in range(0, H, BLOCK_K):
         m_k = (k0 + o_k) < H
         m_w = m_k[:, None] & m_n[None, :]
         o_kk = (k0 + o_k)[:, None]
         b_x = tl.load(p_x, mask=m_p[:, None] & m_k[None, :], other=0.0)
-        if PREFETCH:
-            c_g8 = b_g8
-            c_u8 = b_u8
-            m_next = ((k0 + BLOCK_K + o_k) < H)[:, None] & m_n[None, :]
-            b_g8 = tl.load(p_g + BLOCK_K, mask=m_next, other=0.0)
-            b_u8 = tl.load(p_u + BLOCK_K, mask=m_next, other=0.0)
-        else:
-            c_g8 = tl.load(p_g, mask=m_w, other=0.0)
-            c_u8 = tl.load(p_u, mask=m_w, other=0.0)
-        b_wg = _weight_tile(c_g8, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+        b_wg = _weight_tile(p_g, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                             FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-        b_wu = _weight_tile(c_u8, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+        b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                             FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_g = _dot_acc(b_x, b_wg, b_g, INTERPRET)
         b_u = _dot_acc(b_x, b_wu, b_u, INTERPRET)
@@ -252,7 +235,7 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -271,18 +254,10 @@ def _grouped_down_kernel(
         p_srow = scale_row_offsets(down_scale_row, o_n, m_n, stride_sn)
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:  # as stage 1's
-        b_w8 = tl.load(p_w, mask=(o_k < I)[:, None] & m_n[None, :], other=0.0)
     for k0 in range(0, I, BLOCK_K):
         m_k = (k0 + o_k) < I
-        m_w = m_k[:, None] & m_n[None, :]
         b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
-        if PREFETCH:
-            c_w8 = b_w8
-            b_w8 = tl.load(p_w + BLOCK_K, mask=((k0 + BLOCK_K + o_k) < I)[:, None] & m_n[None, :], other=0.0)
-        else:
-            c_w8 = tl.load(p_w, mask=m_w, other=0.0)
-        b_w = _weight_tile(c_w8, m_w, i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
+        b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
                            hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_y = _dot_acc(b_h, b_w, b_y, INTERPRET)
         p_h += BLOCK_K
@@ -374,12 +349,12 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
-        PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
         H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
-        PREFETCH=cfg.PREFETCH2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
     _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
         expert_out, routing.ids, routing.weights, out, routing.counts,

@@ -82,7 +82,7 @@ class ServerConfig:
     # below this (verifier/server/service.py, _retry_after_ms).
     retry_after_ms: int = option(200, "the least retry hint sent with RESOURCE_EXHAUSTED when an open finds no slot")
     # Principals (verifier/server/principals.py): each token names one; a session is its opener's.
-    max_sessions_per_principal: int = option(0, "most sessions one principal (a token's name, a client certificate's) "
+    max_sessions_per_principal: int = option(0, "the cap on sessions one principal (a token's name, a client certificate's) "
                                                 "holds at once; 0: no cap but --n-slots")
     auth_tokens_file: Path | None = option(None, "file of name:token lines, one principal each; calls must carry "
                                                  "'authorization: Bearer TOKEN' (health checks exempt). Entries in "

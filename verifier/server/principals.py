@@ -87,6 +87,8 @@ class Principals:
 
     def __init__(self, tokens: dict[str, str], client_certificates: bool = False):
         self._tokens = [(f"Bearer {token}".encode(), name) for token, name in tokens.items()]
+        # for handlers: the header auth.py has already matched in constant time, looked up once
+        self._by_header = dict(self._tokens)
         self.client_certificates = client_certificates
 
     @property
@@ -111,7 +113,7 @@ class Principals:
         if self._tokens:
             for key, value in context.invocation_metadata() or ():
                 if key == "authorization":
-                    name = self.of_authorization(value if isinstance(value, bytes) else value.encode())
+                    name = self._by_header.get(value if isinstance(value, bytes) else value.encode())
                     if name is not None:
                         return name
             raise PermissionError("a call without a known token reached a handler")  # auth.py refuses these first

@@ -258,21 +258,11 @@ class VerifierService:
             answer = self._submit_request(request, self.principals.of(context))
         except Invalid as exc:  # the request as a whole (its size)
             await context.abort(exc.code, exc.message)
-        if answer.result is None:
-            # one wait for the whole request (its steps usually finish in one batch), not one per step
-            answered = asyncio.get_running_loop().create_future()
-            answer.on_done(lambda: answered.done() or answered.set_result(None))
-            self.calls.enter()
-            try:
-                await answered
-            except asyncio.CancelledError:
-                answer.withdraw(self.scheduler)
-                raise
-            finally:
-                self.calls.leave()
+        # one wait for the whole request (its steps usually finish in one batch), not one per step
+        result = await self._answer_of(answer)
         if self.timings is not None:  # handed to gRPC (a unary answer's write is not seen from here)
             self.timings.written(answer)
-        return answer.result
+        return result
 
     # The two streams are async generator functions of their own (grpc.aio runs any other handler
     # as a sync one), each one hop over the shared _answer_in_order.
@@ -401,20 +391,21 @@ class VerifierService:
         finally:
             self._end(session_id, "closed: its Generate call ended")
 
-    async def _answer_of(self, pending: PendingStep) -> rpc.StepResult:
-        """A submitted step's result; if the caller leaves first, the step is withdrawn."""
-        if pending.result is None:
+    async def _answer_of(self, answer: "PendingStep | RequestAnswer"):
+        """A submitted step's or request's result, waited for as a call in flight (calls); if the
+        caller leaves first, what is still queued is withdrawn."""
+        if answer.result is None:
             answered = asyncio.get_running_loop().create_future()
-            pending.on_done(lambda: answered.done() or answered.set_result(None))
+            answer.on_done(lambda: answered.done() or answered.set_result(None))
             self.calls.enter()
             try:
                 await answered
             except asyncio.CancelledError:
-                pending.withdraw(self.scheduler)
+                answer.withdraw(self.scheduler)
                 raise
             finally:
                 self.calls.leave()
-        return pending.result
+        return answer.result
 
     async def CloseSession(self, request: rpc.CloseSessionRequest, context) -> rpc.CloseSessionResponse:
         # A step the engine runs now completes and is answered; the slot's release queues behind it.

@@ -131,8 +131,8 @@ class SessionTable:
 
     def find(self, session_id: str, principal: str) -> Session | None:
         """The live session if `principal` owns it, else None (another's session does not exist for it)."""
-        session = self._sessions.get(session_id)
-        return session if session is not None and session.principal == principal else None
+        found = self._sessions.get(session_id)
+        return found if found is not None and found.principal == principal else None
 
     def get(self, session_id: str, principal: str) -> Session:
         """`find`, or LookupError saying whether it was never known (to this principal), closed or reaped."""
