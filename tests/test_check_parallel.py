@@ -19,7 +19,7 @@ from verifier import cli
 from verifier.check import checks as check_module
 from verifier.check import parallel as check_parallel
 from verifier.check.checks import CheckSettings
-from verifier.check.cli import RANK_FAILED, check_report
+from verifier.check.report import RANK_FAILED, check_report
 from verifier.model import load_model
 from verifier.model.parallel import ParallelError, TensorParallel, run_parallel
 

@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .arguments import DefaultsHelpFormatter, OneLineErrors, add_sampling_arguments, at_least, sampling_from_args, token_ids, utf8_text
 from .check import add_check_parser, check_command
-from .defaults import default_draft_model_dir, default_model_dir
+from .defaults import default_model_dir
 from .dtypes import DTYPES
 from .engine import DEFAULT_MAX_K, Engine
 from .generate import generate
+from .generate_args import fail, make_proposer, prompt_ids, report
 from .model import load_model
 from .model.rollback import ROLLBACK_MODES, WOA
 from .printing import TokenPrinter
-from .proposers import NgramProposer, OracleProposer, Proposer, RandomProposer
 from .tokenizer import TextTokenizer
 
 DRAFTS = ("none", "ngram", "model", "mtp", "random", "oracle")
@@ -106,11 +104,6 @@ def _run_command(args) -> int:
     return 2
 
 
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def _drafts_per_step(args) -> int:
     """--k checked against --max-k and --draft; ValueError naming the limit."""
     if args.k is None:
@@ -130,9 +123,9 @@ def _generate(args) -> int:
         k = _drafts_per_step(args)
         sampling = sampling_from_args(args)
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda, but torch sees no CUDA device")
+        return fail("--device cuda, but torch sees no CUDA device")
     if k > DEFAULT_MAX_K:  # allowed (--max-k raised), but a user should know why a step is slow
         print(f"note: --k {k}: each step drafts up to {k} tokens one by one and verifies {k + 1} rows"
               + (" (on the CPU a verify row costs about a decode step)" if args.device == "cpu" else "")
@@ -145,18 +138,18 @@ def _generate(args) -> int:
     try:
         model = load_model(model_dir, args.device, DTYPES[args.dtype])
     except (ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     tokenizer = TextTokenizer.from_model_dir(model_dir)
     try:
-        prompt = _prompt(args, model_dir, tokenizer, model.config)
+        prompt = prompt_ids(args, model_dir, tokenizer, model.config)
     except ValueError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
 
     engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + args.max_new_tokens + k, max_k=k, rollback_mode=args.rollback)
     try:
-        proposer = _proposer(args, engine, prompt, sampling)
+        proposer = make_proposer(args, engine, prompt, sampling)
     except (ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
 
     # the tokens go to stdout as each step emits them (text where the model has a tokenizer)
     printer = TokenPrinter(tokenizer.stream() if tokenizer else None, quiet=args.json)
@@ -164,96 +157,5 @@ def _generate(args) -> int:
     result = generate(engine, prompt, args.max_new_tokens, sampling, proposer, k, on_tokens=printer.push)
     seconds = time.perf_counter() - start
     printer.end()
-    _report(args, model_dir, prompt, k, result, seconds, tokenizer)
+    report(args, model_dir, prompt, k, result, seconds, tokenizer)
     return 0
-
-
-def _prompt(args, model_dir: Path, tokenizer: TextTokenizer | None, config) -> list[int]:
-    """The prompt's ids (--text encoded, or --prompt-ids) checked against the model's config;
-    ValueError naming the problem."""
-    if args.text is not None:
-        if tokenizer is None:
-            raise ValueError(f"--text needs {model_dir}/tokenizer.json; pass --prompt-ids instead")
-        prompt = tokenizer.encode(args.text)
-        if not prompt:
-            raise ValueError("--text encodes to no tokens")
-    else:
-        prompt = args.prompt_ids
-    vocab = config.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-    limit = config.max_position_embeddings
-    if len(prompt) + args.max_new_tokens > limit:
-        raise ValueError(f"{len(prompt)} prompt tokens + {args.max_new_tokens} new tokens exceed the context length {limit}")
-    return prompt
-
-
-def _report(args, model_dir: Path, prompt: list[int], k: int, result, seconds: float, tokenizer: TextTokenizer | None) -> None:
-    """After the streamed tokens: --logits-out's file, then the JSON object or the summary line."""
-    if args.logits_out:
-        np.save(args.logits_out, result.logits.cpu().numpy().astype(np.float32))
-    text = tokenizer.decode(result.tokens) if tokenizer else None
-    if args.json:
-        out = {
-            "model": str(model_dir),
-            "prompt_tokens": len(prompt),
-            "tokens": result.tokens,
-            "finish_reason": result.finish_reason,
-            "seconds": round(seconds, 4),
-            "tokens_per_s": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
-            "draft": args.draft,
-            "k": k,
-            "rollback": args.rollback,
-            **result.step_figures(),
-        }
-        if text is not None:
-            out["text"] = text
-        print(json.dumps(out))
-    else:
-        spec = f", {result.steps} steps, mean acceptance length {result.mean_acceptance_length:.2f}" if k else ""
-        print(f"[{len(result.tokens)} tokens, {result.finish_reason}, {len(result.tokens) / seconds:.1f} tokens/s{spec}]", file=sys.stderr)
-
-
-def _proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer | None:
-    """The drafter --draft names; ValueError / OSError naming the flag when it cannot be built."""
-    vocab = engine.vocab_size
-    if args.draft == "random":
-        return RandomProposer(vocab, args.seed_draft)
-    if args.draft == "ngram":
-        return NgramProposer()
-    if args.draft == "oracle":
-        return OracleProposer(len(prompt), generate(engine, prompt, args.max_new_tokens, sampling).tokens)
-    if args.draft == "mtp":
-        return _mtp_proposer(args, engine, sampling)
-    if args.draft == "model":
-        draft_dir = args.draft_model or default_draft_model_dir()
-        if draft_dir is None:
-            raise ValueError("--draft model needs --draft-model DIR (no default draft model ships in this checkout)")
-        from .proposers import COUPLED, ModelProposer, load_draft_model
-
-        try:
-            # coupled mode: the drafter drafts with the session's own noise, so a sampled stream is the plain one
-            return ModelProposer(load_draft_model(draft_dir, args.device), vocab, engine.pool.max_seq_len, sampling,
-                                 args.seed_draft, COUPLED)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"--draft-model {draft_dir}: {exc}") from None
-    return None
-
-
-def _mtp_proposer(args, engine: Engine, sampling) -> Proposer:
-    """The checkpoint's own MTP head drafting from the target's hidden rows; ValueError naming
-    --draft mtp when the checkpoint has none (or a broken one)."""
-    from .model.mtp import load_mtp_head
-    from .proposers import MTPProposer
-
-    model_dir = args.model or default_model_dir()
-    try:
-        head = load_mtp_head(model_dir, engine.model)
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"--draft mtp: the MTP head of {model_dir}: {exc}") from None
-    if head is None:
-        raise ValueError(f"--draft mtp: the checkpoint {model_dir} has no MTP head (no mtp.* tensors); "
-                         "pick another --draft")
-    # coupled drafts (the default): a sampled stream is the plain one
-    return MTPProposer(head, engine.pool.max_seq_len, sampling)

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from .cli import _fail, _prompt, _proposer, _report
 from .defaults import default_model_dir
 from .dtypes import DTYPES
 from .engine import Engine
 from .generate import generate
+from .generate_args import fail, make_proposer, prompt_ids, report
 from .model import load_config, load_model
 from .model.parallel import ParallelError, TensorParallel, local_config, run_parallel
 from .params import SamplingParams
@@ -32,27 +32,27 @@ def generate_tensor_parallel(args, k: int, sampling: SamplingParams) -> int:
     """The generate command over args.tensor_parallel ranks (k and sampling checked by the caller)."""
     size = args.tensor_parallel
     if args.draft == "mtp":
-        return _fail("--draft mtp is not available with --tensor-parallel: the MTP head is not split across ranks yet; "
+        return fail("--draft mtp is not available with --tensor-parallel: the MTP head is not split across ranks yet; "
                      "pick another --draft")
     if args.device == "cuda" and torch.cuda.device_count() < size:
-        return _fail(f"--tensor-parallel {size} with --device cuda needs {size} GPUs; torch sees {torch.cuda.device_count()}")
+        return fail(f"--tensor-parallel {size} with --device cuda needs {size} GPUs; torch sees {torch.cuda.device_count()}")
     model_dir = args.model or default_model_dir()
     try:
         config = load_config(model_dir)
         local_config(config, size)  # heads and sizes that do not divide by N: named here, before any rank starts
         tokenizer = TextTokenizer.from_model_dir(model_dir)
-        prompt = _prompt(args, model_dir, tokenizer, config)
+        prompt = prompt_ids(args, model_dir, tokenizer, config)
     except (ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     backend = "nccl" if args.device == "cuda" else "gloo"
     try:
         result, seconds = run_parallel(_generate_on_rank, size, args, model_dir, prompt, k, sampling, backend=backend)
     except ParallelError as err:
         if isinstance(err.original, (ValueError, OSError)):  # what a one-process run reports with exit status 2
-            return _fail(f"{err.original} (rank {err.rank} of {size})")
+            return fail(f"{err.original} (rank {err.rank} of {size})")
         print(err.detail, file=sys.stderr)
-        return _fail(str(err))
-    _report(args, model_dir, prompt, k, result, seconds, tokenizer)
+        return fail(str(err))
+    report(args, model_dir, prompt, k, result, seconds, tokenizer)
     return 0
 
 
@@ -60,7 +60,7 @@ def _generate_on_rank(parallel: TensorParallel, args, model_dir, prompt: list[in
     """One rank's run -> (its Generation, seconds). Rank 0 streams the tokens; the others print nothing."""
     model = load_model(model_dir, args.device, DTYPES[args.dtype], parallel=parallel)
     engine = Engine(model, n_slots=1, max_seq_len=len(prompt) + args.max_new_tokens + k, max_k=k, rollback_mode=args.rollback)
-    proposer = _proposer(args, engine, prompt, sampling)
+    proposer = make_proposer(args, engine, prompt, sampling)
     tokenizer = TextTokenizer.from_model_dir(model_dir) if parallel.rank == 0 else None
     printer = TokenPrinter(tokenizer.stream() if tokenizer else None, quiet=args.json or parallel.rank != 0)
     start = time.perf_counter()

@@ -8,9 +8,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,10 +15,9 @@ import torch
 from ..arguments import DefaultsHelpFormatter, at_least
 from ..dtypes import DTYPES
 from ..engine import DEFAULT_MAX_K
-from .checks import CheckSettings, run_checks
-from .report import build_report, environment, summary
+from .checks import CheckSettings
+from .report import check_report, context_error, fail, publish
 
-RANK_FAILED = 3  # exit status when a tensor-parallel rank failed or died: neither a difference nor bad arguments
 
 # K = 1..max-k streams of three draft kinds, and full batches of max-k + 1 rows a sequence: past
 # this the check runs for hours, and no served max_k is near it
@@ -60,20 +56,15 @@ def add_check_parser(sub):
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def check_command(args) -> int:
     from ..defaults import default_model_dir
     from ..model import load_model
 
     settings = CheckSettings(args.max_k, args.prompt_len, args.new_tokens, args.sequences, args.seed)
     if args.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda, but torch sees no CUDA device")
+        return fail("--device cuda, but torch sees no CUDA device")
     if args.json is not None and not args.json.parent.is_dir():
-        return _fail(f"--json {args.json}: no directory {args.json.parent}")
+        return fail(f"--json {args.json}: no directory {args.json.parent}")
     model_dir = args.model or default_model_dir()
     if args.tensor_parallel > 1:
         from .parallel import check_tensor_parallel
@@ -82,39 +73,8 @@ def check_command(args) -> int:
     try:
         model = load_model(model_dir, args.device, DTYPES[args.dtype])
     except (ValueError, OSError) as exc:
-        return _fail(f"--model {model_dir}: {exc}")
+        return fail(f"--model {model_dir}: {exc}")
     error = context_error(settings, model.config)
     if error:
-        return _fail(error)
+        return fail(error)
     return publish(args, check_report(model, model_dir, settings, args.device, args.dtype))
-
-
-def context_error(settings: CheckSettings, config) -> str | None:
-    """Why the settings do not fit the model's context (None: they do)."""
-    limit = config.max_position_embeddings
-    if settings.max_seq_len <= limit:
-        return None
-    return (f"--prompt-len, --new-tokens, --max-k and --sequences need {settings.max_seq_len} positions, "
-            f"past the model's context length {limit}")
-
-
-def check_report(model, model_dir, settings: CheckSettings, device: str, dtype: str, tensor_parallel: int = 1,
-                 show_progress: bool = True) -> dict:
-    """Every check on `model` -> the report; progress on stderr (show_progress: one rank of N says it)."""
-    start = time.perf_counter()
-
-    def progress(message: str) -> None:
-        if show_progress:
-            print(f"[{time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
-
-    results = run_checks(model, settings, progress)
-    return build_report(model_dir, model, settings, environment(device, dtype), results, time.perf_counter() - start,
-                        tensor_parallel)
-
-
-def publish(args, report: dict) -> int:
-    """The summary on stdout, the JSON where --json says -> the exit status (0 passed, 1 a difference)."""
-    print(summary(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["passed"] else 1

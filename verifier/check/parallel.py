@@ -27,7 +27,7 @@ from ..dtypes import DTYPES
 from ..model import load_config, load_model
 from ..model.parallel import ParallelError, TensorParallel, local_config, run_parallel
 from .checks import CheckSettings
-from .cli import RANK_FAILED, _fail, check_report, context_error, publish
+from .report import RANK_FAILED, check_report, context_error, fail, publish
 
 
 class CheckpointUnreadable(Exception):
@@ -39,18 +39,18 @@ def check_tensor_parallel(args, settings: CheckSettings, model_dir: Path) -> int
     """The check command over args.tensor_parallel ranks (the other arguments checked by the caller)."""
     size = args.tensor_parallel
     if args.device == "cuda" and torch.cuda.device_count() < size:
-        return _fail(f"--tensor-parallel {size} with --device cuda needs {size} GPUs; torch sees {torch.cuda.device_count()}")
+        return fail(f"--tensor-parallel {size} with --device cuda needs {size} GPUs; torch sees {torch.cuda.device_count()}")
     try:
         config = load_config(model_dir)
     except (ValueError, OSError) as exc:
-        return _fail(f"--model {model_dir}: {exc}")
+        return fail(f"--model {model_dir}: {exc}")
     try:
         local_config(config, size)  # names the field that does not divide, before any rank reads a weight
     except ValueError as exc:
-        return _fail(f"--tensor-parallel {size}: {exc}")
+        return fail(f"--tensor-parallel {size}: {exc}")
     error = context_error(settings, config)
     if error:
-        return _fail(error)
+        return fail(error)
     backend = "nccl" if args.device == "cuda" else "gloo"
     try:
         report = run_parallel(_check_on_rank, size, model_dir, args.device, args.dtype, settings, backend=backend)
@@ -61,7 +61,7 @@ def check_tensor_parallel(args, settings: CheckSettings, model_dir: Path) -> int
 
 def _rank_failed(err: ParallelError, model_dir: Path, size: int) -> int:
     if isinstance(err.original, CheckpointUnreadable):
-        return _fail(f"--model {model_dir}: {err.original} (rank {err.rank} of {size})")
+        return fail(f"--model {model_dir}: {err.original} (rank {err.rank} of {size})")
     if err.detail:
         print(err.detail, file=sys.stderr)
     print(f"error: --tensor-parallel {size}: {err}", file=sys.stderr)

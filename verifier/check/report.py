@@ -3,14 +3,17 @@ printed from it, so both always say the same."""
 
 from __future__ import annotations
 
+import json
 import math
 import platform
+import sys
+import time
 from collections import Counter
 from dataclasses import asdict
 
 import torch
 
-from .checks import CheckSettings
+from .checks import CheckSettings, run_checks
 from .results import CheckResult, Counts, Difference
 
 
@@ -111,3 +114,43 @@ def summary(report: dict) -> str:
                  if first else "no rows were checked")
         lines.append(f"FAIL: {totals} equal in {report['seconds']:.1f} s; first difference in {where}")
     return "\n".join(lines)
+
+
+RANK_FAILED = 3  # exit status when a tensor-parallel rank failed or died: neither a difference nor bad arguments
+
+
+def fail(message: str) -> int:
+    """A bad argument: one line on stderr -> exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def context_error(settings: CheckSettings, config) -> str | None:
+    """Why the settings do not fit the model's context (None: they do)."""
+    limit = config.max_position_embeddings
+    if settings.max_seq_len <= limit:
+        return None
+    return (f"--prompt-len, --new-tokens, --max-k and --sequences need {settings.max_seq_len} positions, "
+            f"past the model's context length {limit}")
+
+
+def check_report(model, model_dir, settings: CheckSettings, device: str, dtype: str, tensor_parallel: int = 1,
+                 show_progress: bool = True) -> dict:
+    """Every check on `model` -> the report; progress on stderr (show_progress: one rank of N says it)."""
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        if show_progress:
+            print(f"[{time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    results = run_checks(model, settings, progress)
+    return build_report(model_dir, model, settings, environment(device, dtype), results, time.perf_counter() - start,
+                        tensor_parallel)
+
+
+def publish(args, report: dict) -> int:
+    """The summary on stdout, the JSON where --json says -> the exit status (0 passed, 1 a difference)."""
+    print(summary(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["passed"] else 1
