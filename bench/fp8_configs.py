@@ -1,7 +1,7 @@
 """Candidate launch configs of the grouped FP8 experts and of the few-rows FP8 GEMM at a published
 MoE's shapes, timed against the pinned ones as the engine runs them.
 
-    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576]
+    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576] [--screen few]
     PYTHONPATH=. python -m bench.fp8_real_size --out DIR --candidates DIR/fp8_configs_<date>_<config>.json
 
 Row invariance holds for any one config that runs every row count (kernels/moe_grouped.py), so an
@@ -10,6 +10,11 @@ row 0 among M rows, torch.equal) before it is timed. The few-rows FP8 kernel mus
 GEMM's bits over the dequantized weight (kernels/linear_fp8.py): each launch candidate (weight
 features a tile, warps, stages; never its K walk) is checked against
 that GEMM at every timed row count first.
+
+The experts' launch for up to FEW_ROWS rows (kernels/moe_grouped.py's `launch_for_rows`: feature
+tiles, warps, stages) is screened at the row counts up to FEW_ROWS, each candidate first held to the
+pinned launch's bits (torch.equal of every row), and the fastest per stage make the launch
+recorded as few_rows.launch.
 
 Timing as in a step: LAYERS distinct weight stacks (more bytes than the L2 holds) in one CUDA graph,
 the experts with their routing launch per layer, replayed; ms per layer (experts) or per call
@@ -32,10 +37,11 @@ from pathlib import Path
 import torch
 
 from bench.kernel_candidates import ROWS_FIELDS
-from bench.machine import device_name, results_path
+from bench.machine import device_name, name_arg, results_path
 from bench.row_invariance import FP8_BLOCK, dense_weight, model_weights
 from hybrid_kernels.linear import linear
 from hybrid_kernels.linear_fp8 import BlockScales, linear_fp8, standard_scale_row
+import hybrid_kernels.moe_grouped as mg
 from hybrid_kernels.moe_grouped import GroupedConfig, group_pairs, grouped_config, grouped_experts
 from presets.published import PUBLISHED
 from verifier.arguments import DefaultsHelpFormatter
@@ -76,7 +82,22 @@ def expert_candidates(pinned: GroupedConfig) -> list[GroupedConfig]:
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
-def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torch.Generator) -> dict:
+def few_rows_candidates() -> list[dict[str, int]]:
+    """Launch fields only (kernels/moe_grouped.py's LAUNCH_FIELDS) for up to FEW_ROWS rows: stage 1's
+    feature tile, warps and stages with the rest pinned, then stage 2's, then the combine's. Warps
+    lie along the features at 16 rows a block (at least 8 features each: one mma.sync n8 tile)."""
+    out = [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n, w in ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4))
+           for st in (3, 4)]
+    out += [dict(BLOCK_N2=n, num_warps2=w) for n, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))]
+    out += [dict(BLOCK_H=b) for b in (64, 128, 512)]
+    return out
+
+
+def launch_key(launch: dict[str, int]) -> str:
+    return ",".join(f"{f}={v}" for f, v in launch.items())
+
+
+def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torch.Generator, screen: str = "all") -> dict:
     """The grouped experts of one MoE layer as the engine runs them (the shared expert folded in:
     the stack's last expert, in one more slot of every row), LAYERS distinct layers in one CUDA graph, each with its
     own routing launch: ms per layer for every candidate at every row count. Candidates that change
@@ -104,7 +125,7 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torc
         ids, weights = routes[j]
         return grouped_experts(x[:m], group_pairs(ids[:m], weights[:m], e), wg, wu, wd, out[:m], (sg, su, sd), config)
 
-    def timed(config) -> dict[str, float] | str:
+    def timed(config, rows=rows) -> dict[str, float] | str:
         try:
             alone = layer(1, 0, config).clone()
             for m in rows:
@@ -116,13 +137,50 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torc
 
     routing_ms = {str(m): round(graph_ms(lambda m=m: [group_pairs(routes[j][0][:m], routes[j][1][:m], e) for j in range(LAYERS)])
                                 / LAYERS, 4) for m in rows}
+    few = {"few_rows": sweep_few_rows(pinned, [m for m in rows if m <= mg.FEW_ROWS], layer, timed, e, top_k)}
+    if screen == "few":
+        return {"routing_ms": routing_ms, **few}
     times = {}
     for config in expert_candidates(pinned):
         times[",".join(map(str, config))] = timed(config)
         print(f"    {','.join(map(str, config))}: {times[','.join(map(str, config))]}", file=sys.stderr, flush=True)
     expert_bytes = 3 * i * h + (3 * -(-i // FP8_BLOCK) * -(-h // FP8_BLOCK)) * 4  # one expert's values and scales
-    summary = _summary(times, ",".join(map(str, pinned)), timed(None), expert_bytes, top_k - 1, e - 1, shared=True)
-    return {"routing_ms": routing_ms, **summary}
+    summary = _summary(times, ",".join(map(str, pinned)), timed(pinned), expert_bytes, top_k - 1, e - 1, shared=True)
+    return {"routing_ms": routing_ms, **summary, **few}
+
+
+def sweep_few_rows(pinned: GroupedConfig, rows: list[int], layer, timed, e: int, top_k: int) -> dict:
+    """The few-rows launch (kernels/moe_grouped.py's `launch_for_rows`): each candidate's outputs must
+    equal the pinned launch's at every timed row count (torch.equal: a launch field that changed a
+    pair's bits would break the rows' invariance across FEW_ROWS), then it is timed; the fastest per
+    stage, relative to the pinned launch summed over the row counts, make the launch, which is
+    checked and timed as a whole. -> {rows, pinned_ms, candidates, launch, launch_ms}"""
+    if not rows:
+        return {}
+    expected = {m: layer(m, 0, pinned).clone() for m in rows}
+    pinned_ms = timed(pinned, rows)
+
+    def checked(launch: dict[str, int]) -> dict[str, float] | str:
+        config = pinned._replace(**launch)
+        try:
+            bad = [m for m in rows if not torch.equal(layer(m, 0, config), expected[m])]
+        except Exception as exc:
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return f"other bits than the pinned launch at {bad} rows" if bad else timed(config, rows)
+
+    times, best = {}, {}
+    for launch in few_rows_candidates():
+        key = launch_key(launch)
+        times[key] = checked(launch)
+        print(f"    few rows {key}: {times[key]}", file=sys.stderr, flush=True)
+        if isinstance(times[key], dict) and isinstance(pinned_ms, dict):
+            stage = "1" if "BLOCK_N" in launch else "2" if "BLOCK_N2" in launch else "combine"
+            cost = sum(t / pinned_ms[r] for r, t in times[key].items()) / len(rows)
+            if cost < best.get(stage, (1.0, None))[0]:  # faster than the pinned launch, on average
+                best[stage] = (cost, launch)
+    launch = {f: v for _, chosen in best.values() for f, v in chosen.items()}
+    launch_ms = checked(launch) if launch else pinned_ms
+    return {"rows": rows, "pinned_ms": pinned_ms, "candidates": times, "launch": launch, "launch_ms": launch_ms}
 
 
 def rows_candidates() -> list[tuple[int, int, int]]:
@@ -193,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,9,64,576",
                         help="row counts timed (decode and K = 8 verify at batch 1 and 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    parser.add_argument("--name", default="", type=name_arg, help="what differs, appended to the file name after the config (e.g. the screen or the device)")
+    parser.add_argument("--screen", choices=("all", "few"), default="all",
+                        help="all: every candidate; few: only the experts' launch for up to FEW_ROWS rows "
+                             "(kernels/moe_grouped.py's launch_for_rows)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: the candidates are timed on it")
@@ -203,11 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     for (kind, dtype, shape), where in sorted(model_weights(PUBLISHED[args.config], fp8=True).items(), key=lambda kv: (kv[0][0] != "experts", kv[0])):
         if dtype != "fp8" or all(".shared." in w for w in where):  # the engine folds the shared expert into the experts
             continue
+        if args.screen == "few" and kind == "dense":
+            continue
         name = f"{kind} {'x'.join(map(str, shape))}"
         print(f"[fp8_configs] {name} ({len(where)} weights)", file=sys.stderr, flush=True)
         shapes[name] = {"where": where[:3] + ([f"... {len(where)} in all"] if len(where) > 3 else []),
-                        **(sweep_rows_kernel(*shape, rows, gen) if kind == "dense" else sweep_experts(*shape, rows, gen))}
-        for r, b in shapes[name]["best_by_rows"].items():
+                        **(sweep_rows_kernel(*shape, rows, gen) if kind == "dense" else sweep_experts(*shape, rows, gen, args.screen))}
+        few = shapes[name].get("few_rows") or {}
+        if few:
+            print(f"  few rows: pinned launch {few['pinned_ms']}, chosen {few['launch']}: {few['launch_ms']}", file=sys.stderr, flush=True)
+        for r, b in shapes[name].get("best_by_rows", {}).items():
             print(f"  {r} rows: pinned {b['pinned_ms']} ms ({b['pinned_gb_s']} GB/s), best {b['ms']} ms ({b['x_pinned']}x) {b['config']}",
                   file=sys.stderr, flush=True)
         path = write(args, rows, shapes)  # after every shape: a run cut short keeps what it timed
@@ -224,7 +291,7 @@ def write(args: argparse.Namespace, rows: list[int], shapes: dict) -> Path:
               "dense_fields": list(ROWS_FIELDS),
               "expert_fields": list(GroupedConfig._fields), "shapes": shapes}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = results_path(args.out, "fp8_configs", today, args.config)
+    path = results_path(args.out, "fp8_configs", today, f"{args.config}_{args.name}" if args.name else args.config)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
 

@@ -66,7 +66,7 @@ from safetensors.torch import save_file
 
 from bench.fp8_mtp import mtp_draft
 from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, kernel_table, median_ms, open_sequences, rejected_step
-from bench.machine import device_name, results_path
+from bench.machine import device_name, name_arg, results_path
 from bench.step_floor import SequenceStep, distinct_experts, mean_floor, model_sizes, recorded_routing, step_floor
 from presets.published import PUBLISHED
 from verifier.check.checks import CheckSettings, full_batch_vs_alone
@@ -450,6 +450,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--candidates", type=Path, default=None,
                         help="a bench.fp8_configs results file: run its winning kernel configs instead of the pinned ones "
                              "(recorded as kernel_candidates), to judge them in the engine")
+    parser.add_argument("--name", default="", type=name_arg,
+                        help="appended to the file name after the config: what differs (e.g. the device, so that each "
+                             "device keeps its newest figures)")
     return parser.parse_args(argv)
 
 
@@ -502,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        out_file = results_path(args.out, "fp8_real_size", today, args.config + ("_fused" if args.experts == "fused" else ""))
+        out_file = results_path(args.out, "fp8_real_size", today,
+                                args.config + ("_fused" if args.experts == "fused" else "") + (f"_{args.name}" if args.name else ""))
         out_file.write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {out_file}")
     return result

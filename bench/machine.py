@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import re
 from pathlib import Path
@@ -31,6 +32,14 @@ def check_name(name: str) -> str:
     if name and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise ValueError(f"--name {name!r}: letters, digits, '.', '_' and '-' only")
     return name
+
+
+def name_arg(text: str) -> str:
+    """check_name as an argparse type: a bad --name is the parser's error (exit 2, the rule in its message)."""
+    try:
+        return check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def results_path(out: Path, bench: str, date: str, name: str = "") -> Path:

@@ -186,7 +186,7 @@ class Tables:
                 cells.append(experts)
             else:
                 cells = [f"{d['decode_ms_b1']:.2f} ({d['decode_ms_b1'] / d['hbm_floor_ms']:.1f}x)", *(f"{d[k]:.2f}" for k in figures[1:])]
-            rows.append(f"{d['config']} ({d['scale']}, {d['experts']} experts) | {d['params_total'] / 1e9:.2f} B "
+            rows.append(f"{d['config']} ({d['scale']}, {d['experts']} experts) | {d.get('device', '-')} | {d['params_total'] / 1e9:.2f} B "
                         f"({d['params_active'] / 1e9:.2f} B) | {d['checkpoint_gb']:.1f} GB | {d['load_s']:.1f} s | "
                         f"{d['hbm_floor_ms']:.2f} | " + " | ".join(cells) + " | "
                         f"{d['bitexact_rows']}; full batch {d.get('full_batch_rows', '-')} rows, "
@@ -195,7 +195,7 @@ class Tables:
             head = ["decode b=1 ms (x its own floor ms)", "K=8 b=1", "decode b=64", "K=8 b=64", "experts a layer (mean, each figure)"]
         else:
             head = ["decode b=1 ms (x floor)", "K=8 b=1", "decode b=64", "K=8 b=64"]
-        text = table(["config", "params (active)", "checkpoint", "load", "HBM floor ms", *head, "rows = serial", "gate",
+        text = table(["config", "device", "params (active)", "checkpoint", "load", "HBM floor ms", *head, "rows = serial", "gate",
                       "peak GPU memory"], rows, "")
         mtp = self.fp8_mtp_draft([self.load(path) for path in files])
         steps = self.fp8_step_figures([self.load(path) for path in files])
@@ -221,7 +221,7 @@ class Tables:
 
             def num(value, digits=2):
                 return "-" if value is None else f"{value:.{digits}f}"
-            rows.append(f"{d['config']} | {verifies or '-'} | {per_token or '-'} (acceptance {accepted or '-'}) | "
+            rows.append(f"{d['config']} ({d.get('device', '-')}) | {verifies or '-'} | {per_token or '-'} (acceptance {accepted or '-'}) | "
                         f"{launches.get('decode_ms_b1', '-')} / {max(launches.values()) if launches else '-'} | "
                         f"{num(kf['fp8_gemm_one_row_tb_s'])} | {num(kf.get(many), 0) if many else '-'} | "
                         f"{num(kf['routed_experts_b1_tb_s'])} / {num(kf.get('routed_experts_b64_tb_s'))} | "
@@ -245,7 +245,8 @@ class Tables:
                 cells.append("-" if figure["ms"] is None else
                              f"{figure['ms']:.2f} ({figure['ratio']:.1f}x of {figure['floor_ms']:.2f}; {figure['ratio_to_decode']:.2f}x)")
             one = mtp["drafts"]["1"]
-            rows.append(f"{d['config']} ({mtp['layers']} {mtp['mlp']} layer, {mtp['weight_bytes'] / 1e9:.2f} GB) | " + " | ".join(cells)
+            rows.append(f"{d['config']} ({d.get('device', '-')}; {mtp['layers']} {mtp['mlp']} layer, {mtp['weight_bytes'] / 1e9:.2f} GB) | "
+                        + " | ".join(cells)
                         + f" | {one['bytes']['lm_head'] / one['total_bytes']:.0%}")
         if not rows:
             return ""

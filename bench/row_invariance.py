@@ -1,13 +1,14 @@
 """Row invariance swept on the device: every GEMM and routed-experts shape of the published configs.
 
-    PYTHONPATH=. python -m bench.row_invariance --out DIR [--configs all] [--max-rows 1024]
+    PYTHONPATH=. python -m bench.row_invariance --out DIR [--configs all] [--max-rows 1024] [--name h200]
 
 What it proves. kernels/linear.py's bf16 GEMM picks its tile by row count (16-row mma.sync tiles
 below 32 rows, 64- and 128-row wgmma tiles above), which keeps a row's bits only if the two MMA
 instructions round every sum alike: measured, not documented. kernels/linear_fp8.py's bf16 path
 does the same (a weight-first 16-row tile below 64 rows, the bf16 GEMM of the dequantized weight
-from 64 on), so it rests on this sweep too; kernels/moe_grouped.py uses one tile for every row
-count, so there it holds by construction, and the sweep checks it anyway. For each config, the weights are those the engine multiplies, as the loader
+from 64 on), so it rests on this sweep too; kernels/moe_grouped.py keeps what a pair computes for
+every row count and lets only its launch follow the rows (feature tiles up to FEW_ROWS rows), so
+there it holds by construction, and the sweep checks it anyway. For each config, the weights are those the engine multiplies, as the loader
 joins them (`model_weights`: a model built on the meta device, so no bytes), in bf16 and as a
 published block-FP8 checkpoint stores them (bench/fp8_real_size.py's rule and kept modules: the
 head, routers, shared-expert gate and GDN's b and a inputs stay bf16; the Kimi router is fp32):
@@ -17,7 +18,7 @@ head, routers, shared-expert gate and GDN's b and a inputs stay bf16; the Kimi r
 - routed experts [E, I, H] with top_k: random rows, each with its own distinct experts; every row
   alone against the first M rows, for M = 1 .. max_rows (every block-mate mix the grouping makes).
 A difference is a row whose bits depend on what shares its launch: the contract broken.
-Writes DIR/row_invariance_<date>.json: device, date, versions, per config its shapes, and per
+Writes DIR/row_invariance_<date>[_<name>].json: device, date, versions, per config its shapes, and per
 (kind, dtype, shape) the row counts swept and the rows that differ (must be none). Exit 1 if any do.
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench import fp8_real_size
-from bench.machine import device_name
+from bench.machine import device_name, name_arg, results_path
 from hybrid_kernels import moe
 from hybrid_kernels.linear import linear
 from hybrid_kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="all", help=f"comma-separated names, or all: {', '.join(sweep_configs())}")
     parser.add_argument("--max-rows", type=int, default=1024, help="row counts 1 .. this are swept")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="", type=name_arg, help="appended to the file name: what differs (e.g. the device)")
     parser.add_argument("--candidates", type=Path, default=None,
                         help="a bench.fp8_configs results file: sweep its winning kernel configs instead of the pinned ones "
                              "(recorded as kernel_candidates), as a change to them must be swept before it lands")
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
            "max_rows": args.max_rows, "seed": args.seed, **candidates,
            **run({n: known[n] for n in names}, args.max_rows, args.seed, lambda m: print(m, file=sys.stderr, flush=True))}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"row_invariance_{today}.json"
+    path = results_path(args.out, "row_invariance", today, args.name)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"[row_invariance] {'every shape invariant' if out['invariant'] else 'DIFFERENCES'}: wrote {path}", file=sys.stderr)
     return 0 if out["invariant"] else 1

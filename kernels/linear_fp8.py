@@ -40,7 +40,10 @@ bf16 activations take one of two paths by row count, both the bf16 GEMM of the r
   16-wide operand, not a 64-row tile: a decode reads the weight at a multiple of the old speed.
 - from DEQUANTIZED_ROWS on: `dequantize` makes the real weight once (dequantize_ref's values) and
   kernels/linear.py's bf16 GEMM multiplies it. Many rows are MMA-bound, and that GEMM's wgmma tiles
-  outrun any tile that dequantizes in registers per row block.
+  outrun any tile that dequantizes in registers per row block: the few-rows kernel with 64- or
+  128-row tiles (the same bits) took 1.0-2.5x the dequantized path's time at 64 rows and 2.6-3.7x
+  at 576 on every dense shape of Qwen3.6-35B-A3B (H200: its more_rows in
+  bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_few-rows-h200.json).
 Both must equal the bf16 GEMM over dequantize_ref's weight, row by row, whatever the row count:
 what shares a row's launch, and which path it took, must not change its bits. That is measured,
 not documented (as kernels/linear.py's tiles by row count are): on the H200 a 16-row tile that

@@ -26,17 +26,20 @@ BLOCK_K steps, tl.dot into fp32, then h = cast(silu(g) * u). Stage 2, `_grouped_
 `_combine_kernel`, grid (R, cdiv(H, BLOCK_H)): per row, its S pairs' y in ascending expert id
 order (S passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
 
-Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what
-a pair computes does not: BLOCK_M, the tiles and the K walks are pinned per (H, I, dtype)
+Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what a
+pair computes does not: BLOCK_M, the tiles and the K walks are pinned per (H, I, dtype)
 (`grouped_config`), so a pair's dots are the same chunks in the same order in the same MMA
 instruction at any place in any block, and an MMA's output row is a function of its own input row
-(swept on the H200 for every published expert shape, bf16 and FP8, M = 1..1024 rows:
-`python -m bench.row_invariance`). The tile is one for every row count, by construction: nothing
-here follows the batch's size. The order of an expert's list (handed out by atomic increments)
-decides only which pairs share a block, which a pair's bits do not depend on. Row counts are not
-specialised on, and the caller's row-side pointers are not specialised on alignment. The sum over
-a row's experts is the combine's, in ascending id order: the listing order of a row's ids and its
-block-mates never reach it. Decode and verify take this one path.
+(swept on the H200 for every published expert shape, bf16 and FP8, M = 1..1024 rows: `python -m
+bench.row_invariance`). What a pair computes is one for every row count, by construction; only the
+launch may follow the batch's size: up to FEW_ROWS rows, block-FP8 experts of many take their own
+feature tiles, warps and stages (`launch_for_rows`: narrower tiles spread a decode's few experts
+over more programs), which leave every output element's K chunks and their order alone. The order of an expert's
+list (handed out by atomic increments) decides only which pairs share a block, which a pair's bits
+do not depend on. Row counts are not specialised on, and the caller's row-side pointers are not
+specialised on alignment. The sum over a row's experts is the combine's, in ascending id order: the
+listing order of a row's ids and its block-mates never reach it. Decode and verify take this one
+path.
 
 The dot is kernels/linear.py's `_dot_acc`: under the interpreter not tl.dot but `_dot_rows_apart`
 (tiles upcast to fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
@@ -67,6 +70,16 @@ NO_EXPERT = tl.constexpr(2**62)  # above every expert id: masked slots and "no i
 
 # experts per routing slot from which blocks are 16 rows whatever the dtype (grouped_config)
 MANY_EXPERTS_PER_SLOT = 8
+
+# Up to FEW_ROWS rows (a decode, or a verify of up to FEW_ROWS - 1 drafts, of one sequence) block-FP8
+# experts of many take FEW_ROWS_LAUNCH's launch fields (`launch_for_rows`): the grid follows the
+# row count, the arithmetic does not. From `python -m bench.fp8_configs --screen few` on the H200
+# (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_few-rows-h200.json): 32-feature stage-1
+# tiles, faster in the engine's grouped experts at 1, 2, 4 and 9 rows (`bench.fp8_real_size
+# --candidates`, kernel_breakdowns), swept and gated there (bench/results/row_invariance_2026-12-06_h200.json).
+FEW_ROWS = 16
+LAUNCH_FIELDS = ("BLOCK_N", "BLOCK_N2", "BLOCK_H", "num_warps", "num_stages", "num_warps2", "num_stages2")
+FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32}
 
 
 class GroupedConfig(NamedTuple):
@@ -128,6 +141,35 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
         BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n2, h), BLOCK_K2=fit(block_k, i),
         BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages, num_warps2=4, num_stages2=num_stages,
     )
+
+
+def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_launch: dict[str, int] | None = None) -> GroupedConfig:
+    """The pinned config `cfg` of experts [E, i, h] with its launch for a batch of `rows` rows: up to
+    FEW_ROWS rows FEW_ROWS_LAUNCH's feature tiles, warps and stages (or few_rows_launch's), fitted to
+    the shape as grouped_config fits its own.
+
+    Why the bits stay: what a pair computes is fixed by BLOCK_M (which MMA instruction, mma.sync at
+    16 rows), BLOCK_K and BLOCK_K2 (the K walks), none of which is a launch field. A feature tile
+    decides which output features one program computes, the warps how the program's MMAs are laid
+    out over them, the stages when tiles are loaded: each output element is still the same 16-wide
+    K chunks added in the same order into one fp32 register. That is swept, not assumed: `python -m
+    bench.fp8_configs --screen few` keeps only candidates whose outputs equal the pinned launch's
+    (torch.equal) at every row count it times, and `python -m bench.row_invariance` compares each row
+    alone with the first M rows across FEW_ROWS."""
+    launch = FEW_ROWS_LAUNCH if few_rows_launch is None else few_rows_launch
+    if rows > FEW_ROWS or not launch:
+        return cfg
+
+    def fit(block: int, n: int) -> int:
+        return max(16, min(block, triton.next_power_of_2(n)))
+
+    fields = {f: v for f, v in launch.items() if f in LAUNCH_FIELDS}
+    for field, n in (("BLOCK_N", i), ("BLOCK_N2", h)):
+        if field in fields:
+            fields[field] = fit(fields[field], n)
+    if "BLOCK_H" in fields:
+        fields["BLOCK_H"] = min(fields["BLOCK_H"], triton.next_power_of_2(h))
+    return cfg._replace(**fields)
 
 
 def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -325,13 +367,17 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     """The three launches on arguments kernels/moe.py has checked (x, ids and weights contiguous,
     out [R, H] contiguous, R >= 1; routing's counts and lists as kernels/moe_route.py leaves them);
     scales None: weights in x's dtype. Fills and returns out, and sets routing.counts back to zero.
-    config: overrides `grouped_config` (bench.fp8_configs times candidates): that one config then
-    runs every row count, so the rows stay invariant under it too."""
+    config: overrides `grouped_config` and `launch_for_rows` (bench.fp8_configs times candidates):
+    that one config then runs every row count, so the rows stay invariant under it too."""
     r, h = x.shape
     slots = routing.ids.shape[1]
     e, i, _ = w_gate.shape
     n_pairs = r * slots
-    cfg = config or grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
+    if config is None:
+        config = grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
+        if scales is not None and x.dtype == torch.bfloat16 and e >= MANY_EXPERTS_PER_SLOT * slots:
+            config = launch_for_rows(config, r, h, i)
+    cfg = config
     hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by pair
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)

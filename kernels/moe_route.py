@@ -24,6 +24,10 @@ The grouped experts then sum every pair's output, shared included, in ascending 
 fp32 and cast once (kernels/moe.py); HF rounds the routed sum and the gated shared output to
 the activation dtype before adding them, which differs only in that rounding.
 
+One warp a row: the T passes of the top-k are reductions over BLOCK_E lanes, which within one
+warp are register shuffles, not round trips through shared memory between warps (a decode's
+routing is a chain of T such passes, in the latency of every MoE layer).
+
 Row invariance: one program per row; a row's ids and weights are a function of its own logits
 (fixed reduction trees over BLOCK_E, a function of E alone). The grouping is the one place where
 rows meet: each pair takes the next free entry of its expert's list with an atomic increment, so
@@ -175,7 +179,7 @@ def route(logits: torch.Tensor | SplitSums, n_experts: int, top_k: int, counts: 
         E=n_experts, L=n_logits, T=top_k, S=slots, SPLITS=splits, LOGIT_DTYPE=TL_DTYPES[logit_dtype],
         SOFTMAX_ROUTER=router == SOFTMAX, RENORMALIZE=renormalize, HAS_BIAS=bias is not None, SHARED=shared,
         WEIGHT_DTYPE=TL_DTYPES[weight_dtype], BLOCK_E=triton.next_power_of_2(n_logits), BLOCK_S=max(2, triton.next_power_of_2(slots)),
-        INTERPRET=interpreting(), num_warps=4 if n_logits > 256 else 2, **launch_options(device),
+        INTERPRET=interpreting(), num_warps=1, **launch_options(device),
     )
     return Routing(ids, weights, counts, lists)
 

@@ -101,7 +101,7 @@ def test_fp8_real_size_adds_the_mtp_table_only_for_files_that_time_mtp_drafts(tm
     (tmp_path / "fp8_real_size_2026-01-01_b.json").write_text(json.dumps({**old, "mtp_draft": {"error": "RuntimeError: x"}}))
     text = report.Tables(tmp_path).fp8_real_size()
     assert text.startswith(before.split("\n\nSource:")[0])  # the main table unchanged, the second file's row added below it
-    assert f"| {old['config']} (1 moe layer, 0.85 GB) | 0.50 (2.0x of 0.25; 0.06x) | 1.00 (2.0x of 0.50; 0.12x) | " \
+    assert f"| {old['config']} ({old.get('device', '-')}; 1 moe layer, 0.85 GB) | 0.50 (2.0x of 0.25; 0.06x) | 1.00 (2.0x of 0.50; 0.12x) | " \
            "1.50 (2.0x of 0.75; 0.19x) | 2.00 (2.0x of 1.00; 0.25x) | 91% |" in text
     assert text.count("1 moe layer") == 1 and text.rstrip().endswith("_2026-01-01_b.json`.")
 
@@ -188,5 +188,5 @@ def test_fp8_real_size_adds_the_step_figures_for_files_that_have_them(tmp_path):
                              "sort_topk_launches": {"decode_ms_b1": 0, "verify_k8_ms_b64": 0}})
     (tmp_path / "fp8_real_size_2026-01-01_a.json").write_text(json.dumps(d))
     text = report.Tables(tmp_path).fp8_real_size()
-    assert (f"| {d['config']} | 1.00 / 2.00 / 3.00 / 4.00 | 3.00 / 2.50 / 2.00 (acceptance 1.9 / 2.4 / 2.8) | 500 / 510 | 2.50 | 401 | "
+    assert (f"| {d['config']} ({d.get('device', '-')}) | 1.00 / 2.00 / 3.00 / 4.00 | 3.00 / 2.50 / 2.00 (acceptance 1.9 / 2.4 / 2.8) | 500 / 510 | 2.50 | 401 | "
             "2.40 / 2.60 | 0 |") in text

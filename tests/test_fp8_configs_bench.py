@@ -67,3 +67,29 @@ def test_winners_are_applied_for_the_engine(tmp_path, monkeypatch):
     assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9) == grouped_config(2048, 512, torch.bfloat16, 257, 9)  # bf16 experts keep theirs
     # 128,4,1: 0.5 + 3.0 relative against the pinned launch's 1 + 1; 64,4,6 failed at a shape
     assert applied["rows kernel"] == "64,4,4" and (lf.ROWS_TILE_FEATURES, lf.ROWS_STAGES) == (64, 4)
+
+
+def test_few_rows_candidates_change_launch_fields_only():
+    import hybrid_kernels.moe_grouped as mg
+
+    candidates = fp8_configs.few_rows_candidates()
+    assert len(candidates) > 10
+    for launch in candidates:
+        assert set(launch) <= set(mg.LAUNCH_FIELDS), launch
+        if "BLOCK_N" in launch:
+            assert launch["BLOCK_N"] >= 8 * launch["num_warps"]  # each warp at least one mma.sync n8 tile
+
+
+def test_the_few_rows_launch_is_applied_for_the_engine(tmp_path, monkeypatch):
+    import json
+
+    import hybrid_kernels.moe_grouped as mg
+
+    launch = {"BLOCK_N": 16, "num_warps": 1, "BLOCK_H": 128}
+    results = {"shapes": {"experts 257x512x2048x8": {"few_rows": {"launch": launch}}}}
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    monkeypatch.setattr(mg, "FEW_ROWS_LAUNCH", {})
+    monkeypatch.setattr(mg, "grouped_config", mg.grouped_config)
+    applied = kernel_candidates.apply_winners(tmp_path / "r.json")
+    assert mg.FEW_ROWS_LAUNCH == launch and applied["experts up to FEW_ROWS rows"] == "BLOCK_N=16,num_warps=1,BLOCK_H=128"
+    assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True) == grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)

@@ -118,3 +118,34 @@ ERRORS = {
 @pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
 def test_launcher_errors(device, case):
     assert_refused(case, device, moe_experts_fp8, moe_experts_fp8_ref)
+
+
+def test_few_rows_launch_keeps_the_arithmetic():
+    """launch_for_rows changes launch fields only, fitted to the shape, and only up to FEW_ROWS rows."""
+    import hybrid_kernels.moe_grouped as mg
+
+    pinned = mg.grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)
+    launch = dict(BLOCK_N=16, num_warps=1, BLOCK_N2=4096, num_warps2=2, BLOCK_H=64, BLOCK_K=16)  # BLOCK_K: not a launch field
+    few = mg.launch_for_rows(pinned, 1, 2048, 512, launch)
+    assert (few.BLOCK_M, few.BLOCK_K, few.BLOCK_K2) == (pinned.BLOCK_M, pinned.BLOCK_K, pinned.BLOCK_K2)
+    assert (few.BLOCK_N, few.num_warps, few.BLOCK_N2, few.num_warps2, few.BLOCK_H) == (16, 1, 2048, 2, 64)
+    assert mg.launch_for_rows(pinned, mg.FEW_ROWS, 2048, 512, launch) == few
+    assert mg.launch_for_rows(pinned, mg.FEW_ROWS + 1, 2048, 512, launch) == pinned
+    assert mg.launch_for_rows(pinned, 1, 2048, 512, {}) == pinned
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_few_rows_launch_gives_the_pinned_bits(device, monkeypatch, rows):
+    """Block-FP8 experts of many in bf16 take FEW_ROWS_LAUNCH up to FEW_ROWS rows: the same bits as
+    the pinned launch (narrow feature tiles, one warp, a narrow combine), and rows past FEW_ROWS
+    equal to themselves alone."""
+    import hybrid_kernels.moe_grouped as mg
+
+    x, ids, weights, w_gate, w_up, w_down, scales = make(mg.FEW_ROWS + 2, 40, 48, 32, 3, (16, 16), torch.bfloat16, device, seed=3)
+    assert mg.MANY_EXPERTS_PER_SLOT * 3 <= 32
+    pinned = moe_experts_fp8(x[:rows], ids[:rows], weights[:rows], w_gate, w_up, w_down, scales)
+    monkeypatch.setattr(mg, "FEW_ROWS_LAUNCH", dict(BLOCK_N=16, num_warps=1, num_stages=3, BLOCK_N2=16, num_warps2=1, BLOCK_H=16))
+    few = moe_experts_fp8(x[:rows], ids[:rows], weights[:rows], w_gate, w_up, w_down, scales)
+    assert torch.equal(few, pinned)
+    full = moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, scales)
+    assert torch.equal(full[:rows], few), f"rows 0..{rows} with the few-rows launch differ from the {len(x)}-row launch"
