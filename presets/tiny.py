@@ -83,8 +83,8 @@ KIMI_QLORA = dict(
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 # Tensor parallelism (tests/test_tensor_parallel.py): every head count and every split size divisible by
-# 2 and by 3 (6 KV heads, 6 key heads, intermediate sizes and vocabularies multiples of 6), so one
-# checkpoint runs on 2 and on 3 ranks. Qwen3-Next's interleaved projections and per-expert MoE with a
+# 2 and by 3 (6 KV heads, 6 key heads, intermediate sizes multiples of 6), so one checkpoint runs on 2
+# and on 3 ranks; Qwen3.5-MoE's vocabulary (91) divides by neither, so its ranks pad their vocabulary rows. Qwen3-Next's interleaved projections and per-expert MoE with a
 # dense layer; Qwen3.5-MoE's separate projections, fused experts and a tied head; Kimi's MLA, KDA and
 # grouped sigmoid router.
 QWEN_NEXT_TP = dict(
@@ -96,7 +96,7 @@ QWEN_NEXT_TP = dict(
     shared_expert_intermediate_size=18, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
 )
 QWEN35_MOE_TP = dict(
-    vocab_size=90, hidden_size=24, num_hidden_layers=3,
+    vocab_size=91, hidden_size=24, num_hidden_layers=3,
     layer_types=["linear_attention", "full_attention", "linear_attention"],
     num_attention_heads=6, num_key_value_heads=6, head_dim=6,
     linear_num_key_heads=6, linear_num_value_heads=6, linear_key_head_dim=6, linear_value_head_dim=4,

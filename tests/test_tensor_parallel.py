@@ -35,6 +35,7 @@ from verifier.generate import generate
 from verifier.model import CheckpointError, HybridModel, load_config, load_model
 from verifier.model.fp8_checkpoint import write_block_fp8_checkpoint, write_dequantized_checkpoint
 from verifier.model.parallel import ParallelError, ShardedSource, TensorParallel, local_config, run_parallel
+from verifier.model.parallel.sharding import VocabRows
 from verifier.model.rollback import ROLLBACK_MODES
 from verifier.params import SamplingParams
 from verifier.proposers import OracleProposer, RandomProposer
@@ -221,7 +222,7 @@ def _split_weights(path, config, parallel) -> list[tuple[str, tuple[int, ...]]]:
         if rule is None or "scale_inv" in name or not hasattr(rule, "dim"):
             continue
         part = list(probe.take_raw(name).shape)
-        part[rule.dim] //= parallel.size
+        part[rule.dim] = len(parallel.vocab_rows(rule.vocab)) if isinstance(rule, VocabRows) else part[rule.dim] // parallel.size
         out.append((name, tuple(part)))
     return out
 
@@ -233,10 +234,34 @@ def test_sizes_that_do_not_divide_are_named(hf_checkpoint):
     local = local_config(config, 2)
     assert (local.attention.n_heads, local.attention.n_kv_heads, local.gdn.n_k_heads, local.gdn.n_v_heads) == (2, 1, 1, 2)
     assert (local.moe.expert_intermediate_size, local.moe.shared_intermediate_size, local.vocab_size) == (12, 16, 96)
-    with pytest.raises(ValueError, match="vocab_size .* 77 is not divisible by 2"):
-        local_config(load_config(hf_checkpoint("kimi_linear_qlora")), 2)
     with pytest.raises(ValueError, match="rows 10 is not divisible by 4"):
         TensorParallel(1, 4).shard(10, "rows")
+
+
+def test_a_vocabulary_the_ranks_do_not_divide_is_padded(tp_paths):
+    """91 ids on 2 ranks: 46 rows each, the last row of rank 1 zeros; on 3 ranks 31 each, the last
+    two rows of rank 2 zeros. Each rank's embedding (the tied head) holds exactly the ids of its
+    range and zeros past the last id; a stored table of another vocabulary is refused, naming the
+    split. (The ranks' logits, cut to the vocabulary, are held to one process's in
+    test_ranks_match_one_process_and_keep_the_contract.)"""
+    path = tp_paths["qwen3_5_moe_tp"]
+    config = load_config(path)
+    assert config.vocab_size == 91 and config.tie_word_embeddings
+    whole = load_model(path).embed
+    for size, part in ((2, 46), (3, 31)):
+        for rank in range(size):
+            parallel = TensorParallel(rank, size)
+            rows = parallel.vocab_rows(91)
+            assert (rows.start, len(rows)) == (rank * part, part)
+            embed = ShardedSource(path, "cpu", torch.float32, config, parallel).take("model.embed_tokens.weight", (part, config.hidden_size))
+            kept = max(0, min(rows.stop, 91) - rows.start)
+            assert torch.equal(embed[:kept], whole[rows.start:rows.start + kept])
+            assert not embed[kept:].any() and part - kept == (size * part - 91 if rank == size - 1 else 0)
+    source = ShardedSource(path, "cpu", torch.float32, config, TensorParallel(0, 2))
+    table = source.take_raw("model.embed_tokens.weight")
+    source.take_raw = lambda name: table[:90]
+    with pytest.raises(CheckpointError, match=r"expected \[91, 24\] \(tensor parallelism: vocabulary rows split into 2 parts of 46"):
+        source.take("model.embed_tokens.weight", (46, 24))
 
 
 def test_a_rank_that_fails_at_startup_is_an_error_in_the_caller_not_a_hang(hf_checkpoint, tmp_path):
@@ -275,6 +300,6 @@ def test_generate_command_on_two_ranks(tp_paths, tmp_path):
         runs.append((json.loads(proc.stdout), np.load(out)))
     (plain, plain_logits), (spec, spec_logits) = runs
     assert spec["tokens"] == plain["tokens"] and len(plain["tokens"]) == 10 and spec["steps"] < 10 + 1
-    assert np.array_equal(spec_logits, plain_logits) and plain_logits.shape == (10, 90)
+    assert np.array_equal(spec_logits, plain_logits) and plain_logits.shape == (10, 91)  # the vocabulary, no padding column
     proc = _cli("--model", tp_paths["qwen3_next_tp"], "--prompt-ids", "5", "--max-new-tokens", 2, "--tensor-parallel", 4)
     assert proc.returncode == 2 and "n_kv_heads" in proc.stderr and "6 is not divisible by 4" in proc.stderr

@@ -62,8 +62,8 @@ class HybridModel:
         self.device = src.device
         self.dtype = src.dtype
         V, H = config.vocab_size, config.hidden_size
-        if parallel is not None:  # the rank's rows of the embedding and the LM head
-            V = len(parallel.shard(V, "vocab_size"))
+        if parallel is not None:  # the rank's rows of the embedding and the LM head (padded past the last id)
+            V = len(parallel.vocab_rows(V))
         self.embed = src.take("model.embed_tokens.weight", (V, H))
         self.blocks = [Block(config, src, i) for i in range(config.n_layers)]
         self.final_norm = src.take("model.norm.weight", (H,))
@@ -111,8 +111,9 @@ class HybridModel:
             x = x[[o - 1 for o in batch.offsets[1:]]]
         if self.parallel is None:
             return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
-        # each rank's vocabulary columns [rows, V / N], gathered whole [rows, V] on every rank
-        logits = self.parallel.gather_last(head_logits(x, self.lm_head, row_invariant=row_invariant))
+        # each rank's vocabulary columns [rows, cdiv(V, N)], gathered [rows, N * cdiv(V, N)] on every
+        # rank and cut to the vocabulary: padding columns never leave here
+        logits = self.parallel.gather_last(head_logits(x, self.lm_head, row_invariant=row_invariant))[:, :self.config.vocab_size]
         return logits if logits_out is None else logits_out.copy_(logits)
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False,

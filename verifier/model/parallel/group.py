@@ -8,14 +8,14 @@ rank, so verify rows still equal serial decode bitwise within one parallel size:
                library (NCCL: by algorithm, protocol, channels and message size, so by the row
                count), and a reduction tree may differ between ranks. For two ranks a + b is the
                same in either order; past two the fixed order is what makes it deterministic.
-  gather_last  all_gather along the last dim (the vocabulary-split logits): a copy, exact.
+  gather_last  all_gather along the last dim (the vocabulary-split logits, padding included): a copy, exact.
   embed        each rank looks up the ids in its vocabulary range, zeros elsewhere, then `sum`:
                exactly one rank holds a row's value, and v + 0 = v (a -0.0 comes back as +0.0).
 The bits do differ from one process (N = 1) and between parallel sizes: a split projection adds
 its N partial products across ranks where one process adds the whole K range in one GEMM.
 
 Shapes: `sum` takes [rows, H] (any shape, the same on every rank); `gather_last` [rows, v] ->
-[rows, N * v]; `embed` a table [V / N, H] (this rank's rows) and ids [rows] -> [rows, H].
+[rows, N * v]; `embed` a table [cdiv(V, N), H] (this rank's rows, `vocab_rows`) and ids [rows] -> [rows, H].
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ class TensorParallel:
         per_rank = split_evenly(n, self.size, what)
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
+    def vocab_rows(self, vocab: int) -> range:
+        """This rank's rows of a vocabulary of `vocab` ids split into `size` parts of cdiv(vocab, size)
+        rows each: ids rank * part .. (rank + 1) * part. Past the last id (the last ranks, when size
+        does not divide vocab) the rows are padding: zero rows no id looks up, whose logits
+        `HybridModel.forward` cuts away before anything reads them."""
+        part = -(-vocab // self.size)
+        return range(self.rank * part, (self.rank + 1) * part)
+
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x (the same shape and dtype on all), in rank order: copies, exact."""
         if self.size == 1:
@@ -82,7 +90,7 @@ class TensorParallel:
         return torch.cat(self.gather(x), dim=-1)
 
     def embed(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of a vocabulary-split embedding: table [V / size, H] holds ids rank * V / size ..;
+        """Rows of a vocabulary-split embedding: table [part, H] holds ids rank * part .. (`vocab_rows`);
         tokens [rows] int64 ids of the whole vocabulary -> [rows, H], the same on every rank."""
         if self.size == 1:
             return table[tokens]

@@ -27,7 +27,9 @@ contiguous parts; columns are a weight's output features, dim -2; inputs its dim
                    split by intermediate, every rank does the same work for every row whatever the
                    routing (no rank waits on a hot expert's owner), needs no all-to-all of rows,
                    and the layer ends with one cross-rank sum like the dense MLP's.
-  embedding, head  rows of the vocabulary (embedding: look-up then a sum; head: logits gathered).
+  embedding, head  rows of the vocabulary (embedding: look-up then a sum; head: logits gathered),
+                   cdiv(V, N) rows a rank: a vocabulary N does not divide is padded with zero
+                   rows on the last ranks (`VocabRows`), whose logits are cut before any is read.
   norms            whole.
 Everything else is whole on every rank. The vocabulary stays whole in the local config: every
 rank's logits are the gathered, whole-vocabulary rows.
@@ -50,12 +52,12 @@ from .group import TensorParallel, split_evenly
 
 def local_config(config: ModelConfig, size: int) -> ModelConfig:
     """The config one rank of `size` computes: heads and intermediate sizes divided by size (the
-    vocabulary whole, see the module docstring); ValueError naming the field that does not divide."""
+    vocabulary whole: its rows are padded to a multiple of size, see the module docstring);
+    ValueError naming the field that does not divide."""
 
     def part(n: int, what: str) -> int:
         return split_evenly(n, size, what)
 
-    split_evenly(config.vocab_size, size, "vocab_size (the embedding and LM head are split by vocabulary rows)")
     changes = {}
     if ATTENTION in config.mixers:
         a = config.attention
@@ -130,6 +132,38 @@ class FirstRankOnly:
         return "whole on rank 0, zeros on the others"
 
 
+@dataclass(frozen=True)
+class VocabRows:
+    """The embedding's and the head's rows, [vocab, H]: cdiv(vocab, N) a rank (TensorParallel.vocab_rows),
+    the rows past the last id zeros."""
+
+    vocab: int
+    dim: int = 0
+
+    def whole_shape(self, part_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        return (self.vocab, *part_shape[1:])
+
+    def kept(self, rank: int, size: int) -> range:
+        """The ids whose rows this rank holds (the padding aside)."""
+        rows = TensorParallel(rank, size).vocab_rows(self.vocab)
+        return range(min(rows.start, self.vocab), min(rows.stop, self.vocab))
+
+    def padding(self, rank: int, size: int) -> int:
+        return -(-self.vocab // size) - len(self.kept(rank, size))
+
+    def part(self, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        kept = self.kept(rank, size)
+        rows = tensor.narrow(0, kept.start, len(kept)) if len(kept) else tensor[:0]
+        pad = self.padding(rank, size)
+        return torch.cat((rows, rows.new_zeros((pad, *tensor.shape[1:])))) if pad else rows
+
+    def indices(self, length: int, rank: int, size: int) -> torch.Tensor:
+        return torch.tensor(self.kept(rank, size), dtype=torch.int64)
+
+    def describe(self, size: int) -> str:
+        return f"vocabulary rows split into {size} parts of {-(-self.vocab // size)}, the last padded with zero rows"
+
+
 COLUMNS, INPUTS, VECTOR = Split(0), Split(1), Split(0)  # [out, in] weights: output features / input features; 1-D per-head vectors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -145,7 +179,7 @@ class ShardPlan:
 
     def rule(self, name: str):
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return COLUMNS  # vocabulary rows
+            return VocabRows(self.config.vocab_size)
         match = _LAYER.match(name)
         if match is None or int(match.group(1)) >= self.config.n_layers:
             return None
@@ -253,6 +287,12 @@ def fp8_part(weight: BlockFP8Weight, rule, rank: int, size: int, stored: str) ->
           kernels find a column's scale block as column // block_k): a part of K / size columns
           where K / size is a multiple of block_k; CheckpointError naming the tensor otherwise."""
     data, scales = weight.data, weight.scales
+    if isinstance(rule, VocabRows) and data.dim() == 2:  # the kept rows, then zero rows (scale row 0: real value 0)
+        index, pad = rule.indices(data.shape[-2], rank, size), rule.padding(rank, size)
+        rows, scale_row = data.index_select(0, index), scales.scale_row.index_select(0, index)
+        return BlockFP8Weight(torch.cat((rows, rows.new_zeros((pad, data.shape[1])))).contiguous(),
+                              BlockScales(scales.scale_inv, torch.cat((scale_row, scale_row.new_zeros(pad))).contiguous(),
+                                          scales.block_k), weight.dtype)
     if not isinstance(rule, Split) or rule.dim not in (data.dim() - 2, data.dim() - 1):
         raise CheckpointError(f"tensor {stored!r}: block FP8 split as {rule.describe(size)} is not supported")
     if rule.dim == data.dim() - 2:
