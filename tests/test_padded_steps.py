@@ -80,6 +80,20 @@ def _assert_scratch_clean(engine):
                 assert not t[scratch].any(), f"padding wrote the scratch slot's {name}"
 
 
+def test_default_buckets_stop_at_the_rows_a_step_can_reach(load_target):
+    """At most n_slots x (max_k + 1) rows run in a step: the default buckets stop at the first one
+    that holds them (8 slots at K = 8: 72 rows, so up to 80, never the buckets of 96 .. 576)."""
+    from verifier.model.graphs import reachable_rows
+
+    assert reachable_rows((1, 2, 4, 8), 3) == (1, 2, 4) and reachable_rows((1, 2, 4, 8), 4) == (1, 2, 4)
+    assert reachable_rows((1, 2, 4, 8), 9) == (1, 2, 4, 8) and reachable_rows((1, 2, 4, 8), 1) == (1,)
+    model = load_target("qwen3_next_moe")
+    engine = Engine(model, 8, 1024)
+    assert [s.rows for s in engine.runner.shared] == [r for r in DEFAULT_GRAPH_ROWS if r <= 80]
+    assert [s.rows for s in Engine(model, 64, 1024).runner.shared] == list(DEFAULT_GRAPH_ROWS)
+    assert [s.rows for s in Engine(model, 3, 1024, max_k=0).runner.shared] == [1, 2, 3]
+
+
 def test_buckets_fit_the_context(load_target):
     model = load_target("qwen3_next_moe")
     engine = Engine(model, 2, 20)

@@ -24,7 +24,7 @@ from hybrid_kernels.sampling import argmax_rows
 from .acceptance import accept
 from .model import HybridModel, RowBatch
 from .model.device_scope import on_model_device
-from .model.graphs import DEFAULT_GRAPH_ROWS
+from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
 from .model.padding import check_graph_rows
 from .model.rollback import ROLLBACK_MODES, WOA
 from .model.step import Step, StepRunner
@@ -121,15 +121,16 @@ class Engine:
     def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = DEFAULT_MAX_K, rollback_mode: str = WOA,
                  cuda_graphs: bool = True, graph_rows: tuple[int, ...] | None = None):
         """graph_rows: the shared CUDA graph buckets' total verify rows (model/graphs.py); None: those
-        of DEFAULT_GRAPH_ROWS that fit max_seq_len. A given list must fit max_seq_len. Besides them, a
-        step of one sequence of up to max_k + 1 rows (at most the largest bucket's) has a bucket of
-        exactly its shape."""
+        of DEFAULT_GRAPH_ROWS that fit max_seq_len and that a step can reach (`reachable_rows`: a
+        step runs at most n_slots x (max_k + 1) rows). A given list must fit max_seq_len. Besides
+        them, a step of one sequence of up to max_k + 1 rows (at most the largest bucket's) has a
+        bucket of exactly its shape."""
         if rollback_mode not in ROLLBACK_MODES:
             raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {rollback_mode!r}")
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         if graph_rows is None:
-            graph_rows = tuple(r for r in DEFAULT_GRAPH_ROWS if r <= max_seq_len)
+            graph_rows = reachable_rows(tuple(r for r in DEFAULT_GRAPH_ROWS if r <= max_seq_len), n_slots * (max_k + 1))
         graph_rows = check_graph_rows(tuple(graph_rows), max_seq_len)
         self.model = model
         # write-on-accept carries each step's kept rows into the next verify instead of folding them (model/rollback.py)

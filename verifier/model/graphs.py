@@ -77,6 +77,14 @@ from .step_inputs import StepInputs
 DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
                       576)
 
+def reachable_rows(buckets: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """The buckets (ascending) a step of at most `most` rows can replay: those up to `most`, and the
+    smallest one past it (a step between the last of those and `most` pads up to it). An engine of
+    8 slots at K = 8 (at most 72 rows) captures none of the buckets of 96 .. 576 rows."""
+    past = [r for r in buckets if r >= most]
+    return tuple(r for r in buckets if r < most) + tuple(past[:1])
+
+
 # Buckets of more rows are captured without programmatic dependent launch (kernels/dependent_launch.py):
 # their kernels run in several waves, and early-resident waiting blocks slow the step (H200, 2B
 # model, timed in turns with and without it; smaller buckets gain from it)
