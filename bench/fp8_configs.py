@@ -1,7 +1,7 @@
 """Candidate launch configs of the grouped FP8 experts and of the few-rows FP8 GEMM at a published
 MoE's shapes, timed against the pinned ones as the engine runs them.
 
-    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576] [--screen few]
+    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576] [--screen rows]
     PYTHONPATH=. python -m bench.fp8_real_size --out DIR --candidates DIR/fp8_configs_<date>_<config>.json
 
 Row invariance holds for any one config that runs every row count (kernels/moe_grouped.py), so an
@@ -11,10 +11,11 @@ GEMM's bits over the dequantized weight (kernels/linear_fp8.py): each launch can
 features a tile, warps, stages; never its K walk) is checked against
 that GEMM at every timed row count first.
 
-The experts' launch for up to FEW_ROWS rows (kernels/moe_grouped.py's `launch_for_rows`: feature
-tiles, warps, stages) is screened at the row counts up to FEW_ROWS, each candidate first held to the
-pinned launch's bits (torch.equal of every row), and the fastest per stage make the launch
-recorded as few_rows.launch.
+The experts' launches that follow the row count (kernels/moe_grouped.py's `launch_for_rows`: feature
+tiles, warps, stages; from MANY_ROWS on also 32-pair blocks) are screened at the row counts of their
+tier (up to FEW_ROWS; from MANY_ROWS), each candidate first held to the pinned launch's bits
+(torch.equal of every row); the fastest per stage (few rows) or the fastest whole (many rows) is
+recorded as few_rows.launch / many_rows.launch.
 
 Timing as in a step: LAYERS distinct weight stacks (more bytes than the L2 holds) in one CUDA graph,
 the experts with their routing launch per layer, replayed; ms per layer (experts) or per call
@@ -93,6 +94,17 @@ def few_rows_candidates() -> list[dict[str, int]]:
     return out
 
 
+def many_rows_candidates() -> list[dict[str, int]]:
+    """From MANY_ROWS rows on (kernels/moe_grouped.py's MANY_ROWS_LAUNCH): blocks of 32 pairs, whose
+    expert tiles are dequantized once per 32 pairs (two 16-row mma.sync tiles), with their warps and
+    feature tiles; and the 16-pair block's feature tiles and stages. One launch is chosen whole:
+    BLOCK_M is both stages'."""
+    out = [dict(BLOCK_M=32, num_warps=w, num_warps2=w2) for w, w2 in ((4, 4), (8, 4), (8, 8))]
+    out += [dict(BLOCK_M=32, BLOCK_N=n, BLOCK_N2=n2, num_warps=8, num_warps2=8) for n, n2 in ((32, 128), (64, 64), (128, 128))]
+    out += [dict(BLOCK_N=32), dict(BLOCK_N=128, num_warps=8), dict(num_stages=4, num_stages2=4)]
+    return out
+
+
 def launch_key(launch: dict[str, int]) -> str:
     return ",".join(f"{f}={v}" for f, v in launch.items())
 
@@ -137,8 +149,10 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torc
 
     routing_ms = {str(m): round(graph_ms(lambda m=m: [group_pairs(routes[j][0][:m], routes[j][1][:m], e) for j in range(LAYERS)])
                                 / LAYERS, 4) for m in rows}
-    few = {"few_rows": sweep_few_rows(pinned, [m for m in rows if m <= mg.FEW_ROWS], layer, timed, e, top_k)}
-    if screen == "few":
+    few = {"few_rows": sweep_launches(pinned, [m for m in rows if m <= mg.FEW_ROWS], few_rows_candidates(), layer, timed, by_stage=True),
+           "many_rows": sweep_launches(pinned, [m for m in rows if m >= mg.MANY_ROWS], many_rows_candidates(), layer, timed,
+                                       by_stage=False)}
+    if screen == "rows":
         return {"routing_ms": routing_ms, **few}
     times = {}
     for config in expert_candidates(pinned):
@@ -149,12 +163,13 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torc
     return {"routing_ms": routing_ms, **summary, **few}
 
 
-def sweep_few_rows(pinned: GroupedConfig, rows: list[int], layer, timed, e: int, top_k: int) -> dict:
-    """The few-rows launch (kernels/moe_grouped.py's `launch_for_rows`): each candidate's outputs must
-    equal the pinned launch's at every timed row count (torch.equal: a launch field that changed a
-    pair's bits would break the rows' invariance across FEW_ROWS), then it is timed; the fastest per
-    stage, relative to the pinned launch summed over the row counts, make the launch, which is
-    checked and timed as a whole. -> {rows, pinned_ms, candidates, launch, launch_ms}"""
+def sweep_launches(pinned: GroupedConfig, rows: list[int], candidates: list[dict[str, int]], layer, timed, by_stage: bool) -> dict:
+    """A launch that follows the row count (kernels/moe_grouped.py's `launch_for_rows`), at the row
+    counts of its tier: each candidate's outputs must equal the pinned launch's at every timed row
+    count (torch.equal: a launch field that changed a pair's bits would break the rows' invariance
+    across the tier's edge), then it is timed. by_stage: the fastest per stage, relative to the
+    pinned launch summed over the row counts, make the launch, checked and timed as a whole; else
+    the fastest candidate is the launch. -> {rows, pinned_ms, candidates, launch, launch_ms}"""
     if not rows:
         return {}
     expected = {m: layer(m, 0, pinned).clone() for m in rows}
@@ -169,17 +184,17 @@ def sweep_few_rows(pinned: GroupedConfig, rows: list[int], layer, timed, e: int,
         return f"other bits than the pinned launch at {bad} rows" if bad else timed(config, rows)
 
     times, best = {}, {}
-    for launch in few_rows_candidates():
+    for launch in candidates:
         key = launch_key(launch)
         times[key] = checked(launch)
-        print(f"    few rows {key}: {times[key]}", file=sys.stderr, flush=True)
+        print(f"    rows {rows} {key}: {times[key]}", file=sys.stderr, flush=True)
         if isinstance(times[key], dict) and isinstance(pinned_ms, dict):
-            stage = "1" if "BLOCK_N" in launch else "2" if "BLOCK_N2" in launch else "combine"
+            stage = "whole" if not by_stage else "1" if "BLOCK_N" in launch else "2" if "BLOCK_N2" in launch else "combine"
             cost = sum(t / pinned_ms[r] for r, t in times[key].items()) / len(rows)
             if cost < best.get(stage, (1.0, None))[0]:  # faster than the pinned launch, on average
                 best[stage] = (cost, launch)
     launch = {f: v for _, chosen in best.values() for f, v in chosen.items()}
-    launch_ms = checked(launch) if launch else pinned_ms
+    launch_ms = (checked(launch) if by_stage else times[launch_key(launch)]) if launch else pinned_ms
     return {"rows": rows, "pinned_ms": pinned_ms, "candidates": times, "launch": launch, "launch_ms": launch_ms}
 
 
@@ -252,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="row counts timed (decode and K = 8 verify at batch 1 and 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     parser.add_argument("--name", default="", type=name_arg, help="what differs, appended to the file name after the config (e.g. the screen or the device)")
-    parser.add_argument("--screen", choices=("all", "few"), default="all",
-                        help="all: every candidate; few: only the experts' launch for up to FEW_ROWS rows "
-                             "(kernels/moe_grouped.py's launch_for_rows)")
+    parser.add_argument("--screen", choices=("all", "rows"), default="all",
+                        help="all: every candidate; rows: only the experts' launches that follow the row count, up to "
+                             "FEW_ROWS rows and from MANY_ROWS on (kernels/moe_grouped.py's launch_for_rows)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: the candidates are timed on it")
@@ -265,15 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     for (kind, dtype, shape), where in sorted(model_weights(PUBLISHED[args.config], fp8=True).items(), key=lambda kv: (kv[0][0] != "experts", kv[0])):
         if dtype != "fp8" or all(".shared." in w for w in where):  # the engine folds the shared expert into the experts
             continue
-        if args.screen == "few" and kind == "dense":
+        if args.screen == "rows" and kind == "dense":
             continue
         name = f"{kind} {'x'.join(map(str, shape))}"
         print(f"[fp8_configs] {name} ({len(where)} weights)", file=sys.stderr, flush=True)
         shapes[name] = {"where": where[:3] + ([f"... {len(where)} in all"] if len(where) > 3 else []),
                         **(sweep_rows_kernel(*shape, rows, gen) if kind == "dense" else sweep_experts(*shape, rows, gen, args.screen))}
-        few = shapes[name].get("few_rows") or {}
-        if few:
-            print(f"  few rows: pinned launch {few['pinned_ms']}, chosen {few['launch']}: {few['launch_ms']}", file=sys.stderr, flush=True)
+        for tier in ("few_rows", "many_rows"):
+            got = shapes[name].get(tier) or {}
+            if got:
+                print(f"  {tier}: pinned launch {got['pinned_ms']}, chosen {got['launch']}: {got['launch_ms']}", file=sys.stderr, flush=True)
         for r, b in shapes[name].get("best_by_rows", {}).items():
             print(f"  {r} rows: pinned {b['pinned_ms']} ms ({b['pinned_gb_s']} GB/s), best {b['ms']} ms ({b['x_pinned']}x) {b['config']}",
                   file=sys.stderr, flush=True)

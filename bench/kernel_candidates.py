@@ -24,7 +24,8 @@ def _fields(names: list[str], text: str) -> dict:
 
 def apply_winners(path: Path) -> dict[str, str]:
     """Each expert shape's best_overall config for grouped_config at that shape (FP8 weights, bf16
-    activations), the experts' launch for up to FEW_ROWS rows (few_rows.launch), and the few-rows FP8
+    activations), the experts' launches up to FEW_ROWS rows and from MANY_ROWS (few_rows.launch,
+    many_rows.launch), and the few-rows FP8
     launch with the least time relative to the pinned one summed
     over every dense shape (one launch serves them all). Fields a config names that the kernels
     no longer take are dropped. -> {what: the config applied}."""
@@ -49,11 +50,13 @@ def apply_winners(path: Path) -> dict[str, str]:
 
             mg.grouped_config = chosen
             applied[name] = shape["best_overall"]
-    few = [shape["few_rows"]["launch"] for name, shape in shapes.items()
-           if name.startswith("experts") and (shape.get("few_rows") or {}).get("launch")]
-    if few:  # one launch serves every shape (fitted to each): the first config's, as the sweep ran it
-        mg.FEW_ROWS_LAUNCH = dict(few[0])
-        applied["experts up to FEW_ROWS rows"] = ",".join(f"{f}={v}" for f, v in few[0].items())
+    for tier, attr, what in (("few_rows", "FEW_ROWS_LAUNCH", "experts up to FEW_ROWS rows"),
+                             ("many_rows", "MANY_ROWS_LAUNCH", "experts from MANY_ROWS rows")):
+        launches = [shape[tier]["launch"] for name, shape in shapes.items()
+                    if name.startswith("experts") and (shape.get(tier) or {}).get("launch")]
+        if launches:  # one launch serves every shape (fitted to each): the first config's, as the sweep ran it
+            setattr(mg, attr, dict(launches[0]))
+            applied[what] = ",".join(f"{f}={v}" for f, v in launches[0].items())
     dense = [shape for name, shape in shapes.items() if name.startswith("dense") and isinstance(shape.get("pinned_ms"), dict)]
     valid = set.intersection(*({k for k, t in shape["candidates"].items() if isinstance(t, dict)} for shape in dense)) if dense else set()
     totals = {key: sum(t / shape["pinned_ms"][r] for shape in dense for r, t in shape["candidates"][key].items()) for key in valid}

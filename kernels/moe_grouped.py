@@ -80,6 +80,13 @@ MANY_EXPERTS_PER_SLOT = 8
 FEW_ROWS = 16
 LAUNCH_FIELDS = ("BLOCK_N", "BLOCK_N2", "BLOCK_H", "num_warps", "num_stages", "num_warps2", "num_stages2")
 FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32}
+# From MANY_ROWS rows on (64 decoding sequences, verifies of a full batch) MANY_ROWS_LAUNCH's fields,
+# which may also take blocks of 32 pairs (MMA_SYNC_ROWS): each expert tile is then dequantized once
+# per 32 pairs instead of 16, with the same mma.sync instruction (16 rows each) and K walks. Empty
+# until `python -m bench.fp8_configs --screen rows` has shown one faster with the same bits.
+MANY_ROWS = 64
+MANY_ROWS_LAUNCH: dict[str, int] = {}
+MMA_SYNC_ROWS = 32  # the most pairs a block may take: past it Triton multiplies with wgmma, whose bits differ here
 
 
 class GroupedConfig(NamedTuple):
@@ -143,27 +150,38 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     )
 
 
-def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_launch: dict[str, int] | None = None) -> GroupedConfig:
+def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_launch: dict[str, int] | None = None,
+                    many_rows_launch: dict[str, int] | None = None) -> GroupedConfig:
     """The pinned config `cfg` of experts [E, i, h] with its launch for a batch of `rows` rows: up to
-    FEW_ROWS rows FEW_ROWS_LAUNCH's feature tiles, warps and stages (or few_rows_launch's), fitted to
-    the shape as grouped_config fits its own.
+    FEW_ROWS rows FEW_ROWS_LAUNCH's feature tiles, warps and stages (or few_rows_launch's), from
+    MANY_ROWS on MANY_ROWS_LAUNCH's (or many_rows_launch's, which may set BLOCK_M: 16 or
+    MMA_SYNC_ROWS pairs a block, each 16 of them one mma.sync), fitted to the shape as
+    grouped_config fits its own.
 
     Why the bits stay: what a pair computes is fixed by BLOCK_M (which MMA instruction, mma.sync at
     16 rows), BLOCK_K and BLOCK_K2 (the K walks), none of which is a launch field. A feature tile
     decides which output features one program computes, the warps how the program's MMAs are laid
     out over them, the stages when tiles are loaded: each output element is still the same 16-wide
-    K chunks added in the same order into one fp32 register. That is swept, not assumed: `python -m
-    bench.fp8_configs --screen few` keeps only candidates whose outputs equal the pinned launch's
-    (torch.equal) at every row count it times, and `python -m bench.row_invariance` compares each row
-    alone with the first M rows across FEW_ROWS."""
-    launch = FEW_ROWS_LAUNCH if few_rows_launch is None else few_rows_launch
-    if rows > FEW_ROWS or not launch:
+    K chunks added in the same order into one fp32 register. A block of 32 pairs is two 16-row
+    mma.sync tiles of the same instruction. That is swept, not assumed: `python -m bench.fp8_configs
+    --screen rows` keeps only candidates whose outputs equal the pinned launch's (torch.equal) at
+    every row count it times, and `python -m bench.row_invariance` compares each row alone with the
+    first M rows across FEW_ROWS and MANY_ROWS."""
+    if rows <= FEW_ROWS:
+        launch, fields_allowed = FEW_ROWS_LAUNCH if few_rows_launch is None else few_rows_launch, LAUNCH_FIELDS
+    elif rows >= MANY_ROWS:
+        launch, fields_allowed = MANY_ROWS_LAUNCH if many_rows_launch is None else many_rows_launch, ("BLOCK_M", *LAUNCH_FIELDS)
+    else:
         return cfg
+    if not launch:
+        return cfg
+    if launch.get("BLOCK_M", 16) not in (16, MMA_SYNC_ROWS):
+        raise ValueError(f"a launch's BLOCK_M must be 16 or {MMA_SYNC_ROWS} (mma.sync), got {launch['BLOCK_M']}")
 
     def fit(block: int, n: int) -> int:
         return max(16, min(block, triton.next_power_of_2(n)))
 
-    fields = {f: v for f, v in launch.items() if f in LAUNCH_FIELDS}
+    fields = {f: v for f, v in launch.items() if f in fields_allowed}
     for field, n in (("BLOCK_N", i), ("BLOCK_N2", h)):
         if field in fields:
             fields[field] = fit(fields[field], n)

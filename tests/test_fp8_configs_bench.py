@@ -80,16 +80,27 @@ def test_few_rows_candidates_change_launch_fields_only():
             assert launch["BLOCK_N"] >= 8 * launch["num_warps"]  # each warp at least one mma.sync n8 tile
 
 
+def test_many_rows_candidates_keep_the_mma_sync_blocks():
+    import hybrid_kernels.moe_grouped as mg
+
+    candidates = fp8_configs.many_rows_candidates()
+    assert any(c.get("BLOCK_M") == mg.MMA_SYNC_ROWS for c in candidates)
+    for launch in candidates:
+        assert set(launch) <= {"BLOCK_M", *mg.LAUNCH_FIELDS} and launch.get("BLOCK_M", 16) in (16, mg.MMA_SYNC_ROWS), launch
+
+
 def test_the_few_rows_launch_is_applied_for_the_engine(tmp_path, monkeypatch):
     import json
 
     import hybrid_kernels.moe_grouped as mg
 
     launch = {"BLOCK_N": 16, "num_warps": 1, "BLOCK_H": 128}
-    results = {"shapes": {"experts 257x512x2048x8": {"few_rows": {"launch": launch}}}}
+    results = {"shapes": {"experts 257x512x2048x8": {"few_rows": {"launch": launch}, "many_rows": {"launch": {"BLOCK_M": 32}}}}}
     (tmp_path / "r.json").write_text(json.dumps(results))
     monkeypatch.setattr(mg, "FEW_ROWS_LAUNCH", {})
+    monkeypatch.setattr(mg, "MANY_ROWS_LAUNCH", {})
     monkeypatch.setattr(mg, "grouped_config", mg.grouped_config)
     applied = kernel_candidates.apply_winners(tmp_path / "r.json")
     assert mg.FEW_ROWS_LAUNCH == launch and applied["experts up to FEW_ROWS rows"] == "BLOCK_N=16,num_warps=1,BLOCK_H=128"
+    assert mg.MANY_ROWS_LAUNCH == {"BLOCK_M": 32} and applied["experts from MANY_ROWS rows"] == "BLOCK_M=32"
     assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True) == grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)

@@ -132,6 +132,28 @@ def test_few_rows_launch_keeps_the_arithmetic():
     assert mg.launch_for_rows(pinned, mg.FEW_ROWS, 2048, 512, launch) == few
     assert mg.launch_for_rows(pinned, mg.FEW_ROWS + 1, 2048, 512, launch) == pinned
     assert mg.launch_for_rows(pinned, 1, 2048, 512, {}) == pinned
+    # from MANY_ROWS on the many-rows launch, which alone may take 32-pair blocks
+    many = mg.launch_for_rows(pinned, mg.MANY_ROWS, 2048, 512, {}, {"BLOCK_M": 32, "num_warps": 8, "BLOCK_K": 16})
+    assert many == pinned._replace(BLOCK_M=32, num_warps=8)
+    assert mg.launch_for_rows(pinned, mg.MANY_ROWS - 1, 2048, 512, {}, {"BLOCK_M": 32}) == pinned
+    assert mg.launch_for_rows(pinned, 1, 2048, 512, {"BLOCK_M": 32}, {}) == pinned  # few rows: BLOCK_M is not theirs
+    with pytest.raises(ValueError, match="BLOCK_M must be 16 or 32"):
+        mg.launch_for_rows(pinned, mg.MANY_ROWS, 2048, 512, {}, {"BLOCK_M": 64})
+
+
+def test_many_rows_launch_of_32_pair_blocks_gives_the_pinned_bits(device, monkeypatch):
+    """From MANY_ROWS rows on, blocks of 32 pairs (two 16-row MMA tiles): every row equal to itself
+    alone (and under the interpreter, whose dot never mixes rows, to the 16-pair blocks)."""
+    import hybrid_kernels.moe_grouped as mg
+
+    rows = mg.MANY_ROWS + 3
+    x, ids, weights, w_gate, w_up, w_down, scales = make(rows, 40, 48, 32, 3, (16, 16), torch.bfloat16, device, seed=4)
+    pinned = moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, scales)
+    monkeypatch.setattr(mg, "MANY_ROWS_LAUNCH", dict(BLOCK_M=32, num_warps=8))
+    wide = moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, scales)
+    assert torch.equal(wide, pinned)
+    for i in (0, rows - 1):
+        assert torch.equal(moe_experts_fp8(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], w_gate, w_up, w_down, scales), wide[i : i + 1])
 
 
 @pytest.mark.parametrize("rows", [1, 5])
