@@ -27,19 +27,19 @@ BLOCK_K steps, tl.dot into fp32, then h = cast(silu(g) * u). Stage 2, `_grouped_
 order (S passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
 
 Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what a
-pair computes does not: BLOCK_M, the tiles and the K walks are pinned per (H, I, dtype)
-(`grouped_config`), so a pair's dots are the same chunks in the same order in the same MMA
-instruction at any place in any block, and an MMA's output row is a function of its own input row
-(swept on the H200 for every published expert shape, bf16 and FP8, M = 1..1024 rows: `python -m
-bench.row_invariance`). What a pair computes is one for every row count, by construction; only the
-launch may follow the batch's size: up to FEW_ROWS rows, block-FP8 experts of many take their own
-feature tiles, warps and stages (`launch_for_rows`: narrower tiles spread a decode's few experts
-over more programs), which leave every output element's K chunks and their order alone. The order of an expert's
-list (handed out by atomic increments) decides only which pairs share a block, which a pair's bits
-do not depend on. Row counts are not specialised on, and the caller's row-side pointers are not
-specialised on alignment. The sum over a row's experts is the combine's, in ascending id order: the
-listing order of a row's ids and its block-mates never reach it. Decode and verify take this one
-path.
+pair computes does not: the MMA instruction (grouped_config's BLOCK_M: mma.sync at 16 pairs a block,
+wgmma at 64), the tiles' K steps and the K walks are pinned per (H, I, dtype) (`grouped_config`), so
+a pair's dots are the same chunks in the same order in the same MMA instruction at any place in any
+block, and an MMA's output row is a function of its own input row (swept on the H200 for every
+published expert shape, bf16 and FP8, M = 1..1024 rows: `python -m bench.row_invariance`). What a
+pair computes is one for every row count, by construction; only the launch may follow the batch's
+size: up to FEW_ROWS rows and from MANY_ROWS on, block-FP8 experts of many take their own feature
+tiles, warps and stages, and from MANY_ROWS blocks of up to MMA_SYNC_ROWS pairs (`launch_for_rows`),
+which leave every output element's K chunks and their order alone. The order of an expert's list
+(handed out by atomic increments) decides only which pairs share a block, which a pair's bits do not
+depend on. Row counts are not specialised on, and the caller's row-side pointers are not specialised
+on alignment. The sum over a row's experts is the combine's, in ascending id order: the listing
+order of a row's ids and its block-mates never reach it. Decode and verify take this one path.
 
 The dot is kernels/linear.py's `_dot_acc`: under the interpreter not tl.dot but `_dot_rows_apart`
 (tiles upcast to fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
@@ -73,7 +73,7 @@ MANY_EXPERTS_PER_SLOT = 8
 
 # Up to FEW_ROWS rows (a decode, or a verify of up to FEW_ROWS - 1 drafts, of one sequence) block-FP8
 # experts of many take FEW_ROWS_LAUNCH's launch fields (`launch_for_rows`): the grid follows the
-# row count, the arithmetic does not. From `python -m bench.fp8_configs --screen few` on the H200
+# row count, the arithmetic does not. From `python -m bench.fp8_configs`' few-rows screen on the H200
 # (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_few-rows-h200.json): 32-feature stage-1
 # tiles, faster in the engine's grouped experts at 1, 2, 4 and 9 rows (`bench.fp8_real_size
 # --candidates`, kernel_breakdowns), swept and gated there (bench/results/row_invariance_2026-12-06_h200.json).
@@ -90,7 +90,7 @@ MMA_SYNC_ROWS = 32  # the most pairs a block may take: past it Triton multiplies
 
 
 class GroupedConfig(NamedTuple):
-    BLOCK_M: int  # pairs per block: one value for every row count
+    BLOCK_M: int  # pairs per block (16: mma.sync, 64: wgmma); MANY_ROWS_LAUNCH may raise 16 to MMA_SYNC_ROWS
     BLOCK_N: int  # stage 1: hidden features per program
     BLOCK_K: int  # stage 1: the step of the walk over H
     BLOCK_N2: int  # stage 2: output features per program
@@ -158,8 +158,9 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
     MMA_SYNC_ROWS pairs a block, each 16 of them one mma.sync), fitted to the shape as
     grouped_config fits its own.
 
-    Why the bits stay: what a pair computes is fixed by BLOCK_M (which MMA instruction, mma.sync at
-    16 rows), BLOCK_K and BLOCK_K2 (the K walks), none of which is a launch field. A feature tile
+    Why the bits stay: what a pair computes is fixed by the MMA instruction (mma.sync, 16 rows, for
+    blocks of 16 or 32 pairs), BLOCK_K and BLOCK_K2 (the K walks), none of which a launch changes
+    (these launches are for block-FP8 experts of many, whose pinned blocks are 16 pairs). A feature tile
     decides which output features one program computes, the warps how the program's MMAs are laid
     out over them, the stages when tiles are loaded: each output element is still the same 16-wide
     K chunks added in the same order into one fp32 register. A block of 32 pairs is two 16-row
