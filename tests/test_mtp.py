@@ -154,7 +154,8 @@ def test_head_reads_the_main_models_hidden_rows(mtp_checkpoint):
     model = load_model(mtp_checkpoint("qwen3_next_moe"))
     pool, batch = model.new_pool(1, 16), RowBatch(slots=(0,), starts=(0,), counts=(len(TOKENS),))
     hidden = torch.empty(len(TOKENS), model.config.hidden_size)
-    logits = model.compute(torch.tensor(TOKENS), batch, pool, True, False, COMMIT, None, hidden_out=hidden)
+    logits = model.compute(torch.tensor(TOKENS), batch, pool, row_invariant=True, last_only=False, mode=COMMIT, record=None,
+                           hidden_out=hidden)
     assert torch.equal(head_logits(hidden, model.lm_head, row_invariant=True), logits)
 
 

@@ -39,7 +39,7 @@ def verified(model, mode: str):
     inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(model.device)
     padded.attach(model.device, inputs.batch_tensors())
     record = VerifyRecord(mode, padded)
-    model.compute(inputs.tokens, padded, pool, True, False, mode, record)
+    model.compute(inputs.tokens, padded, pool, row_invariant=True, last_only=False, mode=mode, record=record)
     return pool, record
 
 

@@ -201,7 +201,8 @@ class GraphedSteps:
         ids_out, host_ids = self._ids[: shape.rows], self._host_ids[: shape.rows]
         # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
         warm = VerifyRecord(mode, static)
-        self.model.compute(inputs.tokens, static, self.pool, True, False, mode, warm, logits_out, hidden_out)
+        self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, mode=mode, record=warm,
+                           logits_out=logits_out, hidden_out=hidden_out)
         argmax_rows(logits_out, out=ids_out)
         RollbackPlan(self.pool, warm).apply(kept)
         torch.cuda.synchronize()
@@ -210,7 +211,8 @@ class GraphedSteps:
 
         def verify_step():
             inputs.copy_(host, non_blocking=True)  # captured: the replay reads the pinned buffer
-            self.model.compute(inputs.tokens, static, self.pool, True, False, mode, record, logits_out, hidden_out)
+            self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, mode=mode, record=record,
+                               logits_out=logits_out, hidden_out=hidden_out)
             argmax_rows(logits_out, out=ids_out)  # greedy choices (module docstring: Greedy ids)
             host_ids.copy_(ids_out, non_blocking=True)
 

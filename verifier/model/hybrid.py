@@ -91,9 +91,10 @@ class HybridModel:
         Commits every row: KV at the row's position, conv window and recurrent state advanced
         past the sequence's last row. Prefill runs this."""
         check_rows(tokens, batch, pool.max_seq_len, self.config.vocab_size)
-        return self.compute(tokens.to(self.device), batch, pool, row_invariant, last_only, COMMIT, None, hidden_out=hidden_out)
+        return self.compute(tokens.to(self.device), batch, pool, row_invariant=row_invariant, last_only=last_only, mode=COMMIT,
+                            record=None, hidden_out=hidden_out)
 
-    def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, row_invariant: bool, last_only: bool,
+    def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool,
                 mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None,
                 hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it.

@@ -155,7 +155,8 @@ class StepRunner:
                 f"hidden_out has shape {list(hidden_out.shape)}, expected [{batch.n_rows}, {self.model.config.hidden_size}]"
             if padded.n_rows != batch.n_rows:  # padding rows come after the batch's own (as the logits' slice says)
                 hidden = torch.empty(padded.n_rows, hidden_out.shape[1], dtype=hidden_out.dtype, device=hidden_out.device)
-        logits = self.model.compute(inputs.tokens, padded, self.pool, True, False, mode, record, hidden_out=hidden)
+        logits = self.model.compute(inputs.tokens, padded, self.pool, row_invariant=True, last_only=False, mode=mode, record=record,
+                                    hidden_out=hidden)
         if hidden is not hidden_out:
             hidden_out.copy_(hidden[: batch.n_rows])
         return logits[: batch.n_rows], record
@@ -247,7 +248,8 @@ class FixedStep:
         batch = RowBatch(slots=(self.slot,), starts=(start,), counts=(self.rows,))
         batch.attach(self.device, self.inputs.batch_tensors())
         record = VerifyRecord(self.mode, batch)
-        self.model.compute(self.inputs.tokens, batch, self.pool, True, False, self.mode, record, logits_out)
+        self.model.compute(self.inputs.tokens, batch, self.pool, row_invariant=True, last_only=False, mode=self.mode, record=record,
+                           logits_out=logits_out)
         # every recurrent layer's window in one launch and state in another, as a graph bucket rolls
         # back; in a capture the tables are written when it ends (StepGraph.capture)
         plan = RollbackPlan(self.pool, record, None if graph is None else graph.store)
