@@ -479,6 +479,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         result["kernel_candidates"] = apply_winners(args.candidates)
         log(f"kernel candidates from {args.candidates}: {result['kernel_candidates']}")
+    import hybrid_kernels.moe_grouped as mg
+
+    # the launches that follow the row count, as this run has them (pinned, or a candidate's)
+    result["expert_launches"] = {"up_to_rows": mg.FEW_ROWS, "few_rows": dict(mg.FEW_ROWS_LAUNCH),
+                                 "from_rows": mg.MANY_ROWS, "many_rows": dict(mg.MANY_ROWS_LAUNCH)}
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="fp8_real_size_", dir=args.workdir))

@@ -136,6 +136,10 @@ def test_tiny_checkpoint_is_published_fp8_and_gates_green(tmp_path, experts):
     check_floors(result, text_sizes["num_experts_per_tok"], text_sizes["num_experts"])
     check_mtp_draft(result, text_sizes["num_experts_per_tok"], text_sizes["num_experts"])
     assert result["mtp"] and bench.passed(result) and 0 < result["mtp_gb"] < result["checkpoint_gb"]
+    import hybrid_kernels.moe_grouped as mg  # the launches by row count the run had, named in its file
+
+    assert result["expert_launches"] == {"up_to_rows": mg.FEW_ROWS, "few_rows": mg.FEW_ROWS_LAUNCH,
+                                         "from_rows": mg.MANY_ROWS, "many_rows": mg.MANY_ROWS_LAUNCH}
     written = json.loads(next((tmp_path / "out").glob("fp8_real_size_*.json")).read_text())
     assert written == json.loads(json.dumps(result))
 
