@@ -149,18 +149,19 @@ def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torc
 
     routing_ms = {str(m): round(graph_ms(lambda m=m: [group_pairs(routes[j][0][:m], routes[j][1][:m], e) for j in range(LAYERS)])
                                 / LAYERS, 4) for m in rows}
-    few = {"few_rows": sweep_launches(pinned, [m for m in rows if m <= mg.FEW_ROWS], few_rows_candidates(), layer, timed, by_stage=True),
-           "many_rows": sweep_launches(pinned, [m for m in rows if m >= mg.MANY_ROWS], many_rows_candidates(), layer, timed,
-                                       by_stage=False)}
+    tiers = {"few_rows": sweep_launches(pinned, [m for m in rows if m <= mg.FEW_ROWS], few_rows_candidates(), layer, timed,
+                                        by_stage=True),
+             "many_rows": sweep_launches(pinned, [m for m in rows if m >= mg.MANY_ROWS], many_rows_candidates(), layer, timed,
+                                         by_stage=False)}
     if screen == "rows":
-        return {"routing_ms": routing_ms, **few}
+        return {"routing_ms": routing_ms, **tiers}
     times = {}
     for config in expert_candidates(pinned):
         times[",".join(map(str, config))] = timed(config)
         print(f"    {','.join(map(str, config))}: {times[','.join(map(str, config))]}", file=sys.stderr, flush=True)
     expert_bytes = 3 * i * h + (3 * -(-i // FP8_BLOCK) * -(-h // FP8_BLOCK)) * 4  # one expert's values and scales
     summary = _summary(times, ",".join(map(str, pinned)), timed(pinned), expert_bytes, top_k - 1, e - 1, shared=True)
-    return {"routing_ms": routing_ms, **summary, **few}
+    return {"routing_ms": routing_ms, **summary, **tiers}
 
 
 def sweep_launches(pinned: GroupedConfig, rows: list[int], candidates: list[dict[str, int]], layer, timed, by_stage: bool) -> dict:
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,9,64,576",
                         help="row counts timed (decode and K = 8 verify at batch 1 and 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
-    parser.add_argument("--name", default="", type=name_arg, help="what differs, appended to the file name after the config (e.g. the screen or the device)")
+    parser.add_argument("--name", default="", type=name_arg,
+                        help="what differs, appended to the file name after the config (e.g. the screen or the device)")
     parser.add_argument("--screen", choices=("all", "rows"), default="all",
                         help="all: every candidate; rows: only the experts' launches that follow the row count, up to "
                              "FEW_ROWS rows and from MANY_ROWS on (kernels/moe_grouped.py's launch_for_rows)")

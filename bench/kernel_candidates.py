@@ -25,10 +25,9 @@ def _fields(names: list[str], text: str) -> dict:
 def apply_winners(path: Path) -> dict[str, str]:
     """Each expert shape's best_overall config for grouped_config at that shape (FP8 weights, bf16
     activations), the experts' launches up to FEW_ROWS rows and from MANY_ROWS (few_rows.launch,
-    many_rows.launch), and the few-rows FP8
-    launch with the least time relative to the pinned one summed
-    over every dense shape (one launch serves them all). Fields a config names that the kernels
-    no longer take are dropped. -> {what: the config applied}."""
+    many_rows.launch), and the few-rows FP8 launch with the least time relative to the pinned one
+    summed over every dense shape (one launch serves them all). Fields a config names that the
+    kernels no longer take are dropped. -> {what: the config applied}."""
     import hybrid_kernels.linear_fp8 as lf
     import hybrid_kernels.moe_grouped as mg
 

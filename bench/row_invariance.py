@@ -7,7 +7,8 @@ below 32 rows, 64- and 128-row wgmma tiles above), which keeps a row's bits only
 instructions round every sum alike: measured, not documented. kernels/linear_fp8.py's bf16 path
 does the same (a weight-first 16-row tile below 64 rows, the bf16 GEMM of the dequantized weight
 from 64 on), so it rests on this sweep too; kernels/moe_grouped.py keeps what a pair computes for
-every row count and lets only its launch follow the rows (feature tiles up to FEW_ROWS rows), so
+every row count and lets only its launch follow the rows (`launch_for_rows`: up to FEW_ROWS rows
+and from MANY_ROWS on), so
 there it holds by construction, and the sweep checks it anyway. For each config, the weights are those the engine multiplies, as the loader
 joins them (`model_weights`: a model built on the meta device, so no bytes), in bf16 and as a
 published block-FP8 checkpoint stores them (bench/fp8_real_size.py's rule and kept modules: the

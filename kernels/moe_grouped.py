@@ -102,6 +102,16 @@ class GroupedConfig(NamedTuple):
     num_stages2: int  # stage 2
 
 
+def _fit(block: int, n: int) -> int:
+    """A tile of `block` along a dimension of n: at most the next power of two of n, at least 16 (tl.dot's minimum)."""
+    return max(16, min(block, triton.next_power_of_2(n)))
+
+
+def many_experts(n_experts: int, top_k: int) -> bool:
+    """Routers of many experts per slot (the published Qwen3-Next, Qwen3.5-MoE and Kimi Linear ones)."""
+    return bool(n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k)
+
+
 def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k: int = 0, fp8: bool = False) -> GroupedConfig:
     """The pinned config for experts of hidden size h and intermediate size i; never a function of
     the row count.
@@ -136,16 +146,12 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
     block_n = block_n2 = 32
-    if n_experts and top_k and n_experts >= MANY_EXPERTS_PER_SLOT * top_k:
+    if many_experts(n_experts, top_k):
         block_m = 16
         if fp8 and dtype == torch.bfloat16:
             block_n, block_k, block_n2 = 64, 128, 128
-
-    def fit(block: int, n: int) -> int:
-        return max(16, min(block, triton.next_power_of_2(n)))
-
     return GroupedConfig(
-        BLOCK_M=block_m, BLOCK_N=fit(block_n, i), BLOCK_K=fit(block_k, h), BLOCK_N2=fit(block_n2, h), BLOCK_K2=fit(block_k, i),
+        BLOCK_M=block_m, BLOCK_N=_fit(block_n, i), BLOCK_K=_fit(block_k, h), BLOCK_N2=_fit(block_n2, h), BLOCK_K2=_fit(block_k, i),
         BLOCK_H=min(1024, triton.next_power_of_2(h)), num_warps=4, num_stages=num_stages, num_warps2=4, num_stages2=num_stages,
     )
 
@@ -178,14 +184,10 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
         return cfg
     if launch.get("BLOCK_M", 16) not in (16, MMA_SYNC_ROWS):
         raise ValueError(f"a launch's BLOCK_M must be 16 or {MMA_SYNC_ROWS} (mma.sync), got {launch['BLOCK_M']}")
-
-    def fit(block: int, n: int) -> int:
-        return max(16, min(block, triton.next_power_of_2(n)))
-
     fields = {f: v for f, v in launch.items() if f in fields_allowed}
     for field, n in (("BLOCK_N", i), ("BLOCK_N2", h)):
         if field in fields:
-            fields[field] = fit(fields[field], n)
+            fields[field] = _fit(fields[field], n)
     if "BLOCK_H" in fields:
         fields["BLOCK_H"] = min(fields["BLOCK_H"], triton.next_power_of_2(h))
     return cfg._replace(**fields)
@@ -392,11 +394,11 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     slots = routing.ids.shape[1]
     e, i, _ = w_gate.shape
     n_pairs = r * slots
-    if config is None:
-        config = grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
-        if scales is not None and x.dtype == torch.bfloat16 and e >= MANY_EXPERTS_PER_SLOT * slots:
-            config = launch_for_rows(config, r, h, i)
     cfg = config
+    if cfg is None:
+        cfg = grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
+        if scales is not None and x.dtype == torch.bfloat16 and many_experts(e, slots):
+            cfg = launch_for_rows(cfg, r, h, i)
     hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by pair
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)

@@ -77,6 +77,7 @@ from .step_inputs import StepInputs
 DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
                       576)
 
+
 def reachable_rows(buckets: tuple[int, ...], most: int) -> tuple[int, ...]:
     """The buckets (ascending) a step of at most `most` rows can replay: those up to `most`, and the
     smallest one past it (a step between the last of those and `most` pads up to it). An engine of
