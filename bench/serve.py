@@ -241,6 +241,8 @@ def service_run(config: ServeConfig, address: str, client: VerifierClient, plan:
         # --round-timings file) and its drafter processes' timed rounds, summed (bench/serve_breakdown.py)
         "server_batches": [before.engine_steps + 1, after.engine_steps],
         "drafter_seconds": serve_breakdown.drafter_sums(workers),
+        # and each of their requests by its key in that file; add_breakdowns takes it out (not written)
+        "drafter_requests": serve_breakdown.drafter_requests(workers),
     }
 
 
@@ -337,16 +339,17 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
 
 def add_breakdowns(timed: list[tuple[dict, bool]], timings: dict[bool, Path | None]) -> None:
     """Each run's added_ms_per_round and round breakdown (bench/serve_breakdown.py), from its server's
-    timestamps of the run's batches and its drafters' sums."""
+    timestamps of the run's batches, its drafters' sums and their requests, paired with the server's by key."""
     files = {trimmed: serve_breakdown.load(path) if path is not None else None for trimmed, path in timings.items()}
     for run, trimmed in timed:
+        drafted = run.pop("drafter_requests")
         server = files[trimmed]
         if server is None:
             say("a server wrote no round timings: its runs have no breakdown", TAG)
             batches, requests = {}, []
         else:
             batches, requests = serve_breakdown.window(server, *run["server_batches"])
-        run.update(serve_breakdown.breakdown(run["ms_per_batch"], batches, requests, run["drafter_seconds"]))
+        run.update(serve_breakdown.breakdown(run["ms_per_batch"], batches, requests, run["drafter_seconds"], drafted))
 
 
 def _add_pair(ratios: list[float], drafts: dict | None, baseline: dict | None) -> None:

@@ -1,25 +1,35 @@
 """Where a round of bench.serve goes, from timestamps, not inferred: the server's per-batch and
 per-request timestamps (`python -m verifier serve --round-timings FILE`, verifier/server/timings.py)
-and each drafter process's own sums over its timed rounds (bench/load/drafters.py: request = send
-to answer, proposing, and the timed part's whole time).
+and each drafter process's own record of its timed rounds (bench/load/drafters.py: the sums of
+request = send to answer, proposing, and the timed part's whole time; and each round's request,
+by its first step's request id, with its request time).
 
 No clock is compared across processes: every interval is taken within one process, and the wire
-is the drafter's request time minus the server's residence of that request.
+of a request is the drafter's request time minus the server's residence of that same request (the
+two records of it found by its key: verifier/server/timings.request_key of its first step's
+request id, which the server writes and the drafter knows).
 
-The round is bench.serve's `ms_per_batch` (the run's wall time over its engine batches). Its parts,
-as means over the drafters' rounds (a drafter round is one request of one process):
+The round is bench.serve's `ms_per_batch` (the run's wall time over its engine batches). Its parts
+(a drafter round is one request of one process):
   engine      the engine step on the engine thread, per batch (its start to the ids on the host)
-  server_in   a request's arrival in the handler to its batch's engine start: the gather window
-              (waiting for the other processes' requests), checks, queueing, the hop to the thread
-  server_out  its batch's engine end to its answer written to gRPC: the hop back, results, the write
-  wire        the drafter's request time minus the request's residence on the server (its arrival
-              to its answer written): gRPC and protobuf on both sides, the socket, thread wake-ups
-  drafter     the drafter's time outside its requests: its proposers (`proposing`) and the fleet's
-              own Python (`fleet_python`: settling outcomes, building the next request)
+  server_in   a request's arrival in the handler to its batch's engine start, over the requests of
+              the run's batches: the gather window (waiting for the other processes' requests),
+              checks, queueing, the hop to the thread
+  server_out  its batch's engine end to its answer handed to gRPC, over the same requests: the
+              hop back, results
+  wire        over the requests found on both sides (the drafter's timed rounds and the run's
+              batches, paired by key), the drafter's request time minus that request's residence
+              on the server (its arrival to its answer handed to gRPC, which is within the
+              drafter's send to answer: each request's wire is >= 0): gRPC and protobuf on both
+              sides (the server's write included), the socket, thread wake-ups
+  drafter     the drafter's time outside its requests, per drafter round: its proposers
+              (`proposing`) and the fleet's own Python (`fleet_python`: settling outcomes, building
+              the next request)
   unexplained the round minus the parts: nonzero when batches are not one per drafter round (a
               round split over batches, processes out of step) or the processes' timed parts differ
 The parts are rounded to 0.001 ms first and `unexplained` is the round minus their sum, so the
-reported numbers add up to the reported round exactly.
+reported numbers add up to the reported round exactly. round_detail_ms's `drafter_request` and
+`server_residence` are the wire's two sides: their means over the same paired requests.
 
 added_ms_per_round: the round minus the engine step (mean); its p50 is over the run's batches, each
 the next batch's engine start minus this one's, minus this one's step.
@@ -29,7 +39,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
+
+from verifier.server.timings import request_key
 
 PARTS = ("engine", "server_in", "server_out", "wire", "drafter", "unexplained")
 
@@ -62,12 +75,33 @@ def drafter_sums(workers: list[dict]) -> dict:
     return sums
 
 
-def breakdown(round_ms: float | None, batches: dict[int, dict], requests: list[dict], drafters: dict) -> dict:
-    """The run's figures from its batches and requests (window) and its drafters' sums (drafter_sums).
+def drafter_requests(workers: list[dict]) -> dict[int, float]:
+    """The drafter processes' timed rounds' requests: their key (the server's, request_key of the
+    first step's request id) -> the request's seconds, send to answer on the drafter's clock."""
+    return {request_key(request_id): seconds for w in workers for request_id, seconds in w.get("round_requests") or ()}
+
+
+def paired(requests: list[dict], drafted: dict[int, float]) -> list[tuple[float, float]]:
+    """(the drafter's request seconds, the server's residence seconds) of each request on both sides.
+    A key the server wrote more than once in the window (a request resent under its ids) is left out:
+    which of its records the drafter's time holds is not known."""
+    keys = [r.get("key", 0) for r in requests]
+    once = {key for key, n in Counter(keys).items() if n == 1}
+    return [(drafted[key], r["written"] - r["arrival"]) for key, r in zip(keys, requests)
+            if key and key in once and key in drafted]
+
+
+def breakdown(round_ms: float | None, batches: dict[int, dict], requests: list[dict], drafters: dict,
+              drafted: dict[int, float]) -> dict:
+    """The run's figures from its batches and requests (window), its drafters' sums (drafter_sums)
+    and their requests by key (drafter_requests).
     -> {"added_ms_per_round", "added_ms_per_round_p50", "round_breakdown_ms", "round_detail_ms"};
-    each None when a part is missing (no timings, no fleet rounds)."""
+    each None when a part is missing (no timings, no fleet rounds, no request found on both sides)."""
     none = {"added_ms_per_round": None, "added_ms_per_round_p50": None, "round_breakdown_ms": None, "round_detail_ms": None}
     if round_ms is None or not batches or not requests or not drafters["rounds"]:
+        return none
+    pairs = paired(requests, drafted)
+    if not pairs:
         return none
     ms = 1000.0
     steps = {i: b["engine_end"] - b["engine_start"] for i, b in batches.items()}
@@ -75,17 +109,20 @@ def breakdown(round_ms: float | None, batches: dict[int, dict], requests: list[d
     cycles = [batches[i + 1]["engine_start"] - b["engine_start"] - steps[i] for i, b in batches.items() if i + 1 in batches]
     into = [batches[r["batch"]]["engine_start"] - r["arrival"] for r in requests]
     out = [r["written"] - batches[r["batch"]]["engine_end"] for r in requests]
-    residence = statistics.fmean(r["written"] - r["arrival"] for r in requests) * ms
+    # the wire's two sides, over the same requests: each drafter request holds its residence
+    request = statistics.fmean(seconds for seconds, _ in pairs) * ms
+    residence = statistics.fmean(seconds for _, seconds in pairs) * ms
+    wire = statistics.fmean(seconds - resident for seconds, resident in pairs) * ms
     rounds = drafters["rounds"]
-    request = drafters["request"] * ms / rounds
     own = (drafters["timed"] - drafters["request"]) * ms / rounds
     proposing = drafters["proposing"] * ms / rounds
     parts = {"engine": _ms(engine), "server_in": _ms(statistics.fmean(into) * ms),
-             "server_out": _ms(statistics.fmean(out) * ms), "wire": _ms(request - residence), "drafter": _ms(own)}
+             "server_out": _ms(statistics.fmean(out) * ms), "wire": _ms(wire), "drafter": _ms(own)}
     parts["unexplained"] = _ms(round_ms - sum(parts.values()))
     detail = {
         "drafter_round": _ms(drafters["timed"] * ms / rounds),  # the parts before `unexplained` add up to this
-        "drafter_request": _ms(request), "server_residence": _ms(residence),
+        # over the paired requests: the drafter's request time and the server's residence of it
+        "drafter_request": _ms(request), "server_residence": _ms(residence), "paired_requests": len(pairs),
         "proposing": _ms(proposing), "fleet_python": _ms(own - proposing),
         # per batch: its first step's arrival to the engine start (of which the spread of its
         # requests' arrivals: waiting for the last process), and its engine end to its last answer written

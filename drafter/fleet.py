@@ -97,6 +97,9 @@ class Round:
     steps: int  # steps sent (one per unfinished session)
     tokens: int  # emitted by the round's OK steps
     proposing: float = 0.0  # the proposers' time: every session's next_step of the round, seconds
+    # the request's first step's request id, as its answer carried it ("" when the whole request
+    # failed): the server's --round-timings names the request by it (verifier/server/timings.py)
+    request_id: str = ""
 
 
 class Workload(Protocol):
@@ -199,6 +202,7 @@ class Fleet:
             got = yield VerifyRound(tuple(step for _, step in sent))
             seconds = self.clock() - start
             outcomes = [got] * len(sent) if isinstance(got, VerifierError) else got
+            request_id = "" if isinstance(outcomes[0], VerifierError) else outcomes[0].request_id
             for (lane, step), outcome in zip(sent, outcomes):
                 state = self._live[lane]
                 try:
@@ -213,7 +217,7 @@ class Fleet:
                     ending.append((lane, None, True))
         yield from self._end(ending)
         if sent:
-            done = Round(len(self.rounds), seconds, len(sent), tokens, proposing)
+            done = Round(len(self.rounds), seconds, len(sent), tokens, proposing, request_id)
             self.rounds.append(done)
             if self.on_round is not None:
                 self.on_round(done)

@@ -14,6 +14,7 @@ from decimal import Decimal
 from bench import serve_breakdown
 from bench.load.remote_pair import remote_drafter
 from bench.serve import ServeConfig, _expected, main, mtp_line, run_serve, server_has_flag, table
+from verifier.server.timings import request_key
 from presets.bench_models import TINY_CONFIG, TINY_EMBED_STD
 
 SESSIONS, PROCESSES, WARMUP, STEPS, K = 4, 2, 2, 4, 2
@@ -150,20 +151,25 @@ def _assert_breakdown_adds_up(run: dict, name: str) -> None:
     detail = run["round_detail_ms"]
     assert detail["batches"] == run["engine_batches"] and detail["drafter_rounds"] == run["rounds"], (name, detail)
     assert 0 <= detail["proposing"] <= parts["drafter"] and detail["server_residence"] <= detail["drafter_request"], name
+    # every timed round's request ran in the run's batches: each is paired with the server's record of it
+    assert detail["paired_requests"] == run["rounds"] == detail["requests"], (name, detail)
 
 
 def _synthetic_run():
     """Two processes, two rounds, each round one batch; times in seconds on each process's own clock
-    (the drafters' clock differs from the server's: only intervals are used)."""
+    (the drafters' clock differs from the server's: only intervals are used). Each request is named
+    on both sides by its first step's request id: the server writes its key, the drafter the id."""
+    key = request_key
     server = {"batch_fields": ["first_arrival", "last_arrival", "engine_start", "engine_end", "last_written"],
-              "request_fields": ["batch", "arrival", "written"],
+              "request_fields": ["batch", "arrival", "written", "key"],
               # batch 1: arrivals at 10.000 and 10.001, engine 10.002-10.005, answers 10.0055 and 10.006
               "batches": [[10.000, 10.001, 10.002, 10.005, 10.006], [10.010, 10.010, 10.011, 10.014, 10.015],
                           [20.0, 20.0, 20.0, 20.1, 20.1]],  # batch 3: another run's
-              "requests": [[1, 10.000, 10.0055], [1, 10.001, 10.006], [2, 10.010, 10.015], [2, 10.010, 10.015],
-                           [3, 20.0, 20.1]]}
+              "requests": [[1, 10.000, 10.0055, key("a-0")], [1, 10.001, 10.006, key("b-0")],
+                           [2, 10.010, 10.015, key("a-1")], [2, 10.010, 10.015, key("b-1")], [3, 20.0, 20.1, key("c-0")]]}
     # each process: 2 rounds, requests of 7 + 6 ms, proposing 0.5 ms a round, 20 ms in all
-    workers = [{"rounds": 2, "round_seconds": {"request": 0.013, "proposing": 0.001, "timed": 0.020}} for _ in range(2)]
+    workers = [{"rounds": 2, "round_seconds": {"request": 0.013, "proposing": 0.001, "timed": 0.020},
+                "round_requests": [[f"{p}-0", 0.007], [f"{p}-1", 0.006]]} for p in ("a", "b")]
     return server, workers
 
 
@@ -173,13 +179,16 @@ def test_the_breakdown_arithmetic_on_synthetic_timestamps():
     assert sorted(batches) == [1, 2] and len(requests) == 4
     drafters = serve_breakdown.drafter_sums(workers + [{"rounds": 0}])  # a process without fleet rounds adds nothing
     assert drafters == {"rounds": 4, "request": 0.026, "proposing": 0.002, "timed": 0.040}
-    got = serve_breakdown.breakdown(10.5, batches, requests, drafters)
+    drafted = serve_breakdown.drafter_requests(workers + [{"rounds": 0}])
+    assert drafted == {request_key("a-0"): 0.007, request_key("a-1"): 0.006, request_key("b-0"): 0.007, request_key("b-1"): 0.006}
+    got = serve_breakdown.breakdown(10.5, batches, requests, drafters, drafted)
     parts, detail = got["round_breakdown_ms"], got["round_detail_ms"]
-    # engine: 3 ms a batch; in: requests waited 2, 1, 1, 1 ms; out: 0.5, 1, 1, 1 ms;
-    # residence (5.5 + 5 + 5 + 5) / 4 = 5.125 ms; request 6.5 ms: wire 1.375; drafter (20 - 13) / 2 = 3.5 ms;
+    # engine: 3 ms a batch; in: requests waited 2, 1, 1, 1 ms; out: 0.5, 1, 1, 1 ms; wire, per request:
+    # 7 - 5.5, 7 - 5, 6 - 5, 6 - 5 ms, mean 1.375; drafter (20 - 13) / 2 = 3.5 ms;
     # they add up to the drafters' 10 ms round, the round of 10.5 ms leaves 0.5 unexplained
     assert parts == {"round": 10.5, "engine": 3.0, "server_in": 1.25, "server_out": 0.875, "wire": 1.375,
                      "drafter": 3.5, "unexplained": 0.5}
+    assert detail["drafter_request"] == 6.5 and detail["server_residence"] == 5.125 and detail["paired_requests"] == 4
     assert detail["drafter_round"] == 10.0 and detail["proposing"] == 0.5 and detail["fleet_python"] == 3.0
     assert detail["batch_first_arrival_to_engine"] == 1.5 and detail["batch_arrival_spread"] == 0.5
     assert detail["batch_engine_end_to_last_written"] == 1.0
@@ -187,9 +196,37 @@ def test_the_breakdown_arithmetic_on_synthetic_timestamps():
     assert parts["engine"] + parts["server_in"] + parts["server_out"] + parts["wire"] + parts["drafter"] == detail["drafter_round"]
     assert got["added_ms_per_round"] == 7.5
     assert got["added_ms_per_round_p50"] == 6.0  # batch 1: next start 10.011 - 10.002 - its 3 ms step; batch 2 has no next
-    assert serve_breakdown.breakdown(10.5, {}, [], drafters)["round_breakdown_ms"] is None  # no server timings
-    assert serve_breakdown.breakdown(10.5, batches, requests, serve_breakdown.drafter_sums([]))["added_ms_per_round"] is None
+    assert serve_breakdown.breakdown(10.5, {}, [], drafters, drafted)["round_breakdown_ms"] is None  # no server timings
+    assert serve_breakdown.breakdown(10.5, batches, requests, serve_breakdown.drafter_sums([]), {})["added_ms_per_round"] is None
+    # no request found on both sides (a timings file from before the keys: no "key" field): no breakdown
+    old_file = {**server, "request_fields": ["batch", "arrival", "written"], "requests": [r[:3] for r in server["requests"]]}
+    assert serve_breakdown.breakdown(10.5, *serve_breakdown.window(old_file, 1, 2), drafters, drafted)["round_breakdown_ms"] is None
     assert "unexpl." in serve_breakdown.table({"plain": got}) and serve_breakdown.table({"plain": {}}) == ""
+
+
+def test_the_wire_is_each_drafter_request_minus_the_servers_residence_of_that_request():
+    """The wire pairs each drafter request with the server's record of it (by key): requests on one
+    side only count in neither mean. Here the server's window holds batch 3 (another run's request,
+    100 ms on the server) and the drafters timed a round the window lacks (b-2, 1 ms): the means over
+    each side's own requests would put the drafter's request below the server's residence (a negative
+    wire); paired, the wire is the 1.375 ms each request actually spent outside the server."""
+    server, workers = _synthetic_run()
+    workers[1]["round_requests"].append(["b-2", 0.001])
+    workers[1]["rounds"] += 1
+    workers[1]["round_seconds"] = {"request": 0.014, "proposing": 0.0015, "timed": 0.027}
+    batches, requests = serve_breakdown.window(server, 1, 3)
+    drafters, drafted = serve_breakdown.drafter_sums(workers), serve_breakdown.drafter_requests(workers)
+    unpaired = (drafters["request"] / drafters["rounds"] - sum(r["written"] - r["arrival"] for r in requests) / len(requests))
+    assert unpaired * 1000 < -15  # 5.4 ms over the drafters' rounds, 24.1 ms over the window's requests
+    got = serve_breakdown.breakdown(30.0, batches, requests, drafters, drafted)
+    parts, detail = got["round_breakdown_ms"], got["round_detail_ms"]
+    assert parts["wire"] == 1.375 and detail["paired_requests"] == 4 and detail["requests"] == 5
+    assert detail["drafter_request"] == 6.5 and detail["server_residence"] == 5.125
+    # a key the server wrote twice (a request resent under its ids) pairs with neither record
+    resent = requests + [{**requests[0], "arrival": requests[0]["arrival"] + 0.001}]
+    again = serve_breakdown.breakdown(30.0, batches, resent, drafters, drafted)["round_detail_ms"]
+    assert again["paired_requests"] == 3 and again["drafter_request"] == round((7 + 6 + 6) / 3, 3)
+    assert again["server_residence"] == round((5 + 5 + 5) / 3, 3)
 
 
 def test_the_reference_is_cut_where_a_generation_stopped():

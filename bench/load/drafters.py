@@ -16,8 +16,10 @@ CONFIG: {"address", "plan" (workload.Plan), "sessions": [indices], "deadline" (t
 waits for a line on stdin: the parent starts every process's timed part at once, and only rounds
 after that count in the latencies and tokens (the streams are compared whole).
 OUT: per-step client latencies, counts, errors by code, (fleet) the timed rounds' summed seconds
-(`round_seconds`: requests, proposals, the timed part; this process's clock), and every
-generation's prompt and tokens (the parent compares them with plain decoding).
+(`round_seconds`: requests, proposals, the timed part; this process's clock) and each timed
+round's request (`round_requests`: [its first step's request id, its seconds], by which the
+server's --round-timings names it), and every generation's prompt and tokens (the parent compares
+them with plain decoding).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Tally:
         # fleet, this process's perf_counter: the timed rounds' requests (send to answer) and
         # proposals, and the time from the start of the timed part to the end of its last round
         self.round_seconds = {"request": 0.0, "proposing": 0.0, "timed": 0.0}
+        self.round_requests: list[list] = []  # fleet: per timed round, [request id, request seconds]
         self.clock_started = time.perf_counter()
 
     def failed(self, record: dict, err: Exception) -> None:
@@ -67,7 +70,7 @@ class Tally:
     def result(self, sessions: list[int]) -> dict:
         return {"sessions": sessions, "started": self.started, "ended": self.ended, "steps": len(self.latencies_ms),
                 "tokens": self.tokens, "opens": self.opens, "latencies_ms": self.latencies_ms, "rounds": self.rounds,
-                "round_seconds": self.round_seconds,
+                "round_seconds": self.round_seconds, "round_requests": self.round_requests,
                 "errors": dict(self.errors), "cut_by_deadline": self.cut_by_deadline, "generations": self.generations}
 
 
@@ -146,6 +149,8 @@ class StartLine:
         self.tally.ended = time.time()
         seconds = self.tally.round_seconds
         seconds["request"] += done.seconds
+        if done.request_id:
+            self.tally.round_requests.append([done.request_id, done.seconds])
         seconds["proposing"] += done.proposing
         seconds["timed"] = time.perf_counter() - self.tally.clock_started
 

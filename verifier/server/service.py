@@ -337,9 +337,9 @@ class VerifierService:
                 while outstanding and outstanding[0].result is not None:
                     answered = outstanding.popleft()
                     make_room()
-                    yield answered.result  # resumes once gRPC has taken the message
-                    if timings is not None:
+                    if timings is not None:  # handed to gRPC: before the yield, surely before the client has it
                         timings.written(answered)
+                    yield answered.result  # resumes once gRPC has taken the message
                 if not outstanding and (not reading or self.stopping):
                     break
                 woken = loop.create_future()

@@ -4,18 +4,23 @@ turns it on; off, nothing here runs).
 
 All times are this process's time.perf_counter(): only intervals within the server are meaningful,
 never a comparison with another process's clock (bench/serve_breakdown.py derives the wire time
-from the drafter's own round time minus the server's residence).
+from the drafter's own time for a request minus the server's residence of that same request).
 
 Per batch (its index is the verifier_engine_steps count once the batch is recorded, so GetStats'
 engine_steps before and after a run select its batches): the first and last arrival of its steps'
 requests (taken in the handler once gRPC has parsed the request), the engine step's start and end
 on the engine thread (the ids on the host), and when the last answer holding one of its steps was
 written to gRPC. Per request (a VerifyRounds message, a Verify call, a VerifyStream step): the
-batch that answered its last step, its arrival and when its answer was written (a stream: once
-gRPC took the message; a Verify call: when the handler returns it).
+batch that answered its last step, its arrival, when its answer was written (handed to gRPC: a
+stream's message as it is yielded, a Verify call's when the handler returns it; never after the
+client can have it, so the request's time on the drafter holds its residence here, and gRPC's own
+write is the wire's), and its key: its first step's request id as a 64-bit integer (`request_key`;
+0 when that step has none), by which bench/serve_breakdown.py pairs the request with the drafter's
+own time for it.
 
-Storage is bounded (array('d') appends up to MAX_BATCHES and MAX_REQUESTS; later ones are counted
-as dropped), so a long-lived server with the switch on grows by at most a known amount.
+Storage is bounded (array('d') and array('q') appends up to MAX_BATCHES and MAX_REQUESTS; later
+ones are counted as dropped; a key is 8 bytes whatever the request id's length), so a long-lived
+server with the switch on grows by at most a known amount.
 """
 
 from __future__ import annotations
@@ -23,20 +28,31 @@ from __future__ import annotations
 import json
 import time
 from array import array
+from hashlib import blake2b
 from pathlib import Path
 
 BATCH_FIELDS = ("first_arrival", "last_arrival", "engine_start", "engine_end", "last_written")
-REQUEST_FIELDS = ("batch", "arrival", "written")
+REQUEST_FIELDS = ("batch", "arrival", "written", "key")
 LAST_WRITTEN = BATCH_FIELDS.index("last_written")
 MAX_BATCHES = 1 << 20
 MAX_REQUESTS = 1 << 22
+
+
+def request_key(request_id: str) -> int:
+    """A request's key in the timings file: its first step's request id as a signed 64-bit integer
+    (the first 8 bytes of its BLAKE2b digest); 0 for no request id. The drafter, which knows the
+    ids it sent, finds its requests by it."""
+    if not request_id:
+        return 0
+    return int.from_bytes(blake2b(request_id.encode(), digest_size=8).digest(), "big", signed=True)
 
 
 class RoundTimings:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.batches = array("d")  # len(BATCH_FIELDS) values per batch, batch i (1-based) at (i - 1) * 5
-        self.requests = array("d")  # len(REQUEST_FIELDS) values per request
+        self.requests = array("d")  # batch, arrival, written per request
+        self.keys = array("q")  # per request: request_key of its first step's request id
         self.recorded = 0  # batches recorded: the index of the last one (engine_steps)
         self.dropped_batches = self.dropped_requests = 0
 
@@ -61,17 +77,19 @@ class RoundTimings:
         at = (batch - 1) * len(BATCH_FIELDS) + LAST_WRITTEN
         if now > self.batches[at]:
             self.batches[at] = now
-        if len(self.requests) >= MAX_REQUESTS * len(REQUEST_FIELDS):
+        if len(self.keys) >= MAX_REQUESTS:
             self.dropped_requests += 1
             return
         self.requests.extend((batch, min(t.arrived for t in tickets if t.batch > 0), now))
+        self.keys.append(request_key(tickets[0].request_id))
 
     def to_json(self) -> dict:
-        b, r = len(BATCH_FIELDS), len(REQUEST_FIELDS)
+        b, r = len(BATCH_FIELDS), len(REQUEST_FIELDS) - 1  # the key is kept apart
         return {"clock": "time.perf_counter() of the server process, seconds",
                 "batch_fields": list(BATCH_FIELDS), "request_fields": list(REQUEST_FIELDS),
                 "batches": [list(self.batches[i:i + b]) for i in range(0, len(self.batches), b)],  # batch 1 first
-                "requests": [[int(self.requests[i]), *self.requests[i + 1:i + r]] for i in range(0, len(self.requests), r)],
+                "requests": [[int(self.requests[i]), *self.requests[i + 1:i + r], key]
+                             for i, key in zip(range(0, len(self.requests), r), self.keys)],
                 "dropped_batches": self.dropped_batches, "dropped_requests": self.dropped_requests}
 
     def write(self) -> None:
