@@ -25,6 +25,9 @@ BLOCK_K steps, tl.dot into fp32, then h = cast(silu(g) * u). Stage 2, `_grouped_
 (blocks, cdiv(H, BLOCK_N2)): the same over I with w_down[e], y kept in fp32 and stored by pair.
 `_combine_kernel`, grid (R, cdiv(H, BLOCK_H)): per row, its S pairs' y in ascending expert id
 order (S passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
+A combine that loads a row's S outputs at once and takes each by its rank among the row's ids
+(the same fma order, so the same bits) was no faster in the engine at 1, 9, 64 or 576 rows on the
+H100: a combine is a few microseconds of latency, not of loads, and more registers cost the rest.
 
 Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what a
 pair computes does not: the MMA instruction (grouped_config's BLOCK_M: mma.sync at 16 pairs a block,
@@ -73,17 +76,20 @@ MANY_EXPERTS_PER_SLOT = 8
 
 # Up to FEW_ROWS rows (a decode, or a verify of up to FEW_ROWS - 1 drafts, of one sequence) block-FP8
 # experts of many take FEW_ROWS_LAUNCH's launch fields (`launch_for_rows`): the grid follows the
-# row count, the arithmetic does not. From `python -m bench.fp8_configs`' few-rows screen on the H200
-# (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_few-rows-h200.json): 32-feature stage-1
-# tiles, faster in the engine's grouped experts at 1, 2, 4 and 9 rows (`bench.fp8_real_size
-# --candidates`, kernel_breakdowns), swept and gated there (bench/results/row_invariance_2026-12-06_h200.json).
+# row count, the arithmetic does not. From `python -m bench.fp8_configs --screen rows`, the same winner
+# on both Hoppers (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_rows-h100.json and
+# _few-rows-h200.json): 32-feature stage-1 tiles, four warps in both stages, 128-feature stage-2
+# tiles and 128-feature combine programs (a row's combine over 16 programs, not 2), faster at 1, 4
+# and 9 rows; swept and gated in the engine with it (bench/results/row_invariance_2026-12-06.json,
+# fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json, both on the H100).
 FEW_ROWS = 16
 LAUNCH_FIELDS = ("BLOCK_N", "BLOCK_N2", "BLOCK_H", "num_warps", "num_stages", "num_warps2", "num_stages2")
-FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32}
+FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "BLOCK_N2": 128, "num_warps2": 4, "BLOCK_H": 128}
 # From MANY_ROWS rows on (64 decoding sequences, verifies of a full batch) MANY_ROWS_LAUNCH's fields,
 # which may also take blocks of 32 pairs (MMA_SYNC_ROWS): each expert tile is then dequantized once
-# per 32 pairs instead of 16, with the same mma.sync instruction (16 rows each) and K walks. Empty
-# until `python -m bench.fp8_configs --screen rows` has shown one faster with the same bits.
+# per 32 pairs instead of 16, with the same mma.sync instruction (16 rows each) and K walks. Empty:
+# the screen found none faster than the pinned launch at 64 and 576 rows (32-pair blocks were 4-34%
+# slower on the H100, whatever their warps and feature tiles).
 MANY_ROWS = 64
 MANY_ROWS_LAUNCH: dict[str, int] = {}
 MMA_SYNC_ROWS = 32  # the most pairs a block may take: past it Triton multiplies with wgmma, whose bits differ here
