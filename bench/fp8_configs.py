@@ -1,7 +1,7 @@
 """Candidate launch configs of the grouped FP8 experts and of the few-rows FP8 GEMM at a published
 MoE's shapes, timed against the pinned ones as the engine runs them.
 
-    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576] [--screen rows]
+    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576] [--screen rows|dense]
     PYTHONPATH=. python -m bench.fp8_real_size --out DIR --candidates DIR/fp8_configs_<date>_<config>.json
 
 Row invariance holds for any one config that runs every row count (kernels/moe_grouped.py), so an
@@ -201,8 +201,10 @@ def sweep_launches(pinned: GroupedConfig, rows: list[int], candidates: list[dict
 
 def rows_candidates() -> list[tuple[int, int, int]]:
     """The few-rows FP8 kernel's launch (weight features a tile, warps, stages): none of them changes
-    its K walk, which is the pinned config's."""
-    return list(itertools.product((64, 128), (4,), (1, 2, 4, 6)))
+    its K walk, which is the pinned config's. Tiles of 16 or 32 features (the MMA's M) would spread a
+    weight over more programs, but give other bits than the bf16 GEMM at every published dense shape
+    (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_dense-h100.json), so they are not screened."""
+    return [(n, w, st) for n, w in ((64, 4), (128, 4)) for st in (3, 4, 6)]
 
 
 def sweep_rows_kernel(n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
@@ -269,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     parser.add_argument("--name", default="", type=name_arg,
                         help="what differs, appended to the file name after the config (e.g. the screen or the device)")
-    parser.add_argument("--screen", choices=("all", "rows"), default="all",
+    parser.add_argument("--screen", choices=("all", "rows", "dense"), default="all",
                         help="all: every candidate; rows: only the experts' launches that follow the row count, up to "
-                             "FEW_ROWS rows and from MANY_ROWS on (kernels/moe_grouped.py's launch_for_rows)")
+                             "FEW_ROWS rows and from MANY_ROWS on (kernels/moe_grouped.py's launch_for_rows); dense: only "
+                             "the few-rows FP8 GEMM's launches (kernels/linear_fp8.py), at the row counts below DEQUANTIZED_ROWS")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: the candidates are timed on it")
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     for (kind, dtype, shape), where in sorted(model_weights(PUBLISHED[args.config], fp8=True).items(), key=lambda kv: (kv[0][0] != "experts", kv[0])):
         if dtype != "fp8" or all(".shared." in w for w in where):  # the engine folds the shared expert into the experts
             continue
-        if args.screen == "rows" and kind == "dense":
+        if (args.screen, kind) in (("rows", "dense"), ("dense", "experts")):
             continue
         name = f"{kind} {'x'.join(map(str, shape))}"
         print(f"[fp8_configs] {name} ({len(where)} weights)", file=sys.stderr, flush=True)

@@ -38,6 +38,8 @@ bf16 activations take one of two paths by row count, both the bf16 GEMM of the r
   [64 features, BLOCK_K] the MMA's first operand (from registers, where it is made) and x^T
   [BLOCK_K, 16 rows] its second, the K walk (split, BLOCK_K steps) `fp8_config`'s. One row fills a
   16-wide operand, not a 64-row tile: a decode reads the weight at a multiple of the old speed.
+  Its tile keeps 64 weight features (or 128): with 16 or 32 the MMA's layout changes and so do
+  the bits (bench.fp8_configs --screen dense on the H100; the bf16 GEMM they must equal).
 - from DEQUANTIZED_ROWS on: `dequantize` makes the real weight once (dequantize_ref's values) and
   kernels/linear.py's bf16 GEMM multiplies it. Many rows are MMA-bound, and that GEMM's wgmma tiles
   outrun any tile that dequantizes in registers per row block: the few-rows kernel with 64- or
