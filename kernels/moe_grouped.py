@@ -147,8 +147,12 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     `python -m bench.fp8_real_size --candidates` chose in the engine on an H100: stage 1 at 32
     features was faster at one row and slower at 576 rows; 64 features with the 128-feature
     stage 2 was faster at every step than 64/64 with 64-wide K steps (bench/results/
-    fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's tiles ahead by hand,
-    tried in that screen, was slower at every row count: Triton's pipelining already does it.
+    fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's weight tiles ahead
+    by hand, tried in that screen, was slower at every row count: Triton already pipelines them
+    (cp.async), and a hand-loaded tile takes that away. x's rows are another matter: x is not
+    specialised on alignment, so its gather cannot be made asynchronous and stage 1 loads it one
+    step ahead by hand (`_grouped_hidden_kernel`), which made stage 1 faster at every row count in
+    the engine (the same bits: the same values reach the same dots).
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
     block_n = block_n2 = 32
@@ -276,18 +280,22 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # x's rows one K step ahead by hand, as kernels/linear_fp8.py's few-rows kernel loads its x^T: x
+    # is not specialised on alignment, so Triton cannot pipeline this gather (it does the weights')
+    b_x = tl.load(p_x, mask=m_p[:, None] & (o_k < H)[None, :], other=0.0)
     for k0 in range(0, H, BLOCK_K):
+        p_x += BLOCK_K
+        b_x_next = tl.load(p_x, mask=m_p[:, None] & ((k0 + BLOCK_K + o_k) < H)[None, :], other=0.0)
         m_k = (k0 + o_k) < H
         m_w = m_k[:, None] & m_n[None, :]
         o_kk = (k0 + o_k)[:, None]
-        b_x = tl.load(p_x, mask=m_p[:, None] & m_k[None, :], other=0.0)
         b_wg = _weight_tile(p_g, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                             FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                             FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_g = _dot_acc(b_x, b_wg, b_g, INTERPRET)
         b_u = _dot_acc(b_x, b_wu, b_u, INTERPRET)
-        p_x += BLOCK_K
+        b_x = b_x_next
         p_g += BLOCK_K
         p_u += BLOCK_K
     b_h = tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u as torch: g / (1 + exp(-g))
