@@ -17,8 +17,8 @@ open, a failed step or a proposer that raises ends that lane's generation only, 
 
 The driver is written once and does no I/O (`Fleet.decisions`, in the manner of drafter/retry.py):
 it yields what to do (OpenSessions, VerifyRound, CloseSessions) and is sent what that got.
-`run_fleet` carries it out with a blocking VerifierClient; `arun_fleet` with an AsyncVerifierClient,
-where the opens and closes of one round run concurrently.
+`run_fleet` carries it out with a blocking VerifierClient, `arun_fleet` with an AsyncVerifierClient;
+both run the opens and closes of one action concurrently.
 
     class Workload:
         def next_job(self, lane): return Job(16, prompt_ids=[1, 2, 3], proposer=NgramProposer(), k=4)
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -48,6 +49,8 @@ from .loop import DraftLoop
 from .messages import ModelInfo, Step, StepOutcome, VerifierError
 
 log = logging.getLogger(__name__)
+
+CONCURRENT_CALLS = 16  # the blocking fleet's opens or closes of one action in flight at once
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,8 @@ class Fleet:
     lanes: int
     info: ModelInfo
     deadline: float | None = None  # time.time() after which no step is sent and every lane is cut
-    on_round: Callable[[Round], None] | None = None  # hears each round once its sessions are settled
+    # hears each round once its outcomes are in its sessions, before the sessions it ended are closed
+    on_round: Callable[[Round], None] | None = None
     rounds: list[Round] = field(default_factory=list)
     close_errors: list[VerifierError] = field(default_factory=list)
     clock: Callable[[], float] = time.perf_counter
@@ -215,12 +219,12 @@ class Fleet:
                     ending.append((lane, None, False))
                 elif state.job.max_steps is not None and state.steps >= state.job.max_steps:
                     ending.append((lane, None, True))
-        yield from self._end(ending)
-        if sent:
+        if sent:  # heard before the round's ended sessions are closed: closing them is not the round's time
             done = Round(len(self.rounds), seconds, len(sent), tokens, proposing, request_id)
             self.rounds.append(done)
             if self.on_round is not None:
                 self.on_round(done)
+        yield from self._end(ending)
 
     def _end(self, ending: list[tuple[int, Exception | None, bool]]):
         """Close the sessions of these lanes (lane, error, cut), report them, free the lanes."""
@@ -250,7 +254,9 @@ def _checked(outcome: StepOutcome | VerifierError) -> StepOutcome:
 
 
 class _Blocking:
-    """Carries out actions with blocking calls; VerifierErrors come back as answers. Rounds go on one
+    """Carries out actions with blocking calls; VerifierErrors come back as answers. The opens or
+    closes of one action run concurrently (threads: a blocking channel serves calls from many), so a
+    round that ends sixteen sessions waits for one close, not sixteen in turn. Rounds go on one
     VerifyRounds stream (a Verify call per round pays a call's setup on the server every round, a
     stream once: `python -m bench.server_overhead` measures both, four callers of 16 sessions on a
     loopback server with no model, as its unary_x4 and rounds_x4 shapes, `server_overhead_2026-11-30.json`),
@@ -260,14 +266,23 @@ class _Blocking:
     def __init__(self, client: VerifierClient, rounds_stream: bool):
         self.client = client
         self.rounds = client.verify_rounds() if rounds_stream else None
+        self._calls: ThreadPoolExecutor | None = None  # the concurrent opens and closes, made at the first
 
     def __call__(self, action):
         client = self.client
         if isinstance(action, VerifyRound):
             return _caught(self._verify, list(action.steps))
         if isinstance(action, OpenSessions):
-            return [_caught(lambda job=job: client.open_session(**job.open_arguments())) for job in action.jobs]
-        return [_caught(client.close_session, session_id) for session_id in action.session_ids]
+            return self._each([lambda job=job: client.open_session(**job.open_arguments()) for job in action.jobs])
+        return self._each([lambda session_id=session_id: client.close_session(session_id) for session_id in action.session_ids])
+
+    def _each(self, calls: list) -> list:
+        """Every call's answer (or the VerifierError it raised), in order; more than one at a time."""
+        if len(calls) <= 1:
+            return [_caught(call) for call in calls]
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=CONCURRENT_CALLS, thread_name_prefix="fleet-call")
+        return list(self._calls.map(_caught, calls))
 
     def _verify(self, steps: list[Step]) -> list[StepOutcome]:
         if self.rounds is not None:
@@ -281,6 +296,8 @@ class _Blocking:
         return self.client.verify(steps)
 
     def close(self) -> None:
+        if self._calls is not None:
+            self._calls.shutdown()
         if self.rounds is not None:
             self.rounds.close()
 

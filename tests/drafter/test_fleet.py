@@ -4,6 +4,7 @@ session's step; every stream equals plain decoding token for token (and logit ro
 where asked); a bad session fails alone."""
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -184,3 +185,37 @@ def test_a_job_is_checked_on_construction():
         Job(4)
     with pytest.raises(ValueError, match="max_steps"):
         Job(4, prompt_ids=[1], max_steps=0)
+
+
+class ClosingClient(VerifierClient):
+    """Logs each close beside the rounds the fleet reports, and holds the first two closes until both
+    have begun: closes made one after another never get past that barrier."""
+
+    def __init__(self, *args, log: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = log
+        self.both_closing = threading.Barrier(2, timeout=10)
+
+    def close_session(self, session_id):
+        self.log.append(("close", session_id))
+        if len([event for event in self.log if event[0] == "close"]) <= 2:
+            self.both_closing.wait()  # BrokenBarrierError: the second close never began while the first ran
+        return super().close_session(session_id)
+
+
+def test_a_round_is_heard_before_its_ended_sessions_close_and_they_close_at_once(server, target):
+    vocab = target.config.vocab_size
+    prompts = [prompt_for(vocab, 4, seed=40 + i) for i in range(3)]
+    workload = Jobs([Job(NEW, prompt_ids=prompt, max_steps=3) for prompt in prompts])  # all three end in round 2
+    log: list = []
+    with ClosingClient(server.address, timeout_s=60, log=log) as client:
+        before = client.stats().open_sessions
+        fleet = run_fleet(client, workload, lanes=3, on_round=lambda done: log.append(("round", done.index)))
+        assert client.stats().open_sessions == before
+    assert [r.steps for r in fleet.rounds] == [3, 3, 3]
+    # the last round is heard first: closing its sessions is not the round's time
+    assert log[:3] == [("round", 0), ("round", 1), ("round", 2)]
+    assert sorted(event[0] for event in log[3:]) == ["close"] * 3
+    assert not fleet.close_errors
+    for report, prompt in zip(sorted(workload.reports.items()), prompts):
+        assert report[1].cut and report[1].generation.tokens == plain_in_process(target, prompt, NEW, GREEDY).tokens[:4]
