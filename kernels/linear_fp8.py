@@ -86,6 +86,10 @@ FP8 = torch.float8_e4m3fn
 FP8_BLOCK_M = 64  # the one-tile kernel's rows per tile (one wgmma warpgroup tile): fp32, and a caller's config
 ROWS_TILE, ROWS_TILE_FEATURES = 16, 64  # bf16, few rows: rows (the MMA's N) and weight features (its M) a tile
 ROWS_WARPS, ROWS_STAGES = 4, 4  # its launch: warps and pipeline stages
+# Candidates screened by `python -m bench.fp8_decode`, off until the device shows a gain; neither
+# changes a bit (the same values reach the same MMAs in the same order):
+ROWS_PAIRED = False  # the few-rows kernel takes two K steps an iteration (two dots, in K order)
+FP8_INT_DECODE = False  # fp8 -> fp32 on the integer pipe (`fp8_values`) instead of the conversion instructions
 DEQUANTIZED_ROWS = 64  # bf16, from this many rows: the real weight made once, then the bf16 GEMM
 
 
@@ -103,8 +107,25 @@ def standard_scale_row(n: int, block_n: int, device: torch.device | str = "cpu")
 
 
 @triton.jit
+def fp8_values(b_w8, INT_DECODE: tl.constexpr):
+    """float8_e4m3fn -> fp32, exactly. INT_DECODE: with integer operations (no conversion
+    instruction): the seven magnitude bits go under fp32's exponent field (bit 20 up) and the sign
+    to bit 31, which reads as the value times 2^-120 (a normal e4m3 number's exponent bias is 7,
+    fp32's 127; an e4m3 subnormal lands on an fp32 subnormal of the same mantissa), so times 2^120
+    it is the value, exactly (a power of two, no rounding; the multiply keeps subnormals: Triton's
+    fp32 multiply does not flush them). The NaN encodings (0x7f, 0xff) read as 480, as under the
+    interpreter; quantized weights never hold them. tests/kernel_tests/test_linear_fp8.py holds
+    both decodes equal over every byte."""
+    if INT_DECODE:
+        u = b_w8.to(tl.uint8, bitcast=True).to(tl.uint32)
+        return (((u & 0x7F) << 20) | ((u & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e+36  # 2^120
+    return b_w8.to(tl.float32)
+
+
+@triton.jit
 def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
-                    SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+                    SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+                    INT_DECODE: tl.constexpr = False):
     """An fp8 weight tile -> its real values in DTYPE: cast(fp32(w) * scale), the cast rounding to nearest even.
 
     p_srow: offsets of the tile's rows' scale rows in scale_inv (scale row * its stride), shaped to
@@ -116,7 +137,7 @@ def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
         b_s = tl.load(scale_inv + p_srow + k0 // SCALE_BLOCK_K, mask=m_srow, other=0.0)
     else:
         b_s = tl.load(scale_inv + p_srow + o_kk // SCALE_BLOCK_K, mask=m_w, other=0.0)
-    return cast_rtne(b_w8.to(tl.float32) * b_s, DTYPE, INTERPRET)
+    return cast_rtne(fp8_values(b_w8, INT_DECODE) * b_s, DTYPE, INTERPRET)
 
 
 @triton.jit
@@ -164,6 +185,16 @@ def _linear_fp8_kernel(
     _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
+@triton.jit
+def _rows_tile(p_w, scale_inv, p_srow, m_n, o_k, k0, k_end, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr,
+               DTYPE: tl.constexpr, INTERPRET: tl.constexpr, INT_DECODE: tl.constexpr):
+    """The few-rows kernel's weight tile at p_w [BLOCK_N, BLOCK_K] (columns k0 ..), dequantized."""
+    m_w = m_n[:, None] & ((k0 + o_k) < k_end)[None, :]
+    b_w8 = tl.load(p_w, mask=m_w, other=0.0)
+    return dequantize_tile(b_w8, scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
+                           DTYPE, INTERPRET, INT_DECODE)
+
+
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"], do_not_specialize_on_alignment=["x", "out"])
 def _linear_fp8_rows_kernel(
     x, weight, scale_inv, scale_row, bias, out, partial,
@@ -178,6 +209,8 @@ def _linear_fp8_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PAIRED: tl.constexpr,
+    INT_DECODE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The few-rows path: out^T = real(weight) x^T, the dequantized weight tile [BLOCK_N features,
@@ -204,17 +237,30 @@ def _linear_fp8_rows_kernel(
     # pipelining cannot make its load asynchronous, and a load issued in the step that uses it puts
     # a memory round trip in every step (the weight tiles are pipelined by Triton, cp.async)
     b_x = tl.load(p_x, mask=((k_start + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        p_x += BLOCK_K
-        b_x_next = tl.load(p_x, mask=((k0 + BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-        m_k = (k0 + o_k) < k_end
-        m_w = m_n[:, None] & m_k[None, :]
-        b_w8 = tl.load(p_w, mask=m_w, other=0.0)
-        b_w = dequantize_tile(b_w8, scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
-                              x.dtype.element_ty, INTERPRET)
-        b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
-        b_x = b_x_next
-        p_w += BLOCK_K
+    if PAIRED:  # two K steps an iteration, each its own dot in K order: the same MMAs, half the loop's waits
+        b_x1 = tl.load(p_x + BLOCK_K, mask=((k_start + BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
+        for k0 in tl.range(k_start, k_end, 2 * BLOCK_K, num_stages=STAGES):
+            p_x += 2 * BLOCK_K
+            b_x_next = tl.load(p_x, mask=((k0 + 2 * BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
+            b_x1_next = tl.load(p_x + BLOCK_K, mask=((k0 + 3 * BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
+            b_w0 = _rows_tile(p_w, scale_inv, p_srow, m_n, o_k, k0, k_end, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
+                              x.dtype.element_ty, INTERPRET, INT_DECODE)
+            b_w1 = _rows_tile(p_w + BLOCK_K, scale_inv, p_srow, m_n, o_k, k0 + BLOCK_K, k_end, SCALE_BLOCK_K,
+                              ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET, INT_DECODE)
+            b_acc = _dot_acc(b_w0, b_x, b_acc, INTERPRET)
+            b_acc = _dot_acc(b_w1, b_x1, b_acc, INTERPRET)
+            b_x = b_x_next
+            b_x1 = b_x1_next
+            p_w += 2 * BLOCK_K
+    else:
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            p_x += BLOCK_K
+            b_x_next = tl.load(p_x, mask=((k0 + BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
+            b_w = _rows_tile(p_w, scale_inv, p_srow, m_n, o_k, k0, k_end, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
+                             x.dtype.element_ty, INTERPRET, INT_DECODE)
+            b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
+            b_x = b_x_next
+            p_w += BLOCK_K
     _store_tile(tl.trans(b_acc), bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
@@ -336,10 +382,13 @@ def linear_fp8(
     args = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
             m, n, k, split_bounds(k, cfg), x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0))
     if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
+        k_split = split_bounds(k, cfg)
+        steps = (triton.cdiv(k_split, cfg.BLOCK_K), triton.cdiv(k - (cfg.SPLIT_K - 1) * k_split, cfg.BLOCK_K))
         _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
             *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,
             BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES,
-            num_warps=ROWS_WARPS, **launch_options(x.device))
+            PAIRED=ROWS_PAIRED and all(s % 2 == 0 for s in steps),  # pairs need every split's steps even
+            INT_DECODE=FP8_INT_DECODE, num_warps=ROWS_WARPS, **launch_options(x.device))
     else:
         _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
             *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,

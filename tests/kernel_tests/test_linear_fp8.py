@@ -256,3 +256,45 @@ def test_fp8_gemm_is_the_gemm_of_the_dequantized_weight(device, m):
     cfg = fp8_config(n, k, torch.bfloat16)
     real = dequantize_ref(weight, scales, torch.bfloat16)
     assert torch.equal(linear_fp8(x, weight, scales), linear(x, real, config=cfg))
+
+
+def test_integer_decode_is_the_conversion_bitwise(device):
+    """fp8_values' integer decode (the seven magnitude bits under fp32's exponent, times 2^120) gives
+    the conversion instruction's fp32 for every byte but the two NaN encodings (which quantized
+    weights never hold), subnormals, both zeros and 448 included; and times a scale of any size the
+    same products, since the two operands are the same number."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(w8, out, INT_DECODE: tl.constexpr):
+        o = tl.arange(0, 256)
+        tl.store(out + o, linear_fp8_module.fp8_values(tl.load(w8 + o), INT_DECODE))
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    weight = codes.view(FP8).to(device)
+    got = {}
+    for int_decode in (False, True):
+        got[int_decode] = torch.empty(256, dtype=torch.float32, device=device)
+        decode[(1,)](weight, got[int_decode], INT_DECODE=int_decode)
+    nan = (codes & 0x7F) == 0x7F
+    want = codes.view(FP8).float()
+    assert torch.equal(got[True].cpu()[~nan], want[~nan]) and torch.equal(got[False].cpu()[~nan], want[~nan])
+    assert torch.equal(got[True].cpu().signbit(), want.signbit() & ~nan | (codes >= 128) & nan)
+    scales = torch.logspace(-30, 30, 61, base=2.0)
+    assert torch.equal(got[True].cpu()[~nan][:, None] * scales, want[~nan][:, None] * scales)
+
+
+@pytest.mark.parametrize("case", ["paired", "int_decode", "both"])
+def test_few_rows_candidates_give_the_same_bits(device, monkeypatch, case):
+    """bench.fp8_decode's candidates for the few-rows kernel (two K steps an iteration, the integer
+    decode) change no bit: the same values reach the same MMAs in the same K order. K gives an even
+    number of steps in every split (pairs run) and, in the second shape, an odd one (the single
+    steps run)."""
+    for k, n in ((512, 96), (384, 40)):
+        x, weight, scales, b = make(5, k, n, (128, 128), torch.bfloat16, True, device)
+        pinned = linear_fp8(x, weight, scales, b)
+        with monkeypatch.context() as patch:
+            patch.setattr(linear_fp8_module, "ROWS_PAIRED", case in ("paired", "both"))
+            patch.setattr(linear_fp8_module, "FP8_INT_DECODE", case in ("int_decode", "both"))
+            assert torch.equal(linear_fp8(x, weight, scales, b), pinned)
