@@ -107,8 +107,8 @@ import numpy as np
 # size), so the code below keeps that count small: one stable sort instead of a lexsort, take()
 # instead of fancy indexing, the ufuncs' own reduce/accumulate (the same arithmetic as sum, cumsum
 # and cumprod, without their Python wrappers), a table of relax ** age instead of a pow per count.
-# Every change keeps the bits: the same operations on the same numbers, in the same order. One path
-# serves every batch size; `python -m bench.goodput_policy` times it per batch size.
+# The choice is what is held (tests/test_goodput.py: the best within TIE, by exact arithmetic), not
+# the bits of these sums. One path serves every batch size; `python -m bench.goodput_policy` times it per batch size.
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -403,12 +403,10 @@ class GoodputPolicy:
         """relax ** the age of counts last reached in batches `reached_at` [rows, max_k]: the batches
         since, the batch after not counted (evidence renewed every batch does not age).
 
-        Looked up in a table made by the same np.power over an array, so with the bits of raising
-        each age, without pow's 15-30 ns per element; mode="clip" takes an age below 0 (reached this
-        batch) as 0, and one past the table's end as its last entry, which the powers no longer leave
-        (see _next_batch). A one-element operand is raised as before: numpy raises it by its scalar
-        path (x * x for 2), which a SIMD pow need not match. So always whole rows of max_k positions,
-        as before, never a slice: the row count alone decides which operand has one element."""
+        Looked up in a table made by np.power over an array, without pow's 15-30 ns per element;
+        mode="clip" takes an age below 0 (reached this batch) as 0, and one past the table's end as
+        its last entry, which the powers no longer leave (see _next_batch). Always whole rows of
+        max_k positions, never a slice, so one batch's ages are raised one way."""
         age = (self.batch - 1) - reached_at
         if age.size == 1:
             return self.relax ** np.maximum(age, 0)
