@@ -89,7 +89,7 @@ ROWS_WARPS, ROWS_STAGES = 4, 4  # its launch: warps and pipeline stages
 # Candidates screened by `python -m bench.fp8_decode`, off until the device shows a gain; neither
 # changes a bit (the same values reach the same MMAs in the same order):
 ROWS_PAIRED = False  # the few-rows kernel takes two K steps an iteration (two dots, in K order)
-FP8_INT_DECODE = False  # fp8 -> fp32 on the integer pipe (`fp8_values`) instead of the conversion instructions
+FP8_INT_DECODE = False  # the few-rows kernel and the FP8 experts decode fp8 with integer operations (`fp8_values`)
 DEQUANTIZED_ROWS = 64  # bf16, from this many rows: the real weight made once, then the bf16 GEMM
 
 
@@ -379,10 +379,10 @@ def linear_fp8(
         out = x  # deferred: never stored (the partial takes the sums), so the launch compiles as undeferred
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
+    k_split = split_bounds(k, cfg)
     args = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
-            m, n, k, split_bounds(k, cfg), x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0))
+            m, n, k, k_split, x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0))
     if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
-        k_split = split_bounds(k, cfg)
         steps = (triton.cdiv(k_split, cfg.BLOCK_K), triton.cdiv(k - (cfg.SPLIT_K - 1) * k_split, cfg.BLOCK_K))
         _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
             *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,

@@ -457,13 +457,13 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
-        PAIRED=HIDDEN_PAIRED and h % (2 * cfg.BLOCK_K) == 0, INT_DECODE=linear_fp8.FP8_INT_DECODE,
+        PAIRED=HIDDEN_PAIRED and h % (2 * cfg.BLOCK_K) == 0, INT_DECODE=linear_fp8.FP8_INT_DECODE and scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
         H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
-        INT_DECODE=linear_fp8.FP8_INT_DECODE,
+        INT_DECODE=linear_fp8.FP8_INT_DECODE and scales is not None,
         num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
     _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
