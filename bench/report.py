@@ -69,6 +69,14 @@ class Tables:
             self._cache[path] = json.loads(path.read_text())
         return self._cache[path]
 
+    def labelled(self, path: Path) -> dict:
+        """A results file of one config with "label": its config, and what its file name says differs
+        beyond the device (`--name`: "qwen3.6-35b-a3b_h200-masked-tiles" -> "qwen3.6-35b-a3b, masked-tiles")."""
+        d = self.load(path)
+        variant = parse_name(path.name)[2]
+        extra = re.sub(r"^(h100|h200)(-|$)", "", variant[len(d["config"]):].lstrip("_")) if variant.startswith(d["config"]) else ""
+        return {**d, "label": f"{d['config']}, {extra}" if extra else d["config"]}
+
     def files(self, bench: str) -> dict[str, Path]:
         found = newest(self.results, bench)
         if not found:
@@ -176,7 +184,7 @@ class Tables:
         own = any("step_floors" in self.load(path) for path in files)
         rows = []
         for path in files:
-            d = self.load(path)
+            d = self.labelled(path)
             floors = d.get("step_floors") or {}
             if own:
                 cells = [f"{d[k]:.2f} ({floors[k]['ratio']:.1f}x of {floors[k]['floor_ms']:.2f})" if k in floors else f"{d[k]:.2f} (-)"
@@ -186,7 +194,7 @@ class Tables:
                 cells.append(experts)
             else:
                 cells = [f"{d['decode_ms_b1']:.2f} ({d['decode_ms_b1'] / d['hbm_floor_ms']:.1f}x)", *(f"{d[k]:.2f}" for k in figures[1:])]
-            rows.append(f"{d['config']} ({d['scale']}, {d['experts']} experts) | {d.get('device', '-')} | {d['params_total'] / 1e9:.2f} B "
+            rows.append(f"{d['label']} ({d['scale']}, {d['experts']} experts) | {d.get('device', '-')} | {d['params_total'] / 1e9:.2f} B "
                         f"({d['params_active'] / 1e9:.2f} B) | {d['checkpoint_gb']:.1f} GB | {d['load_s']:.1f} s | "
                         f"{d['hbm_floor_ms']:.2f} | " + " | ".join(cells) + " | "
                         f"{d['bitexact_rows']}; full batch {d.get('full_batch_rows', '-')} rows, "
@@ -197,8 +205,8 @@ class Tables:
             head = ["decode b=1 ms (x floor)", "K=8 b=1", "decode b=64", "K=8 b=64"]
         text = table(["config", "device", "params (active)", "checkpoint", "load", "HBM floor ms", *head, "rows = serial", "gate",
                       "peak GPU memory"], rows, "")
-        mtp = self.fp8_mtp_draft([self.load(path) for path in files])
-        steps = self.fp8_step_figures([self.load(path) for path in files])
+        mtp = self.fp8_mtp_draft([self.labelled(path) for path in files])
+        steps = self.fp8_step_figures([self.labelled(path) for path in files])
         return text + ("\n" + mtp if mtp else "") + ("\n" + steps if steps else "") + "\n" + self.source(*files) + "\n"
 
     def fp8_step_figures(self, results: list[dict]) -> str:
@@ -221,7 +229,7 @@ class Tables:
 
             def num(value, digits=2):
                 return "-" if value is None else f"{value:.{digits}f}"
-            rows.append(f"{d['config']} ({d.get('device', '-')}) | {verifies or '-'} | {per_token or '-'} (acceptance {accepted or '-'}) | "
+            rows.append(f"{d['label']} ({d.get('device', '-')}) | {verifies or '-'} | {per_token or '-'} (acceptance {accepted or '-'}) | "
                         f"{launches.get('decode_ms_b1', '-')} / {max(launches.values()) if launches else '-'} | "
                         f"{num(kf['fp8_gemm_one_row_tb_s'])} | {num(kf.get(many), 0) if many else '-'} | "
                         f"{num(kf['routed_experts_b1_tb_s'])} / {num(kf.get('routed_experts_b64_tb_s'))} | "
@@ -245,7 +253,7 @@ class Tables:
                 cells.append("-" if figure["ms"] is None else
                              f"{figure['ms']:.2f} ({figure['ratio']:.1f}x of {figure['floor_ms']:.2f}; {figure['ratio_to_decode']:.2f}x)")
             one = mtp["drafts"]["1"]
-            rows.append(f"{d['config']} ({d.get('device', '-')}; {mtp['layers']} {mtp['mlp']} layer, {mtp['weight_bytes'] / 1e9:.2f} GB) | "
+            rows.append(f"{d['label']} ({d.get('device', '-')}; {mtp['layers']} {mtp['mlp']} layer, {mtp['weight_bytes'] / 1e9:.2f} GB) | "
                         + " | ".join(cells)
                         + f" | {one['bytes']['lm_head'] / one['total_bytes']:.0%}")
         if not rows:
@@ -450,8 +458,10 @@ class Tables:
         b64 = m["batch"]["64"]
         woa = m["rollback"]["woa"]
         fp8 = {v: p for v, p in self.files("fp8_real_size").items()}
-        # the newest; among one date's, one with each step's own floor (the fuller measurement)
-        fp8_path = fp8[max(fp8, key=lambda v: (self.load(fp8[v])["date"], "step_floors" in self.load(fp8[v]), v))]
+        # the newest; among one date's, one of the kernels as they are (no label beyond the device: a
+        # comparison run names what it changes) and with each step's own floor (the fuller measurement)
+        fp8_path = fp8[max(fp8, key=lambda v: (self.load(fp8[v])["date"], self.labelled(fp8[v])["label"] == self.load(fp8[v])["config"],
+                                               "step_floors" in self.load(fp8[v]), v))]
         f = self.load(fp8_path)
         checks = [(p, self.load(p)) for v, p in self.files("check").items() if "fp8" in v and self.load(p)["passed"]]
         rows = [

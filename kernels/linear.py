@@ -143,13 +143,19 @@ def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
         block_n, block_k, num_stages = (64 if n >= 128 * 64 else 32), 32, 3
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    split_k = 1
-    if dtype == torch.bfloat16:  # the GPU's serving dtype; fp32 (tests) keeps one K walk
-        tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-        while (split_k < MAX_SPLIT_K and tiles * split_k * 2 <= TARGET_PROGRAMS
-               and k_steps >= 2 * split_k * MIN_K_STEPS_PER_SPLIT):
-            split_k *= 2
+    # the GPU's serving dtype splits; fp32 (tests) keeps one K walk
+    split_k = split_for(triton.cdiv(n, block_n), triton.cdiv(k, block_k), TARGET_PROGRAMS) if dtype == torch.bfloat16 else 1
     return LinearConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages, SPLIT_K=split_k)
+
+
+def split_for(tiles: int, k_steps: int, target: int) -> int:
+    """SPLIT_K for a weight of `tiles` output tiles and `k_steps` BLOCK_K steps: doubled while
+    tiles * SPLIT_K stays within `target` programs, at most MAX_SPLIT_K ways, each split at least
+    MIN_K_STEPS_PER_SPLIT steps long."""
+    split_k = 1
+    while split_k < MAX_SPLIT_K and tiles * split_k * 2 <= target and k_steps >= 2 * split_k * MIN_K_STEPS_PER_SPLIT:
+        split_k *= 2
+    return split_k
 
 
 def tile_for_rows(cfg: LinearConfig, n: int, m: int, dtype: torch.dtype) -> LinearConfig:
@@ -395,6 +401,7 @@ def linear(
     out: torch.Tensor | None = None,
     *,
     config: LinearConfig | None = None,
+    pinned: LinearConfig | None = None,
     defer_split: bool = False,
 ) -> torch.Tensor | SplitSums:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
@@ -403,6 +410,9 @@ def linear(
     dtype or, for bf16 x, fp32 (the bf16 result widened); it is returned. Rows of x may be strided (a slice of a larger buffer); features are made contiguous.
     config: overrides the pinned linear_config and its tiles by row count (bench/linear_configs.py
     measures candidates with it): that one config then runs every M.
+    pinned: the weight's pinned config in place of linear_config's (its K walk: BLOCK_K steps, the
+    split of K), its tile still chosen by row count (kernels/linear_fp8.py's many-rows path walks
+    K as its few-rows kernel does).
     defer_split: where the weight's K is split (SPLIT_K > 1, a function of its shape), return the
     splits' sums (SplitSums) for the caller to finish instead of launching the reduce; out must
     then be None.
@@ -416,7 +426,7 @@ def linear(
         bias = bias.contiguous()
     if defer_split and out is not None:
         raise ValueError("linear: defer_split returns the split sums; it takes no out buffer")
-    pinned = config or linear_config(n, k, x.dtype)
+    pinned = config or pinned or linear_config(n, k, x.dtype)
     cfg = tile_for_rows(pinned, n, m, x.dtype) if config is None else pinned
     deferred = defer_split and cfg.SPLIT_K > 1
     if out is None and not deferred:

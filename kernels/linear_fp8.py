@@ -32,6 +32,9 @@ Row invariance. fp32 activations (and a caller's config) take one launch config 
 (64 rows: one Hopper wgmma warpgroup tile) walking its range of K upward in BLOCK_K steps into one
 fp32 register block (or kernels/linear.py's fixed split of K, reduced in ascending order); M is
 never specialised on, nor are the row-side pointers and strides (x, out) on alignment.
+The K walk is the bf16 GEMM's for the shape unless FP8_TARGET_PROGRAMS gives FP8 weights a split of
+their own, which both bf16 paths below then take (`python -m bench.fp8_walk` screens it: a split
+made one row a little faster and 64 and 576 rows slower, so none is set).
 
 bf16 activations take one of two paths by row count, both the bf16 GEMM of the real weight:
 - below DEQUANTIZED_ROWS, `_linear_fp8_rows_kernel`: out^T = real x^T, the dequantized weight tile
@@ -40,6 +43,22 @@ bf16 activations take one of two paths by row count, both the bf16 GEMM of the r
   16-wide operand, not a 64-row tile: a decode reads the weight at a multiple of the old speed.
   Its tile keeps 64 weight features (or 128): with 16 or 32 the MMA's layout changes and so do
   the bits (bench.fp8_configs --screen dense on the H100; the bf16 GEMM they must equal).
+  x reaches it contiguous and 16-byte aligned (the launcher copies it otherwise): one compiled
+  kernel for every batch, x's tiles loaded asynchronously with the weight's, and whole tiles (N a
+  multiple of 64, every K step whole: a function of the shape) load without masks.
+  What bounds it at one row is instructions, not bytes: with masked tiles it took the same time on
+  an H200 as on an H100 (17 us for a 12288 x 2048 weight, against 5.9 and 8.7 us copy floors), and
+  splitting K four ways (768 programs, not 192) changed nothing (bench/results/fp8_walk_*,
+  fp8_decode_2026-12-06_h100.json). Per K step each thread dequantizes 64 weights: a conversion of
+  two fp8 to f16, an f16 -> f32 each, the scale's multiply, a rounding of two to bf16, and a
+  shared-memory load of two, about 3.5 instructions a weight, the floor of this way of
+  dequantizing. The masks' compares and selects and x's scalar gather were 79 of a K step's 456
+  instructions (Triton 3.6's sm_90 code for that shape); without them the engine's verifies of 2 to
+  9 rows spent 2-15% less in this kernel and its decode the same (bench/results/
+  fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200*.json, one H200), though bench.fp8_walk timed one
+  row of the 12288 x 2048 weight alone slower (20.2 us against 17.0). Decoding fp8 with integer
+  operations and two K steps an iteration were both slower on the H100 (fp8_decode_2026-12-06_h100.json;
+  the candidates since removed).
 - from DEQUANTIZED_ROWS on: `dequantize` makes the real weight once (dequantize_ref's values) and
   kernels/linear.py's bf16 GEMM multiplies it. Many rows are MMA-bound, and that GEMM's wgmma tiles
   outrun any tile that dequantizes in registers per row block: the few-rows kernel with 64- or
@@ -77,7 +96,7 @@ import triton.language as tl
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
 from .dependent_launch import after_previous, launch_options
 from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear,
-                     linear_config, linear_ref, split_bounds)
+                     linear_config, linear_ref, split_bounds, split_for)
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
 
@@ -86,11 +105,10 @@ FP8 = torch.float8_e4m3fn
 FP8_BLOCK_M = 64  # the one-tile kernel's rows per tile (one wgmma warpgroup tile): fp32, and a caller's config
 ROWS_TILE, ROWS_TILE_FEATURES = 16, 64  # bf16, few rows: rows (the MMA's N) and weight features (its M) a tile
 ROWS_WARPS, ROWS_STAGES = 4, 4  # its launch: warps and pipeline stages
-# Candidates screened by `python -m bench.fp8_decode`, off until the device shows a gain; neither
-# changes a bit (the same values reach the same MMAs in the same order):
-ROWS_PAIRED = False  # the few-rows kernel takes two K steps an iteration (two dots, in K order)
-FP8_INT_DECODE = False  # the few-rows kernel and the FP8 experts decode fp8 with integer operations (`fp8_values`)
 DEQUANTIZED_ROWS = 64  # bf16, from this many rows: the real weight made once, then the bf16 GEMM
+# bf16: split K until about this many few-rows programs run (64 weight features each), or None for
+# the bf16 GEMM's walk of the shape (`fp8_config`)
+FP8_TARGET_PROGRAMS: int | None = None
 
 
 class BlockScales(NamedTuple):
@@ -107,25 +125,8 @@ def standard_scale_row(n: int, block_n: int, device: torch.device | str = "cpu")
 
 
 @triton.jit
-def fp8_values(b_w8, INT_DECODE: tl.constexpr):
-    """float8_e4m3fn -> fp32, exactly. INT_DECODE: with integer operations (no conversion
-    instruction): the seven magnitude bits go under fp32's exponent field (bit 20 up) and the sign
-    to bit 31, which reads as the value times 2^-120 (a normal e4m3 number's exponent bias is 7,
-    fp32's 127; an e4m3 subnormal lands on an fp32 subnormal of the same mantissa), so times 2^120
-    it is the value, exactly (a power of two, no rounding; the multiply keeps subnormals: Triton's
-    fp32 multiply does not flush them). The NaN encodings (0x7f, 0xff) read as 480, as under the
-    interpreter; quantized weights never hold them. tests/kernel_tests/test_linear_fp8.py holds
-    both decodes equal over every byte."""
-    if INT_DECODE:
-        u = b_w8.to(tl.uint8, bitcast=True).to(tl.uint32)
-        return (((u & 0x7F) << 20) | ((u & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e+36  # 2^120
-    return b_w8.to(tl.float32)
-
-
-@triton.jit
 def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
-                    SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-                    INT_DECODE: tl.constexpr = False):
+                    SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """An fp8 weight tile -> its real values in DTYPE: cast(fp32(w) * scale), the cast rounding to nearest even.
 
     p_srow: offsets of the tile's rows' scale rows in scale_inv (scale row * its stride), shaped to
@@ -134,10 +135,15 @@ def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
     the tile lies in one block column (block_k is a multiple of the K step and k0 of block_k's
     grid), so one scale per weight row."""
     if ONE_SCALE_COLUMN:
-        b_s = tl.load(scale_inv + p_srow + k0 // SCALE_BLOCK_K, mask=m_srow, other=0.0)
+        if m_srow is None:
+            b_s = tl.load(scale_inv + p_srow + k0 // SCALE_BLOCK_K)
+        else:
+            b_s = tl.load(scale_inv + p_srow + k0 // SCALE_BLOCK_K, mask=m_srow, other=0.0)
+    elif m_w is None:
+        b_s = tl.load(scale_inv + p_srow + o_kk // SCALE_BLOCK_K)
     else:
         b_s = tl.load(scale_inv + p_srow + o_kk // SCALE_BLOCK_K, mask=m_w, other=0.0)
-    return cast_rtne(fp8_values(b_w8, INT_DECODE) * b_s, DTYPE, INTERPRET)
+    return cast_rtne(b_w8.to(tl.float32) * b_s, DTYPE, INTERPRET)
 
 
 @triton.jit
@@ -185,23 +191,14 @@ def _linear_fp8_kernel(
     _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
-@triton.jit
-def _rows_tile(p_w, scale_inv, p_srow, m_n, o_k, k0, k_end, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr,
-               DTYPE: tl.constexpr, INTERPRET: tl.constexpr, INT_DECODE: tl.constexpr):
-    """The few-rows kernel's weight tile at p_w [BLOCK_N, BLOCK_K] (columns k0 ..), dequantized."""
-    m_w = m_n[:, None] & ((k0 + o_k) < k_end)[None, :]
-    b_w8 = tl.load(p_w, mask=m_w, other=0.0)
-    return dequantize_tile(b_w8, scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
-                           DTYPE, INTERPRET, INT_DECODE)
-
-
-@triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"], do_not_specialize_on_alignment=["x", "out"])
+@triton.jit(do_not_specialize=["M", "stride_om"], do_not_specialize_on_alignment=["out"])
 def _linear_fp8_rows_kernel(
     x, weight, scale_inv, scale_row, bias, out, partial,
     M, N, K, K_SPLIT,
-    stride_xm, stride_wn, stride_sn, stride_om,
+    stride_wn, stride_sn, stride_om,
     SCALE_BLOCK_K: tl.constexpr,
     ONE_SCALE_COLUMN: tl.constexpr,
+    WHOLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -209,15 +206,19 @@ def _linear_fp8_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    PAIRED: tl.constexpr,
-    INT_DECODE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The few-rows path: out^T = real(weight) x^T, the dequantized weight tile [BLOCK_N features,
     BLOCK_K] the MMA's first operand (held in registers where it is made) and x^T [BLOCK_K,
     BLOCK_M rows] the second, so one row fills a 16-wide operand instead of a 64-row tile. The K
     walk (the split's ranges, BLOCK_K steps, the 16-wide chunks in ascending order) is the pinned
-    config's."""
+    config's.
+
+    x is contiguous [M, K] and 16-byte aligned (the launcher copies it otherwise), so its tiles load
+    asynchronously, pipelined with the weight's. Rows past M read row M - 1: multiplied, never
+    stored (an output row is a function of its own input row). WHOLE (a function of the weight's
+    shape and the walk: N a multiple of BLOCK_N, every K step whole) drops the masks, whose
+    compares and selects were a fifth of the loop's instructions."""
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -225,42 +226,27 @@ def _linear_fp8_rows_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     o_k = tl.arange(0, BLOCK_K)
-    m_m = o_m < M
     m_n = o_n < N
     k_start = i_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     p_w = weight + o_n[:, None].to(tl.int64) * stride_wn + (k_start + o_k)[None, :]  # [BLOCK_N, BLOCK_K]
-    p_x = x + o_m[None, :].to(tl.int64) * stride_xm + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    p_x = x + tl.minimum(o_m, M - 1)[None, :].to(tl.int64) * K + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
     p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[:, None]  # [BLOCK_N, 1]
     b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # x^T is loaded one K step ahead by hand: its rows are not specialised on alignment, so Triton's
-    # pipelining cannot make its load asynchronous, and a load issued in the step that uses it puts
-    # a memory round trip in every step (the weight tiles are pipelined by Triton, cp.async)
-    b_x = tl.load(p_x, mask=((k_start + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-    if PAIRED:  # two K steps an iteration, each its own dot in K order: the same MMAs, half the loop's waits
-        b_x1 = tl.load(p_x + BLOCK_K, mask=((k_start + BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-        for k0 in tl.range(k_start, k_end, 2 * BLOCK_K, num_stages=STAGES):
-            p_x += 2 * BLOCK_K
-            b_x_next = tl.load(p_x, mask=((k0 + 2 * BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-            b_x1_next = tl.load(p_x + BLOCK_K, mask=((k0 + 3 * BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-            b_w0 = _rows_tile(p_w, scale_inv, p_srow, m_n, o_k, k0, k_end, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
-                              x.dtype.element_ty, INTERPRET, INT_DECODE)
-            b_w1 = _rows_tile(p_w + BLOCK_K, scale_inv, p_srow, m_n, o_k, k0 + BLOCK_K, k_end, SCALE_BLOCK_K,
-                              ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET, INT_DECODE)
-            b_acc = _dot_acc(b_w0, b_x, b_acc, INTERPRET)
-            b_acc = _dot_acc(b_w1, b_x1, b_acc, INTERPRET)
-            b_x = b_x_next
-            b_x1 = b_x1_next
-            p_w += 2 * BLOCK_K
-    else:
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-            p_x += BLOCK_K
-            b_x_next = tl.load(p_x, mask=((k0 + BLOCK_K + o_k) < k_end)[:, None] & m_m[None, :], other=0.0)
-            b_w = _rows_tile(p_w, scale_inv, p_srow, m_n, o_k, k0, k_end, SCALE_BLOCK_K, ONE_SCALE_COLUMN,
-                             x.dtype.element_ty, INTERPRET, INT_DECODE)
-            b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
-            b_x = b_x_next
-            p_w += BLOCK_K
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        if WHOLE:
+            b_x = tl.load(p_x)
+            b_w = dequantize_tile(tl.load(p_w), scale_inv, p_srow, None, k0, (k0 + o_k)[None, :], None, SCALE_BLOCK_K,
+                                  ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
+        else:
+            m_k = (k0 + o_k) < k_end
+            b_x = tl.load(p_x, mask=m_k[:, None], other=0.0)
+            m_w = m_n[:, None] & m_k[None, :]
+            b_w = dequantize_tile(tl.load(p_w, mask=m_w, other=0.0), scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w,
+                                  SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
+        b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
+        p_x += BLOCK_K
+        p_w += BLOCK_K
     _store_tile(tl.trans(b_acc), bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
@@ -299,7 +285,12 @@ def fp8_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     an unsplit 64-feature tile that wins there made the engine's batch-1 steps slower (its
     kernel_breakdowns in `python -m bench.fp8_real_size`), so a change is judged in the engine."""
     pinned = linear_config(n, k, dtype)
-    return pinned._replace(BLOCK_M=FP8_BLOCK_M) if dtype == torch.bfloat16 else pinned
+    if dtype != torch.bfloat16:
+        return pinned
+    if FP8_TARGET_PROGRAMS is not None:
+        pinned = pinned._replace(SPLIT_K=split_for(triton.cdiv(n, ROWS_TILE_FEATURES), triton.cdiv(k, pinned.BLOCK_K),
+                                                   FP8_TARGET_PROGRAMS))
+    return pinned._replace(BLOCK_M=FP8_BLOCK_M)
 
 
 def check_block_scales(op: str, name: str, weight: torch.Tensor, scales: BlockScales, operand: tuple[str, torch.Tensor]) -> None:
@@ -368,7 +359,7 @@ def linear_fp8(
     if defer_split and out is not None:
         raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
     if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS:  # many rows: the bf16 GEMM of the real weight
-        return linear(x, dequantize(weight, scales, x.dtype), bias, out, defer_split=defer_split)
+        return linear(x, dequantize(weight, scales, x.dtype), bias, out, pinned=fp8_config(n, k, x.dtype), defer_split=defer_split)
     cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: the module docstring
     deferred = defer_split and cfg.SPLIT_K > 1
     if out is None and not deferred:
@@ -380,19 +371,20 @@ def linear_fp8(
     partial = torch.empty((cfg.SPLIT_K, m, n), dtype=torch.float32, device=x.device) if cfg.SPLIT_K > 1 else out
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     k_split = split_bounds(k, cfg)
-    args = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial,
-            m, n, k, k_split, x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0))
+    operands = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial, m, n, k, k_split)
     if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
-        steps = (triton.cdiv(k_split, cfg.BLOCK_K), triton.cdiv(k - (cfg.SPLIT_K - 1) * k_split, cfg.BLOCK_K))
+        if (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:  # the kernel reads x contiguous and aligned
+            x = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x)
+            operands = (x, *operands[1:])
         _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
-            *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,
-            BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES,
-            PAIRED=ROWS_PAIRED and all(s % 2 == 0 for s in steps),  # pairs need every split's steps even
-            INT_DECODE=FP8_INT_DECODE, num_warps=ROWS_WARPS, **launch_options(x.device))
+            *operands, weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,
+            ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, WHOLE=n % ROWS_TILE_FEATURES == 0 and k % cfg.BLOCK_K == 0,
+            **flags, BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES,
+            num_warps=ROWS_WARPS, **launch_options(x.device))
     else:
         _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
-            *args, SCALE_BLOCK_K=scales.block_k, ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *operands, x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,
+            ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, **flags, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch_options(x.device))
     if deferred:
         return SplitSums(partial, bias, x.dtype)

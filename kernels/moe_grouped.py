@@ -40,8 +40,8 @@ size: up to FEW_ROWS rows and from MANY_ROWS on, block-FP8 experts of many take 
 tiles, warps and stages, and from MANY_ROWS blocks of up to MMA_SYNC_ROWS pairs (`launch_for_rows`),
 which leave every output element's K chunks and their order alone. The order of an expert's list
 (handed out by atomic increments) decides only which pairs share a block, which a pair's bits do not
-depend on. Row counts are not specialised on, and the caller's row-side pointers are not specialised
-on alignment. The sum over a row's experts is the combine's, in ascending id order: the listing
+depend on. Row counts are not specialised on; x is always 16-byte aligned when the kernels see it
+(`grouped_experts` copies a misaligned one), so one compiled kernel serves every batch. The sum over a row's experts is the combine's, in ascending id order: the listing
 order of a row's ids and its block-mates never reach it. Decode and verify take this one path.
 
 The dot is kernels/linear.py's `_dot_acc`: under the interpreter not tl.dot but `_dot_rows_apart`
@@ -63,7 +63,6 @@ import triton.language as tl
 
 from .dependent_launch import after_previous, launch_options
 from .linear import _dot_acc
-from . import linear_fp8
 from .linear_fp8 import BlockScales, dequantize_tile, scale_row_offsets
 from .moe_route import Routing, add_pairs
 from .rounding import cast_rtne
@@ -93,9 +92,6 @@ FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 
 # slower on the H100, whatever their warps and feature tiles).
 MANY_ROWS = 64
 MANY_ROWS_LAUNCH: dict[str, int] = {}
-# a candidate screened by `python -m bench.fp8_decode`, off until the device shows a gain; it changes
-# no bit (the same MMAs in the same order): stage 1 takes two K steps an iteration
-HIDDEN_PAIRED = False
 MMA_SYNC_ROWS = 32  # the most pairs a block may take: past it Triton multiplies with wgmma, whose bits differ here
 
 
@@ -153,10 +149,14 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     stage 2 was faster at every step than 64/64 with 64-wide K steps (bench/results/
     fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's weight tiles ahead
     by hand, tried in that screen, was slower at every row count: Triton already pipelines them
-    (cp.async), and a hand-loaded tile takes that away. x's rows are another matter: x is not
-    specialised on alignment, so its gather cannot be made asynchronous and stage 1 loads it one
-    step ahead by hand (`_grouped_hidden_kernel`), which made stage 1 faster at every row count in
-    the engine (the same bits: the same values reach the same dots).
+    (cp.async), and a hand-loaded tile takes that away. x's rows are pipelined the same way: x is
+    16-byte aligned (`grouped_experts` copies it otherwise) and specialised on it, so its gather is
+    asynchronous too (the same bits: the same values reach the same dots), and whole tiles load
+    without masks: stage 1 spent 17% and 21% less at a batch-64 decode and K = 8 verify, 1-8% less at
+    1 to 9 rows but for the 4-row verify (10% more), on one H200 against the masked, hand-loaded
+    stage 1 (bench/results/fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200*.json). Stage 2 keeps its
+    masks: unmasked, a padded pair read pair 0's hidden row, and stage 2 was 3-25% slower at 1 to 64
+    rows in the same comparison.
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
     block_n = block_n2 = 32
@@ -241,31 +241,20 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
 @triton.jit
 def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
                  stride_se, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-                 FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr, INT_DECODE: tl.constexpr = False):
+                 FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] tile of an expert's weight^T in DTYPE (FP8: dequantized in registers;
     p_srow [1, BLOCK_N]: each column's scale row offset within an expert's scales)."""
-    b_w = tl.load(p_w, mask=m_w, other=0.0)
+    if m_w is None:
+        b_w = tl.load(p_w)
+    else:
+        b_w = tl.load(p_w, mask=m_w, other=0.0)
     if FP8:
         b_w = dequantize_tile(b_w, scale_inv, i_e * stride_se + p_srow, m_srow, k0, o_kk, m_w,
-                              SCALE_BLOCK_K, ONE_SCALE_COLUMN, DTYPE, INTERPRET, INT_DECODE)
+                              SCALE_BLOCK_K, ONE_SCALE_COLUMN, DTYPE, INTERPRET)
     return b_w
 
 
-@triton.jit
-def _hidden_step(b_x, b_g, b_u, p_g, p_u, k0, o_k, m_n, i_e, gate_scale, up_scale, p_sg, p_su, m_srow, stride_se,
-                 H: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
-                 ONE_SCALE_COLUMN: tl.constexpr, INT_DECODE: tl.constexpr):
-    """One K step of stage 1: the gate and up tiles at k0 (dequantized with FP8), times x's rows, into b_g and b_u."""
-    m_w = ((k0 + o_k) < H)[:, None] & m_n[None, :]
-    o_kk = (k0 + o_k)[:, None]
-    b_wg = _weight_tile(p_g, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, DTYPE, INTERPRET, FP8, SCALE_BLOCK_K,
-                        ONE_SCALE_COLUMN, INT_DECODE)
-    b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, DTYPE, INTERPRET, FP8, SCALE_BLOCK_K,
-                        ONE_SCALE_COLUMN, INT_DECODE)
-    return _dot_acc(b_x, b_wg, b_g, INTERPRET), _dot_acc(b_x, b_wu, b_u, INTERPRET)
-
-
-@triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=["x"])
+@triton.jit(do_not_specialize=["R"])
 def _grouped_hidden_kernel(
     x, counts, lists, w_gate, w_up, hidden,
     gate_scale, gate_scale_row, up_scale, up_scale_row,  # FP8 only (else unused)
@@ -274,7 +263,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PAIRED: tl.constexpr = False, INT_DECODE: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -298,33 +287,30 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # x's rows one K step ahead by hand, as kernels/linear_fp8.py's few-rows kernel loads its x^T: x
-    # is not specialised on alignment, so Triton cannot pipeline this gather (it does the weights')
-    b_x = tl.load(p_x, mask=m_p[:, None] & (o_k < H)[None, :], other=0.0)
-    if PAIRED:  # two K steps an iteration (HIDDEN_PAIRED), each its own dots in K order
-        b_x1 = tl.load(p_x + BLOCK_K, mask=m_p[:, None] & ((BLOCK_K + o_k) < H)[None, :], other=0.0)
-        for k0 in range(0, H, 2 * BLOCK_K):
-            p_x += 2 * BLOCK_K
-            b_x_next = tl.load(p_x, mask=m_p[:, None] & ((k0 + 2 * BLOCK_K + o_k) < H)[None, :], other=0.0)
-            b_x1_next = tl.load(p_x + BLOCK_K, mask=m_p[:, None] & ((k0 + 3 * BLOCK_K + o_k) < H)[None, :], other=0.0)
-            b_g, b_u = _hidden_step(b_x, b_g, b_u, p_g, p_u, k0, o_k, m_n, i_e, gate_scale, up_scale, p_sg, p_su, m_srow, stride_se,
-                                    H, x.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN, INT_DECODE)
-            b_g, b_u = _hidden_step(b_x1, b_g, b_u, p_g + BLOCK_K, p_u + BLOCK_K, k0 + BLOCK_K, o_k, m_n, i_e, gate_scale, up_scale,
-                                    p_sg, p_su, m_srow, stride_se, H, x.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K,
-                                    ONE_SCALE_COLUMN, INT_DECODE)
-            b_x = b_x_next
-            b_x1 = b_x1_next
-            p_g += 2 * BLOCK_K
-            p_u += 2 * BLOCK_K
-    else:
-        for k0 in range(0, H, BLOCK_K):
-            p_x += BLOCK_K
-            b_x_next = tl.load(p_x, mask=m_p[:, None] & ((k0 + BLOCK_K + o_k) < H)[None, :], other=0.0)
-            b_g, b_u = _hidden_step(b_x, b_g, b_u, p_g, p_u, k0, o_k, m_n, i_e, gate_scale, up_scale, p_sg, p_su, m_srow, stride_se,
-                                    H, x.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN, INT_DECODE)
-            b_x = b_x_next
-            p_g += BLOCK_K
-            p_u += BLOCK_K
+    # x is 16-byte aligned (grouped_experts copies it otherwise), so Triton pipelines its gather with
+    # the weights' tiles; a padded pair (past its expert's count) reads row 0 and is never stored.
+    # Whole tiles (a function of the shapes) load without masks, whose compares were a fifth of the loop
+    for k0 in range(0, H, BLOCK_K):
+        if (H % BLOCK_K == 0) & (I % BLOCK_N == 0):
+            b_x = tl.load(p_x)
+            b_wg = _weight_tile(p_g, None, i_e, gate_scale, p_sg, None, k0, None, stride_se, x.dtype.element_ty, INTERPRET,
+                                FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_wu = _weight_tile(p_u, None, i_e, up_scale, p_su, None, k0, None, stride_se, x.dtype.element_ty, INTERPRET,
+                                FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        else:
+            m_k = (k0 + o_k) < H
+            b_x = tl.load(p_x, mask=m_k[None, :], other=0.0)
+            m_w = m_k[:, None] & m_n[None, :]
+            o_kk = (k0 + o_k)[:, None]
+            b_wg = _weight_tile(p_g, m_w, i_e, gate_scale, p_sg, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+                                FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
+                                FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        b_g = _dot_acc(b_x, b_wg, b_g, INTERPRET)
+        b_u = _dot_acc(b_x, b_wu, b_u, INTERPRET)
+        p_x += BLOCK_K
+        p_g += BLOCK_K
+        p_u += BLOCK_K
     b_h = tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u as torch: g / (1 + exp(-g))
     p_h = hidden + b_pair[:, None].to(tl.int64) * I + o_n[None, :]  # by pair
     tl.store(p_h, cast_rtne(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_p[:, None] & m_n[None, :])
@@ -339,7 +325,7 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    INT_DECODE: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -362,7 +348,7 @@ def _grouped_down_kernel(
         m_k = (k0 + o_k) < I
         b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
         b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
-                           hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN, INT_DECODE)
+                           hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_y = _dot_acc(b_h, b_w, b_y, INTERPRET)
         p_h += BLOCK_K
         p_w += BLOCK_K
@@ -440,6 +426,8 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         cfg = grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
         if scales is not None and x.dtype == torch.bfloat16 and many_experts(e, slots):
             cfg = launch_for_rows(cfg, r, h, i)
+    if x.data_ptr() % 16:  # stage 1 reads x 16-byte aligned (one compiled kernel, its gather pipelined)
+        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
     hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by pair
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)
@@ -457,13 +445,11 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
-        PAIRED=HIDDEN_PAIRED and h % (2 * cfg.BLOCK_K) == 0, INT_DECODE=linear_fp8.FP8_INT_DECODE and scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
         H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
-        INT_DECODE=linear_fp8.FP8_INT_DECODE and scales is not None,
         num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
     _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](

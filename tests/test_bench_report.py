@@ -106,6 +106,22 @@ def test_fp8_real_size_adds_the_mtp_table_only_for_files_that_time_mtp_drafts(tm
     assert text.count("1 moe layer") == 1 and text.rstrip().endswith("_2026-01-01_b.json`.")
 
 
+def test_fp8_real_size_rows_name_what_their_run_changed(tmp_path):
+    """A run's --name beyond the device ("_h200-masked-tiles") labels its rows, so a comparison run on
+    the same device reads as one; the device name alone adds nothing."""
+    old_path = max(report.RESULTS.glob("fp8_real_size_*.json"), key=lambda p: report.parse_name(p.name)[1])
+    d = json.loads(old_path.read_text())
+    config = d["config"]
+    (tmp_path / f"fp8_real_size_2026-01-01_{config}_h200.json").write_text(json.dumps(d))
+    (tmp_path / f"fp8_real_size_2026-01-01_{config}_h200-masked-tiles.json").write_text(json.dumps({**d, "decode_ms_b1": 9.87}))
+    tables = report.Tables(tmp_path)
+    text = tables.fp8_real_size()
+    assert f"| {config} (full, " in text and f"| {config}, masked-tiles (full, " in text
+    assert f"| {config}, h200" not in text
+    labels = {p.name: tables.labelled(p)["label"] for p in tmp_path.iterdir()}
+    assert sorted(labels.values()) == [config, f"{config}, masked-tiles"]
+
+
 def committed_serve() -> tuple[dict, dict]:
     """(a committed serve file's models, a committed remote_drafter part): templates of synthetic files."""
     models = json.loads((report.RESULTS / "serve_2026-11-30.json").read_text())["models"]

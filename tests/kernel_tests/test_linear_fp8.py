@@ -230,19 +230,26 @@ def test_one_config_for_every_row_count(device, monkeypatch):
         assert grid == (-(-m // cfg.BLOCK_M), -(-n // cfg.BLOCK_N), cfg.SPLIT_K)
 
 
+@pytest.mark.parametrize("n", [96, 128], ids=["N96", "N128"])  # 128: whole few-rows tiles, no masks (WHOLE)
+@pytest.mark.parametrize("target", [None, 2], ids=["bf16_walk", "fp8_walk"])
 @pytest.mark.parametrize("m", [1, 9, 63, 64, 65, 130], ids=lambda m: f"M{m}")
-def test_bf16_paths_are_the_gemm_of_the_dequantized_weight(device, m):
+def test_bf16_paths_are_the_gemm_of_the_dequantized_weight(device, m, target, n, monkeypatch):
     """bf16: few rows take the weight-first tile, many the bf16 GEMM of the weight dequantized once;
-    both walk the pinned K (its split included) and give, bitwise, the bf16 GEMM over
-    dequantize_ref's weight, so a row's bits do not depend on which path its batch took."""
-    k, n = 640, 96  # a split of K in bf16, and a partial block column of scales
+    both walk fp8_config's K (its split included) and give, bitwise, the bf16 GEMM over
+    dequantize_ref's weight with that walk, so a row's bits do not depend on which path its batch
+    took. FP8_TARGET_PROGRAMS gives FP8 weights a walk of their own (here unsplit where the bf16
+    GEMM's pinned walk of the shape splits K in two): both paths follow it."""
+    monkeypatch.setattr(linear_fp8_module, "FP8_TARGET_PROGRAMS", target)
+    k = 1152  # a split of K in bf16 (9 steps)
     x, weight, scales, b = make(m, k, n, (128, 128), torch.bfloat16, True, device)
+    walk = fp8_config(n, k, torch.bfloat16)
+    assert walk.SPLIT_K == (2 if target is None else 1) == (linear_config(n, k, torch.bfloat16).SPLIT_K if target is None else 1)
     real = dequantize_ref(weight, scales, torch.bfloat16)
     assert torch.equal(linear_fp8_module.dequantize(weight, scales, torch.bfloat16), real)
     # the interpreter's dot sums each tile's K step at once, so there its bits follow BLOCK_K, which
-    # the bf16 GEMM's wide tiles change: compare with its pinned tile (the GPU's MMAs add 16-wide chunks)
-    config = linear_config(n, k, torch.bfloat16) if device == "cpu" and m < linear_fp8_module.DEQUANTIZED_ROWS else None
-    assert torch.equal(linear_fp8(x, weight, scales, b), linear(x, real, b, config=config))
+    # the bf16 GEMM's wide tiles change: compare with the walk's own tile (the GPU's MMAs add 16-wide chunks)
+    config = walk if device == "cpu" and m < linear_fp8_module.DEQUANTIZED_ROWS else None
+    assert torch.equal(linear_fp8(x, weight, scales, b), linear(x, real, b, config=config, pinned=walk))
 
 
 @pytest.mark.parametrize("m", [1, 9, 64, 72], ids=lambda m: f"M{m}")
@@ -258,43 +265,18 @@ def test_fp8_gemm_is_the_gemm_of_the_dequantized_weight(device, m):
     assert torch.equal(linear_fp8(x, weight, scales), linear(x, real, config=cfg))
 
 
-def test_integer_decode_is_the_conversion_bitwise(device):
-    """fp8_values' integer decode (the seven magnitude bits under fp32's exponent, times 2^120) gives
-    the conversion instruction's fp32 for every byte but the two NaN encodings (which quantized
-    weights never hold), subnormals, both zeros and 448 included; and times a scale of any size the
-    same products, since the two operands are the same number."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode(w8, out, INT_DECODE: tl.constexpr):
-        o = tl.arange(0, 256)
-        tl.store(out + o, linear_fp8_module.fp8_values(tl.load(w8 + o), INT_DECODE))
-
-    codes = torch.arange(256, dtype=torch.uint8)
-    weight = codes.view(FP8).to(device)
-    got = {}
-    for int_decode in (False, True):
-        got[int_decode] = torch.empty(256, dtype=torch.float32, device=device)
-        decode[(1,)](weight, got[int_decode], INT_DECODE=int_decode)
-    nan = (codes & 0x7F) == 0x7F
-    want = codes.view(FP8).float()
-    assert torch.equal(got[True].cpu()[~nan], want[~nan]) and torch.equal(got[False].cpu()[~nan], want[~nan])
-    assert torch.equal(got[True].cpu().signbit(), want.signbit() & ~nan | (codes >= 128) & nan)
-    scales = torch.logspace(-30, 30, 61, base=2.0)
-    assert torch.equal(got[True].cpu()[~nan][:, None] * scales, want[~nan][:, None] * scales)
-
-
-@pytest.mark.parametrize("case", ["paired", "int_decode", "both"])
-def test_few_rows_candidates_give_the_same_bits(device, monkeypatch, case):
-    """bench.fp8_decode's candidates for the few-rows kernel (two K steps an iteration, the integer
-    decode) change no bit: the same values reach the same MMAs in the same K order. K gives an even
-    number of steps in every split (pairs run) and, in the second shape, an odd one (the single
-    steps run)."""
-    for k, n in ((512, 96), (384, 40)):
-        x, weight, scales, b = make(5, k, n, (128, 128), torch.bfloat16, True, device)
-        pinned = linear_fp8(x, weight, scales, b)
-        with monkeypatch.context() as patch:
-            patch.setattr(linear_fp8_module, "ROWS_PAIRED", case in ("paired", "both"))
-            patch.setattr(linear_fp8_module, "FP8_INT_DECODE", case in ("int_decode", "both"))
-            assert torch.equal(linear_fp8(x, weight, scales, b), pinned)
+@pytest.mark.parametrize("layout", ["strided", "misaligned"])
+def test_few_rows_take_any_row_layout(device, layout):
+    """The few-rows kernel reads x contiguous and 16-byte aligned; rows handed over strided (a column
+    slice) or off the alignment (a view one element in) give the bits of the same rows contiguous."""
+    m, k, n = 5, 256, 128
+    x, weight, scales, b = make(m, k, n, (128, 128), torch.bfloat16, True, device)
+    wide = torch.zeros(m, k + 8, dtype=x.dtype, device=device)
+    if layout == "strided":
+        wide[:, :k] = x
+        given = wide[:, :k]
+    else:
+        given = wide.view(-1)[1:1 + m * k].view(m, k)
+        given.copy_(x)
+    assert given.data_ptr() % 16 if layout == "misaligned" else given.stride(0) != k
+    assert torch.equal(linear_fp8(given, weight, scales, b), linear_fp8(x, weight, scales, b))

@@ -147,34 +147,3 @@ def test_fp8_experts_of_many_take_wider_tiles_and_nothing_else_changes():
     assert fp8._replace(BLOCK_N=32, BLOCK_K=64, BLOCK_N2=32, BLOCK_K2=64) == bf16
     assert grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2, fp8=True) == grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2)
     assert grouped_config(64, 32, torch.float32, n_experts=256, top_k=8, fp8=True) == grouped_config(64, 32, torch.float32, n_experts=256, top_k=8)
-
-
-@pytest.mark.parametrize("case", ["paired", "int_decode", "both"])
-def test_fp8_candidates_give_the_same_bits(device, monkeypatch, case):
-    """bench.fp8_decode's candidates for the FP8 experts (stage 1 two K steps an iteration, the
-    integer decode in both stages) change no bit: the same values reach the same MMAs in K order."""
-    import hybrid_kernels.linear_fp8 as lf
-    import hybrid_kernels.moe_grouped as mg
-    from hybrid_kernels.linear_fp8 import BlockScales, standard_scale_row
-    from hybrid_kernels.moe_grouped import group_pairs, grouped_experts
-
-    g = torch.Generator().manual_seed(0)
-    e, i, h = 6, 64, 512  # four 128-wide K steps in stage 1 (pairs run), a partial scale block nowhere
-
-    def stack(n, k):
-        values = torch.randn(e, n, k, generator=g).to(lf.FP8)
-        scale = 0.5 + torch.rand(e, -(-n // 128), -(-k // 128), generator=g)
-        return values.to(device), BlockScales(scale.to(device), standard_scale_row(n, 128, device), 128)
-
-    (wg, sg), (wu, su), (wd, sd) = stack(i, h), stack(i, h), stack(h, i)
-    x = torch.randn(3, h, generator=g).bfloat16().to(device)
-    ids = torch.tensor([[0, 4], [4, 2], [5, 0]], device=device)
-    weights = torch.rand(3, 2, generator=g).to(device)
-
-    def run():
-        return grouped_experts(x, group_pairs(ids, weights, e), wg, wu, wd, torch.empty_like(x), (sg, su, sd))
-
-    pinned = run()
-    monkeypatch.setattr(mg, "HIDDEN_PAIRED", case in ("paired", "both"))
-    monkeypatch.setattr(lf, "FP8_INT_DECODE", case in ("int_decode", "both"))
-    assert torch.equal(run(), pinned)
