@@ -143,18 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=64, help="sessions stepping at once")
     parser.add_argument("--steps", type=int, default=200, help="steps per session per run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median is kept)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = parser.parse_args(argv)
     try:
         check_name(args.name)
     except ValueError as exc:
         parser.error(str(exc))
+    shapes = [shape for shape in args.shapes.split(",") if shape]
+    if not shapes or set(shapes) - set(SHAPES):
+        parser.error(f"--shapes: {args.shapes!r} names none or others than {', '.join(SHAPES)}")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_spec(MODEL, Path(tmp) / MODEL)
         with LoopbackServer(model_dir, engine_class=NoOpEngine, n_slots=args.sessions, max_seq_len=args.steps * 2 + 64,
                             max_k=0) as server:
             figures = {}
-            for shape in SHAPES:
+            for shape in shapes:
                 measure(server, shape, args.sessions, max(10, args.steps // 10))  # warm-up
                 runs = [measure(server, shape, args.sessions, args.steps) for _ in range(args.repeats)]
                 figures[shape] = {key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}
