@@ -46,19 +46,8 @@ bf16 activations take one of two paths by row count, both the bf16 GEMM of the r
   x reaches it contiguous and 16-byte aligned (the launcher copies it otherwise): one compiled
   kernel for every batch, x's tiles loaded asynchronously with the weight's, and whole tiles (N a
   multiple of 64, every K step whole: a function of the shape) load without masks.
-  What bounds it at one row is instructions, not bytes: with masked tiles it took the same time on
-  an H200 as on an H100 (17 us for a 12288 x 2048 weight, against 5.9 and 8.7 us copy floors), and
-  splitting K four ways (768 programs, not 192) changed nothing (bench/results/fp8_walk_*,
-  fp8_decode_2026-12-06_h100.json). Per K step each thread dequantizes 64 weights: a conversion of
-  two fp8 to f16, an f16 -> f32 each, the scale's multiply, a rounding of two to bf16, and a
-  shared-memory load of two, about 3.5 instructions a weight, the floor of this way of
-  dequantizing. The masks' compares and selects and x's scalar gather were 79 of a K step's 456
-  instructions (Triton 3.6's sm_90 code for that shape); without them the engine's verifies of 2 to
-  9 rows spent 2-15% less in this kernel and its decode the same (bench/results/
-  fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200*.json, one H200), though bench.fp8_walk timed one
-  row of the 12288 x 2048 weight alone slower (20.2 us against 17.0). Decoding fp8 with integer
-  operations and two K steps an iteration were both slower on the H100 (fp8_decode_2026-12-06_h100.json;
-  the candidates since removed).
+  At one row it is bound by its instructions, not the weight's bytes (DESIGN.md section 6, "Where
+  the FP8 step's time goes", with the measurements).
 - from DEQUANTIZED_ROWS on: `dequantize` makes the real weight once (dequantize_ref's values) and
   kernels/linear.py's bf16 GEMM multiplies it. Many rows are MMA-bound, and that GEMM's wgmma tiles
   outrun any tile that dequantizes in registers per row block: the few-rows kernel with 64- or
