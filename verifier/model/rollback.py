@@ -1,64 +1,8 @@
-"""What a verify forward leaves behind for rollback, and the rollback itself (DESIGN.md section 4).
-
-Verify never writes the committed conv window or recurrent state of a sequence of more than one
-row; a one-row sequence (a decode) commits its row's window and state in the verify itself, since
-every step consumes a sequence's first row, and rollback leaves that slot alone
-(kernels/one_row_commit.py); a step of decodes only has no rollback at all. Per recurrent
-layer it records a LayerRecord over all rows of the batch (each sequence's rows 0..K in order):
-  both modes: the raw conv inputs [rows, conv_dim] (rollback re-slices the window);
-  snapshot:   the recurrent state after each row [rows, heads, d_k, d_v] (rollback copies row a's);
-  write-on-accept (WOA): the stash of what each row's update consumes: key [rows, heads, d_k],
-              value [rows, heads, d_v], decay [rows, heads, 1 or d_k], beta [rows, heads]
-              (rollback folds rows 0..a into the committed state with the one update function;
-              in a pool that carries rows, it copies them to the slot's carried rows and the
-              next verify applies them: Carried rows, below).
-Rollback runs for every sequence of the batch and every recurrent layer at once, through the
-record's RollbackPlan: per group of alike layers (one group per recurrent kind), one launch for all
-conv windows and one for all recurrent states (kernels/fused_rollback.py), whose pointer table the
-plan builds; a CUDA graph bucket builds its plan once, and a graph that chains steps (the draft
-chain: verifier/model/step.py StepGraph) writes its tables after the capture. It is the one
-rollback: the CPU backend runs the same plan through the launchers' torch references (the one-layer
-torch ops, layer by layer), the GPU through the fused kernels. The per-layer rollback (one launch per
-layer and state) is no product path: tests/test_rollback_plan.py keeps it as the reference the plan
-is held to, torch.equal. Prefill's COMMIT mode commits every row in the layer's own forward
-(`commit`: the one-layer fold), since the next chunk reads the state it leaves.
-Attention needs no record: its cursor is the committed position, and KV rows past it are
-overwritten before anything reads them.
-
-Per sequence, recurrent layer and verify of K+1 >= 2 rows (S = heads * d_k * d_v * 4 bytes of
-state; g = 1 for GDN, d_k for KDA; a decode, K = 0, reads S and writes S, in both modes):
-  snapshot: verify reads S and writes (K+1) * S; rollback reads S and writes S.
-  WOA:      verify reads S and writes (K+1) * heads * (d_k + d_v + g + 1) * 4 bytes of stash;
-            the fold reads (a+1) stash rows, reads S and writes S; carried (below), the
-            rollback copies the (a+1) stash rows and the next verify, which reads S anyway,
-            reads them and writes S: S less per step.
-At Qwen3-Next sizes (32 heads of 128 x 128: S = 2 MiB) and K = 8 that is ~22 MiB per layer
-for snapshot against ~6.3 MiB for WOA with a fold. bench/rollback measures the fold and the snapshot.
-
-Carried rows (write-on-accept rollback without a fold; DESIGN.md section 4, "carried state").
-A verify of K + 1 rows reads a slot's recurrent state and writes nothing; its rollback kept the
-first a + 1 rows by folding them into the state, which read and wrote the whole state again. At
-64 sequences of the 2B model that is 2.4 GB read and written per step (~0.6 ms at 4 TB/s), a
-large share of a K = 8 step (`python -m bench.gpu` times the steps and the rollback, and
-`python -m bench.rollback` the fold against the snapshot). With carried rows the rollback copies the kept rows' stash (key,
-value, decay, beta: a few hundred KB a sequence) into the slot's CarriedRows
-(verifier/model/state.py) and notes how many (`SlotPool.carried`, `note_kept`); the slot's next verify applies
-them to the state it loads anyway, writes the state once (it is then committed through them), and
-walks its new rows from there. A step then moves the state twice (read, write), never three
-times, and a rollback moves kilobytes.
-
-Bits. The carried rows are the stash's values, copied, and the verify applies them with the fold's
-function in the fold's order (kernels/delta_rule.py `_update_state`, in the walk that then takes
-the step's rows), so the state it commits, and
-every row after, is bitwise what the fold would have given.
-
-Who carries. A write-on-accept engine with max_k > 0 (verifier/engine.py) makes its pool with
-C = max_k + 1 carried rows a slot; other pools (snapshot mode, the model drafter's engine of
-max_k 0, prefill-only pools) fold as before. Prefill runs on a fresh slot (carried 0) and commits
-at once. A one-row verify (a decode) applies its slot's carried rows and its row and commits both
-(kernels/one_row_commit.py), so it carries nothing after. Reading a slot's state from outside a
-step (`committed_state`: the serial oracle of `python -m verifier check`, tests) applies its
-carried rows to a copy.
+"""What a verify forward leaves behind for rollback (a LayerRecord per recurrent layer: raw conv
+inputs, and snapshots or the write-on-accept stash), and the rollback itself: one RollbackPlan per
+group of alike layers, run by kernels/fused_rollback.py on the GPU and by its torch references on
+the CPU. What each mode records and moves, carried rows and their bits: DESIGN.md section 4,
+"Rollback records and carried rows".
 """
 
 from __future__ import annotations
