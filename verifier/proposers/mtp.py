@@ -1,66 +1,7 @@
 """The MTP drafter: the checkpoint's own multi-token-prediction head (verifier/model/mtp.py) drafting
 from the target's hidden rows, in process and on the server, for one sequence or many at once.
-
-Inputs. The head reads the target's final-normed hidden row at position q (the LM head's input)
-with the token at q + 1, and its logits predict the token at q + 2. The engine hands those rows
-over: the prompt's from the prefill (`Engine.open(want_hidden=True)`, `begin`) and each step's
-consumed rows (`StepRequest.want_hidden`, `observe`), so a sequence's track holds the hidden rows
-of positions 0 .. p - 1 when its context is p + 1 tokens long (the last one, the pending token at
-p, not yet consumed by the target). generate() does this for any `HiddenStateProposer`, the
-server for every session drafting with "mtp" (verifier/server/drafting.py).
-
-State. An MTPDrafter owns the head's KV pool (`MTPHead.new_pool`) of n_slots slots: slot s serves
-the engine's slot s (one slot in process; on the server one per engine slot, allocated once). A
-sequence's `MTPTrack` keeps its cursors and only the hidden rows the head has not fed yet (the
-engine's own prompt buffer and step outputs, by reference, until the next proposal feeds them), so
-opening a sequence allocates nothing of max_seq_len.
-
-`propose(asks)` drafts for every asking sequence together:
-  1. catch up: ONE forward of MTP layer 0 over the rows of every sequence, for each the rows
-     q = fed .. p - 1 not yet fed, row q being (hidden q, token context[q + 1]); the last one's
-     token is the pending token (the bonus the last verify emitted), and its logits give draft 1.
-     These rows are the accepted stream's, so their KV rows are final: `fed` becomes p. A sequence
-     with nothing new (a repeated proposal) re-feeds its last row: the same KV row, the same bits.
-  2. recurrent drafts: draft i + 1 of every sequence that asked for more than i, from ONE forward
-     of one row per sequence (the previous forward's output row, draft i), MTP layer i % n (vLLM's
-     order), each one position on.
-Positions (vLLM's eagle.py proposer, which runs qwen3_next_mtp and qwen3_5_mtp: its input ids are
-the target's shifted by one, its positions the target's unshifted): row (hidden q, token q + 1)
-has attention position q, the position of the hidden row it reads, one before the token it embeds;
-its K/V go to row q of the sequence's slot, and a recurrent draft row takes the next position.
-Rollback: the head's layers are plain attention, whose cursor is the position: the draft rows of
-the last proposal lie at positions >= fed, and the next catch-up overwrites them from `fed` on
-before any row reads them (a row attends to positions <= its own), so nothing is copied.
-
-Choosing drafts (draft i sits at position p + i, keyed so, as the target keys the token there):
-  greedy sessions: the head's argmax.
-  coupled (the default for sampled sessions): d = the token the session's own coupled sampler
-      would pick from the head's logits, with the Gumbel noise keyed by (seed, position) that the
-      target uses there (verifier/sampling.py); no q is sent, so the verifier accepts a draft only
-      when it is the plain run's token: the stream equals plain decoding, and the shared noise
-      makes the head's draft agree with the target more often than an independent sample would.
-  rejection: d sampled from q = softmax of the head's masked logits / T (the session's
-      temperature, top-k, top-p) with noise keyed by (the proposer's seed, position, STREAM_DRAFT),
-      and q [k, vocab] float32 returned (`propose_with_probs`), so the verifier's rejection
-      sampling keeps each emitted token an exact sample of the target (another stream than the
-      plain run's). In process only: server-drafted sessions are coupled.
-
-Bits. Every forward is row-invariant (the engine's row-invariant kernels) and each row attends to
-its own slot only, and each draft is chosen from its own logits row (argmax_rows, choose_rows and
-the host draws are per row), so a sequence's drafts are the same whether it proposes alone or
-batched with others. Drafts only decide what the target verifies; the target's acceptance picks
-every emitted token, so with greedy or coupled drafts the stream equals plain decoding whatever the
-head drafts. A step that asks for hidden rows verifies as any step, graphed or eager: the graphs
-copy every verify's hidden rows out (Step.verify). On CUDA a greedy or coupled proposal of up to
-MTP_CHAIN_MAX_K drafts whose catch-up is one verify's rows runs as one CUDA graph replay of the
-sequence's own MTP chain (mtp_chain.py: the same forwards and choices, so the same drafts) when the
-proposal holds at most MTP_CHAIN_MAX_SEQUENCES sequences (in process: always one); more sequences,
-rejection mode and longer catch-ups (the prompt's) take the batched forwards above, eagerly.
-
-Failures. A request that is wrong (hidden rows missing, a context past the pool, a slot out of
-range) gets a ValueError naming what is wrong, and only that request fails; a forward that fails
-for a batch is retried for each sequence alone (the same bits), so a failure stays with the
-sequence it belongs to.
+Its inputs, state, the batched proposal (catch-up, recurrent drafts), positions, how drafts are
+chosen, the bits and failures: DESIGN.md section 9, "MTP drafting".
 """
 
 from __future__ import annotations

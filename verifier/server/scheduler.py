@@ -1,61 +1,8 @@
 """The scheduler: steps from every Verify, VerifyStream and VerifyRounds call wait in one queue; a
 batcher task takes everything waiting (up to max_batch_rows verify rows, each session at most once)
-and runs ONE engine step for it on the worker thread, then the next.
-
-Rows: max_batch_rows bounds the rows a batch RUNS. A step the goodput policy may trim holds one row
-at the least (its step with no draft), so taking and gathering count it as one (`PendingStep.least`),
-and after the policy has chosen, the batch keeps its steps in arrival order while their verified
-rows fit; the rest go back to the head of the queue, untouched, for the next batch. Counting the
-drafts as sent instead would split a round whose drafts the policy trims away into two batches
-whenever the drafts sent pass the cap, each batch costing nearly a full step on a bandwidth-bound
-model. Without a policy, or for a session that asked for every draft, the drafts as sent are the
-rows run.
-
-Gathering: while a batch runs, the next one gathers (the engine runs on the worker thread, steps
-keep arriving on the event loop). When the engine is free, the batch waits for the sessions of the
-batch that just ran and go on (still open, unfinished): once each has queued its next step, or the
-queue holds max_batch_rows rows, it runs; else it runs what is there when the gather window ends:
-max_wait_ms, or longer when the drafters take longer to come back (the window follows the
-measured round trip, up to one engine step's time: gather_window_s). Without this, after a full batch
-returns, whichever drafter answers first starts a batch of one and the others wait behind it:
-batches fragment. A session that misses a batch is not awaited by the next (a client that went
-away costs one window at most), and a lone drafter never waits (its own step is all that is
-awaited).
-
-Goodput-aware K: with a GoodputPolicy, each batch verifies only the first k_s drafts of session s
-(verifier/server/goodput.py); later drafts are neither verified nor accepted, the result says how
-many were verified, and the stream is unchanged. A session opened with verify_all_drafts is never
-trimmed (the policy trims the others, and still observes its outcomes).
-
-Steps are checked against their session (still open, expected position) when they are taken into
-a batch, not when they arrive: by then any earlier step of the same session has finished, so the
-check sees the position the engine will run from. The sequence's own state (finished, room in the
-context) is the engine's check (Engine.check), judged on the drafts AS SENT: with a policy that
-may trim, the batch runs it before trimming, so a step past the context is OUT_OF_RANGE whatever
-the policy would have verified (an error must not depend on policy state); without one, the
-engine runs it inside the step, on the same drafts. A step whose session was closed while
-it queued gets NOT_FOUND; one the engine already runs completes and is answered. The batcher runs one batch at
-a time and the worker writes sequences only inside a step, so no session is read on the event
-loop while the worker is writing it.
-
-Server-side drafters (verifier/server/drafting.py): a step of a session opened with a
-server_drafter arrives without drafts (`PendingStep.drafts` None, its rows counted at the
-session's k until then); the batch that takes it has its session's proposer fill them on the
-worker, before the checks, only for a step whose session is live at the expected position (the
-context the drafts follow is then final; a step that fails its checks gets an empty list). The
-batch's MTP sessions propose together (batched head forwards, drafting.propose_all). From there
-they are any step's drafts: checked against the context, trimmed by the policy, verified; after
-the step the proposer observes its outcome (tokens, and hidden rows for MTP) on the worker. A
-step put back in the queue keeps the drafts it was given (its session has not moved).
-
-A caller that goes away (cancel, deadline) withdraws its steps that are still queued; a step
-already handed to the engine completes, and its result is stored under its request id, so a
-retry gets it and nothing accepted is lost.
-
-Shutdown (verifier/server/app.py): `begin_stop` ends the gather window at once (no batch waits for
-sessions any more) so every step already queued runs; `cut` answers UNAVAILABLE to every step
-still unanswered when the grace period runs out, so a call never outlives the grace and gets
-CANCELLED by gRPC; `stop` then waits for the batcher (and the engine step it may still run).
+and runs ONE engine step for it on the worker thread, then the next. How rows are counted, how a
+batch gathers, goodput trimming, when steps are checked, server-side drafters, withdrawal and
+shutdown: DESIGN.md section 9, "The scheduler".
 """
 
 from __future__ import annotations
