@@ -1,50 +1,6 @@
 """CUDA graphs of verify and rollback, one pair per (bucket, rollback mode), captured at startup.
-
-Eager, a step is bound by launches: ~40 Triton launches per layer at tens of microseconds of
-Python each. A graph replays the same kernels with the same arguments, so its bits are the eager
-path's bits; only the launch cost goes.
-
-Buckets. The kernels read a batch from device tensors (seq_slots, cu_rows, row_slots, positions);
-no launch bakes in a per-sequence count (grids carry only R and S, loop bounds are read on the
-device), so a graph depends on the shape (R rows, S sequences) alone. A step replays the first
-bucket it fits (padding.py bucket_for: one sequence's exact bucket, else the smallest shared bucket
-of at least its rows, padded to its shape); a step past the largest bucket runs eagerly
-(verifier/model/step.py decides). `capture` makes every bucket's pair before serving; a
-bucket first met later (an engine that skipped warm-up, another rollback mode) is captured then,
-and counted.
-
-Inputs and outputs. A bucket owns a device StepInputs (tokens and batch in one buffer) whose views
-are the graph's inputs, a pinned host twin the step is packed into, and a kept-count buffer for
-the rollback graph with its pinned twin. Each graph begins with the copy of its pinned inputs to
-the device, captured as a node of the graph (a copy from pinned memory reads it when the graph
-replays): a step writes its inputs into the pinned buffers and replays, one launch where a copy
-and a replay were two (the gain is one API call a rollback, within the host's noise). All
-buckets write their logits into one shared buffer [largest R_b, vocab] fp32, and every graph is
-captured into one shared memory pool: a step's logits are consumed (copied out) before the next
-verify replays, and its record is consumed by its rollback before any other replay, so the
-buckets' temporaries may share memory. Graph memory is then the largest bucket's, not the sum,
-and serving allocates nothing.
-
-Greedy ids. The verify graph ends with each row's argmax (kernels/sampling.py argmax_rows, what
-acceptance launches for an eager step) and a copy of the ids to pinned memory, so a greedy step's
-host waits for its graph and reads R ints. Launched after the replay, the two argmax kernels ran
-behind the graph without PDL and the ids came back in a synchronous copy of their own, all on the
-critical path once the graph had finished. Every bucket row
-gets its argmax, padding rows and sampled steps' rows too: at most the largest bucket's, 576 rows
-of a 248k vocabulary (~0.14 ms at 4 TB/s), one more read of logits the step's LM head has just
-written, small beside the step (`python -m bench.gpu` times the steps).
-
-Rollback. The rollback graph replays the record's RollbackPlan (rollback.py): for all recurrent
-layers, one launch for the conv windows and one for the recurrent states (kernels/fused_rollback.py).
-The plan's pointer tables are built once, between the two captures, from the addresses the verify
-graph writes the record to; the bucket keeps the tables (the graph reads them) and drops the plan,
-so the record's tensors still go back to the shared pool. Its bits are the per-layer rollback's.
-
-Capture runs the step once eagerly on the bucket's padding-only inputs (padding.capture_batch: a
-shared bucket's R_b padding rows in sequences of at most padding.PAD_CHUNK rows, then zero-row ones,
-S_b in all; a one-sequence bucket's one sequence of R_b rows; both in the scratch slot, of the
-bucket's shape; it compiles the Triton kernels, writes only the scratch slot's KV, and its rollback
-keeps nothing), then captures.
+Buckets, inputs and outputs, greedy ids, the rollback graph and capture: DESIGN.md section 6,
+"CUDA graph buckets".
 """
 
 from __future__ import annotations

@@ -1,53 +1,6 @@
 """The model drafter's k drafts of one proposal in one CUDA graph replay.
-
-Eager, each draft costs a choice with a host sync, clones of every recurrent layer's state, and a
-one-row verify and rollback through the engine's runner (host packing, two copies to the device,
-two replays): host work far above the GPU work of a small draft model. A DraftChain records the
-whole proposal once per k, and a proposal is then one copy of the start position to the device,
-one replay and one copy of the k draft ids back.
-
-One proposal of k drafts from committed position p (the slot has consumed p tokens and `logits`
-[1, vocab] predicts the token at p):
-    for i in 0 .. k-1:
-        drafts[i] = the session's choice from logits, for position p + i   (on the device)
-        if i < k-1:
-            boundary i <- the slot's conv windows, recurrent states and logits   (what _save keeps)
-            consume drafts[i] at position p + i: the one-row verify, then the rollback keeping
-                that row (the engine's kernels and shapes, so the eager path's bits) -> logits
-The choice is greedy (argmax, ties to the lowest id: torch.argmax's answer) or, on CUDA, coupled
-sampling (the device path of verifier/sampling.choose_rows: the same kernel and threshold ops).
-
-Catching up. Between two proposals the verifier's answer arrives: the drafts it kept, then a bonus.
-The drafter's sync would restore the boundary of the first rejected draft and consume the new
-tokens through the engine's runner (host packing, two more replays, a clone): host work above the
-GPU work of a small draft model, as the drafting itself was. So a chain can begin with the
-catch-up, in the same replay, before its first choice:
-    RESTORE_BONUS  boundary j of the last proposal back into the slot, then the bonus consumed
-                   (drafts[j] was rejected: the slot had consumed drafts[0 .. k-2]);
-    BONUS          the bonus consumed (drafts[0 .. k-2] kept, drafts[k-1] rejected);
-    TWO            the last draft and the bonus consumed as one two-row verify (every draft kept);
-    NONE           nothing: the running logits already predict the first draft.
-The consumption is the one-row (or two-row) verify and a rollback keeping every row, the kernels
-and shapes of the engine's own consume, so the catch-up leaves the sync's bits.
-
-Static buffers. A graph reads and writes fixed addresses: the start position, the one-row step
-inputs (token and position written by in-graph ops from the start and the chosen draft; the slot
-fixed at construction), the running logits, the draft ids and the k-1 boundary buffers. A replay
-overwrites all of them, so what a proposal hands out (its boundaries, its last logits) is valid
-until the next proposal; the drafter settles every boundary in its sync, which runs before the
-next proposal (ModelProposer asserts it).
-
-Steps. Every consume is a step of the engine's step API (verifier/model/step.py FixedStep: the
-forward and the rollback plan a Step runs, on inputs at fixed device addresses that in-graph ops
-write), and each chain is one StepGraph of them, which writes the rollback plans' pointer tables
-after its capture. The chain reaches no further down: no step inputs, graph buckets or rollback
-kernels of its own.
-
-Capture happens at construction, for every catch-up and every k up to max_k, after one eager run
-of the largest chain in the pool's scratch slot (it compiles the kernels; its rollback keeps nothing and the
-scratch slot's KV is padding's anyway). Without CUDA graphs (graphed=False, the CPU reference:
-tests) every proposal runs the same body eagerly: the same buffers and device-side positions and
-tokens, none of the speed.
+One proposal, catching up, static buffers, steps and capture: DESIGN.md section 9, "The model
+drafter's chain".
 """
 
 from __future__ import annotations
