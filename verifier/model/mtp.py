@@ -1,46 +1,5 @@
 """The checkpoint's own multi-token-prediction (MTP) head (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Qwen3.6).
-
-Tensors, as the published checkpoints store them beside the text model (H = hidden size, j = 0 ..
-n - 1 MTP layers; `model.mtp.*` is read as `mtp.*`):
-  mtp.pre_fc_norm_embedding.weight  [H]       RMSNorm of the token's embedding
-  mtp.pre_fc_norm_hidden.weight     [H]       RMSNorm of the main model's hidden row
-  mtp.fc.weight                     [H, 2H]   no bias; over concat(normed embedding, normed hidden), embedding first
-  mtp.layers.{j}.                             one decoder layer named and shaped as a main full-attention layer:
-      input_layernorm.weight, post_attention_layernorm.weight [H];
-      self_attn.q_proj [2*heads*hd, H] (per head: query | output gate), k_proj, v_proj [kv_heads*hd, H],
-          o_proj [H, heads*hd], q_norm, k_norm [hd]  (layers/attention.py: gated attention, partial rotary);
-      mlp.*: the sparse block (gate [E, H], experts per expert or fused, shared_expert.*,
-          shared_expert_gate [1, H]) where the checkpoint holds `mlp.gate.weight`, else the dense
-          SwiGLU MLP (gate_proj, up_proj [I, H], down_proj [H, I]; I = intermediate_size)  (layers/mlp.py)
-  mtp.norm.weight                   [H]       the final norm
-The embedding and the LM head are the main model's: the head shares them (a tied head reads the
-embedding). Every norm is the family's zero-centred RMSNorm, y = norm(x) * (1 + w). In a block-FP8
-checkpoint a linear weight may be float8_e4m3fn beside its `weight_scale_inv`, as the main
-model's are, or kept in bf16; the loader reads either (checkpoint.py).
-
-Forward of MTP layer j, over the rows of a RowBatch:
-    x = fc(cat(norm_emb(embed[token]), norm_hidden(hidden)))              # [rows, H]
-    out = the stream x through layer j (attention over the layer's own KV rows, MLP), then mtp.norm
-    logits = lm_head(out)                                                 # fp32 [rows, vocab]
-`hidden` is the main model's final-normed row (the LM head's input: HybridModel.compute's
-hidden_out) at position p and `token` the token at p + 1; the logits predict the token at p + 2.
-A further draft step feeds `out` back as the hidden. vLLM runs layer step % n at draft step `step`.
-
-State: each MTP layer's attention writes its KV rows into its own pool (`MTPHead.new_pool`, a
-SlotPool of attention layers shaped as the main model's), whose slot s the caller pairs with the
-main pool's slot s.
-
-Where this comes from: vLLM's qwen3_next_mtp.py and qwen3_5_mtp.py (the tensor names; fc over
-[embedding | hidden]; a decoder layer of layer_type "full_attention" whose residual starts at fc's
-output; the final norm's add; the shared embedding and head; `mtp_num_hidden_layers` for
-Qwen3.5, `num_nextn_predict_layers`, default 1, for Qwen3-Next) and transformers 5.x, whose
-models skip the tensors (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`) and run no MTP.
-Not verified here: the published config.json of Qwen3-Next carries neither count field (its copy in
-presets/published.py has none), so the layer count is then counted from the tensors; vLLM picks
-the MTP layer's MLP by the layer's index in the main schedule (MoE in every published file), we by
-the tensors the checkpoint holds; whether the published FP8 files quantize `mtp.fc` (the loader
-takes both). The positions: vLLM's proposer (v1/spec_decode/eagle.py) gives the row of (hidden at
-p, token at p + 1) position p, the hidden row's; the MTP drafter matches it (verifier/proposers/mtp.py).
+The design in full: DESIGN.md section 9, "The MTP head".
 """
 
 from __future__ import annotations

@@ -1,36 +1,5 @@
-"""Padding a step to a graph bucket's fixed shape (DESIGN.md section 6, rule 9).
-
-A bucket is a fixed (rows R_b, sequences S_b). A step of R <= R_b verify rows in S sequences is
-padded to it: its S sequences first, as they are; then the R_b - R padding rows (token 0) in
-padding sequences of at most PAD_CHUNK rows each, all in the pool's scratch slot, sequence j at
-positions j * PAD_CHUNK onwards, so the padding rows fill positions 0 .. R_b - R - 1 of the slot
-once each (no two rows write the same KV entry); then padding sequences with no rows, also in the
-scratch slot, up to S_b. Rollback keeps 0 rows of every padding sequence. So padding:
-  - changes no real row's bits: every per-row op is row-invariant, and the sequence-walking kernels
-    (conv, delta rule, attention) read only their own sequence's slot;
-  - writes no real slot's state: padding rows write KV only in the scratch slot, verify never
-    writes a committed conv window or recurrent state, and the rollback kernels return at once for
-    a sequence that keeps nothing (so the scratch slot's window and state stay zero, its padding
-    sequences may share it, and hundreds of zero-row sequences cost a program each that loads two
-    ints);
-  - adds no long serial walk: the recurrent kernels walk a sequence's rows one after another in
-    one program, so one padding sequence of 63 rows would take ~12x a real 5-row verify and bind
-    the whole step; in chunks, no padding walk is longer than PAD_CHUNK rows.
-
-One sequence's buckets. A step of one sequence (batch 1: a decode, or a verify of K <= max_k)
-replays a bucket of exactly its rows and that one sequence (`buckets`, `bucket_for`), so
-it runs with no padding at all: in a shared bucket its walks ran among padding sequences' programs
-(at K = 8 its 9 rows shared the 9-row bucket with 8 padding sequences of no rows), and its own
-bucket is faster at K = 4 and 8 on the H200 (`python -m bench.gpu` times those steps). Such a bucket holds no padding row, so it is
-captured on one scratch-slot sequence of its rows (`capture_batch`). They are buckets of another
-shape, not another mechanism: one list holds every bucket, and one rule (`bucket_for`: the first
-that the step fits, fewest rows then fewest sequences) picks exact ones for one sequence and shared
-ones for the rest. The shared buckets alone are the step-cost table's (verifier/model/step.py
-StepRunner.step_costs): a one-sequence bucket times a batch-1 step, not R rows of any batch.
-
-S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) always fits a step of R <= R_b rows in
-S <= min(R, n_slots) sequences, which needs S + ceil((R_b - R) / PAD_CHUNK) sequences: at most
-n_slots + ceil(R_b / PAD_CHUNK), and at most R + (R_b - R) = R_b since a chunk holds >= 1 row.
+"""Padding a step to a graph bucket's fixed shape.
+The design in full: DESIGN.md section 6, "Padding to a bucket".
 """
 
 from __future__ import annotations

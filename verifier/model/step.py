@@ -1,27 +1,5 @@
 """The engine step's one home: a Step (one verify and its rollback) and the StepRunner that makes them.
-
-    step = runner.step(tokens, batch, mode)   the rows checked (rows.check_rows) and each slot's
-                                              carried rows attached (rollback.with_carried), once;
-                                              no state touched yet
-    logits = step.verify()                    [rows, vocab] fp32: the inputs packed into one buffer
-                                              (step_inputs.py) and copied to the device once; eager
-                                              or through a CUDA graph, chosen here
-    step.greedy_ids                           graphed: rows -> the verify graph's argmax of its first
-                                              rows (graphs.py, Greedy ids); None eager
-    step.rollback(consumed)                   the kept counts checked, once; the one rollback (the
-                                              record's RollbackPlan, or the bucket's rollback graph
-                                              replaying that plan); the carried rows noted
-
-Callers never ask which path ran: a graph replays the eager path's kernels with the same
-arguments, so both give the same bits (DESIGN.md section 6, rule 9). The engine's step and the
-model drafter's consume go through `StepRunner.step`; `verify` and `decode` below are the same
-Step outside an engine (tests, benches). The draft chain, whose one CUDA graph holds several
-steps whose tokens and positions device ops write, takes its steps from here too (`FixedStep`,
-`StepGraph`): the same forward and the same rollback plan, so the engine's bits.
-
-Buckets. Graphed, a step replays the first bucket it fits (padding.py `bucket_for`: one list of
-buckets, one sequence's exact ones and the shared ones); a step past the largest runs eagerly, as it
-is, or padded the same way with pad_eagerly (tests: the graphs' padding on the CPU reference backend).
+The design in full: DESIGN.md section 6, "The engine step".
 """
 
 from __future__ import annotations

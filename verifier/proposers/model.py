@@ -1,49 +1,6 @@
 """The model drafter: a small checkpoint run locally through our own engine, kept in step with the
 accepted stream.
-
-State. The drafter's one slot has consumed `tokens` (a prefix of what the verifier has emitted, or
-that prefix plus some of the drafter's own drafts) and holds the logits that predict the next token.
-`propose(context, k)`:
-  1. sync: find how much of `tokens` the new context still agrees with (the drafts the verifier
-     kept). If the slot consumed drafts the verifier rejected, restore the snapshot taken before
-     the first rejected one; then consume the context's new tokens (the bonus, and the last draft
-     when all were accepted) in one decode-path forward (the engine's step runner: verify, then
-     rollback keeping every row).
-  2. draft: choose d1 from the logits, consume it with a one-row forward, choose d2, ... up to dk.
-     Before consuming each draft but the last, the slot's conv windows and recurrent states (and
-     the logits) are snapshotted: a rejection at any draft rolls back to that point with a copy,
-     with no recompute. Attention needs no snapshot: its cursor is the position, and KV rows past
-     it are overwritten before anything reads them.
-     On a GPU, greedy and coupled drafts of up to CHAIN_MAX_K run as one CUDA graph replay per
-     proposal (draft_chain.py: the same kernels and shapes, so the same drafts and state bits);
-     its snapshots are views of the chain's static buffers, which the next proposal overwrites,
-     so they are settled by the sync that precedes it (asserted). When the context is the last
-     one plus the verifier's answer (kept drafts, then the bonus) that sync runs inside the same
-     replay: the restore and the one- or two-row consume are the chain's first nodes, so a
-     steady proposal is one copy in, one replay and one copy out (draft_chain.py, "Catching up").
-     Rejection-sampled drafts, and more than CHAIN_MAX_K, take the loop above.
-The context is prefilled only when the drafter starts (or when the context is not an extension of
-what it consumed: a new sequence), so a step costs about k one-row forwards. That prefill takes all
-but the context's last token, which is decoded, as the verifier prefills a prompt and decodes its
-first token. After any number of rejections the slot's state equals that of a drafter that
-prefilled the first context so and decoded each later token one by one (the tests check it with
-torch.equal); a drafter of the target's own checkpoint thus computes the target's logits bit for
-bit, and every one of its drafts is accepted.
-
-Choosing drafts. Greedy sessions: the draft model's argmax. Sampled sessions, two modes:
-  rejection (default): sample d from the draft model's own distribution q = softmax of its masked
-      logits / T (the session's temperature, top-k and top-p) with noise keyed by (seed, position)
-      and return q [k, vocab] float32, so the verifier's rejection sampling keeps each emitted
-      token an exact sample of the target. The stream is then not the plain run's stream.
-  coupled: d = the token the session's own coupled sampler would pick from the draft model's
-      logits (the same Gumbel noise the target uses at that position), no q sent: the verifier
-      accepts a draft only when it is the plain run's token, so the stream equals plain decoding.
-      The noise is per backend (verifier/sampling.py): it couples with the target's only when
-      both run on the same kind of device; across kinds the stream still equals plain decoding,
-      but fewer drafts are accepted.
-
-One ModelProposer follows one sequence at a time (a new context restarts it); concurrent
-sequences need one each, which may share one loaded model (`ModelProposer(model, ...)`).
+The design in full: DESIGN.md section 9, "The model drafter".
 """
 
 from __future__ import annotations

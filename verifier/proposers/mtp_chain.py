@@ -1,30 +1,5 @@
 """One sequence's MTP proposal in one CUDA graph replay: the head's analogue of draft_chain.py.
-
-Eager, a proposal of k drafts is k forwards of the MTP head (a catch-up of c rows, then k - 1
-one-row forwards: verifier/proposers/mtp.py), each a few dozen launches, and a host sync per draft
-for its choice: host work far above the GPU work of one layer and an LM head. An MTPChain records
-the whole proposal once per (c, k), and a proposal is then one copy of the hidden rows into a
-static buffer, one copy of the control words to the device, one replay and one copy of the k draft
-ids back.
-
-One proposal from catch-up start s with c rows (the context's pending token at p = s + c):
-    catch-up: rows q = s .. p - 1, (hidden q, token q + 1) at position q   -> logits of row p - 1
-    draft 0 = the choice from those logits, for the token at p + 1
-    for i in 1 .. k - 1:
-        one row (the previous forward's output row, draft i - 1) at position p - 1 + i, MTP layer
-        i % n  -> draft i, for the token at p + 1 + i
-The choice is the session's (draft_chain.DeviceChoice: greedy argmax, or on CUDA the coupled
-choice with the noise keyed by the token's position), so the drafts are those of the eager
-MTPDrafter for the same sequence, bit for bit: the same forwards (MTPHead.compute, the
-row-invariant kernels, the same row counts) and the same choice.
-
-Static buffers. control [1 + max_catch] int64 (s, then the c catch-up tokens), written on the host
-and copied by the graph's first node; the catch-up's hidden rows [max_catch, H]; per c a
-StepInputs(c, 1) and one StepInputs(1, 1) for the one-row forwards, whose tokens and positions
-in-graph ops write (the slot is fixed at construction, so nothing else changes); the logits rows;
-the draft ids. Graphs are captured when a (c, k) is first asked for, after one eager run of the
-same body with the same inputs (it compiles the kernels and writes the KV rows the replay writes
-again). Without graphs (graphed=False: the CPU reference, tests) the same body runs eagerly.
+The design in full: DESIGN.md section 9, "The MTP chain".
 """
 
 from __future__ import annotations

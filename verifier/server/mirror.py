@@ -1,28 +1,5 @@
-"""The engine calls of a tensor-parallel server, mirrored on every rank (DESIGN.md section 10).
-
-A sharded model's forward meets the other ranks in collectives, so every rank must run the same
-forwards in the same order on the same inputs. Rank 0 runs the whole service; its engine is a
-MirroredEngine, which, for every call that runs a forward or changes the slots (open, step,
-close, warm_up, the step-cost timing), first broadcasts a small picklable command, then runs
-the call itself. Ranks 1 .. N-1 run `follow`: receive a command, run it on their own Engine over
-their shards, drop the result (rank 0 answers the clients). Every rank computes whole logits, so
-every rank chooses the same tokens: a follower's sequences move exactly as rank 0's do.
-
-    engine = MirroredEngine(Channel(parallel), model, n_slots, ...)    # rank 0
-    follow(Channel(parallel), Engine(model, n_slots, ...))             # every other rank
-    engine.stop_followers()                                            # rank 0, once its worker is done
-
-Commands name sequences by slot (each rank's pool admits the same slots in the same order), and a
-step carries what the scheduler decided outside the engine (drafts after trimming, a finish it
-set at a full context) plus the position rank 0 steps from: a follower whose sequence is elsewhere
-has diverged, and fails (the launcher then ends every rank) rather than run a different forward.
-
-The commands travel on a gloo group of their own with a long timeout: a follower waits there for
-as long as the server is idle, while the forwards' collectives keep the group's own timeout.
-Failures: an engine call that raises on rank 0 is the service's to answer (an open fails, a step
-fails its batch); the same call raises on a follower too (same inputs, same code), which logs it
-and goes on, as rank 0 does. A rank that dies is the launcher's to report (run_parallel): it ends
-the others and names the rank.
+"""The engine calls of a tensor-parallel server, mirrored on every rank.
+The design in full: DESIGN.md section 10, "The mirrored engine".
 """
 
 from __future__ import annotations

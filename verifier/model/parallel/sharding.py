@@ -1,38 +1,5 @@
 """Which part of each checkpoint tensor a rank keeps (Megatron-style), and the per-rank config.
-
-A rank's model is the plain model built from `local_config` (heads, intermediate sizes divided by
-the parallel size) and a `ShardedSource`, which hands each layer its rank's part of a tensor in
-the shape the layer asks for: so every layer, the slot pool and every kernel run unchanged on the
-rank's heads and channels. The parts, by layer kind (N ranks, rank r keeps the r-th of N
-contiguous parts; columns are a weight's output features, dim -2; inputs its dim -1):
-  gated attention  q_proj (per head: query | gate), k_proj, v_proj: columns of whole KV heads and
-                   their query heads (query head j reads KV head j // group, so contiguous KV heads
-                   take contiguous query heads); o_proj: inputs -> the sum across ranks; its bias
-                   on rank 0 only (zeros elsewhere: added once in the sum); q_norm, k_norm whole.
-  MLA              q_proj / q_b_proj, kv_b_proj: columns of the rank's heads; o_proj: inputs; the
-                   latent projections and norms (shared by every head) whole.
-  Gated DeltaNet   in_proj_qkv and conv1d: the rank's key heads' q and k channels and its value
-                   heads' v channels (value head j reads key head j // r: contiguous key heads
-                   take contiguous value heads); in_proj_z, b, a, dt_bias, A_log: the rank's value
-                   heads; Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head: the rank's
-                   groups; norm (per head) whole; out_proj: inputs. The conv window and recurrent
-                   state of a head live with its rank (the pool is built from the local config).
-  KDA              q/k/v_proj, their convs, b_proj, f_b_proj, g_b_proj, dt_bias, A_log: the rank's
-                   heads; f_a_proj, g_a_proj (a low-rank input shared by every head), o_norm whole;
-                   o_proj: inputs.
-  dense MLP        gate_proj, up_proj: columns of the intermediate; down_proj: inputs.
-  MoE              router (and Kimi's score bias) and shared_expert_gate whole, so every rank routes
-                   every row alike; every expert split by its intermediate dimension on every rank
-                   (gate/up columns, down inputs), the shared expert likewise. Not experts by rank:
-                   split by intermediate, every rank does the same work for every row whatever the
-                   routing (no rank waits on a hot expert's owner), needs no all-to-all of rows,
-                   and the layer ends with one cross-rank sum like the dense MLP's.
-  embedding, head  rows of the vocabulary (embedding: look-up then a sum; head: logits gathered),
-                   cdiv(V, N) rows a rank: a vocabulary N does not divide is padded with zero
-                   rows on the last ranks (`VocabRows`), whose logits are cut before any is read.
-  norms            whole.
-Everything else is whole on every rank. The vocabulary stays whole in the local config: every
-rank's logits are the gathered, whole-vocabulary rows.
+The design in full: DESIGN.md section 10, "Sharding".
 """
 
 from __future__ import annotations
