@@ -1,22 +1,5 @@
-"""Acceptance: how many drafts the target agrees with, and the bonus token (DESIGN.md section 7).
-
-Verify rows [pending, d1 .. dK] sit at positions p .. p+K; row r's logits judge d(r+1), and the
-token they choose sits at position p + r + 1.
-
-greedy / coupled: d(r+1) is accepted while it equals the token a plain run would choose there
-    (sampling.choose); the bonus is the plain run's own token at row a. The stream is therefore
-    the plain stream, token for token. On the GPU the choices of all rows come from one device
-    launch (argmax_rows for greedy, sampling.choose_rows for coupled sampling) and only the ids
-    reach the host; a graphed step's greedy ids come from its verify graph, which ends with that
-    argmax (verifier/model/graphs.py); on the CPU coupled rows are chosen one at a time on the
-    host, stopping at the first miss.
-rejection (Leviathan et al.), for drafters that send their probabilities q: accept d with
-    probability min(1, p(d) / q(d)); on the first rejection emit a sample of norm(max(0, p - q));
-    if all K are accepted the bonus is a sample of p at row K. A deterministic drafter has q
-    one-hot at d. Each emitted token is an exact sample of the target distribution p.
-
-`accept` is the one entry point: the engine calls it once per step, for every sequence of the
-batch, and it picks the rule and the device path per sequence.
+"""Acceptance: how many drafts the target agrees with, and the bonus token.
+The design in full: DESIGN.md section 7, "Acceptance".
 """
 
 from __future__ import annotations

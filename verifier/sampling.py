@@ -1,23 +1,5 @@
-"""Choosing tokens from logits (DESIGN.md section 7).
-
-greedy (temperature 0): argmax, ties to the lowest id.
-coupled sampling: the token at position j is argmax(masked(logits / T) + G(seed, j)), G a Gumbel
-    vector keyed by (seed, j) alone. It is an exact sample of the target distribution, and it
-    depends only on the logits row, the seed and the position, so a speculative run (whose rows
-    are bit-identical) chooses exactly the tokens a plain run chooses.
-Masks: top-k keeps the k largest logits (and any tied with the k-th); top-p keeps the smallest
-    prefix of the probability-sorted vocabulary whose mass reaches p (the first token always).
-Position j is where the chosen token will sit: the row at position p chooses the token at p + 1.
-
-Two backends, each with its own noise (bits are per backend, DESIGN.md section 5):
-- CPU logits (the reference backend): G drawn by a torch.Generator seeded from (seed, j), the
-    masks applied to the row on the host (masked_logits).
-- CUDA logits: G from a counter-based hash of (seed, j, id) computed inside the choice kernel
-    (kernels/sampling.py coupled_choice), the masks turned into a per-row threshold on the device
-    (keep_threshold), so only the chosen ids reach the host. A seeded stream on the GPU is
-    therefore a different sample than the same seed on the CPU; on each backend speculative ==
-    plain holds, because on each a row's choice depends on that row, the seed and j alone.
-Rejection sampling (uniform, sample_from) always draws on the host.
+"""Choosing tokens from logits.
+The design in full: DESIGN.md section 7, "Choosing tokens".
 """
 
 from __future__ import annotations

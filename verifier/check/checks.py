@@ -2,23 +2,7 @@
 returning its CheckResult. Every comparison is bitwise (results.py); each check keeps going past a
 difference in one stream so the counts say how much differs, and stops that stream (its later rows
 would follow another path).
-
-1. verify_vs_serial: verify rows == serial decode rows, K = 1..max_k, wrong / right / random drafts,
-   with every layer's output row compared too (attribution per layer kind; an eager engine).
-2. rollback_state: after a partial accept, the slot's state == serial decode's at that position,
-   in both rollback modes, and the next decode row == serial.
-3. full_batch_vs_alone: a full batch (--sequences, 64 by default: as many sequences as a serving
-   engine's batch holds) of different prompts and lengths, stepped together == each sequence's
-   step run alone: a step of decodes only, a step of K = max_k verifies for all, then steps of
-   mixed K (0 included) with wrong, right and random drafts; every logit row and every layer's
-   state compared. Batches of 1 to 64 x (max_k + 1) rows cross every tile boundary the kernels have.
-4. streams_vs_plain: verifier.generate with oracle, n-gram and random drafters == plain decoding,
-   greedy and seeded sampling.
-Checks 2-4 run the engine as serving does (CUDA graphs where the backend has them).
-
-Under tensor parallelism (a model loaded with `parallel`) every rank runs these same functions on
-its part of the model, and each comparison is agreed across the ranks (results.agree): the checks
-compare the N-rank engine with itself, so they hold unchanged for any one N.
+The design in full: DESIGN.md section 5, "The checks of verifier check".
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """Server-side drafters: a session opened with OpenSessionRequest.server_drafter gets each step's
 drafts from the server, proposed when the step is taken into a batch (its session then sits at
 the position the step runs from), from the session's context: its prompt and every token emitted.
-
-  ngram  the project's n-gram proposer (prompt lookup, verifier/proposers/ngram.py): no model.
-  mtp    the checkpoint's MTP head (verifier/proposers/mtp.py): fed the prompt's hidden rows at
-         open and each step's consumed rows (StepRequest.want_hidden), as generate() feeds it.
-         The server holds ONE MTPDrafter, made at start: the head's KV pool with a slot per
-         engine slot (a session's MTP slot is its engine slot), so opening a session allocates
-         nothing of max_seq_len. The MTP sessions of a batch propose together (`propose_all`):
-         one head forward for all their catch-up rows, then one of one row per session for each
-         further draft position; the forwards are row-invariant, so a session's drafts do not
-         depend on what else shares the batch. Sampled sessions get coupled drafts (their own
-         seeded noise, no q): the stream is the plain one.
-
-Everything here runs on the worker thread (the head's forwards are device work, ordered with the
-engine's steps there); the event loop only reads `k` and `wants_hidden`. Each step's drafts are
-cut by draft_room, the rule generate() and the drafter's loop use, so a server-drafted session
-takes the steps the same proposer takes in process, and no step it drafts runs past the context
-or the token budget. Drafts never decide an emitted token (the target's acceptance does), so the
-stream equals plain decoding whatever the proposer drafts. A proposal that fails fails that
-session's step alone (`propose_all` returns its exception); an observation that fails ends that
-session's drafting, never its accepted tokens (`ServerDrafter.observe`).
+The design in full: DESIGN.md section 9, "Server-side drafters".
 """
 
 from __future__ import annotations

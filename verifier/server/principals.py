@@ -1,23 +1,5 @@
 """Who a call comes from: its principal, the owner of the sessions it opens.
-
-Sources, checked in this order for each call:
-- bearer tokens, each naming a principal (`--auth-tokens-file`, the VERIFIER_AUTH_TOKENS
-  environment variable, or the one `--auth-token`, whose principal is "default"): the call's
-  "authorization: Bearer <token>" names it. Calls without a known token never reach a handler
-  (verifier/server/auth.py answers UNAUTHENTICATED).
-- client certificates, when TLS requires them (`--tls-client-ca`): the certificate's subject
-  common name (its first DNS name when it has no common name).
-- neither configured: every call is the one anonymous principal, as a server without auth has
-  always behaved.
-
-A session belongs to the principal that opened it (verifier/server/sessions.py): to any other
-principal it does not exist (NOT_FOUND, the message of an id never issued), and OpenSession
-request ids are scoped per principal.
-
-Token entries, in the file and in the variable alike: `name:token`, one per line or separated by
-commas; blank lines and lines starting with '#' are skipped. Names are 1 to 64 of
-[A-Za-z0-9._@-]; tokens are printable ASCII without spaces or commas. One token given to two
-principals is refused; a principal may hold several tokens, one entry each (as a rotation needs).
+The design in full: DESIGN.md section 8, "Principals".
 """
 
 from __future__ import annotations

@@ -1,26 +1,5 @@
 """Sessions: a sequence in a slot, seen from the wire.
-
-Everything here runs on the event loop thread. Slot accounting is done here, ahead of the
-engine: `reserve` counts a slot as taken the moment an OpenSession is admitted (its prefill is
-still queued for the worker thread), and `remove` gives it back the moment a session is closed
-or reaped (its release is queued for the worker behind any step still running on that slot).
-The worker runs jobs in order, so the engine's pool never sees more admits than free slots.
-
-Retries (verifier/server/retries.py): a session keeps the results of its last
-`results_per_session` answered steps with a request id, each beside its request's fingerprint;
-OpenSession calls with a request id are kept (fingerprint, admitting task) while their session
-lives and, once it is closed or reaped, among the last GONE_REMEMBERED such: a duplicate of the
-open that arrives late (its first call abandoned by its caller, handled after the session it made
-was closed) gets that session's response again (AIP-155), never a second session no one knows.
-
-Principals (verifier/server/principals.py): a session belongs to the principal that opened it. To
-every other principal it does not exist: `find` returns None and `why_missing` says "not known",
-as for an id never issued. OpenSession request ids are keyed by (principal, request id), so one
-principal's ids never meet another's. `reserve` enforces the slots and, when set, the sessions one
-principal may hold (max_per_principal).
-
-Idle time counts from a session's admission and its last step answered OK: a session that is only
-sent failing steps (stale, finished, malformed) is still reaped.
+The design in full: DESIGN.md section 8, "Sessions".
 """
 
 from __future__ import annotations

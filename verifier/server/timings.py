@@ -1,26 +1,7 @@
 """Where a round goes on the server: timestamps per engine batch and per answered request, kept
 when the server is started with --round-timings FILE and written to FILE when it stops (bench.serve
 turns it on; off, nothing here runs).
-
-All times are this process's time.perf_counter(): only intervals within the server are meaningful,
-never a comparison with another process's clock (bench/serve_breakdown.py derives the wire time
-from the drafter's own time for a request minus the server's residence of that same request).
-
-Per batch (its index is the verifier_engine_steps count once the batch is recorded, so GetStats'
-engine_steps before and after a run select its batches): the first and last arrival of its steps'
-requests (taken in the handler once gRPC has parsed the request), the engine step's start and end
-on the engine thread (the ids on the host), and when the last answer holding one of its steps was
-written to gRPC. Per request (a VerifyRounds message, a Verify call, a VerifyStream step): the
-batch that answered its last step, its arrival, when its answer was written (handed to gRPC: a
-stream's message as it is yielded, a Verify call's when the handler returns it; never after the
-client can have it, so the request's time on the drafter holds its residence here, and gRPC's own
-write is the wire's), and its key: its first step's request id as a 64-bit integer (`request_key`;
-0 when that step has none), by which bench/serve_breakdown.py pairs the request with the drafter's
-own time for it.
-
-Storage is bounded (array('d') and array('q') appends up to MAX_BATCHES and MAX_REQUESTS; later
-ones are counted as dropped; a key is 8 bytes whatever the request id's length), so a long-lived
-server with the switch on grows by at most a known amount.
+The design in full: DESIGN.md section 9, "Round timings".
 """
 
 from __future__ import annotations
