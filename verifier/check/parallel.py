@@ -1,19 +1,5 @@
 """`python -m verifier check --tensor-parallel N`: the whole check on N ranks (SPMD).
-
-Every check compares the engine with itself (verify rows with serial decode, the state after a
-rollback with serial decode's, the full batch with each sequence alone, speculative streams with
-plain decoding); none compares with transformers or with a one-process run. So all four run
-unchanged on the sharded model, and their contract is the same for N ranks as for one: bitwise,
-within that N. (The bits of N ranks differ from one process's: a split projection adds its N
-partial products across ranks. That parity is a tolerance test of the model, tests/
-test_tensor_parallel.py, not a part of this command.)
-
-This process checks the arguments against config.json (no weights read here: a size that does not
-divide the heads is named before any rank starts), then starts N ranks
-(verifier/model/parallel/launch.py). Every rank loads its part of the model and runs every check;
-each comparison's verdict is agreed across the ranks (results.agree), so every rank takes the same
-path and rank 0's report counts every rank's differences. Rank 0 prints the progress and hands the
-report back; this process prints it as a one-process run does.
+The design in full: DESIGN.md section 10, "The check on N ranks".
 """
 
 from __future__ import annotations

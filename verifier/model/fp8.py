@@ -1,19 +1,6 @@
 """Block-FP8 checkpoints (MODEL_REFERENCE.md A''): config.json's `quantization_config`, and the
 weight types that carry FP8 weights from the loader to the GEMMs.
-
-A quantized linear weight W [N, K] is stored as float8_e4m3fn beside `weight_scale_inv`, fp32
-[ceil(N / block_n), ceil(K / block_k)]; its real value is the fp8 value times its block's scale,
-formed in fp32 and cast once to the compute dtype (kernels/linear_fp8.py, `dequantize_ref`).
-- The CPU reference backend dequantizes every FP8 weight once at load: the layers then hold
-  plain tensors, bit for bit those of the same model saved with its dequantized weights.
-- On CUDA the loader keeps each linear weight as a `BlockFP8Weight` (fp8 data + fp32 block
-  scales: a decode step reads half the bytes) and `ops.linear` / `ops.routed_experts` send it to
-  the FP8 kernels, which rebuild the same real weight tile by tile.
-The layers build their fused weights with the helpers below, which accept plain tensors (where
-they do exactly what torch.cat / torch.stack / slicing did) and FP8 weights alike:
-`cat_out_features` (q | k | v, gate | up, ...), `select_rows` (a de-interleave or a split of a
-fused tensor), `stack_experts`. FP8 weights concatenate in any row layout: each row carries the
-index of its scale row (`BlockScales.scale_row`), so nothing needs a block boundary.
+The design in full: DESIGN.md section 6, "Block-FP8 checkpoints".
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
 """Reference numeric primitives, written to mirror the casts of the HF modules they stand for.
-
-Row invariance. Decode and verify compute every row as a function of that row alone, so a row
-gives the same bits whether it is decoded alone or among K others (DESIGN.md section 5). torch on
-the CPU does not promise that for batched ops: a one-row matmul takes a GEMV path and a K-row
-matmul a GEMM path with another summation order, and elementwise sigmoid / silu / softplus / exp
-run a SIMD body plus a scalar tail whose split depends on the tensor's total size, so the same
-value can round differently in a 1-row and a K-row tensor. `each_row(..., row_invariant=True)`
-therefore runs row-local work one row at a time on a fresh copy of the row: every row always
-meets the same kernels with the same shapes and bytes. Prefill uses the batched form: the
-contract is between verify and serial decode, and both run the row-invariant form.
-
-On CUDA the Triton kernels (kernels/) are row-invariant by construction (DESIGN.md section 6)
-and elementwise CUDA ops compute each element alone, so `each_row` runs all rows at once there.
-The row-local functions therefore keep every reduction inside a kernel (linear, the norms,
-l2norm) or in a fixed-order sum of columns.
-
-Weights of a block-FP8 checkpoint (fp8.py) reach `linear` and `routed_experts` as BlockFP8Weight
-on CUDA (the FP8 kernels), or already dequantized on the CPU; a BlockFP8Weight on the CPU (tests
-of the plumbing) is dequantized per call, giving the bits of the dequantized-at-load model.
+The design in full: DESIGN.md section 6, "Reference primitives".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Slot state (DESIGN.md section 4): a pool of `n_slots` sequences of up to `max_seq_len` positions,
+"""Slot state: a pool of `n_slots` sequences of up to `max_seq_len` positions,
 plus one scratch slot.
-
-Per layer (n_slots + 1 slots: the last one, `scratch_slot`, is never admitted):
-  attention / MLA: keys [n_slots + 1, max_seq_len, kv_heads, d_k], values [.., kv_heads, d_v]
-      (MLA keeps its keys and values expanded per head, so both attention kinds read the same layout)
-  GDN / KDA: conv window [n_slots + 1, conv_dim, W-1] of raw (pre-conv) inputs in the activation dtype,
-      recurrent state [n_slots + 1, heads, d_k, d_v] in fp32 always (a bf16 state breaks bit-exactness),
-      and in a write-on-accept engine's pool the rows each slot carries from its last step into its
-      next verify (CarriedRows, C = max_k + 1 rows a slot; verifier/model/rollback.py): the slot's state
-      is its recurrent state with its first SlotPool.carried[slot] carried rows applied.
-
-The scratch slot holds the padding rows of a graph bucket (verifier/model/padding.py): they write
-its KV and are never kept, so its conv window and recurrent state stay zero (a one-row verify,
-which commits its row in any other slot, leaves this one alone).
+The design in full: DESIGN.md section 4, "Slot state".
 """
 
 from __future__ import annotations

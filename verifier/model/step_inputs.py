@@ -1,18 +1,5 @@
 """A step's inputs packed in one int64 buffer, so one copy moves all of them to the device.
-
-    words [0, R)            tokens     [R] int64: per sequence its pending token, then its drafts
-    words [a1, a1 + R)      row_slots  [R] int64: the slot of every row
-    words [a2, a2 + R)      positions  [R] int64: the absolute position of every row
-    words [a3, ...) as int32:
-        [0, S)              seq_slots  [S] int32: each sequence's slot
-        [b, b + S + 1)      cu_rows    [S+1] int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
-        [c, c + S)          carried    [S] int32: rows of each sequence's last step its slot still
-                                       carries uncommitted (verifier/model/rollback.py; 0 without)
-
-Every section starts on a 16-byte boundary: Triton specialises a pointer argument on 16-byte
-alignment, so the views launch the same compiled kernels as separately allocated tensors. The
-kernels read the batch from these tensors only (no host value of the batch reaches a launch), so
-a CUDA graph captured on one buffer's views serves any batch of the same R and S.
+The design in full: DESIGN.md section 3, "Step inputs".
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """The Verifier servicer: request checks, sessions, and the hand-off of steps to the scheduler.
-
-Status codes (DESIGN.md section 8): a failed OpenSession aborts the call; in Verify, VerifyStream
-and VerifyRounds errors are per step (StepResult.status) and the call itself succeeds, so one bad
-step never fails the others. An error result's position is the session's current position, 0 when
-the server holds no such session.
-
-Stopping (verifier/server/app.py, `VerifierServer.stop`, holds the order): `begin_stop` when the
-grace period starts: the scheduler runs what is queued without gathering and runs every step
-submitted after, and each stream, once the requests it accepted are answered, reads no more and
-ends UNAVAILABLE (a drafter's next step goes to another replica). `cut` when the grace period runs
-out: every step still unanswered gets UNAVAILABLE, every OpenSession still admitting ends
-UNAVAILABLE, and later steps are refused so. The handlers that wait enter and leave `calls`
-(verifier/server/calls.py), so the server closes its port only once every call has ended: no
-call ends CANCELLED.
+The design in full: DESIGN.md section 8, "The servicer".
 """
 
 from __future__ import annotations

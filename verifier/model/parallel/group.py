@@ -1,21 +1,6 @@
 """TensorParallel: one rank's view of a tensor-parallel group and the three cross-rank operations
-the sharded model needs (DESIGN.md section 10).
-
-Bits. Every operation here keeps a row's bits a function of that row alone, and the same on every
-rank, so verify rows still equal serial decode bitwise within one parallel size:
-  sum          all_gather the ranks' partials (a copy: exact) and add them in rank order, one
-               elementwise add at a time. An all_reduce would add in an order chosen by the
-               library (NCCL: by algorithm, protocol, channels and message size, so by the row
-               count), and a reduction tree may differ between ranks. For two ranks a + b is the
-               same in either order; past two the fixed order is what makes it deterministic.
-  gather_last  all_gather along the last dim (the vocabulary-split logits, padding included): a copy, exact.
-  embed        each rank looks up the ids in its vocabulary range, zeros elsewhere, then `sum`:
-               exactly one rank holds a row's value, and v + 0 = v (a -0.0 comes back as +0.0).
-The bits do differ from one process (N = 1) and between parallel sizes: a split projection adds
-its N partial products across ranks where one process adds the whole K range in one GEMM.
-
-Shapes: `sum` takes [rows, H] (any shape, the same on every rank); `gather_last` [rows, v] ->
-[rows, N * v]; `embed` a table [cdiv(V, N), H] (this rank's rows, `vocab_rows`) and ids [rows] -> [rows, H].
+the sharded model needs.
+The design in full: DESIGN.md section 10, "The tensor-parallel group".
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """run_parallel: start N processes, one rank each, run the same function in all of them (SPMD),
 and hand back rank 0's result; a rank that fails becomes an error in the caller, never a hang.
-
-    value = run_parallel(fn, 2, *args)      # fn(parallel: TensorParallel, *args) in every rank
-
-Each rank is a fresh `spawn` process (no fork of a parent holding threads or a CUDA context): it
-joins a torch.distributed group (gloo on the CPU, NCCL for CUDA ranks, each rank then on
-cuda:rank) over a TCP rendezvous at 127.0.0.1 on a free port. `fn` and `args` must be picklable
-(a module-level function). Rank 0's return value comes back pickled by value.
-
-Failure. Every rank reports to one queue: its result or its exception (traceback included). The
-caller watches the queue and the processes: at the first report of a failure, or a process gone
-without a report (killed, crashed), it gives the ranks a second to report (so it names the cause,
-not a peer whose collective then broke), ends them all and raises ParallelError naming the rank:
-a rank that fails while loading never leaves the others waiting in a collective. The group's own
-timeout (`collective_timeout_s`) bounds a rendezvous or a collective whose peer is alive but
-stuck; `timeout_s` bounds the whole run. The ranks are daemonic processes (they end with the
-caller), so a rank cannot start processes of its own.
+The design in full: DESIGN.md section 10, "Launching ranks".
 """
 
 from __future__ import annotations
