@@ -1,27 +1,5 @@
 """Adaptive K: each sequence picks its next step's draft count from its own recent acceptance.
-
-The rule (off by default; `--adaptive-k`, or `adaptive=AdaptiveK(k_max)` in drafter.loop):
-
-1. Model each draft as accepted with one probability `a`, independently (the i.i.d. model the
-   bench draws beside its measured curves). A step with d drafts of which x were accepted is then
-   x successes and, when x < d, one failure (the draft after the accepted prefix); drafts after the
-   first failure were never judged and count for nothing.
-2. Estimate `a` from decayed counts: after each step with drafts,
-       S <- decay * S + x,    N <- decay * N + x + (1 if x < d else 0),    a = S / N,
-   the maximum-likelihood estimate of the model above with every older step's weight multiplied
-   by `decay` (0.8 by default: a step's weight halves in about three steps). Before the first
-   drafted step, and while N is 0, K is k_max: try the most the caller allows.
-3. Under that model a step of K drafts emits E[tokens] = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a)
-   (K + 1 when a = 1), and costs 1 + c*K in units of a plain decode step: c is the extra cost of one
-   verify row plus one draft (0.1 by default). Choose the K in [1, k_max] maximising
-       (1 - a^(K+1)) / (1 - a) / (1 + c*K),
-   the smallest such K on ties. K never drops below 1, so a sequence whose acceptance recovers is
-   seen to recover.
-
-Known answers with c = 0.1 and k_max = 8: a = 0 -> 1, a = 0.5 -> 2, a = 0.8 -> 6, a = 1 -> 8.
-The loop may still send fewer drafts than K (the context, the token budget or the server's max_k
-cut them, or the proposer has fewer to offer), and the server may verify fewer than were sent
-(goodput-aware K): the counts use the drafts the server verified.
+The design in full: DESIGN.md section 8, "Adaptive K".
 """
 
 from __future__ import annotations

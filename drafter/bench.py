@@ -1,35 +1,7 @@
 """The acceptance-rate bench (`python -m drafter bench`): every prompt through one verifier server,
 first by plain decoding (the reference stream and the plain tokens/s), then once per drafter and K;
 one row of figures per (drafter, K), written to DIR/results.json.
-
-Correctness comes before speed: a row whose streams differ from plain decoding is marked
-`streams_match_plain: false` and the command exits 1 (after writing the file), whatever its speed.
-One exception, by design: a sampled session whose drafter sends its probabilities (the model
-drafter's rejection mode) is verified by rejection sampling, which emits exact samples of the target
-distribution but not the plain run's tokens; such a row says `"acceptance": "rejection"`, still
-reports `streams_match_plain` (normally false) and does not fail the command. Every other row is
-`"acceptance": "exact"`: greedy or coupled, its stream must equal plain decoding token for token.
-Timing is wall-clock around each whole generation (open, steps, close); a plain run of the first
-prompt warms the server up first and is not counted.
-
-The bench measures the drafter, not the server's goodput policy: its sessions are opened with
-verify_all_drafts (proto: OpenSessionRequest), so a server that trims drafts for its other
-sessions verifies every draft of these, and the acceptance figures do not depend on what the policy
-has learnt. `allow_trimming` (`--allow-trimming`) opens them without it, to see what a served
-drafter gets. Either way the figures count verified drafts (StepResult.verified_drafts): a trimmed
-draft was never judged, so it counts neither as accepted nor as refused. results.json's
-`trimming` and the line under the table say whether trimming was on; each row's `trimmed_drafts`
-is the server's count (Stats.trimmed_drafts) over the row, so another client of the same server
-adds to it.
-
-Server drafters (`mtp`, `server-ngram`: drafter/choose.py) get the same rows: their sessions are
-opened with OpenSessionRequest.server_drafter and server_draft_k = K, the steps carry no drafts,
-and a step's drafts are again the ones the server verified (verified_drafts), so position i counts
-as drafted when verified_drafts >= i and as accepted when accepted >= i. Their drafts carry no
-probabilities (no rejection sampling), so their streams must equal plain decoding, sampled or
-not. Adaptive K has no row for them (the server's K is fixed when the session opens). A server
-drafter the served model does not offer (ModelInfo.server_drafters) is refused before anything
-runs.
+The design in full: DESIGN.md section 8, "The acceptance bench".
 """
 
 from __future__ import annotations

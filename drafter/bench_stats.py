@@ -1,18 +1,6 @@
 """The acceptance arithmetic of the bench: pure functions of what the loop records per verify step
 (drafts sent, drafts accepted), no I/O, so tests can give them synthetic streams with known answers.
-
-Definitions (DESIGN.md section 7, and the server's GetStats counters: the same figures). A step's
-drafts are those the server verified (StepResult.verified_drafts; all that were sent unless the
-server's goodput policy trimmed them: the bench asks it not to): a draft never judged counts
-neither as accepted nor as refused.
-- a step *drafted* when it had at least one draft verified; `drafts` counts those steps;
-- mean acceptance length = 1 + accepted / drafts: tokens per drafted step, the bonus counted
-  (verifier.generation.mean_acceptance_length, the one definition);
-- acceptance rate = accepted draft tokens / draft tokens verified;
-- per position i (1-based): of the steps whose draft reached position i, the fraction whose
-  accepted count reached i (so a rejection at position j counts against every position >= j that
-  was sent);
-- tokens per step = tokens the verify steps emitted / verify steps (plain steps included).
+The design in full: DESIGN.md section 8, "The acceptance bench's arithmetic".
 """
 
 from __future__ import annotations

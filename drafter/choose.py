@@ -1,19 +1,6 @@
 """Choosing a drafter from the command line: the flags every drafter command shares, and the
 proposer they name. `generate` and `bench` both call these, so a flag means the same in each.
-
-    group = parser.add_argument_group("drafting")
-    add_drafter_arguments(group)                      # --drafter ngram, --k 4
-    add_drafter_arguments(group, many=True)           # --drafter ngram,model  --k 1,2,4 (lists)
-    proposer = make_proposer(name, args, info, sampling)
-
-Server drafters: the bench also takes drafters the server runs for a session
-(OpenSessionRequest.server_drafter), under names of their own so that a row says where its drafts
-came from: `mtp` (the checkpoint's MTP head: only the server holds the target's hidden rows it
-drafts from) and `server-ngram` (the server's n-gram proposer, the same rule as `ngram` here).
-`generate` names them by their wire names instead (--server-draft mtp|ngram). Such a drafter has
-no proposer on this side (make_proposer gives None) and its drafts per step are fixed at the open.
-
-Only the model drafter needs torch; it is imported when that drafter is chosen.
+The design in full: DESIGN.md section 8, "Choosing a drafter".
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
 """Many sessions from one client, one request per round for all of them.
-
-A drafter process that serves many sequences sends ONE VerifyRequest per round carrying the step of
-every unfinished session (steps of distinct sessions, answered as one engine batch: DESIGN.md
-section 8), so its per-step gRPC and protobuf work scales with processes, not with sessions. The
-blocking fleet sends its rounds on one VerifyRounds stream (a call's setup once, not every round),
-falling back to a Verify call per round on a server without it; the asyncio fleet sends Verify calls.
-Each session is the one generation loop, drafter.loop.DraftLoop (next_step / advance); retries are
-the client's own
-(`verify` resends a step with a retryable status, alone, under its request id: drafter/retry.py).
-
-Lanes. A fleet has `lanes` places for one session each. A free lane asks the workload for a job
-(`workload.next_job(lane)`: what to open, or None: that lane is done for good). When the lane's
-generation ends (finished, failed, or cut by the job's step budget or the fleet's deadline) its
-session is closed, the workload hears `workload.ended(report)`, and the lane asks again. A failed
-open, a failed step or a proposer that raises ends that lane's generation only, never the others'.
-
-The driver is written once and does no I/O (`Fleet.decisions`, in the manner of drafter/retry.py):
-it yields what to do (OpenSessions, VerifyRound, CloseSessions) and is sent what that got.
-`run_fleet` carries it out with a blocking VerifierClient, `arun_fleet` with an AsyncVerifierClient;
-both run the opens and closes of one action concurrently.
-
-    class Workload:
-        def next_job(self, lane): return Job(16, prompt_ids=[1, 2, 3], proposer=NgramProposer(), k=4)
-        def ended(self, report): print(report.lane, report.generation.tokens, report.error)
-    fleet = run_fleet(client, Workload(), lanes=32)   # fleet.rounds: one Round per round's request
+The design in full: DESIGN.md section 8, "Many sessions from one client".
 """
 
 from __future__ import annotations

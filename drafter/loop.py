@@ -1,34 +1,5 @@
 """The generation loop every front end uses: open a session, propose drafts, verify, repeat, close.
-
-`DraftLoop` holds what the loop knows between steps (the prompt, the tokens emitted, the position)
-and decides each step's drafts; it does no I/O, so the blocking driver (`stream`, `generate`) and
-the asyncio driver (`agenerate`) are the same loop over different transports.
-
-Drafts are cut to the verifier's limits before they are sent, by the rule the in-process loop uses
-too (verifier.generation.draft_room): at most min(k, max_k), no row past the context and none past
-the token budget. Both loops return verifier.generation.Generation, so the same stream reports the
-same steps and mean acceptance length through either.
-
-Draft probabilities: a proposer with `propose_with_probs` (the model drafter) may return q
-[drafts, vocab]; the step carries them only when the session samples (temperature > 0), where the
-verifier then uses rejection sampling. A greedy step never carries them.
-Adaptive K: with `adaptive` (a drafter.adaptive.AdaptiveK), each step asks it for K (still cut as
-above) and tells it how many of the drafts were verified and accepted; without it every step asks
-for `k`.
-
-The server may verify only the first few drafts of a step (goodput-aware K; the result's
-verified_drafts). A step's drafted count is the drafts verified, so the mean acceptance length
-counts what the target saw, and adaptive K learns from what was judged.
-
-Server drafting: with `server_drafter` (one of ModelInfo.server_drafters) the session is opened
-with OpenSessionRequest.server_drafter and server_draft_k = k, and the server proposes each step's
-drafts itself; the loop sends steps without drafts and takes verified_drafts as the step's drafted
-count. The server cuts its drafts by the same draft_room rule, so a reply that verified more than
-the step had room for is refused as inconsistent. There is no proposer and no adaptive K then:
-the session's k is fixed at its open. Over the stream transport the blocking driver runs such a
-session in one Generate call: the server steps it back to back with no round trip per step and
-streams the results, which the same DraftLoop checks; the unary transport and the asyncio driver
-send its steps one by one.
+The design in full: DESIGN.md section 8, "The generation loop".
 """
 
 from __future__ import annotations

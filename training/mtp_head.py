@@ -1,23 +1,5 @@
 """A trainable MTP head in the published Qwen3.5 layout, and its unrolled forward for training.
-
-The module's parameter names are the checkpoint's with the `mtp.` prefix dropped
-(`published_tensors` adds it back), so what trains is what verifier/model/mtp.py loads:
-    pre_fc_norm_embedding, pre_fc_norm_hidden   zero-centred RMSNorms [H]
-    fc                                          Linear(2H -> H), no bias, over [normed embedding | normed hidden]
-    layers.0                                    transformers' Qwen3_5DecoderLayer of a full-attention index
-                                                (gated attention, partial rotary, dense SwiGLU MLP)
-    norm                                        the final zero-centred RMSNorm
-The embedding and the tied LM head are the frozen target's.
-
-Unrolled forward ("training-time test"): the head drafts recurrently at serving time, each draft
-fed the previous draft step's output row as its hidden. Training runs `steps` draft steps over a
-window of T positions in parallel. Step 0's row at origin q reads (the target's final-normed hidden
-at q, token q + 1) at position q and predicts token q + 2; step s's row at origin q reads (step
-s - 1's output at origin q, token q + s + 1) at position q + s and predicts token q + s + 2. Its
-attention sees what the serving-time row sees: the step-0 rows at positions <= q (the catch-up
-rows, made from the target's hidden rows) and, of each step j in 1 .. s, the row of its own origin
-(the earlier drafts of the same proposal). So the keys of step s are the K/V of steps 0 .. s
-side by side, [T * (s + 1)], under the mask [tril(T) | eye(T) | ... | eye(T)].
+The design in full: DESIGN.md section 9, "Training an MTP head".
 """
 
 from __future__ import annotations
