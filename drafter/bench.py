@@ -148,7 +148,7 @@ def run_bench(client, info: ModelInfo, prompts: list[Prompt], drafters: list[str
               progress: bool = True, allow_trimming: bool = False) -> tuple[Plain, list[Run]]:
     """Plain decoding of every prompt, then every (drafter, k) over every prompt (and, with
     `adaptive`, one adaptive-K row per drafter). Sessions ask for every draft to be verified unless
-    `allow_trimming` (see the module docstring). Raises VerifierError when the server refuses."""
+    `allow_trimming` (see DESIGN.md section 8, "The acceptance bench"). Raises VerifierError when the server refuses."""
     verify_all = not allow_trimming
     if any(k < 1 for k in ks):
         raise ValueError(f"--k values must be >= 1, got {ks}")

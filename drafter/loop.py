@@ -159,7 +159,7 @@ def stream(client, proposer: Proposer | None, *, prompt_ids: list[int] | None = 
     checks that need the server's view of the prompt (a --text prompt's length); what it raises
     closes the session and propagates. `verify_all_drafts`: the session asks the server to verify
     every draft (no goodput trimming), as measuring the drafter needs. `server_drafter`: the
-    server drafts k per step (see the module docstring); `proposer` is then None."""
+    server drafts k per step (see DESIGN.md section 8, "The generation loop"); `proposer` is then None."""
     if transport not in (STREAM, UNARY):
         raise ValueError(f"transport must be {STREAM!r} or {UNARY!r}, got {transport!r}")
     check_server_drafting(server_drafter, proposer, k, adaptive)  # before a session is opened

@@ -1,38 +1,5 @@
 """Causal attention of rows over their slot's KV cache: gated attention (GQA) and MLA (D_K != D_V).
-
-    query          [R, HQ, D_K]               fp32 or bf16
-    keys           [n_slots, L, HKV, D_K]     query's dtype; the slot KV cache, the rows' own keys
-    values         [n_slots, L, HKV, D_V]     query's dtype   already written at their positions
-    row_slots      [R] int32 or int64         slot of each row
-    row_positions  [R] int32 or int64         row i sees positions 0 .. row_positions[i] of its slot
-                                              (int64: a step's own index tensors, with no cast launched)
-    scale          float
-    out            [R, HQ, D_V]               query's dtype (returned; optional preallocated buffer)
-    gate           [R, HQ, D_V] or None       query's dtype, last dim contiguous (a strided view of
-                                              the projection is fine): out = out * sigmoid(gate),
-                                              gated attention's output gate in the same launch
-
-Query head h reads kv head h // (HQ // HKV); MLA is the case HKV = HQ with D_K != D_V.
-scores = (q . k) * scale; softmax over the visible positions in fp32; out = probs @ v.
-
-The kernel runs one program per (row, kv head): the HQ // HKV query heads of that kv head form one
-tile (padded to BLOCK_G) and walk the visible positions from 0 upward in BLOCK_N blocks with an
-online softmax (fp32 running max, running sum and rescaled accumulator). The walk depends only on
-the row's own position and no value is shared between programs, so a row gets the same bits
-whether it is decoded alone or verified among any number of other rows (DESIGN.md section 6,
-rules 1-4). The grid carries the row count; no kernel argument depends on it.
-
-Products: fp32 inputs use fp32 ieee dots (TF32 off). bf16 inputs use the tensor cores: q k^T
-is a bf16 MMA with fp32 accumulate, and the unnormalised probabilities are rounded to bf16 before
-the p v MMA, as the reference rounds its probabilities to the input dtype before that product.
-(fp32 tiles of a 256-wide head held in registers spill to local memory, and the walk then runs
-many times slower.)
-Triton's interpreter cannot run bf16 dots (it multiplies the raw bits, triton-lang/triton#11584):
-under TRITON_INTERPRET=1 the INTERPRET constexpr upcasts the bf16 tiles to fp32 (bf16 products are
-exact in fp32) and rounds the probabilities on the bits, the same values the GPU multiplies.
-
-Caller's contract, not checked (checking would read the device tensors back): 0 <= row_slots[i] <
-n_slots and 0 <= row_positions[i] < L.
+The design in full: DESIGN.md section 6, "Attention".
 """
 
 from __future__ import annotations

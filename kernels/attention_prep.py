@@ -1,35 +1,7 @@
 """Gated attention's pre-processing in one launch: per row, every query head
 normalised and rotated, every key head normalised, rotated and written to the KV cache beside its
 value head.
-
-    qkv         [n, W]   bf16 or fp32, W = H*2*hd + KV*hd + KV*hd: per query head its query (hd)
-                         then its output gate (hd), then the key heads, then the value heads (the
-                         layer's one GEMM for q_proj | k_proj | v_proj)
-    q_weight, k_weight   [hd] qkv's dtype: the zero-centred RMSNorm weights (Qwen: q_norm, k_norm)
-    cos, sin    [T, rd]  qkv's dtype: the rotary tables by position (verifier.model.ops.rope_table,
-                         rotate-half layout), row r reads row positions[r]; rd even, <= hd; rd = 0
-                         rotates nothing
-    keys, values [slots, length, KV, hd] qkv's dtype: the KV cache; row r's key and value go to
-                         (row_slots[r], positions[r])
-    row_slots, positions [n] int64
-    -> query    [n, H, hd] qkv's dtype
-Caller's contract, not checked (checking would read the device tensors back): 0 <= row_slots[r] <
-slots, 0 <= positions[r] < min(length, T).
-
-The math is the torch code it replaces (`attention_prep_ref`, what the CPU reference runs): the
-zero-centred RMSNorm of kernels/norms.py per head, cast(norm(x32) * (1 + w32)); then rotate-half
-rope on the first rd dims, each op rounded to the dtype as torch rounds it:
-    x[:rd] * cos + rotate_half(x[:rd]) * sin,  rotate_half(y) = (-y[rd/2:], y[:rd/2])
-and the dims past rd passed through. The launch replaces about thirty (two norms, the rope's
-products, negation and concatenations, two index writes, the copies of strided slices): at batch
-one they are launch-bound, and a decode step of the 2B model has six attention layers. Reading the
-rope tables by position saves the seven launches that would compute each step's rows of them.
-
-One program per (row, head), over query heads then key heads: a head's sum of squares is one
-tl.sum over one block of hd (next power of two) inside its program; the rotate-half partner of each
-element is loaded a second time in partner order and normalised with the same scalar, so it holds
-the bits the element itself gets. Block size and num_warps depend on hd alone and nothing reads
-another row, so a row gets the same bits alone or among thousands (DESIGN.md section 6).
+The design in full: DESIGN.md section 6, "Gated attention's pre-processing".
 """
 
 from __future__ import annotations
@@ -129,7 +101,7 @@ def _check(qkv, q_weight, k_weight, cos, sin, keys, values, row_slots, positions
 def attention_prep(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor,
                    positions: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """-> query [n, H, hd]; writes each row's key and value heads into keys / values (module docstring)."""
+    """-> query [n, H, hd]; writes each row's key and value heads into keys / values (DESIGN.md section 6, "Gated attention's pre-processing")."""
     _check(qkv, q_weight, k_weight, cos, sin, keys, values, row_slots, positions, n_heads, n_kv_heads, head_dim)
     n = qkv.shape[0]
     query = torch.empty((n, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -176,7 +148,7 @@ def attention_prep_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
 def project_heads_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                       sin: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GatedAttention's projection -> heads, in torch (the CPU reference backend's code): qkv [n, W]
-    as the module docstring lays it out, cos, sin [n, rd] of each row's position -> the normed and
+    as DESIGN.md section 6, "Gated attention's pre-processing" lays it out, cos, sin [n, rd] of each row's position -> the normed and
     rotated query [n, H, hd] and key [n, KV, hd], and the value [n, KV, hd]."""
     n, hd = qkv.shape[0], head_dim
     q_and_gate, key, value = qkv.split((2 * n_heads * hd, n_kv_heads * hd, n_kv_heads * hd), dim=1)

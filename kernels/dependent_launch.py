@@ -1,24 +1,5 @@
 """Programmatic dependent launch (PDL): a kernel's blocks start while the kernel before it finishes.
-
-A decode step of a small model is a few hundred short kernels in one CUDA graph, and each kernel
-boundary costs the next kernel's launch and block scheduling on top of its work. With PDL (Hopper
-and newer) a kernel launched with `launch_pdl` may be scheduled as soon as every block of the
-kernel before it has signalled (`gdc_launch_dependents`); its blocks then wait (`gdc_wait`) until
-that kernel has completed and its writes are visible. The launch overlaps the previous kernel's
-tail; nothing a kernel computes changes, so no bit does.
-
-The rule that keeps it safe: every kernel launched with PDL calls `after_previous(PDL)` before it
-touches global memory. The wait blocks until the previous grid has completed, and that grid could
-not complete before its own wait returned, so a kernel also sees the writes of every kernel before
-it, not just the last one. `launch_options` gives the kernel's PDL constexpr and the launch flag
-together, so a kernel is never launched early without its wait.
-
-Off: on the CPU (Triton's interpreter has no grid dependency control), below compute capability
-9.0, when VERIFIER_PDL=0 (A/B runs, or to rule it out when debugging), and for the launches made
-inside `suspended()`: the CUDA graphs of large buckets are captured so (verifier/model/graphs.py,
-PDL_MAX_ROWS), where their kernels run several waves and a kernel's blocks, resident early and
-waiting, slow the step (H200, 2B model, timed in turns with and without PDL; bench.gpu's `pdl`
-section times the batch-1 steps both ways).
+The design in full: DESIGN.md section 6, "Programmatic dependent launch".
 """
 
 from __future__ import annotations

@@ -4,61 +4,7 @@ write-on-accept; `keep_carry`, write-on-accept in a pool that carries its kept r
 verify, verifier/model/rollback.py; `keep_state_snapshots`, snapshot mode). Per layer each gives what its one-layer
 kin gives, bit for bit: short_conv.next_window, delta_rule.delta_rule_fold, keep_snapshots (One layer's snapshot
 copy, below).
-
-A RecurrentLayers is L alike layers (the same C, W, conv dtype, H, D_K, D_V and DECAY_K); per layer l:
-    windows[l]      [n_slots, C, W-1]       conv dtype: committed conv windows (written)
-    states[l]       [n_slots, H, D_K, D_V]  fp32: committed recurrent states (written)
-    conv_inputs[l]  [R, C]                  conv dtype: one verify's raw conv inputs
-    keys[l]         [R, H, D_K]             fp32: its write-on-accept stash (delta_rule.py)
-    values[l]       [R, H, D_V]             fp32
-    decays[l]       [R, H, DECAY_K]         fp32
-    betas[l]        [R, H]                  fp32
-    snapshots[l]    [R, H, D_K, D_V]        fp32, contiguous: snapshot mode's state after each row
-and for a launch seq_slots [S], cu_rows [S+1] (the verify's ragged batch) and kept [S] int32, the
-rows each sequence keeps (0 <= kept[s] <= its rows; 0: its slot is neither read nor written, so
-padding sequences may share one). A record's rows may be strided (a layer's conv inputs are a
-column block of its input projection's output), its other dims not: a row's channels are dense.
-
-Pointer table. A RecurrentLayers writes, once, when it is made, an int64 [L, N_FIELDS] tensor on
-the tensors' device: each layer's data_ptr()s and row strides (FIELDS names the columns). A
-program reads its layer's row and casts the addresses to typed pointers. Nothing is rebuilt per
-step where the addresses hold still: a CUDA graph bucket makes its RecurrentLayers once, after
-capturing its verify, whose replays write the same addresses, and its rollback graph reads that
-table in every replay (the table must then outlive the graph). The table is built by a host to
-device copy, so never inside a capture: a RecurrentLayers made inside one takes its table from a
-TableStore allocated before it, and writes it by `fill_table()` after the capture. The Triton interpreter (TRITON_INTERPRET=1, CPU tensors)
-runs the kernels on the host addresses.
-
-Grids: next_windows (S, L * cdiv(C, WINDOW_BLOCK_C)); fold_states (S, L * H, cdiv(D_V, BLOCK_V));
-keep_carry (S, L * cdiv(H * max(D_K, D_V), CARRY_BLOCK), carry_row_programs(S, carried rows a slot)); keep_state_snapshots (S, L * H,
-cdiv(D_K * D_V, BLOCK)). fold_states' and keep_state_snapshots' block sizes and num_warps are the
-one-layer kernels', chosen from the layer shapes alone; the copies take larger blocks (CARRY_BLOCK).
-
-Bits. fold_states runs delta_rule_fold's program on each layer: delta_rule's config for (D_K, D_V),
-its `_state_tile` and `_walk_rows`, num_stages 1, FMA contraction off. A pointer read from the table carries no alignment, as delta_rule's arguments (never
-specialised on alignment) carry none, so the compiler lays the [BLOCK_K, BLOCK_V] state tile and
-its sums over D_K out as it does there: the float instructions are delta_rule_fold's, only the
-address arithmetic differs. next_windows, keep_carry and keep_state_snapshots copy values.
-
-One layer's snapshot copy (`keep_snapshots`, `keep_snapshots_ref`), the rollback's last part kept
-here so that the rollback kernels have one module: keep_snapshots_ref is the CPU backend's op, which
-keep_state_snapshots_ref runs per layer; the one-layer Triton launch is no product path (the product
-rolls back through keep_state_snapshots), only the reference the fused launch is tested against
-(tests/kernel_tests). kernels/one_row_commit.py stays apart: its rule is the verify kernels' too
-(delta_rule.py, short_conv.py), which this module imports, so here it would close an import circle.
-Snapshot-mode rollback of one layer: each sequence's slot takes the snapshot of its last kept row.
-
-    state      [n_slots, H, D_K, D_V]  fp32: the committed recurrent state of each slot (written)
-    snapshots  [R, H, D_K, D_V]        fp32: verify's state after each row, rows stacked by sequence
-    seq_slots  [S]                     int32: each sequence's slot in the pool
-    cu_rows    [S+1]                   int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1
-    kept       [S]                     int32: 0 <= kept[s] <= rows of s
-
-state[seq_slots[s]] = snapshots[cu_rows[s] + kept[s] - 1] for every s with kept[s] > 0 and more
-than one row; a sequence with kept[s] = 0 (a padding sequence of a graph bucket,
-verifier/model/padding.py) neither reads nor writes anything, so padding sequences may share one
-slot and cost nothing; nor does one of one row, whose verify committed that row, bitwise its
-snapshot (kernels/delta_rule.py). A copy: the bits are the snapshot's.
+The design in full: DESIGN.md section 6, "The fused rollback".
 """
 
 from __future__ import annotations
@@ -306,7 +252,7 @@ def _keep_state_snapshots_kernel(table, seq_slots, cu_rows, kept, H: tl.constexp
 
 class RecurrentLayers:
     """L alike recurrent layers' committed state and one verify's record of them (shapes in the
-    module docstring), checked, with their pointer table (`table`: int64 [L, N_FIELDS] on their
+    DESIGN.md section 6, "The fused rollback"), checked, with their pointer table (`table`: int64 [L, N_FIELDS] on their
     device; None where no Triton kernel can launch: CPU tensors without the interpreter).
 
     It holds the tensors (the references read them); what the launchers read is the table alone,
@@ -375,7 +321,7 @@ class RecurrentLayers:
 
     def fill_table(self) -> None:
         """Write the pointer table: a host to device copy, so never inside a CUDA graph capture
-        (the module docstring)."""
+        (DESIGN.md section 6, "The fused rollback")."""
         rows = torch.tensor(self._host_table, dtype=torch.int64)
         if self.table is None:
             self.table = rows.to(self.states[0].device)

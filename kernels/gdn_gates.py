@@ -1,23 +1,5 @@
 """Gated DeltaNet's per-head gates: the decay and the write strength beta of every row.
-
-    b        [n, Hv]     fp32 or bf16 (the activation dtype): column slices of the input
-    a        [n, Hv]     b's dtype     projection, rows strided, features contiguous
-    A_log    [Hv]        fp32 or bf16 (the checkpoint's dtype)
-    dt_bias  [Hv]        fp32 or bf16
-    decay    [n, Hv, 1]  fp32: exp(-exp(A_log32) * softplus(a32 + dt_bias32))
-    beta     [n, Hv]     fp32: sigmoid(b) computed in fp32 and rounded to b's dtype, then widened
-
-softplus(x) is torch's (beta 1, threshold 20): x where x > 20, else log1p(exp(x)). Widening A_log,
-dt_bias and a to fp32 is exact, so these are the casts of `gdn_gates_ref`, which is GatedDeltaNet's
-code as the CPU reference backend runs it.
-
-Row invariance (DESIGN.md section 6): one program per row, every element computed alone, no
-reduction; BLOCK_H and num_warps depend on Hv alone, row strides are not specialised on (a one-row
-tensor may carry any), and fp32 contraction into FMA is off. log1p is not in Triton's interpreter,
-so the kernel uses Goldberg's form, exact where 1 + e rounds to 1 and a few ulps elsewhere:
-    log1p(e) = e * log(1 + e) / ((1 + e) - 1)
-exp and log differ in their last bits between torch, numpy (the interpreter) and the GPU, so kernel
-and reference agree within a stated tolerance, not bit for bit.
+The design in full: DESIGN.md section 6, "Gated DeltaNet's gates".
 """
 
 from __future__ import annotations

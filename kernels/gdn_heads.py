@@ -1,21 +1,6 @@
 """Gated DeltaNet's head split: the conv output of every row -> normalised queries and keys, one
 copy per value head, and the values, all fp32.
-
-    mixed  [n, 2*Hk*d_k + Hv*d_v]  fp32 or bf16: q (Hk heads) | k (Hk heads) | v (Hv heads) per row
-    q      [n, Hv, d_k]            fp32: l2norm(q32) / sqrt(d_k), key head h // r for value head h
-    k      [n, Hv, d_k]            fp32: l2norm(k32), the same repetition
-    v      [n, Hv, d_v]            fp32: v widened
-r = Hv // Hk; l2norm is kernels/norms.py's "rsqrt" form, x * rsqrt(sum(x^2) + 1e-6). `gdn_heads_ref`
-is GatedDeltaNet's code as the CPU reference backend runs it (repeat_interleave, then l2norm over
-[rows * heads, d_k], then the division by the python float sqrt(d_k), an fp32 division on the CPU).
-
-One program per (row, key head): it loads q and k of its key head once, normalises them with the
-l2norm code of kernels/norms.py (`_normalise`, the same fp32 formula and correctly rounded
-division and square root), writes each to its r value heads, and widens those heads' values.
-Row invariance (DESIGN.md section 6): a head's sum of squares is one tl.sum over one BLOCK_DK
-block inside its program; block sizes and num_warps depend on the head sizes alone, the row offset
-is the row index times the (feature-sized) row width, and mixed is made contiguous and 16-byte
-aligned (norms._aligned) so decode and verify meet one compiled variant.
+The design in full: DESIGN.md section 6, "Gated DeltaNet's head split".
 """
 
 from __future__ import annotations

@@ -1,56 +1,5 @@
 """Row-invariant skinny GEMM: every projection, MLP, expert and the LM head.
-
-    x       [M, K]  fp32 or bf16: M rows (a decode or verify batch: 1 to 64+), K input features
-    weight  [N, K]  x's dtype (nn.Linear layout, rows are output features; N up to ~152k for an LM head)
-    bias    [N]     x's dtype, or None
-    out     [M, N]  x's dtype: x @ weight^T (+ bias), accumulated in fp32, cast once; or fp32 for
-                    bf16 x: the same bf16 value widened (exact), which .float() of the bf16 output
-                    gives, without that output and the pass that converts it (an LM head's logits)
-
-Row invariance (DESIGN.md section 6): a program owns a BLOCK_M x BLOCK_N output tile and walks its
-range of K from the start upward in BLOCK_K steps, accumulating tl.dot products in one fp32
-register block (rows past M load as 0 and are never stored). The K walk (SPLIT_K, its bounds, and
-the ascending order of the 16-wide K chunks the MMAs add) is a function of (N, K, dtype) only, and
-M is not specialised on. No atomics, no autotune. fp32 dots use input_precision="ieee" (TF32 off);
-bf16 dots use the tensor-core MMA with fp32 accumulate.
-
-Tiles by row count (bf16; `tile_for_rows`). Decode and small verify batches run the pinned tile
-(BLOCK_M 16); from ROW_TILES' row counts on, wider tiles (64 or 128 rows; their features and K step
-by row count and weight class: wide, split-K or other) that put Hopper's wgmma to work and read
-each weight tile M/64 or M/128 times instead of M/16. A tile's
-shape decides which rows and features one program computes and which MMA instruction multiplies a
-16-wide K chunk (mma.sync at 16 rows, wgmma at 64 and more), not the K walk: each output element is
-still the same chunks summed in the same order. That the MMA instructions round alike is measured,
-not documented, so it is swept on the device: `python -m bench.row_invariance` (and the GPU test
-tests/kernel_tests/test_row_sweep.py) multiplies every weight shape of every published config the
-README names, and of the bench models, with every row alone against the first M rows for every
-M = 1..1024, every tile boundary and every place in a tile (its results file says which shapes and
-which device). Before a new weight shape is served on a new device, that sweep is what shows this
-path keeps its bits.
-Only operands that both arrive through memory in bf16 are known to round alike: the block-FP8
-GEMM, whose weight tile is made in registers, gave other bits at 16 rows than at 64 and keeps
-one tile (kernels/linear_fp8.py). fp32 (tests, the interpreter's reference checks) keeps one tile.
-From 128 rows the tiles load through tensor descriptors (`_linear_tma_kernel`, Hopper's TMA): the
-same K walk into the same MMAs, so the same bits (tested against the pointer loads on the GPU); a
-tensor TMA cannot address (a start or row stride not 16-byte aligned) takes the pointer loads.
-
-The range of K: the whole of K (SPLIT_K = 1: fp32 always, and bf16 weights with enough output
-tiles, such as an LM head), after which bias is added in fp32 and the tile is cast once. Narrow
-bf16 weights (few output tiles: a 2048-wide output projection gives 64 tiles for 132 SMs) take a
-fixed split of K instead: SPLIT_K programs per tile each walk their own contiguous range of K
-(boundaries fixed by K and the config alone) into an fp32 partial, and `_reduce_splits_kernel`
-adds the SPLIT_K partials in ascending order, adds the bias and casts once. DESIGN.md section 6
-rule 1 allows such a split: its boundaries and the order of the final sum depend on (N, K, dtype)
-only, never on the row count. The row-invariance tests cover both paths.
-
-Under TRITON_INTERPRET=1 (tests on the CPU) the INTERPRET constexpr replaces what the interpreter
-gets wrong; the GPU never takes those branches:
-- tl.dot is numpy's matmul, whose OpenBLAS kernels make a row's bits depend on its place in the
-  tile, and which multiplies bf16 bit patterns (triton-lang/triton#11584): the tiles are upcast
-  to fp32 (bf16 products are exact there) and multiplied by `_dot_rows_apart`, a broadcast product
-  summed over K that never mixes rows;
-- the fp32 -> bf16 cast truncates where the GPU rounds to nearest even: the output is rounded on
-  the bits first (`cast_rtne`).
+The design in full: DESIGN.md section 6, "The skinny GEMM".
 """
 
 from __future__ import annotations
@@ -388,7 +337,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if bias is not None:
         check_tensor(op, "bias", bias, (n,), x.dtype, ("x", x), layout="[N]")
     if out is not None:
-        # fp32 out for bf16 x: the bf16 products widened (the module docstring)
+        # fp32 out for bf16 x: the bf16 products widened (DESIGN.md section 6, "The skinny GEMM")
         widened = x.dtype == torch.bfloat16 and out.dtype == torch.float32
         check_tensor(op, "out", out, (x.shape[0], n), out.dtype if widened else x.dtype, ("x", x), layout="[M, N]")
         check_contiguous(op, "out", out, along="N")

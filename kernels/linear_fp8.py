@@ -1,77 +1,5 @@
 """Row-invariant W8A16 GEMM over block-FP8 weights: the projections of a block-FP8 checkpoint.
-
-    x          [M, K]    fp32 or bf16: M rows (a decode or verify batch), K input features
-    weight     [N, K]    float8_e4m3fn, contiguous along K
-    scales     BlockScales:
-      scale_inv  [S, ceil(K / block_k)]  fp32: one scale per (block of rows, block_k columns)
-      scale_row  [N]     int32: the scale_inv row of each weight row (n // block_n as published;
-                         after rows are concatenated or permuted at load, whatever row each came with)
-      block_k    int     columns per scale block
-    bias       [N]       x's dtype, or None
-    out        [M, N]    x's dtype: x @ real^T (+ bias), accumulated in fp32, cast once
-
-The real weight is real[n, k] = cast(fp32(weight[n, k]) * scale_inv[scale_row[n], k // block_k])
-with cast = to x's dtype: the fp8 value times its block's scale in fp32, rounded once to the
-activations' dtype. `dequantize_ref` computes exactly that tensor; the CPU reference backend
-dequantizes a checkpoint with it once at load, and the kernel rebuilds the same values tile by
-tile in registers, so both backends multiply by the same real weight.
-
-Why W8A16. The published format says activation_scheme "dynamic": transformers' FP8 path and
-vLLM quantize each row's activations to fp8 per 128-wide group on the fly (W8A8) and run an fp8
-MMA. That is row-invariant too (a row's groups are scaled by that row's own amax), but it
-changes the model's numbers twice (weight and activation rounding) and needs a per-row
-quantization pass before every GEMM. A decode or verify step reads every weight once for a
-handful of rows, so it is bound by the weight bytes, not by MMA throughput: halving the bytes is
-the whole gain, and it is the same in W8A16. We chose W8A16: the weight tile is dequantized in
-registers and multiplied with the bf16 (or fp32) activations as they are, so the result equals
-`linear_ref` over the dequantized weight up to the GEMM's summation order, and the CPU and GPU
-backends compute the same real weights.
-
-Row invariance. fp32 activations (and a caller's config) take one launch config per weight shape
-(`fp8_config`), the same for every row count: a BLOCK_M x BLOCK_N tile with BLOCK_M = FP8_BLOCK_M
-(64 rows: one Hopper wgmma warpgroup tile) walking its range of K upward in BLOCK_K steps into one
-fp32 register block (or kernels/linear.py's fixed split of K, reduced in ascending order); M is
-never specialised on, nor are the row-side pointers and strides (x, out) on alignment.
-The K walk is the bf16 GEMM's for the shape unless FP8_TARGET_PROGRAMS gives FP8 weights a split of
-their own, which both bf16 paths below then take (`python -m bench.fp8_walk` screens it: a split
-made one row a little faster and 64 and 576 rows slower, so none is set).
-
-bf16 activations take one of two paths by row count, both the bf16 GEMM of the real weight:
-- below DEQUANTIZED_ROWS, `_linear_fp8_rows_kernel`: out^T = real x^T, the dequantized weight tile
-  [64 features, BLOCK_K] the MMA's first operand (from registers, where it is made) and x^T
-  [BLOCK_K, 16 rows] its second, the K walk (split, BLOCK_K steps) `fp8_config`'s. One row fills a
-  16-wide operand, not a 64-row tile: a decode reads the weight at a multiple of the old speed.
-  Its tile keeps 64 weight features (or 128): with 16 or 32 the MMA's layout changes and so do
-  the bits (bench.fp8_configs --screen dense on the H100; the bf16 GEMM they must equal).
-  x reaches it contiguous and 16-byte aligned (the launcher copies it otherwise): one compiled
-  kernel for every batch, x's tiles loaded asynchronously with the weight's, and whole tiles (N a
-  multiple of 64, every K step whole: a function of the shape) load without masks.
-  At one row it is bound by its instructions, not the weight's bytes (DESIGN.md section 6, "Where
-  the FP8 step's time goes", with the measurements).
-- from DEQUANTIZED_ROWS on: `dequantize` makes the real weight once (dequantize_ref's values) and
-  kernels/linear.py's bf16 GEMM multiplies it. Many rows are MMA-bound, and that GEMM's wgmma tiles
-  outrun any tile that dequantizes in registers per row block: the few-rows kernel with 64- or
-  128-row tiles (the same bits) took 1.0-2.5x the dequantized path's time at 64 rows and 2.6-3.7x
-  at 576 on every dense shape of Qwen3.6-35B-A3B (H200: its more_rows in
-  bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_few-rows-h200.json).
-Both must equal the bf16 GEMM over dequantize_ref's weight, row by row, whatever the row count:
-what shares a row's launch, and which path it took, must not change its bits. That is measured,
-not documented (as kernels/linear.py's tiles by row count are): on the H200 a 16-row tile that
-took the weight as the MMA's *second* operand (mma.sync, the dequantized tile handed over from
-registers) gave other bits than the 64-row tile at the published widths, and `python -m verifier
-check`'s full batch saw every sequence of a 64-sequence decode change (bench/results/check_2026-12-04_*).
-tests/kernel_tests/test_linear_fp8.py holds both paths to the bf16 GEMM of the real weight, and
-`python -m bench.row_invariance` sweeps every published FP8 weight shape, each row alone against
-the first M rows for M = 1 .. 1024, across the path switch (bench/README.md: every row equal).
-A new tile or path lands only with that sweep and the full-batch gate green on the same device.
-The scales add nothing that depends on the rows: each weight element is multiplied by its one
-scale before the dot. When block_k is a multiple of BLOCK_K every K step lies in one block
-column and the scales are one [BLOCK_N] vector per step; otherwise they are gathered per element.
-Both give the same values; which one runs depends on (block_k, config) only.
-
-Under TRITON_INTERPRET=1 the same interpreter substitutions as kernels/linear.py apply (the dot
-through `_dot_rows_apart`, the bf16 cast rounded on the bits by `cast_rtne`). The interpreter
-also decodes fp8's NaN encoding (0x7f, 0xff) as 480: quantized weights never hold NaN.
+The design in full: DESIGN.md section 6, "The block-FP8 GEMM".
 """
 
 from __future__ import annotations
@@ -101,7 +29,7 @@ FP8_TARGET_PROGRAMS: int | None = None
 
 
 class BlockScales(NamedTuple):
-    """How a float8_e4m3fn weight [..., N, K] maps to its real values (see the module docstring)."""
+    """How a float8_e4m3fn weight [..., N, K] maps to its real values (DESIGN.md section 6, "The block-FP8 GEMM")."""
 
     scale_inv: torch.Tensor  # fp32 [..., S, ceil(K / block_k)]
     scale_row: torch.Tensor  # int32 [N]: the scale_inv row of each weight row
@@ -349,7 +277,7 @@ def linear_fp8(
         raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
     if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS:  # many rows: the bf16 GEMM of the real weight
         return linear(x, dequantize(weight, scales, x.dtype), bias, out, pinned=fp8_config(n, k, x.dtype), defer_split=defer_split)
-    cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: the module docstring
+    cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: DESIGN.md section 6, "The block-FP8 GEMM"
     deferred = defer_split and cfg.SPLIT_K > 1
     if out is None and not deferred:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -1,40 +1,5 @@
 """The routed experts of a MoE layer, per row, with no host synchronisation (CUDA-graph capturable).
-
-    x               [R, H]     fp32 or bf16: R rows (a decode or verify batch), H hidden features
-    expert_ids      [R, T]     int64: each row's T = top_k experts, distinct, in [0, E), any order
-    expert_weights  [R, T]     fp32: the routing weight of each (row, slot)
-    w_gate, w_up    [E, I, H]  x's dtype, contiguous: E experts, I intermediate features
-    w_down          [E, H, I]  x's dtype, contiguous
-    out             [R, H]     x's dtype, contiguous
-
-Per row r, its T (expert e, weight w) pairs visited in ASCENDING expert id order, with
-cast = to x's dtype and every dot an fp32 sum of fp32 products:
-    g = x_r . w_gate[e]^T,  u = x_r . w_up[e]^T              [I]
-    h = cast(silu(g) * u),  silu(g) = g / (1 + exp(-g))       [I]   (the hidden in x's dtype)
-    y = h . w_down[e]^T                                        [H]
-    acc_r += w * y  (fp32, in ascending expert order);   out_r = cast(acc_r)
-`moe_experts_ref` is this in torch, one row at a time (the CPU backend's bits).
-
-`moe_experts` runs it grouped by expert (kernels/moe_grouped.py): the (row, slot) pairs are
-sorted by expert on the device and each expert's weight tiles are read once per block of BLOCK_M
-pairs routed to it, not once per pair; a last kernel adds each row's experts in ascending id order.
-
-Row invariance (DESIGN.md section 6): one code path for every row count, decode included; a
-pair's dots are the same chunks in the same order with the same pinned tiles (a function of
-the weights' shapes and dtype only) whatever pairs share its block, and each row's sum over its experts is taken
-in ascending id order, so op(x[:r]) == op(x)[:r], and a row's bits depend neither on the other
-rows nor on the order its expert ids are listed in. kernels/moe_grouped.py says how.
-
-Block-FP8 experts (`moe_experts_fp8`, from an FP8 checkpoint on the GPU): the weights are
-float8_e4m3fn with kernels/linear_fp8.py's BlockScales per weight (scale_inv [E, S, ceil(K /
-block_k)], scale_row over the weight's N). Each weight tile is dequantized in registers to x's
-dtype by `dequantize_tile` (fp8 value x its block's scale in fp32, rounded once: the real weight
-`dequantize_ref` gives the CPU backend) and then goes through the same dots as above.
-
-The ids are not checked on the device (that would synchronise): an id outside [0, E) reads out of
-bounds, and a repeated id is visited once. The reference checks both. On a GPU fp32 products and
-sums may contract to FMA and tl.exp is ex2.approx-based, so kernel and reference differ there by
-a few fp32 ulps besides summation order; within one backend the bits are fixed.
+The design in full: DESIGN.md section 6, "The routed experts".
 """
 
 from __future__ import annotations
@@ -143,7 +108,7 @@ def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Ten
 
 def moe_experts_ref(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The formulas of the module docstring in torch, one row at a time, experts in ascending id
+    """The formulas of DESIGN.md section 6, "The routed experts" in torch, one row at a time, experts in ascending id
     order; fp32 products through fp32 copies. Raises ValueError on ids outside [0, E) or repeated
     in a row (the kernel does not check them)."""
     _check(x, expert_ids, expert_weights, w_gate, w_up, w_down, out)

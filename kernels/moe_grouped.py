@@ -1,56 +1,7 @@
 """The routed experts grouped by expert: each expert's weight tiles are read once per block of the
 (row, slot) pairs routed to it, for every row count (decode included). kernels/moe.py states the
 formulas and the contract and checks the arguments; this module computes them.
-
-    pairs           P = R * S: pair p = row * S + slot, one per (row, expert) of the batch
-    counts, lists   kernels/moe_route.py's Routing: pairs per expert, and each expert's pairs
-    hidden          [P, I]   x's dtype: h of each pair, by pair index (stage 1 -> stage 2)
-    expert_out      [P, H]   fp32: y of each pair, by pair index (stage 2 -> combine)
-
-Grouping, with no host synchronisation: the routing launch (kernels/moe_route.py, or
-`group_pairs` for a caller's ids) lists each expert's pairs. Expert e's pairs are cut into blocks
-of BLOCK_M from the start of its list, so it has cdiv(count_e, BLOCK_M) blocks, and the blocks of
-all experts are numbered in ascending expert order. Every program finds its block itself
-(`_expert_block`): one lane per expert reads its count, a cumulative sum of the block counts maps
-the program's block number to its expert. The grid's block axis has the static bound
-n + (P - n) // BLOCK_M, n = min(E, P) the most experts that can own pairs (each owns at most one
-partly filled block); programs past the real blocks return at once. Every shape is a function of
-R, S, H, I, E: nothing is read back to size a launch, so a CUDA graph captures it. The combine,
-the last to read the grouping, sets counts back to zero.
-
-Stage 1, `_grouped_hidden_kernel`, grid (blocks, cdiv(I, BLOCK_N)): a block's BLOCK_M pairs gather
-their rows of x (rows past the block's end load as 0 and are never stored) and multiply them by
-w_gate[e]^T and w_up[e]^T over one BLOCK_N tile of features: a K walk over H from 0 upward in
-BLOCK_K steps, tl.dot into fp32, then h = cast(silu(g) * u). Stage 2, `_grouped_down_kernel`, grid
-(blocks, cdiv(H, BLOCK_N2)): the same over I with w_down[e], y kept in fp32 and stored by pair.
-`_combine_kernel`, grid (R, cdiv(H, BLOCK_H)): per row, its S pairs' y in ascending expert id
-order (S passes, each taking the smallest id above the last), acc += w * y in fp32, one cast.
-A combine that loads a row's S outputs at once and takes each by its rank among the row's ids
-(the same fma order, so the same bits) was no faster in the engine at 1, 9, 64 or 576 rows on the
-H100: a combine is a few microseconds of latency, not of loads, and more registers cost the rest.
-
-Row invariance (DESIGN.md section 6). Which pairs share a block depends on the other rows; what a
-pair computes does not: the MMA instruction (grouped_config's BLOCK_M: mma.sync at 16 pairs a block,
-wgmma at 64), the tiles' K steps and the K walks are pinned per (H, I, dtype) (`grouped_config`), so
-a pair's dots are the same chunks in the same order in the same MMA instruction at any place in any
-block, and an MMA's output row is a function of its own input row (swept on the H200 for every
-published expert shape, bf16 and FP8, M = 1..1024 rows: `python -m bench.row_invariance`). What a
-pair computes is one for every row count, by construction; only the launch may follow the batch's
-size: up to FEW_ROWS rows and from MANY_ROWS on, block-FP8 experts of many take their own feature
-tiles, warps and stages, and from MANY_ROWS blocks of up to MMA_SYNC_ROWS pairs (`launch_for_rows`),
-which leave every output element's K chunks and their order alone. The order of an expert's list
-(handed out by atomic increments) decides only which pairs share a block, which a pair's bits do not
-depend on. Row counts are not specialised on; x is always 16-byte aligned when the kernels see it
-(`grouped_experts` copies a misaligned one), so one compiled kernel serves every batch. The sum over a row's experts is the combine's, in ascending id order: the listing
-order of a row's ids and its block-mates never reach it. Decode and verify take this one path.
-
-The dot is kernels/linear.py's `_dot_acc`: under the interpreter not tl.dot but `_dot_rows_apart`
-(tiles upcast to fp32: bf16 products are exact there), for the reasons that module gives, and the fp32 -> bf16 casts
-round on the bits (`cast_rtne`).
-
-Block-FP8 experts: with FP8 the weight tiles are float8_e4m3fn and `dequantize_tile` makes each
-the real weight in x's dtype (as `dequantize_ref` does) before the same dot; otherwise the FP8
-constexpr compiles the branch away.
+The design in full: DESIGN.md section 6, "The grouped experts".
 """
 
 from __future__ import annotations

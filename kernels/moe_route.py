@@ -1,48 +1,6 @@
 """A MoE layer's routing in one launch: router logits -> each row's experts and weights, and the
 pairs grouped by expert for kernels/moe_grouped.py.
-
-    logits    [R, L]  x's dtype (bf16: the router GEMM's output), or that GEMM's unfinished split-K
-                      sums (kernels/linear.py's SplitSums: [SPLIT_K, R, L] fp32, added here in
-                      ascending split order and rounded once, bitwise the reduce it replaces);
-                      L = E, or E + 1 when the last column is the shared expert's gate logit
-    bias      [E]     fp32: the sigmoid router's score correction (choice only), or None
-    ids       [R, S]  int64: slots 0 .. T-1 the routed experts in descending weight order (ties:
-                      the lowest id), slot T (S = T + 1) the shared expert, id E, when it is folded
-    weights   [R, S]  fp32: each slot's routing weight
-    counts    [E_all] int32: pairs per expert (E_all = E, or E + 1 with the shared expert)
-    lists     [E_all, R] int32: the first counts[e] entries of row e are the pairs (r * S + s)
-                      routed to expert e, in no fixed order
-
-Per row r, with cast = to x's dtype (Qwen3-Next / Qwen3.5 and Kimi Linear as transformers write them):
-  softmax router:  p = softmax(fp32(logits[r, :E])); the T largest; renormalised (w / sum of the T,
-                   summed left to right) when asked; weights = fp32(cast(w)).
-  sigmoid router:  s = sigmoid(fp32(logits)); the T largest of s + bias; w = s of those; renormalised
-                   (w / (sum + 1e-20)) when asked; times routed_scaling_factor; fp32.
-  shared expert, folded (its intermediate size is the routed experts'): the pair (r, E) with weight
-                   fp32(cast(sigmoid(fp32(logits[r, E])))) (Qwen's gate), or 1 (Kimi: ungated).
-The grouped experts then sum every pair's output, shared included, in ascending id order in
-fp32 and cast once (kernels/moe.py); HF rounds the routed sum and the gated shared output to
-the activation dtype before adding them, which differs only in that rounding.
-
-One warp a row: the T passes of the top-k are reductions over BLOCK_E lanes, which within one
-warp are register shuffles, not round trips through shared memory between warps (a decode's
-routing is a chain of T such passes, in the latency of every MoE layer).
-
-Row invariance: one program per row; a row's ids and weights are a function of its own logits
-(fixed reduction trees over BLOCK_E, a function of E alone). The grouping is the one place where
-rows meet: each pair takes the next free entry of its expert's list with an atomic increment, so
-the order of a list depends on which program came first. Nothing is summed through it: a pair's
-products and sums in the grouped kernels never depend on its place in a block or on its
-block-mates (kernels/moe_grouped.py), and the combine adds a row's pairs in ascending id order,
-so the bits of every row are those of the row alone, whatever the order. No torch sort, no
-torch top-k, no host synchronisation: a CUDA graph captures it.
-
-counts must be all zero before the launch; the grouped experts' last kernel (the combine) sets
-them back to zero after reading, so a layer keeps one counts buffer for every forward.
-
-`route_ref` is the CPU reference: the same formulas in torch (torch.softmax, torch.topk), ids and
-weights only (the reference experts need no grouping). exp's last bits differ between the two, so
-they agree within a tolerance, and each backend's bits are its own.
+The design in full: DESIGN.md section 6, "MoE routing".
 """
 
 from __future__ import annotations
@@ -152,7 +110,7 @@ def _route_kernel(
 def route(logits: torch.Tensor | SplitSums, n_experts: int, top_k: int, counts: torch.Tensor, *, router: str = SOFTMAX,
           renormalize: bool = True, bias: torch.Tensor | None = None, scaling: float = 1.0, shared: int = NO_SHARED,
           weight_dtype: torch.dtype = torch.bfloat16) -> Routing:
-    """Router logits [R, L] (or the router GEMM's SplitSums) -> Routing, in one launch (the module docstring).
+    """Router logits [R, L] (or the router GEMM's SplitSums) -> Routing, in one launch (DESIGN.md section 6, "MoE routing").
 
     counts: the layer's [E_all] int32 buffer, all zero (the combine leaves it so). weight_dtype:
     what the softmax router's and the shared gate's weights are rounded to (the activations'

@@ -1,33 +1,6 @@
 """Row-wise normalisations: RMSNorm (zero-centred and plain), the SiLU- and sigmoid-gated output
 RMSNorms of GDN and KDA, and the l2norm of GDN / KDA queries and keys.
-
-    x       [M, D]  fp32 or bf16 (l2norm: fp32): M rows, normalised over D (D up to 8192 and
-                    beyond). Head-wise norms pass [rows, heads, d] reshaped to [rows * heads, d].
-    gate    [M, D]  x's dtype (the gated norms only)
-    weight  [D]     x's dtype
-    out     [M, D]  x's dtype (l2norm: fp32)
-
-With norm(x32) = x32 * rsqrt(mean(x32^2) + eps) (x32 = x in fp32) and cast = to x's dtype:
-    rms_norm, zero_centred (Qwen):  cast(norm(x32) * (1 + w32))
-    rms_norm, plain (Kimi):         w * cast(norm(x32))                (the product in x's dtype)
-    silu_gated_rms_norm (GDN):      cast(cast(w * cast(norm(x32))) * silu(gate32))
-    sigmoid_gated_rms_norm (KDA):   cast(w32 * norm(x32) * sigmoid(gate32))
-    l2norm "rsqrt" (GDN):           x * rsqrt(sum(x^2) + 1e-6)
-    l2norm "div" (KDA):             x / sqrt(sum(x^2) + 1e-6)
-The `_ref` functions are these formulas in torch (what the CPU reference backend computes,
-`verifier.model.ops`); each launcher runs the same math in one Triton kernel.
-
-Row invariance (DESIGN.md section 6): one program per row. A row of up to MAX_BLOCK_D elements is
-loaded once into one BLOCK_D = next_power_of_2(D) block and its sum of squares is one tl.sum; a
-longer row is walked in N_BLOCKS blocks of MAX_BLOCK_D from column 0 upward, the squares
-accumulated per lane in fp32 and summed once after the loop, then walked again to write. BLOCK_D,
-N_BLOCKS and num_warps are functions of D alone, no row count reaches the kernel, and every
-pointer arrives 16-byte aligned (Triton specialises on that), so a row meets the same instructions
-in the same order whether it is normalised alone or among thousands.
-The math is fp32 with the casts exactly where the reference casts. Division, square root and
-rsqrt use the correctly rounded forms (div_rn, sqrt_rn, 1 / sqrt as the CPU computes rsqrt), and
-contraction is off (no product fused into a sum), so on a GPU the kernel differs from the reference
-only by the sum's association and exp's rounding.
+The design in full: DESIGN.md section 6, "Norms".
 """
 
 from __future__ import annotations

@@ -1,57 +1,5 @@
 """Choosing tokens on the device: greedy argmax and coupled sampling, one program per row.
-
-    logits          [R, V]  fp32 or bf16: R verify rows (any row stride), V the vocabulary
-    temperature     [R]     fp32, > 0: each row's sampling temperature T
-    seeds           [R]     int64: each row's seed (the bits of a uint64 seed, two's complement)
-    positions       [R]     int64: where each row's chosen token will sit
-    keep_threshold  [R]     fp32 or None: the smallest scaled logit (logits / T) the row's top-k /
-                            top-p mask keeps; None keeps every id
-    out             [R]     int64: the chosen id of each row
-
-argmax_rows: the id of each row's largest logit (greedy). The engine accepts greedy drafts by
-comparing them with each row's argmax, and copying K+1 rows of a 150k vocabulary to the host for
-that (5.5 MB at K = 8) costs more than the rest of the step's host work. A maximum is exact
-whatever the order, so the answer equals torch.argmax's; NaN counts as larger than every number
-(as in torch) and the first NaN wins.
-It runs in two stages, because one program walking a whole 150k row is latency-bound: a row per
-program puts one row on one SM and 64 rows on 64 SMs, fewer than the H200's 132, so the read never
-reaches the device's bandwidth; chunks of CHUNK_V ids spread every row over many SMs (the argmax
-kernels' GPU time is in `python -m bench.gpu`'s kernel breakdown):
-    stage one, grid (R, C): program (r, c) takes ids [c * CHUNK_V, (c + 1) * CHUNK_V) of row r and
-        writes the chunk's best (its first NaN, else its maximum and the lowest id reaching it)
-        to partials [R, C] fp32 (NaN for a chunk holding one) and [R, C] int32 ids
-    stage two, grid (R,): program r combines its row's C partials: the lowest NaN id if any
-        chunk had one, else the largest value and the lowest id among the chunks reaching it.
-Chunk boundaries depend on V alone (C = cdiv(V, CHUNK_V)), and a maximum with ties to the lowest
-id is the same whatever order the candidates meet in, so a row's answer is exact and never depends
-on how many rows share the launch (DESIGN.md section 6, rules 1 and 8).
-
-coupled_choice: argmax over the kept ids of logits / T + g(seed, position, id) (DESIGN.md
-section 7), g a Gumbel value from a counter-based hash, so any row's noise is computed where it
-is used, from (seed, position, id) alone, without a generator or a host copy:
-    key(seed, position)      = splitmix64(splitmix64(seed) ^ position)
-    bits(seed, position, id) = splitmix64(key + id * GAMMA)   (the SplitMix64 stream seeded by key)
-    u = ((bits >> 41) + 0.5) * 2^-23                            (top 23 bits: 2^-24 <= u <= 1 - 2^-24)
-    g = -log(-log(u))
-23 bits, not 24: b + 0.5 must fit fp32's 24-bit significand, else the top b rounds u up to 1
-(g = +inf); with 23, u is exact, never 0 or 1, and g lies in [-2.8, 16.6].
-An id is kept when logits / T >= keep_threshold (NaN never is); among kept ids ties go to the
-lowest id; a row whose kept scores are all -inf answers its first id, as torch.argmax does. The
-kernel and the reference compute the same u bit for bit and logits / T correctly rounded on both
-(so the same ids are masked); g differs only by the logarithm's rounding (a few ulps), so the
-chosen ids agree except where two candidates' scores lie within that rounding.
-
-Both kernels walk their ids (argmax: a chunk; coupled_choice: the whole row) in BLOCK_V blocks
-upward, keeping per lane the best value and the first id holding it, then reduce the lanes with
-ties to the lowest id (DESIGN.md section 6, rule 8): a row's answer never depends on how many rows
-share the launch.
-
-cumsum_rows: each row's running sum (top-p's mass before each id, verifier.sampling). torch's CUDA
-cumsum is not row-invariant: a lone row takes a device-wide scan (whose float association also
-depends on the timing of its look-back), and a batch splits each row among threads by the row
-count; on the H200 the same row summed alone and in a batch differs in its last bits. Here one
-program walks its row in BLOCK_V blocks from id 0 upward: a block's scan (tl.cumsum, a fixed
-tree) plus the running total carried from the last element of the previous block's scan.
+The design in full: DESIGN.md section 6, "Choosing tokens on the device".
 """
 
 from __future__ import annotations

@@ -1,50 +1,5 @@
 """The short causal conv of GDN and KDA over a ragged batch, and its window update (rollback, commit).
-
-    window     [n_slots, C, W-1]  inputs' dtype: per slot, the raw inputs before the slot's next row
-    inputs     [R, C]             fp32 or bf16: raw conv inputs, the rows of all sequences stacked;
-                                  each row's channels dense, rows at any stride (a column slice of
-                                  the layer's input projection is read in place, not copied)
-    weight     [C, W]             inputs' dtype: depthwise taps, weight[:, W-1] multiplies the current row
-    seq_slots  [S]                int32: each sequence's slot in the pool (distinct slots, but
-                                  padding sequences with no rows / nothing consumed may share one)
-    cu_rows    [S+1]              int32: sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1; cu_rows[0] = 0
-    consumed   [S]                int32: next_window only, 0 <= consumed[s] <= rows of s
-    out        [R, C]             inputs' dtype
-
-conv_rows: row t of sequence s (seq = window[slot] as rows, then the sequence's inputs):
-    out = silu(sum_{j=0..W-1} weight[:, j] * seq[t + j])
-with the sum taken left to right (j = 0 first), every product and partial sum rounded to the
-inputs' dtype, then SiLU computed in fp32 and rounded once: what `causal_conv_row` computes with
-torch's elementwise ops (each op on bf16 runs in fp32 and rounds to bf16). It writes the window
-of one kind of sequence only: one of exactly one row (a decode) commits that row, outside the
-scratch slot (kernels/one_row_commit.py); a sequence of more rows only reads it. Rows outside
-[0, cu_rows[S]) are not written.
-
-next_window: window[slot] = the last W-1 of (window[slot] ++ the first consumed[s] input rows of s),
-in place: rollback to the accepted prefix, and prefill's commit with consumed = all rows.
-consumed[s] = 0 leaves the window alone (it is not even rewritten): graph buckets pad a step with
-sequences that keep nothing (verifier/model/padding.py); so does a sequence of one row, which
-conv_rows committed. conv_rows walks no row of a sequence with none, so padding sequences cost a
-program (one a run) that loads two ints.
-
-Row invariance: one program per (sequence, channel block, run) walks a run of the sequence's rows
-in order (its rows split into `runs` equal runs), holding the W-1 inputs before the current row in
-registers (W <= MAX_WIDTH; a run starts from the W-1 before it, loaded from the window or the
-inputs), so each input row is read once by the run it is in and row t + 1 is loaded while row t
-is computed; every element is computed on its own from the same loaded values, its W taps
-combined in the same order whatever the number of rows or runs. (The kernel before this one
-took a verify's rows in 16-row tiles and read every input row once per tap, W reads where one
-suffices, and its verify of 64 sequences was bound by L1 traffic; `python -m bench.gpu` times the
-steps this kernel is part of.) fp32 contraction into FMA is turned off
-(enable_fp_fusion=False) so the GPU rounds the product and the sum separately, as torch does. The
-bf16 rounding (`_round_to`) is the GPU's fp32 -> bf16 cast, which rounds to nearest even; under the
-interpreter, which truncates on that cast, it is done with integer ops first (`rounding.cast_rtne`),
-which give the same bf16 value.
-
-The SiLU is x / (1 + exp(-x)) in fp32, as torch computes it; exp differs by an ulp or so between
-torch (CPU SIMD or scalar), numpy (the interpreter) and the GPU, so outputs match the reference
-exactly where SiLU saturates (x > ~17: SiLU(x) = x in fp32) and within a few fp32 ulps (one bf16
-ulp after rounding) elsewhere. Within one backend the bits never depend on the batch.
+The design in full: DESIGN.md section 6, "The short conv".
 """
 
 from __future__ import annotations
@@ -86,7 +41,7 @@ def conv_runs(rows: int, sequences: int, channels: int) -> int:
     """Runs a sequence of conv_rows' grid for a batch of `rows` rows in `sequences` sequences of
     `channels` channels (graph buckets: their shape): at most the mean rows a sequence and
     CONV_MAX_RUNS, and no more than keep the grid near CONV_TARGET_PROGRAMS. Which program
-    computes a row never changes its bits (module docstring)."""
+    computes a row never changes its bits (DESIGN.md section 6, "The short conv")."""
     programs = max(1, sequences) * triton.cdiv(channels, _conv_block_c(channels))
     return max(1, min(CONV_MAX_RUNS, triton.cdiv(rows, max(1, sequences)), CONV_TARGET_PROGRAMS // programs))
 

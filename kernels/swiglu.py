@@ -1,19 +1,5 @@
 """The dense MLP's SwiGLU: silu(gate) * up, from the fused gate | up projection.
-
-    gate_up  [n, 2I]  fp32 or bf16: gate (columns 0 .. I-1) then up (I .. 2I-1), as DenseMLP's
-                      fused weight produces it; rows may be strided, features contiguous
-    out      [n, I]   gate_up's dtype, contiguous
-
-With cast = to gate_up's dtype (torch computes each bf16 elementwise op in fp32 and rounds once):
-    out = cast(cast(silu(gate32)) * up32),  silu(g) = g / (1 + exp(-g))
-The `_ref` is exactly that in torch (F.silu(gate) * up): what the CPU reference backend computes.
-
-Row invariance (DESIGN.md section 6): one program per (row, block of BLOCK_I columns); every
-element is computed alone, nothing is reduced. BLOCK_I and num_warps depend on I alone, the row
-stride is not specialised on (a one-row tensor may carry any row stride), and fp32 contraction
-into FMA is off, so a row's bits never depend on how many rows share the launch. exp's last bits
-differ between torch, numpy (the interpreter) and the GPU, so kernel and reference agree within a
-stated tolerance, not bit for bit.
+The design in full: DESIGN.md section 6, "SwiGLU".
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class TrainableMTP(nn.Module):
     def unrolled(self, target, tokens: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """tokens [B, T] int64 (a window), hidden [B, T, H] the target's final-normed rows of it.
         Returns each step's final-normed output [B, T, H]: step s's row q (valid for q + s + 1 < T)
-        predicts token q + s + 2 through the LM head (module docstring)."""
+        predicts token q + s + 2 through the LM head (DESIGN.md section 9, "Training an MTP head")."""
         B, T = tokens.shape
         embed = target.get_input_embeddings()
         rotary = target.model.rotary_emb

@@ -170,7 +170,7 @@ class GraphedSteps:
             inputs.copy_(host, non_blocking=True)  # captured: the replay reads the pinned buffer
             self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, mode=mode, record=record,
                                logits_out=logits_out, hidden_out=hidden_out)
-            argmax_rows(logits_out, out=ids_out)  # greedy choices (module docstring: Greedy ids)
+            argmax_rows(logits_out, out=ids_out)  # greedy choices (DESIGN.md section 6, "CUDA graph buckets": greedy ids)
             host_ids.copy_(ids_out, non_blocking=True)
 
         verify_graph = self._capture(verify_step)

@@ -88,7 +88,7 @@ class MTPHead:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool,
                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [rows] int64, hidden [rows, H] (module docstring) -> (out [rows, H], the final-normed
+        """tokens [rows] int64, hidden [rows, H] (DESIGN.md section 9, "The MTP head") -> (out [rows, H], the final-normed
         hidden a further step feeds back; logits [rows, vocab] fp32). Runs MTP layer step % n_layers
         and writes each row's K/V at its position in its slot of that layer's pool."""
         check_rows(tokens, batch, pool.max_seq_len, self.vocab_size)

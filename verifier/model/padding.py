@@ -39,7 +39,7 @@ def check_graph_rows(graph_rows: tuple[int, ...], max_seq_len: int) -> tuple[int
 
 
 def bucket_shapes(graph_rows: tuple[int, ...], n_slots: int) -> list[BucketShape]:
-    """One shape per bucket: S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) (module docstring)."""
+    """One shape per bucket: S_b = min(R_b, n_slots + ceil(R_b / PAD_CHUNK)) (DESIGN.md section 6, "Padding to a bucket")."""
     return [BucketShape(rows, min(rows, n_slots - (-rows // PAD_CHUNK))) for rows in graph_rows]
 
 
@@ -66,7 +66,7 @@ def bucket_for(shapes: list[BucketShape], batch: RowBatch) -> BucketShape | None
     fits; None past the largest. One rule for every step: a step of one sequence of R rows fits its
     exact one-sequence bucket (R, 1) first, where there is one (nothing to pad), and any other step
     the smallest shared bucket of at least its rows (a shared bucket always holds a step of its rows
-    or fewer: the module docstring's S_b; a one-sequence bucket never holds two sequences, nor one
+    or fewer: DESIGN.md section 6, "Padding to a bucket": S_b; a one-sequence bucket never holds two sequences, nor one
     with padding)."""
     n_rows, n_seqs = batch.n_rows, len(batch.slots)
     for shape in shapes:  # fits(shape, batch), its counts summed once (a step's critical path)
@@ -85,7 +85,7 @@ def capture_batch(shape: BucketShape, scratch_slot: int) -> RowBatch:
 
 
 def pad_batch(batch: RowBatch, shape: BucketShape, scratch_slot: int) -> RowBatch:
-    """`batch` followed by its padding sequences (module docstring), a RowBatch of exactly
+    """`batch` followed by its padding sequences (DESIGN.md section 6, "Padding to a bucket"), a RowBatch of exactly
     shape.rows rows in shape.sequences sequences: `batch` itself when it fits the shape already
     (no batch to build on a step's critical path; a batch's scratch_slot only exempts its padding
     sequences from RowBatch's checks, and it has none)."""

@@ -21,7 +21,7 @@ from .step_inputs import StepInputs
 
 
 class Step:
-    """One verify of a ragged batch and its rollback (module docstring). Made by StepRunner.step."""
+    """One verify of a ragged batch and its rollback (DESIGN.md section 6, "The engine step"). Made by StepRunner.step."""
 
     def __init__(self, runner: StepRunner, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, rows: RowBatch,
                  mode: str, shape: BucketShape | None):

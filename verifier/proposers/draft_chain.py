@@ -15,7 +15,7 @@ from ..model.step import FixedStep, StepGraph
 from ..params import SamplingParams
 from ..sampling import keep_threshold, mask_limits, masks_on, seed_as_int64
 
-# How a proposal first brings the slot to its context (module docstring, "Catching up").
+# How a proposal first brings the slot to its context (DESIGN.md section 9, "The model drafter's chain": catching up).
 NONE, BONUS, TWO, RESTORE_BONUS = "none", "bonus", "two", "restore_bonus"
 CATCH_UP_TOKENS = {NONE: 0, BONUS: 1, TWO: 2, RESTORE_BONUS: 1}
 
@@ -118,7 +118,8 @@ class DraftChain:
         catch_up NONE: `logits` [vocab] predicts the token at `start`, which the slot has consumed
         up to. Otherwise (logits None) the replay first consumes `new_tokens` at start -
         len(new_tokens) .. start - 1, after restoring boundary `restore` of the last proposal for
-        RESTORE_BONUS (module docstring). The slot ends with drafts[0 .. k-2] consumed."""
+        RESTORE_BONUS (DESIGN.md section 9, "The model
+drafter's chain"). The slot ends with drafts[0 .. k-2] consumed."""
         assert 1 <= k <= self.max_k, f"a chain of {k} drafts; chains hold 1 .. {self.max_k}"
         assert start + k - 1 <= self.pool.max_seq_len, f"drafts consumed up to position {start + k - 2}, past the slot"
         assert catch_up in self.catch_ups and len(new_tokens) == CATCH_UP_TOKENS[catch_up], (catch_up, new_tokens)
@@ -145,7 +146,8 @@ class DraftChain:
         return self._host_drafts[:k].tolist()
 
     def _catch_up(self, kind: str, catch_start: int) -> None:
-        """The slot brought to the proposal's context (module docstring); the running logits then
+        """The slot brought to the proposal's context (DESIGN.md section 9, "The model
+drafter's chain"); the running logits then
         predict the first draft. `catch_start` on the host, for the step's host fields (as `_run`'s start)."""
         if kind == NONE:
             return
@@ -163,7 +165,8 @@ class DraftChain:
         self._logits[0].copy_(self._caught_logits[n - 1])
 
     def _run(self, k: int, step: FixedStep, kept: torch.Tensor, start: int) -> None:
-        """The chain's body (module docstring) through `step` (a one-row consume of the chain's
+        """The chain's body (DESIGN.md section 9, "The model
+drafter's chain") through `step` (a one-row consume of the chain's
         slot, or of the scratch slot in the warm-up run), each consume keeping kept [1] rows.
         `start` is p on the host, for the host fields of the one-row batches (the CPU reference's
         attention reads them; kernels read only the device tensors, so a capture passes any value)."""

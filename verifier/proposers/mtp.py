@@ -140,7 +140,7 @@ class MTPDrafter:
     # -- proposing -----------------------------------------------------------------------------
 
     def propose(self, asks: list[MTPAsk]) -> list[Drafted | Exception]:
-        """Each ask's drafts (and q in rejection mode), proposed together (module docstring), or
+        """Each ask's drafts (and q in rejection mode), proposed together (DESIGN.md section 9, "MTP drafting"), or
         the exception that ask alone raised: a wrong ask, or a forward that failed for it."""
         out: list[Drafted | Exception] = [([], None) for _ in asks]
         drafting = []  # indices of the asks that draft
@@ -265,7 +265,7 @@ class MTPDrafter:
     def _choose(logits: torch.Tensor, asks: list[MTPAsk], positions: list[int], drafts: list[list[int]],
                 probs: list[list[np.ndarray]]) -> None:
         """Append each sequence's draft, chosen from its logits row [S, vocab] for the token at
-        positions[s] (module docstring), to drafts[s], and its q row to probs[s] in rejection mode."""
+        positions[s] (DESIGN.md section 9, "MTP drafting"), to drafts[s], and its q row to probs[s] in rejection mode."""
         # greedy rows, and coupled rows on the GPU, are chosen where the logits are (one copy of S ids)
         chosen = pick(argmax_rows, argmax_rows_ref, logits)(logits)  # [S] int64: each row's argmax
         coupled = [s for s, ask in enumerate(asks) if not ask.params.greedy and ask.mode == COUPLED]
@@ -346,7 +346,7 @@ class MTPProposer:
         return MTPAsk(self._track(), context, k, self.params, self.seed, self.mode, self.chain)
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        """Up to k drafts for the positions after context (module docstring)."""
+        """Up to k drafts for the positions after context (DESIGN.md section 9, "MTP drafting")."""
         return self.propose_with_probs(context, k)[0]
 
     def propose_with_probs(self, context: list[int], k: int) -> Drafted:

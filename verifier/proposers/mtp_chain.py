@@ -88,7 +88,7 @@ class MTPChain:
         return graph
 
     def _body(self, start: int, c: int, k: int) -> None:
-        """The proposal (module docstring). `start` feeds the batches' host fields only (the CPU
+        """The proposal (DESIGN.md section 9, "The MTP chain"). `start` feeds the batches' host fields only (the CPU
         reference's attention reads them; kernels read the device tensors, so a capture may pass
         any value)."""
         head, pool, slot = self.head, self.pool, self.slot

@@ -68,7 +68,7 @@ class ServerDrafter:
 def propose_all(drafters: list[ServerDrafter], seqs: list[Sequence], engine: Engine) -> list[list[int] | Exception]:
     """On the worker: the next drafts of each session (drafters[i] proposing for seqs[i]), or the
     exception its proposal raised (which fails that step alone). The n-gram sessions propose one
-    by one; the MTP sessions together, through their shared MTPDrafter (module docstring)."""
+    by one; the MTP sessions together, through their shared MTPDrafter (DESIGN.md section 9, "Server-side drafters")."""
     out: list[list[int] | Exception] = [[] for _ in drafters]
     asks: dict[int, tuple[MTPDrafter, MTPAsk]] = {}  # session index -> (its MTPDrafter, its ask)
     for i, (drafter, seq) in enumerate(zip(drafters, seqs)):

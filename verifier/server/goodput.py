@@ -53,7 +53,7 @@ def per_row_capped(costs: np.ndarray, first: int) -> np.ndarray:
     charged no more per row than the cheapest per row of the steps from `first` rows up to it,
     model(R) = R * min_{first <= r <= R} cost(r) / r, and the measured cost itself, bit for bit,
     where that minimum is its own (so a flat bucket's equal costs stay equal). Never smaller for
-    more rows when the costs are not (see the module docstring)."""
+    more rows when the costs are not (see DESIGN.md section 9, "Goodput-aware K")."""
     rows = np.arange(first, first + len(costs))
     per_row = costs / rows
     least = np.minimum.accumulate(per_row)
@@ -236,7 +236,7 @@ class GoodputPolicy:
     (oracle drafts at 0.9x untrimmed on the 2B model, H200).
 
     `relax` (per batch) discounts evidence by its age, `probe_share` is what probing may cost (a
-    share of the steps, see the module docstring). The sessions' decayed counts are rows of one
+    share of the steps, see DESIGN.md section 9, "Goodput-aware K"). The sessions' decayed counts are rows of one
     [2, sessions, max_k] array, drafted and accepted (a batch's rates and updates are a few array
     operations, one gather and one scatter of both counts, not a Python loop per session and
     position: the policy ran ~1 ms per batch of 64 on the H200's host); the server-wide counts are

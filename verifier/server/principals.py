@@ -65,7 +65,7 @@ def load_tokens(auth_token: str | None, tokens_file: Path | None, environ=os.env
 
 
 class Principals:
-    """The call -> principal map of a server (see the module docstring)."""
+    """The call -> principal map of a server (see DESIGN.md section 8, "Principals")."""
 
     def __init__(self, tokens: dict[str, str], client_certificates: bool = False):
         self._tokens = [(f"Bearer {token}".encode(), name) for token, name in tokens.items()]

@@ -241,7 +241,7 @@ class Scheduler:
         return max(self.max_wait_s, min(MAX_GATHER_S, GATHER_MARGIN * self._round_trip_s, self._last_step_s))
 
     async def _gather(self) -> bool:
-        """Wait up to the gather window for the awaited sessions (see the module docstring); whether
+        """Wait up to the gather window for the awaited sessions (see DESIGN.md section 9, "The scheduler"); whether
         they all came."""
         loop = asyncio.get_running_loop()
         window = self.gather_window_s()
@@ -323,7 +323,7 @@ class Scheduler:
                                 f"the session is at position {position} (Status.current_position)", position)
         if self.policy is not None:
             # the engine's state check on the drafts as sent, before the policy trims them (the
-            # engine checks again, inside the step, what it runs): see the module docstring
+            # engine checks again, inside the step, what it runs): see DESIGN.md section 9, "The scheduler"
             try:
                 self.engine.check(StepRequest(session.sequence, pending.drafts, pending.draft_probs, want_logits=False))
             except StepError as err:
@@ -360,7 +360,7 @@ class Scheduler:
             self.policy.observe_batch(ids, sent, verified, accepted)
 
     async def _draft(self, batch: list[PendingStep]) -> dict[PendingStep, rpc.StepResult]:
-        """Fill the drafts of the batch's server-drafted steps (module docstring): proposed on the
+        """Fill the drafts of the batch's server-drafted steps (DESIGN.md section 9, "The scheduler"): proposed on the
         worker for steps that may run, an empty list for the others (their checks answer them). A
         proposer that fails fails its own step INTERNAL, never the batch's others: -> {step: its
         error result}, for _run to deliver."""

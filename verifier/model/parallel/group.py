@@ -56,7 +56,7 @@ class TensorParallel:
         return parts
 
     def sum(self, x: torch.Tensor | SplitSums) -> torch.Tensor:
-        """The ranks' partials added in rank order: ((x_0 + x_1) + x_2) + ... (module docstring).
+        """The ranks' partials added in rank order: ((x_0 + x_1) + x_2) + ... (DESIGN.md section 10, "The tensor-parallel group").
         A split-K product still owed its reduce (CUDA's into_add_norm hand-over) is finished first."""
         if isinstance(x, SplitSums):
             x = x.finish()

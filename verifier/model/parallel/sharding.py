@@ -19,7 +19,7 @@ from .group import TensorParallel, split_evenly
 
 def local_config(config: ModelConfig, size: int) -> ModelConfig:
     """The config one rank of `size` computes: heads and intermediate sizes divided by size (the
-    vocabulary whole: its rows are padded to a multiple of size, see the module docstring);
+    vocabulary whole: its rows are padded to a multiple of size, see DESIGN.md section 10, "Sharding");
     ValueError naming the field that does not divide."""
 
     def part(n: int, what: str) -> int:
