@@ -1,29 +1,6 @@
 """Candidate launch configs of the grouped FP8 experts and of the few-rows FP8 GEMM at a published
 MoE's shapes, timed against the pinned ones as the engine runs them.
-
-    PYTHONPATH=. python -m bench.fp8_configs --out DIR [--config Qwen3.6-35B-A3B] [--rows 1,9,64,576] [--screen rows|dense]
-    PYTHONPATH=. python -m bench.fp8_real_size --out DIR --candidates DIR/fp8_configs_<date>_<config>.json
-
-Row invariance holds for any one config that runs every row count (kernels/moe_grouped.py), so an
-experts config may be picked for speed alone; each candidate is still checked (row 0 alone equals
-row 0 among M rows, torch.equal) before it is timed. The few-rows FP8 kernel must give the bf16
-GEMM's bits over the dequantized weight (kernels/linear_fp8.py): each launch candidate (weight
-features a tile, warps, stages; never its K walk) is checked against
-that GEMM at every timed row count first.
-
-The experts' launches that follow the row count (kernels/moe_grouped.py's `launch_for_rows`: feature
-tiles, warps, stages; from MANY_ROWS on also 32-pair blocks) are screened at the row counts of their
-tier (up to FEW_ROWS; from MANY_ROWS), each candidate first held to the pinned launch's bits
-(torch.equal of every row); the fastest per stage (few rows) or the fastest whole (many rows) is
-recorded as few_rows.launch / many_rows.launch.
-
-Timing as in a step: LAYERS distinct weight stacks (more bytes than the L2 holds) in one CUDA graph,
-the experts with their routing launch per layer, replayed; ms per layer (experts) or per call
-(dense). A candidate that changes one expert stage leaves the other pinned, so differences are that
-stage's. The winners (per expert shape, and one few-rows launch for every dense shape) are judged
-in the engine before they are pinned: `bench.fp8_real_size --candidates` runs them in place of the
-pinned configs (bench/kernel_candidates.py). Writes DIR/fp8_configs_<date>_<config>.json, after
-every shape.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.fp8_configs`.
 """
 
 from __future__ import annotations

@@ -1,48 +1,6 @@
 """Real size in block FP8 on one device: a published Qwen3.5-MoE config at full size, written as
 its published -FP8 checkpoint with random weights, served through the normal loader, gated, timed.
-
-    PYTHONPATH=. python -m bench.fp8_real_size --out DIR [--config qwen3.6-35b-a3b] [--workdir PATH]
-        [--steps N] [--scale full|tiny] [--experts per-expert|fused] [--no-mtp] [--keep]
-
-Phases, each timed on stderr:
-1. write: config.json is the published one (presets/published.py holds it; `--scale
-   tiny` shrinks its sizes, every field kept) plus quantization_config {fp8, e4m3, dynamic,
-   [128, 128], KEPT_MODULES}. Tensors as published, under `model.language_model.`: the linears in
-   float8_e4m3fn beside fp32 `*_scale_inv`, experts per expert (`mlp.experts.{e}.gate_proj.weight`,
-   the published layout) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]);
-   embeddings, norms, lm_head, routers, shared_expert_gate, in_proj_a/b, conv1d, dt_bias in bf16,
-   A_log in fp32. The MTP head as published (unless --no-mtp; verifier/model/mtp.py lists its
-   tensors): mtp.fc, its norms and one full-attention layer with the main layers' sparse MLP, stored
-   as theirs (FP8 but the router and shared_expert_gate; mtp.fc kept in bf16). No vision tower.
-   Shards of --shard-gb, written by one saver thread while the next shard is drawn: host memory
-   holds about two shards.
-2. load: verifier.model.load_model(dir, device, dtype), as a user serves it.
-3. gate: a prefill's logits are finite and not all equal; bench/gpu.py's bitexact_rows (36 verify
-   rows bitwise equal to serial decode); and the full batch (`python -m verifier check`'s
-   full_batch_vs_alone): 64 sequences of different prompts and lengths stepped together, a step of
-   decodes, one of K = 8 verifies and mixed K after, every logit row and layer state bitwise equal
-   to each sequence's step alone. Red: no timings, exit status 1.
-4. time (CUDA only): HBM floor (decode_bytes over the measured copy bandwidth), decode and K = 8
-   verify at batch 1 and 64 (engine steps replaying one CUDA graph bucket per shape), peak memory.
-5. own floors: each timed figure's steps replayed in an eager engine (the same prompts and drafts;
-   greedy and bitwise equal to the graphed steps, so the same rows route to the same experts), the
-   routers hooked: `step_floors[figure]` is the step's own floor (bench/step_floor.py: the weights
-   its rows route to, the dense weights, recurrent states, stash and KV), `floor_ms` (CUDA) and
-   `ratio` (the figure over it); on CUDA `kernel_breakdowns[figure]`, the kernels of the figure's
-   last step by GPU time (bench.gpu.kernel_table). The CPU reference counts the bytes, untimed.
-6. MTP draft (with the head; after every figure above, so loading it changes none of them):
-   bench/fp8_mtp.py's mtp_draft, the cost of drafting K = 1..4 tokens at batch 1 (a catch-up forward
-   over 2 rows, then K - 1 one-row forwards, each with the full LM head), median ms (CUDA), against
-   its own floor (bench/step_floor.py's draft_bytes) and a decode step; `mtp_draft`.
-Writes DIR/fp8_real_size_<date>_<config>[_fused].json; deletes the checkpoint unless --keep.
-
-Random weights are drawn in the stored form, on the GPU when there is one: fp8 values N(0, 112^2)
-clamped to +-448 (four standard deviations fit e4m3's range), and per 128 x 128 block a scale of
-std / 112 times a factor in [1/2, 2], so real weights have the init std and every block its own
-scale (quantizing a drawn bf16 weight gives the same kind of tensor for twice the work). Init stds
-follow verifier/model/random_checkpoint.py: 1 / sqrt(fan_in) for linears, 1 for the embedding.
-Every tensor has its own generator seeded by (seed, name): the same seed writes the same bytes on
-one kind of device.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.fp8_real_size`.
 """
 
 from __future__ import annotations

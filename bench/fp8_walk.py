@@ -1,25 +1,6 @@
 """The FP8 projections' K walk, screened: into how many ranges K is split (kernels/linear_fp8.py's
 FP8_TARGET_PROGRAMS), at a published MoE's dense FP8 shapes, timed as the engine runs them.
-
-    PYTHONPATH=. python -m bench.fp8_walk --out DIR [--config Qwen3.6-35B-A3B] [--name h100]
-
-At one row the few-rows FP8 GEMM reads each weight once and does little else, yet it streams the
-weight at a fraction of the copy bandwidth: one warpgroup per 64 weight features, and a wide
-projection has only a program or two per SM, so the K steps of each program (load, dequantize,
-MMA, wait) run one after another with nothing to hide them. Splitting K gives each weight more,
-shorter programs; it also changes the K walk (the splits' sums are added in ascending order), so the
-many-rows path (the dequantized weight through the bf16 GEMM) walks the same splits, and the
-screen times both: 1 and 4 rows (a decode, a verify of three drafts) and 64 and 576 (a full batch's
-decode and K=8 verify). Each candidate is checked before it is timed: the few-rows kernel must
-equal the bf16 GEMM over the dequantized weight with the same walk at 1, 4, 9, 16 and 33 rows
-(torch.equal).
-
-Timing as bench.fp8_configs times: LAYERS distinct weights in one CUDA graph, replayed; us per call,
-the split's reduce launch included (a consumer that finishes the splits itself saves it). Each
-shape weighs by how many of it a step runs; `best` is the candidate with the least weighted time
-at 1 and 4 rows whose 64- and 576-row time stays within MANY_ROWS_SLACK of the pinned walk's. The
-pinned walk goes first and last (`pinned_again`), so drift on the device shows. Writes
-DIR/fp8_walk_<date>[_<name>].json.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.fp8_walk`.
 """
 
 from __future__ import annotations

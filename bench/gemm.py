@@ -1,21 +1,5 @@
 """The row-invariant GEMM against cuBLAS, on weight shapes the engine multiplies.
-
-    PYTHONPATH=. python -m bench.gemm --out DIR
-
-For each weight shape and each row count M in 1, 9, 72, 576 (decode, one K=8 verify, 8 and 64
-sequences of K=8 verifies): hybrid_kernels.linear (its tile for M rows) and torch.matmul (cuBLAS), each
-launch replayed from a CUDA graph (no Python in the timing), median of --repeats; TFLOP/s =
-2 M N K / time. Correctness first, no figure without it: `row_invariant` says that every row of
-the M-row product equals the same row in a 1024-row product and computed alone, bitwise; and
-(here, not in bench.gpu) a sweep of tiles (rows 16/64/128 per program, 64-256 features, 4 or 8
-warps, 3 or 4 stages) run on the same K walk gives the pinned tile's bits (kernels/linear.py: the
-K walk, not the tile, fixes a row's sum). A shape with a red check gets no timing.
-This command: the 2B model's shapes (SHAPES: the fused projections as verifier/model/layers builds
-them) with random weights. `model_gemm` does the same without the sweep on a loaded model's own
-weights, one per distinct shape (`linear_weights`): bench.gpu's `gemm` section.
-Writes DIR/gemm_<date>.json: device, date, torch, triton, per shape N, K, split_k, per M
-ours_ms, cublas_ms, ours_tflops, cublas_tflops, ours_over_cublas and the tile used; row_invariant;
-tiles_equal (equal / tried). Exit 1 when a check is red.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.gemm`.
 """
 
 from __future__ import annotations

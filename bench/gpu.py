@@ -1,21 +1,5 @@
 """GPU verify cost on one device: decode, K-row verify, rollback, bit-exactness, and HF + FLA beside it.
-
-    PYTHONPATH=. python -m bench.gpu --out DIR [--models qwen35_2b,qwen3next_moe,kimi_moe] [--steps 30]
-
-For each model (random bf16 weights, built with transformers and saved, so both engines read one
-checkpoint): HBM floor (bytes one decode step must read / measured copy bandwidth), decode ms at
-batch 1, verify ms for K = 1, 2, 4, 8, 16 at batch 1, decode and K = 8 verify at batch 8 and 64,
-rollback (write-on-accept fold and snapshot copy), bitwise equality of verify rows with serial
-decode at that size (checked before anything is timed), and HF transformers (with FLA kernels
-when importable) for a decode step and an 8-token forward. For the first model also the batch-1
-decode and K = 8 steps with programmatic dependent launch and without it, timed in turns (`pdl`).
-A batch's `hbm_floor_ms` adds to the weights what its decode must move per sequence
-(`batch_state_bytes`: recurrent states and conv windows read and written, the KV prefix read).
-Per model a `gemm` section (bench/gemm.py's `model_gemm`): on each distinct [N, K] weight the engine
-multiplies through hybrid_kernels.linear (the model's own, named by layer and attribute), for M = 1, 9, 72,
-576 rows our GEMM and cuBLAS (ms, TFLOP/s, their ratio, our tile), each shape's rows first checked
-bitwise row-invariant; a shape that fails, or a model whose bitexact gate is red, gets no timing.
-Writes DIR/gpu_<date>.json.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.gpu`.
 """
 
 from __future__ import annotations

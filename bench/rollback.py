@@ -1,18 +1,5 @@
 """Snapshot versus write-on-accept rollback: bytes moved and time per verify.
-
-For Gated DeltaNet layers at a few state sizes, one sequence verifies K drafts of which `a` are
-accepted (the drafts are the serial continuation with the (a+1)-th spoiled). Correctness first:
-both modes must leave the slot state bitwise equal to serial decode. Then, per mode: median
-wall time of the verify forward and of the rollback alone, on the torch reference backend, and
-the state traffic per sequence and layer from the layouts (DESIGN.md section 4):
-  snapshot: verify reads S, writes (K+1) S;             rollback reads S, writes S
-  WOA:      verify reads S, writes (K+1) rows of stash; rollback reads (a+1) stash rows, reads S, writes S
-WOA here is the fold: the engines' pools carry nothing (max_k 0). A write-on-accept engine that
-drafts carries the kept rows into the slot's next verify instead (verifier/model/rollback.py): its
-rollback copies (a+1) stash rows, and the next verify, which reads S anyway, writes it.
-Writes bench/results/rollback_<date>.json.
-
-    python -m bench.rollback [--device cpu|cuda] [--repeats 21]
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.rollback`.
 """
 
 from __future__ import annotations

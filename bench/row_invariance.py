@@ -1,26 +1,5 @@
 """Row invariance swept on the device: every GEMM and routed-experts shape of the published configs.
-
-    PYTHONPATH=. python -m bench.row_invariance --out DIR [--configs all] [--max-rows 1024] [--name h200]
-
-What it proves. kernels/linear.py's bf16 GEMM picks its tile by row count (16-row mma.sync tiles
-below 32 rows, 64- and 128-row wgmma tiles above), which keeps a row's bits only if the two MMA
-instructions round every sum alike: measured, not documented. kernels/linear_fp8.py's bf16 path
-does the same (a weight-first 16-row tile below 64 rows, the bf16 GEMM of the dequantized weight
-from 64 on), so it rests on this sweep too; kernels/moe_grouped.py keeps what a pair computes for
-every row count and lets only its launch follow the rows (`launch_for_rows`: up to FEW_ROWS rows
-and from MANY_ROWS on), so
-there it holds by construction, and the sweep checks it anyway. For each config, the weights are those the engine multiplies, as the loader
-joins them (`model_weights`: a model built on the meta device, so no bytes), in bf16 and as a
-published block-FP8 checkpoint stores them (bench/fp8_real_size.py's rule and kept modules: the
-head, routers, shared-expert gate and GDN's b and a inputs stay bf16; the Kimi router is fp32):
-- dense weights [N, K]: random x [max_rows, K]; every row alone (M = 1) against the same row in
-  the product of the first M rows, for every M = 1 .. max_rows (every tile boundary, every place
-  in a tile);
-- routed experts [E, I, H] with top_k: random rows, each with its own distinct experts; every row
-  alone against the first M rows, for M = 1 .. max_rows (every block-mate mix the grouping makes).
-A difference is a row whose bits depend on what shares its launch: the contract broken.
-Writes DIR/row_invariance_<date>[_<name>].json: device, date, versions, per config its shapes, and per
-(kind, dtype, shape) the row counts swept and the rows that differ (must be none). Exit 1 if any do.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.row_invariance`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The floor under one served step's latency, without a model: what a single session pays per step
 before any engine work (the remote drafter's round trip, the served round's turnaround).
-
-Three figures, each the median of --repeats timed runs of --calls round trips:
-  grpc_empty_unary_us      an empty unary call (GetStats of a bare servicer) to a grpc.aio server in
-                           another process, from a blocking client: gRPC's own cost;
-  thread_handoff_us        asyncio's run_in_executor of a no-op on a one-thread executor, the hop
-                           between the event loop and the engine thread that every batch makes;
-  verify_one_step_us       a Verify call of one plain step to `python -m verifier serve`'s service
-                           whose engine returns at once (bench.server_overhead's NoOpEngine): all of
-                           the above plus the server's Python for one step.
-
-    python -m bench.rpc_floor [--calls 2000] [--repeats 3] [--out bench/results]
-
-Writes OUT/rpc_floor_<date>[_<name>].json (--name: what differs, e.g. the host; device, date, versions, figures).
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.rpc_floor`.
 """
 
 from __future__ import annotations

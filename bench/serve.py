@@ -1,47 +1,6 @@
 """The serving bench: the engine alone and the same engine through the service, side by
 side in one run, and a remote drafter against the in-process pair.
-
-    python -m bench.serve --out bench/results                                  # both models, this device
-    PYTHONPATH=. python -m bench.serve --out bench/results --device cuda       # the H200 run (~5 min)
-
-Per model (--model shipped = models/target; 2b = the Qwen3.5-style 2B checkpoint of bench/gpu.py,
-written once to a temporary directory by its writer; tiny = bench.load's tiny checkpoint;
-fp8-real-size = bench.fp8_real_size's block-FP8 checkpoint of --fp8-config with random weights,
-written by its writer under --workdir (--fp8-scale tiny: shrunk for the CPU); or a path):
-  engine   verifier.engine.Engine in this process, built as the server builds it (ServerConfig: dtype,
-           n_slots, max_k, graph buckets), greedy plain decoding of --sessions prompts in ONE batch
-           per step: --warmup-steps untimed, then --steps timed. Decoding runs on, untimed, to give
-           each prompt's plain stream: the reference of every comparison below, and the oracle's drafts.
-  service  a `python -m verifier serve` subprocess and the same prompts as --sessions sessions from
-           --processes drafter processes (bench/load/drafters.py), each driving its sessions through
-           drafter/fleet.py (one request per round, on one VerifyRounds stream). Every process runs
-           --warmup-steps rounds, then all start their --steps timed rounds at once. Runs: plain
-           (K = 0); plain from twice the processes (when the two agree, the load generator is not the
-           bottleneck); plain with a Verify call per round (what the stream saves); random
-           drafts K; oracle drafts K (the plain continuation); and oracle drafts untrimmed on a second
-           server, started with --no-goodput once the first has stopped (one copy of the model on the
-           device at a time, the engine's included: the real-size checkpoint fits one H100). With
-           --pairs N each ratio (random vs plain, oracle trimmed vs untrimmed) is measured N - 1 more
-           times as pairs, alternating which run goes first (random vs plain back to back; the
-           oracle's trimmed runs on the first server, its untrimmed ones on the second), and the
-           median is reported (`pair_ratios` lists them).
-           Every stream is compared with the engine's. Each server keeps round timings
-           (--round-timings): every run reports added_ms_per_round (its round, ms_per_batch, minus the
-           engine step) and the round's parts from timestamps: engine, server in, server out, wire,
-           drafter, unexplained (bench/serve_breakdown.py).
-remote drafter (--remote-target/--remote-draft, the shipped pair): held-out prompts one session at a
-time, as `python -m drafter generate` runs them (drafter.loop.generate over a VerifyStream): plain,
-then the model drafter at K in this process on --draft-device; and the same pair in process
-(verifier.generate), plain and speculative. When the served target offers the "mtp" server drafter
-(its checkpoint has an MTP head; the server is started with --mtp), two more modes: MTP
-self-drafting through the service (server_drafter "mtp" at K) and MTP in process (verifier.generate
-with the MTP proposer), each with tokens/s, mean acceptance length and its streams against plain;
-otherwise `mtp_skipped` says why they did not run. Each mode runs every prompt once untimed first.
-
-Writes OUT/serve_<date>[_<name>].json (--name: what differs, e.g. the model) after every model, so
-a later failure keeps the figures of the models before it (a model that failed holds its `error`,
-and the run goes on to the next), and prints a short table last; progress goes to stderr. Exit 1
-when a stream differs from plain decoding, a step or a model failed, 2 on bad options.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.serve`.
 """
 
 from __future__ import annotations

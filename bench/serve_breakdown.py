@@ -3,36 +3,7 @@ per-request timestamps (`python -m verifier serve --round-timings FILE`, verifie
 and each drafter process's own record of its timed rounds (bench/load/drafters.py: the sums of
 request = send to answer, proposing, and the timed part's whole time; and each round's request,
 by its first step's request id, with its request time).
-
-No clock is compared across processes: every interval is taken within one process, and the wire
-of a request is the drafter's request time minus the server's residence of that same request (the
-two records of it found by its key: verifier/server/timings.request_key of its first step's
-request id, which the server writes and the drafter knows).
-
-The round is bench.serve's `ms_per_batch` (the run's wall time over its engine batches). Its parts
-(a drafter round is one request of one process):
-  engine      the engine step on the engine thread, per batch (its start to the ids on the host)
-  server_in   a request's arrival in the handler to its batch's engine start, over the requests of
-              the run's batches: the gather window (waiting for the other processes' requests),
-              checks, queueing, the hop to the thread
-  server_out  its batch's engine end to its answer handed to gRPC, over the same requests: the
-              hop back, results
-  wire        over the requests found on both sides (the drafter's timed rounds and the run's
-              batches, paired by key), the drafter's request time minus that request's residence
-              on the server (its arrival to its answer handed to gRPC, which is within the
-              drafter's send to answer: each request's wire is >= 0): gRPC and protobuf on both
-              sides (the server's write included), the socket, thread wake-ups
-  drafter     the drafter's time outside its requests, per drafter round: its proposers
-              (`proposing`) and the fleet's own Python (`fleet_python`: settling outcomes, building
-              the next request)
-  unexplained the round minus the parts: nonzero when batches are not one per drafter round (a
-              round split over batches, processes out of step) or the processes' timed parts differ
-The parts are rounded to 0.001 ms first and `unexplained` is the round minus their sum, so the
-reported numbers add up to the reported round exactly. round_detail_ms's `drafter_request` and
-`server_residence` are the wire's two sides: their means over the same paired requests.
-
-added_ms_per_round: the round minus the engine step (mean); its p50 is over the run's batches, each
-the next batch's engine start minus this one's, minus this one's step.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.serve_breakdown`.
 """
 
 from __future__ import annotations

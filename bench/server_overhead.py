@@ -1,20 +1,5 @@
 """The server's own cost per step: a loopback server whose engine does no work, driven hard.
-
-The engine's step returns at once (each session emits one token, no model runs), so what is left
-is the server: request checks, sessions, futures, the scheduler, conversions, metrics, gRPC. A
-client process (so that its Python is not counted) sends plain steps in two shapes:
-  stream: 64 sessions, one VerifyStream each, every session stepping as fast as its results come;
-  unary:  one Verify call carrying one step of each of 64 sessions, call after call.
-Figures: server process CPU microseconds per step (every server thread: event loop, engine worker,
-gRPC core) and wall microseconds per step, medians of --repeats timed runs after a warm-up run.
-The CPU figure is read around the timed steps only (not the opening of the sessions: 64 CPU prefills).
-Correctness first: every step must come back OK at the position it should reach.
-
-    python -m bench.server_overhead [--label after] [--sessions 64] [--steps 200] [--repeats 3]
-
-Results are merged under `label` into bench/results/server_overhead_<date>[_<name>].json (--name:
-what differs, e.g. the host; run it on the tree before a change with --label before, and after it
-with --label after).
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.server_overhead`.
 """
 
 from __future__ import annotations

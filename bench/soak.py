@@ -1,32 +1,7 @@
 """The soak: the verifier under load for minutes, drafter processes killed and restarted at random,
 then stopped under full load. What a long run under real clients must show: nothing lost, nothing
 leaked, the bits unchanged.
-
-    PYTHONPATH=. python -m bench.soak --out bench/results --model 2b --device cuda --minutes 10   # the GPU run
-    python -m bench.soak --out /tmp/soak --model tiny --minutes 0.5 --sessions 8 --processes 2   # a CPU try
-
-One `python -m verifier serve` subprocess (bench/load/server.py) with a short --idle-timeout-s, so
-the sessions of a killed drafter are reaped; --processes drafter processes (bench/load/drafters.py,
-the fleet transport: one VerifyRounds stream each) over --sessions sessions, each session running
-generations of --max-new-tokens back to back (workload.py: mixed drafters and sampling, a new
-prompt per generation). Three phases:
-1. soak (--minutes): every --kill-every-s seconds on average (exponential gaps, at least
-   KILL_GAP_S) a random drafter process is killed (SIGKILL: its sessions are left open, its stream
-   cut) and started again on the same sessions, new prompts; the others run on. The server holds
-   one process's share of slots more than the sessions: the restarted process opens its sessions
-   while the killed one's wait for the idle timeout. The server's RSS and GPU memory are read once the load
-   is steady (after the first --settle-s) and at the end.
-2. idle: every process ends at the deadline and closes its sessions; after the idle timeout the
-   server must hold no session and every slot must be free (GetStats).
-3. stop under load: the processes start once more; after --stop-after-s the server gets SIGTERM.
-   Every call it received ends OK or UNAVAILABLE, never CANCELLED, and it exits 0.
-Every generation a surviving process reported (phases 1 and 3; a killed process reports nothing)
-is compared with plain decoding of its prompt (reference.py): 0 mismatches. A step whose answer a
-live client never received would show as its next step refused for a stale position (ABORTED):
-`tokens_lost` counts those (0).
-
-Writes OUT/soak_<date>[_<name>].json (device, date, versions, the figures, pass/fail and why);
-progress goes to stderr. Exit 1 when a check fails, 2 on bad options.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.soak`.
 """
 
 from __future__ import annotations

@@ -1,42 +1,6 @@
 """One engine step's own memory floor (DESIGN.md section 4: each step is measured against the bytes it
 must move, never against a decode's weights alone): its bytes over the measured copy bandwidth.
-
-What a step of a write-on-accept engine that carries rows (the engine's default, max_k > 0) must
-move, by category (`step_bytes`):
-  dense_weights    every weight but the routed experts and the embedding, read once: the mixers,
-                   norms, routers, shared experts and their gates, the final norm, the LM head in
-                   full (bench.gpu.decode_bytes less its top_k experts per layer), as the device
-                   holds them: FP8 values, block scales and scale rows for a BlockFP8Weight, the
-                   stored dtype otherwise (the CPU reference dequantizes FP8 to fp32: its bytes
-                   are not the GPU's)
-  embedding_rows   one embedding row gathered per step row
-  routed_experts   per MoE layer, the distinct experts the step's rows route to (counted from the
-                   step's own routing) times one expert's gate, up and down (bench.gpu.expert_bytes)
-  recurrent_state  per sequence and recurrent layer, the fp32 state [heads, d_k, d_v] and the conv
-                   window read once and written once. A decode commits in its verify; a verify of
-                   more rows writes no state, its rollback carries the kept rows and the slot's
-                   next verify writes the state through them (verifier/model/rollback.py, Carried
-                   rows): one write a step in steady state
-  woa_stash        per recurrent layer, the stash rows (key, value, decay, beta in fp32) a verify
-                   of more than one row writes for its rollback, the carried rows each sequence's
-                   verify reads first, and the kept rows its rollback copies into the carried rows
-                   (read and written); a decode writes none (it commits, nothing rolls back)
-  kv_read          per sequence and attention layer, the keys and values of the committed prefix
-                   (positions 0 .. start - 1)
-  kv_written       the keys and values of the step's new rows
-Activations (rows x hidden, the logits) are not counted: the floor is what no kernel design avoids.
-
-An MTP draft (verifier/model/mtp.py, drafting as verifier/proposers/mtp.py does) is K forwards of
-the head, each depending on the last one's argmax, so each reads its weights again
-(`draft_bytes`, over the forwards' rows and routing):
-  mtp_layer        the MTP layer but its routed experts: attention, its two norms, the router, the
-                   shared expert and its gate (a dense MTP layer: its whole MLP), once a forward
-  fc_and_norms     fc, the two pre-fc norms and the head's final norm, once a forward
-  lm_head          the (shared) LM head in full, once a forward: once per drafted token
-  embedding_rows   one embedding row gathered per row
-  routed_experts   per forward, the distinct experts its rows route to times one expert's bytes
-  kv_read          per forward, the MTP layer's keys and values of positions 0 .. start - 1
-  kv_written       the keys and values of the forward's rows
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.step_floor`.
 """
 
 from __future__ import annotations

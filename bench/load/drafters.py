@@ -1,25 +1,7 @@
 """One drafter process: many sessions over one channel, each running the one generation loop
 (drafter.loop.DraftLoop), until its step budget or the shared deadline is reached; then every
 session is closed. A failure ends that session only, never the others.
-
-    python -m bench.load.drafters CONFIG.json OUT.json
-
-Transports. fleet (the default): drafter.fleet drives every session of the process from one
-blocking client, one request per round carrying every unfinished session's step on one
-VerifyRounds stream, as a real multi-session drafter does; fleet-verify: the same with one Verify
-call per round (the fleet before VerifyRounds). stream / unary: per session, its own asyncio task
-on one grpc.aio channel, over a VerifyStream or one Verify call per step.
-
-CONFIG: {"address", "plan" (workload.Plan), "sessions": [indices], "deadline" (time.time()),
-"transport", and optionally "references" {session: plain tokens} (the oracle's drafts) and
-"warmup_rounds" W (fleet only)}. With W > 0 the process runs W rounds, prints "ready" on stdout and
-waits for a line on stdin: the parent starts every process's timed part at once, and only rounds
-after that count in the latencies and tokens (the streams are compared whole).
-OUT: per-step client latencies, counts, errors by code, (fleet) the timed rounds' summed seconds
-(`round_seconds`: requests, proposals, the timed part; this process's clock) and each timed
-round's request (`round_requests`: [its first step's request id, its seconds], by which the
-server's --round-timings names it), and every generation's prompt and tokens (the parent compares
-them with plain decoding).
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.load.drafters`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
 """A remote drafter against the in-process pair (bench.serve).
-
-Held-out prompts, greedy, one session at a time as `python -m drafter generate` runs them
-(drafter.loop.generate over a VerifyStream to a `python -m verifier serve` subprocess with the
-server's defaults): plain decoding, then the model drafter at K in this process (on draft_device).
-Then the same pair in this process (verifier.generate on one engine), plain and speculative. Each
-mode first runs every prompt once untimed, so start-up, Triton compilation and graph capture stay
-out of the timed part. (Every prompt, not the first alone: a prompt of a new length compiles
-kernels for the prefill, on the server and in the drafter: warmed on the first prompt alone, the
-plain mode, which runs first, would pay the server's compilations for the model mode and the model
-drafter's speedup would read high.) Greedy streams of all four modes must be
-equal, token for token.
-
-When the served target offers the "mtp" server drafter (ModelInfo.server_drafters: its checkpoint
-has an MTP head, which the server loads with --mtp), two more modes run: MTP self-drafting through
-the service (the same loop with server_drafter "mtp" at K: the server drafts, the steps carry no
-drafts) and MTP in process (verifier.generate with the MTP proposer at K). Their streams must equal
-the others'. A target without a head skips them, and `mtp_skipped` says why.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.load.remote_pair`.
 """
 
 from __future__ import annotations
