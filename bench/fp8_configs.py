@@ -86,23 +86,20 @@ def launch_key(launch: dict[str, int]) -> str:
     return ",".join(f"{f}={v}" for f, v in launch.items())
 
 
-def expert_stacks(e: int, i: int, h: int, gen: torch.Generator) -> list[tuple[torch.Tensor, BlockScales]]:
-    """One layer's block-FP8 expert stacks on the device: gate and up [e, i, h], down [e, h, i]."""
-    stacks = []
-    for n, k in ((i, h), (i, h), (h, i)):
-        values, scales = dense_weight(e * n, k, "fp8", gen)
-        stacks.append((values.view(e, n, k), BlockScales(scales.scale_inv.view(e, -(-n // FP8_BLOCK), -1),
-                                                          standard_scale_row(n, FP8_BLOCK, "cuda"), FP8_BLOCK)))
-    return stacks
-
-
 def sweep_experts(e: int, i: int, h: int, top_k: int, rows: list[int], gen: torch.Generator, screen: str = "all") -> dict:
     """The grouped experts of one MoE layer as the engine runs them (the shared expert folded in:
     the stack's last expert, in one more slot of every row), LAYERS distinct layers in one CUDA graph, each with its
     own routing launch: ms per layer for every candidate at every row count. Candidates that change
     one stage's config leave the other's pinned, so differences are that stage's."""
     top_k += 1  # the shared expert's slot (e counts it: bench.row_invariance's shapes)
-    layers = [expert_stacks(e, i, h, gen) for _ in range(LAYERS)]
+    layers = []
+    for _ in range(LAYERS):
+        stacks = []
+        for n, k in ((i, h), (i, h), (h, i)):
+            values, scales = dense_weight(e * n, k, "fp8", gen)
+            stacks.append((values.view(e, n, k), BlockScales(scales.scale_inv.view(e, -(-n // FP8_BLOCK), -1),
+                                                              standard_scale_row(n, FP8_BLOCK, "cuda"), FP8_BLOCK)))
+        layers.append(stacks)
     x = torch.randn(max(rows), h, generator=gen, device="cuda").bfloat16()
     routes = []
     for _ in range(LAYERS):

@@ -64,6 +64,15 @@ def check_contiguous(op: str, name: str, t: torch.Tensor, along: str = "") -> No
         raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()}")
 
 
+def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself when it is contiguous and starts 16-byte aligned, else a copy that is: the operand a
+    kernel specialised on alignment reads (one compiled kernel whatever the caller's view; the
+    copy's values are t's, so its bits are too)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def check_ragged(op: str, seq_slots: torch.Tensor, cu_rows: torch.Tensor, operand: tuple[str, torch.Tensor]) -> None:
     """A ragged batch's layout: seq_slots int32 [S] (each sequence's slot), cu_rows int32 [S+1]
     (sequence s owns rows cu_rows[s] .. cu_rows[s+1]-1), both on the operand's device. Their

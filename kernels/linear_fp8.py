@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_contiguous, check_launchable, check_operand, check_tensor
+from .checks import check_contiguous, check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
 from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear,
                      linear_config, linear_ref, split_bounds, split_for)
@@ -290,9 +290,8 @@ def linear_fp8(
     k_split = split_bounds(k, cfg)
     operands = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial, m, n, k, k_split)
     if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
-        if (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:  # the kernel reads x contiguous and aligned
-            x = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x)
-            operands = (x, *operands[1:])
+        x = contiguous_aligned(x)  # the kernel reads x [M, K] with row stride K, specialised on its alignment
+        operands = (x, *operands[1:])
         _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
             *operands, weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,
             ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, WHOLE=n % ROWS_TILE_FEATURES == 0 and k % cfg.BLOCK_K == 0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_launchable, check_operand, check_tensor
+from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .linear_fp8 import FP8, BlockScales, check_block_scales, dequantize_ref
 from .moe_grouped import group_pairs, grouped_experts
 from .moe_route import Routing
@@ -91,7 +91,7 @@ def moe_experts_routed(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, 
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    return grouped_experts(x.contiguous(), routing, w_gate, w_up, w_down, out, scales)
+    return grouped_experts(contiguous_aligned(x), routing, w_gate, w_up, w_down, out, scales)
 
 
 def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

@@ -101,13 +101,13 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json). Loading the next K step's weight tiles ahead
     by hand, tried in that screen, was slower at every row count: Triton already pipelines them
     (cp.async), and a hand-loaded tile takes that away. x's rows are pipelined the same way: x is
-    16-byte aligned (`grouped_experts` copies it otherwise) and specialised on it, so its gather is
+    16-byte aligned (kernels/moe.py copies it otherwise: `contiguous_aligned`) and specialised on it, so its gather is
     asynchronous too (the same bits: the same values reach the same dots), and whole tiles load
     without masks: stage 1 spent 17% and 21% less at a batch-64 decode and K = 8 verify, 1-8% less at
     1 to 9 rows but for the 4-row verify (10% more), on one H200 against the masked, hand-loaded
     stage 1 (bench/results/fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200*.json). Stage 2 keeps its
     masks: unmasked, a padded pair read pair 0's hidden row, and stage 2 was 3-25% slower at 1 to 64
-    rows in the same comparison.
+    rows on the same H200 (fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200-unmasked-stage-2.json).
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
     block_n = block_n2 = 32
@@ -238,7 +238,7 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # x is 16-byte aligned (grouped_experts copies it otherwise), so Triton pipelines its gather with
+    # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
     # the weights' tiles; a padded pair (past its expert's count) reads row 0 and is never stored.
     # Whole tiles (a function of the shapes) load without masks, whose compares were a fifth of the loop
     for k0 in range(0, H, BLOCK_K):
@@ -363,7 +363,8 @@ def group_pairs(expert_ids: torch.Tensor, expert_weights: torch.Tensor, n_expert
 def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                     out: torch.Tensor, scales: tuple[BlockScales, BlockScales, BlockScales] | None,
                     config: GroupedConfig | None = None) -> torch.Tensor:
-    """The three launches on arguments kernels/moe.py has checked (x, ids and weights contiguous,
+    """The three launches on arguments kernels/moe.py has checked (x contiguous and 16-byte aligned:
+    stage 1 is specialised on it; ids and weights contiguous,
     out [R, H] contiguous, R >= 1; routing's counts and lists as kernels/moe_route.py leaves them);
     scales None: weights in x's dtype. Fills and returns out, and sets routing.counts back to zero.
     config: overrides `grouped_config` and `launch_for_rows` (bench.fp8_configs times candidates):
@@ -377,8 +378,6 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         cfg = grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
         if scales is not None and x.dtype == torch.bfloat16 and many_experts(e, slots):
             cfg = launch_for_rows(cfg, r, h, i)
-    if x.data_ptr() % 16:  # stage 1 reads x 16-byte aligned (one compiled kernel, its gather pipelined)
-        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
     hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by pair
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)

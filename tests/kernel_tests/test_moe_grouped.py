@@ -147,3 +147,20 @@ def test_fp8_experts_of_many_take_wider_tiles_and_nothing_else_changes():
     assert fp8._replace(BLOCK_N=32, BLOCK_K=64, BLOCK_N2=32, BLOCK_K2=64) == bf16
     assert grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2, fp8=True) == grouped_config(2048, 2048, torch.bfloat16, n_experts=8, top_k=2)
     assert grouped_config(64, 32, torch.float32, n_experts=256, top_k=8, fp8=True) == grouped_config(64, 32, torch.float32, n_experts=256, top_k=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_any_row_layout(device, dtype):
+    """Stage 1 reads x contiguous and 16-byte aligned (kernels/moe.py copies it otherwise): rows handed
+    over strided (a column slice) or one element off the alignment give the bits of the same rows
+    contiguous."""
+    x, ids, weights, w_gate, w_up, w_down = make(9, *ROUTINGS["H21-E6-T3"], dtype, device)
+    want = moe_experts(x, ids, weights, w_gate, w_up, w_down)
+    r, h = x.shape
+    wide = torch.zeros(r, h + 8, dtype=dtype, device=device)
+    wide[:, :h] = x
+    off = torch.zeros(r * h + 1, dtype=dtype, device=device)[1:].view(r, h)
+    off.copy_(x)
+    assert wide[:, :h].stride(0) != h and off.data_ptr() % 16
+    for given in (wide[:, :h], off):
+        assert torch.equal(moe_experts(given, ids, weights, w_gate, w_up, w_down), want)
