@@ -107,3 +107,49 @@ def test_the_drafter_runs_a_server_drafted_session_in_one_generate_call(server, 
         assert client.stats().open_sessions == 0  # closed with its call
     assert result.tokens == list(plain(PROMPT, 20).tokens) == [t for chunk in seen for t in chunk]
     assert len(result.accepted_per_step) == len(result.drafted_per_step) == len(seen) - 1 and result.finish_reason is not None
+
+
+def test_each_next_step_is_queued_before_its_batch_ends(server, stub, plain, monkeypatch):
+    """Generate chains its steps: when a batch that ran a Generate step ends, the session's next
+    step is already queued (submitted where the scheduler answered it), so the next batch needs
+    neither gRPC's write of the result nor the handler's turn on the event loop."""
+    scheduler = server.server.service.scheduler
+    run = scheduler._run
+    seen = []  # per batch of the Generate session: whether its next step was queued as the batch ended
+
+    async def watched(batch):
+        await run(batch)
+        mine = [p for p in batch if p.session.drafter is not None]
+        for pending in mine:
+            if pending.result is not None and pending.result.finish_reason == rpc.FINISH_NONE and not pending.result.status.code:
+                seen.append(any(q.session is pending.session for q in scheduler._queue))
+
+    monkeypatch.setattr(scheduler, "_run", watched)
+    events = list(stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(
+        prompt_ids=PROMPT, max_new_tokens=24, server_drafter="ngram", server_draft_k=3)), timeout=60))
+    tokens = [events[0].opened.first_token] + [t for e in events[1:] for t in e.step.tokens]
+    assert tokens == list(plain(PROMPT, 24).tokens)
+    assert len(seen) == len(events) - 2 and seen and all(seen)  # every step but the last had its successor queued
+
+
+def test_drafts_are_proposed_ahead_not_on_a_batch_of_their_own(server, stub, plain, monkeypatch):
+    """After a server-drafted step runs, its session's next drafts are proposed on the worker right
+    behind it: the batch that takes the next step proposes nothing itself (one worker call a step:
+    the step). Only the first step, with nothing before it, has its drafts proposed by its batch."""
+    from verifier.server import scheduler as scheduling
+
+    service = server.server.service
+    run = service.worker.run
+    proposals = []
+
+    async def counting(fn, *args):
+        if fn is scheduling._propose:
+            proposals.append(len(args[1]))
+        return await run(fn, *args)
+
+    monkeypatch.setattr(service.worker, "run", counting)
+    events = list(stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(
+        prompt_ids=PROMPT, max_new_tokens=30, server_drafter="ngram", server_draft_k=2)), timeout=60))
+    tokens = [events[0].opened.first_token] + [t for e in events[1:] for t in e.step.tokens]
+    assert tokens == list(plain(PROMPT, 30).tokens)
+    assert len(events) > 4 and proposals == [1]

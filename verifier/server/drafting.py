@@ -37,6 +37,7 @@ class ServerDrafter:
             seq.prompt_hidden = None  # the proposer holds it until its first proposal feeds it
         else:
             self.proposer = NgramProposer()
+        self.ahead = None  # scheduler.Ahead: the next step's drafts, proposed after the last step (read on the event loop)
 
     def room(self, seq: Sequence, engine: Engine) -> int:
         """Drafts the next step may carry (draft_room); 0 once the proposer has failed to observe a

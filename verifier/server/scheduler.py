@@ -8,9 +8,11 @@ shutdown: DESIGN.md section 9, "The scheduler".
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -360,28 +362,40 @@ class Scheduler:
             self.policy.observe_batch(ids, sent, verified, accepted)
 
     async def _draft(self, batch: list[PendingStep]) -> dict[PendingStep, rpc.StepResult]:
-        """Fill the drafts of the batch's server-drafted steps (DESIGN.md section 9, "The scheduler"): proposed on the
-        worker for steps that may run, an empty list for the others (their checks answer them). A
-        proposer that fails fails its own step INTERNAL, never the batch's others: -> {step: its
-        error result}, for _run to deliver."""
-        drafting, failed = [], {}
+        """Fill the drafts of the batch's server-drafted steps (DESIGN.md section 9, "The scheduler"): for steps
+        that may run, the proposal made ahead at their position (`_propose_ahead`), else proposed
+        now on the worker; an empty list for the others (their checks answer them). A proposer that
+        fails fails its own step INTERNAL, never the batch's others: -> {step: its error result},
+        for _run to deliver."""
+        drafting, proposed, failed = [], {}, {}
         for pending in batch:
             if pending.drafts is not None:
                 continue
-            seq = pending.session.sequence
-            if (self.sessions.is_live(pending.session) and pending.step.expected_position == seq.position
+            session = pending.session
+            seq = session.sequence
+            if (self.sessions.is_live(session) and pending.step.expected_position == seq.position
                     and not seq.finished and not seq.lost):
-                drafting.append(pending)
+                ahead, session.drafter.ahead = session.drafter.ahead, None  # it serves the step at its position once
+                if ahead is not None and ahead.position == seq.position:
+                    proposed[pending] = ahead
+                else:
+                    drafting.append(pending)
             else:
                 pending.fill([])
-        if not drafting:
+        if not drafting and not proposed:
             return failed
         self._running = batch  # `cut` answers them while they are proposed for
         try:
-            proposed = await self.worker.run(_propose, self.engine, [p.session for p in drafting])
+            for future in {id(a.future): a.future for a in proposed.values()}.values():
+                if not future.done():  # made ahead on the worker, which is still at it
+                    await asyncio.wrap_future(future)
+            outcomes = [(p, _outcome(a.future, a.index)) for p, a in proposed.items()]
+            if drafting:
+                made = await self.worker.run(_propose, self.engine, [p.session for p in drafting])
+                outcomes += zip(drafting, made)
         finally:
             self._running = []
-        for pending, drafts in zip(drafting, proposed):
+        for pending, drafts in outcomes:
             if isinstance(drafts, Exception):
                 log.error("server drafter %r failed: %r", pending.session.drafter.name, drafts)
                 pending.fill([])
@@ -390,6 +404,17 @@ class Scheduler:
             else:
                 pending.fill(drafts)
         return failed
+
+    def _propose_ahead(self, sessions: list[Session]) -> None:
+        """Queue on the worker, behind the step that just ran, the next drafts of these server-drafted
+        sessions (each goes on, at the position its next step runs from): the proposal runs while
+        the event loop answers the batch, and the batch that takes a session's next step finds its
+        drafts made (`_draft`). Drafts are a function of the context alone (the proposers are
+        row-invariant and keep no state a proposal changes), so they are the drafts a proposal at
+        that batch would make."""
+        future = self.worker.submit(_propose, self.engine, sessions)
+        for index, session in enumerate(sessions):
+            session.drafter.ahead = Ahead(session.sequence.position, future, index)
 
     async def _run(self, batch: list[PendingStep]) -> None:
         self.keep_books()
@@ -432,7 +457,7 @@ class Scheduler:
         max_seq_len = self.engine.pool.max_seq_len
         now, clock_now = time.perf_counter(), self.sessions.clock()
         store = self.sessions.store_result
-        going_on = []
+        going_on, ahead = [], []  # ahead: going-on sessions the server drafts for
         ok_verified, ok_accepted, latencies, judged = [], [], [], []  # per OK step; judged: its session and drafts sent
         trimmed = 0
         for pending, asked, k, result, rows in zip(live, requested, verified, results, logits):
@@ -458,6 +483,10 @@ class Scheduler:
             self._deliver(pending, answer, clock_now)
             if seq.finish_reason is None:
                 going_on.append(session)
+                if session.drafter is not None and session.drafter.proposer is not None:
+                    ahead.append(session)
+        if ahead:
+            self._propose_ahead(ahead)
         if ok_verified:
             self.metrics.record_batch(sum(ok_verified) + len(ok_verified), self._last_step_s)  # rows run: k + 1 per OK step
             if self.timings is not None:  # indexed as engine_steps is: recorded where it moves
@@ -497,6 +526,24 @@ def _request(pending: PendingStep, verified: int) -> StepRequest:
     drafter = pending.session.drafter
     return StepRequest(pending.session.sequence, drafts, probs, want_logits=pending.step.return_logits,
                        want_hidden=drafter is not None and drafter.wants_hidden)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A server-drafted session's next drafts, proposed on the worker before its next step came:
+    index `index` of `future`'s list, made at `position`."""
+
+    position: int
+    future: concurrent.futures.Future
+    index: int
+
+
+def _outcome(future: concurrent.futures.Future, index: int) -> list[int] | Exception:
+    """One session's drafts (or its failure) from a done proposal made ahead."""
+    try:
+        return future.result()[index]
+    except Exception as exc:  # noqa: BLE001 - a bug outside any one proposal: that step fails, the batch runs
+        return exc
 
 
 def _propose(engine: Engine, sessions: list[Session]) -> list:

@@ -39,6 +39,9 @@ _VERIFY_ROUNDS = f"/{rpc.SERVICE_NAME}/VerifyRounds"
 # tokens, a status message), generously; the ids are counted as sent
 ANSWER_FIELD_BYTES = 1024
 _STOPPING_TRAILER = ((rpc.STOPPING_KEY, "1"),)  # on the UNAVAILABLE the server ends a call with as it drains or stops
+# Generate: results of a session's chained steps that may wait for gRPC to take them (a caller that
+# reads slowly holds its session's steps back, not the server's memory)
+GENERATE_AHEAD = 4
 _STOPPING = "the server is stopping: this stream takes no more requests (its earlier ones are answered); resend on a new call"
 
 
@@ -349,8 +352,10 @@ class VerifierService:
 
     async def Generate(self, request: rpc.GenerateRequest, context):
         """A self-drafting session run to its end on the server (the proto says the contract): the
-        open as OpenSession's, then each step submitted the moment the last one is answered, so a
-        step waits for no client; its results streamed as they come."""
+        open as OpenSession's, then its steps chained: each is submitted where the scheduler answers
+        the one before (GENERATE_AHEAD results at most waiting for gRPC), so the session's next
+        step is queued before that batch ends and waits neither for gRPC's write nor for this
+        handler; its results streamed in order as they come."""
         opening = request.open
         if not opening.server_drafter:
             await self._abort_open(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -363,19 +368,54 @@ class VerifierService:
         finally:
             self.calls.leave()
         yield rpc.GenerateEvent(opened=opened)
-        session_id, position, finished = opened.session_id, opened.position, opened.finish_reason != rpc.FINISH_NONE
+        session_id = opened.session_id
+        loop = asyncio.get_running_loop()
+        tickets: collections.deque[PendingStep] = collections.deque()  # submitted, in order; popped once streamed
+        woken: asyncio.Future | None = None  # what this handler awaits, None while it runs
+
+        def wake() -> None:
+            if woken is not None and not woken.done():
+                woken.set_result(None)
+
+        def submit(position: int) -> None:
+            step = rpc.VerifyStep(session_id=session_id, expected_position=position, return_logits=opening.return_logits)
+            ticket = self._submit(step, session_id, time.perf_counter(), principal)
+            tickets.append(ticket)
+            ticket.on_done(lambda: chain(ticket))
+
+        def chain(ticket: PendingStep) -> None:
+            # runs where the scheduler answers the step (inside its batch): the next step queues at once
+            result = ticket.result
+            if (tickets and tickets[-1] is ticket and len(tickets) < GENERATE_AHEAD and not self.stopping
+                    and not result.status.code and result.finish_reason == rpc.FINISH_NONE):
+                submit(result.position)
+            wake()
+
+        self.calls.enter()
         try:
-            while not finished:
-                if self.stopping:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping: the tokens streamed so far are final; "
-                                        "open the prompt and them on another replica", trailing_metadata=_STOPPING_TRAILER)
-                step = rpc.VerifyStep(session_id=session_id, expected_position=position, return_logits=opening.return_logits)
-                result = await self._answer_of(self._submit(step, session_id, time.perf_counter(), principal))
-                yield rpc.GenerateEvent(step=result)
-                if result.status.code:
-                    return
-                position, finished = result.position, result.finish_reason != rpc.FINISH_NONE
+            if opened.finish_reason == rpc.FINISH_NONE:
+                submit(opened.position)
+            while tickets:
+                while tickets and tickets[0].result is not None:
+                    result = tickets.popleft().result
+                    yield rpc.GenerateEvent(step=result)
+                    if result.status.code or result.finish_reason != rpc.FINISH_NONE:
+                        return
+                    if not tickets:  # not chained: the window was full, or the server is stopping
+                        if self.stopping:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping: the tokens streamed so far "
+                                                "are final; open the prompt and them on another replica",
+                                                trailing_metadata=_STOPPING_TRAILER)
+                        submit(result.position)
+                if tickets:
+                    woken = loop.create_future()
+                    tickets[0].on_done(wake)
+                    await woken
+                    woken = None
         finally:
+            self.calls.leave()
+            for ticket in tickets:
+                ticket.withdraw(self.scheduler)
             self._end(session_id, "closed: its Generate call ended")
 
     async def _answer_of(self, answer: "PendingStep | RequestAnswer"):
