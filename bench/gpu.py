@@ -194,7 +194,7 @@ def rollback_figures(model, k: int, repeats: int) -> dict:
         for _ in range(repeats + 2):
             sync()
             t0 = time.perf_counter()
-            step = engine.runner.step(tokens, batch, mode)
+            step = engine.runner.step(tokens, batch)
             step.verify()
             sync()
             t1 = time.perf_counter()

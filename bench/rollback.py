@@ -19,7 +19,7 @@ from verifier.arguments import DefaultsHelpFormatter, at_least
 from verifier.engine import Engine, StepRequest
 from verifier.model import RowBatch, load_model
 from verifier.model.random_checkpoint import write_random_checkpoint
-from verifier.model.rollback import ROLLBACK_MODES, committed_state
+from verifier.model.rollback import ROLLBACK_MODES
 from verifier.model.step import verify
 from verifier.model.state import RecurrentState
 from verifier.params import SamplingParams
@@ -45,7 +45,7 @@ def _config(heads: int, dim: int) -> dict:
 
 def _state(engine: Engine, slot: int) -> list[torch.Tensor]:
     return [t for layer in engine.pool.layers if isinstance(layer, RecurrentState)
-            for t in (layer.conv[slot].clone(), committed_state(engine.pool, layer, slot))]
+            for t in (layer.conv[slot].clone(), engine.rollback.committed_state(engine.pool, layer, slot))]
 
 
 def _serial(model, k: int, device) -> tuple[list[int], list[torch.Tensor]]:
@@ -88,7 +88,7 @@ def measure(heads: int, dim: int, device: str, repeats: int) -> list[dict]:
                 tokens = torch.tensor([seq.pending, *drafts])
                 _sync(device)
                 t0 = time.perf_counter()
-                step = verify(model, engine.pool, tokens, batch, mode)
+                step = verify(model, engine.pool, tokens, batch, engine.rollback)
                 _sync(device)
                 t1 = time.perf_counter()
                 step.rollback([a + 1])

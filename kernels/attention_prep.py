@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_launchable, check_operand, check_tensor
+from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
-from .norms import MAX_BLOCK_D, RMS_ZERO_CENTRED, _aligned, _normalise, rms_norm_ref
+from .norms import MAX_BLOCK_D, RMS_ZERO_CENTRED, normalise_block, rms_norm_ref
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -44,14 +44,14 @@ def _attention_prep_kernel(
         p_w = k_weight
     b_x = tl.load(p_head + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
     b_ss = tl.sum(b_x * b_x, axis=0)
-    b_y = _normalise(b_x, b_ss, p_w, p_w + o_d, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
+    b_y = normalise_block(b_x, b_ss, p_w, p_w + o_d, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
     b_y = cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)  # the normed head, as rms_norm stores it
     if RD > 0:
         HALF: tl.constexpr = RD // 2
         m_rot = o_d < RD
         o_partner = tl.where(o_d < HALF, o_d + HALF, tl.where(m_rot, o_d - HALF, o_d))
         b_xp = tl.load(p_head + o_partner, mask=m_d, other=0.0).to(tl.float32)
-        b_yp = _normalise(b_xp, b_ss, p_w, p_w + o_partner, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
+        b_yp = normalise_block(b_xp, b_ss, p_w, p_w + o_partner, m_d, HD, eps, RMS_ZERO_CENTRED, DTYPE, EMULATE_BF16_RTNE)
         b_yp = cast_rtne(b_yp, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
         b_half = tl.where(o_d < HALF, -b_yp, b_yp)  # rotate_half, exact
         b_cos = tl.load(cos + position * RD + o_d, mask=m_rot, other=0.0).to(tl.float32)
@@ -109,7 +109,7 @@ def attention_prep(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
         return query
     block_d = triton.next_power_of_2(head_dim)
     _attention_prep_kernel[(n, n_heads + n_kv_heads)](
-        _aligned(qkv), _aligned(q_weight), _aligned(k_weight), _aligned(cos), _aligned(sin), keys, values,
+        contiguous_aligned(qkv), contiguous_aligned(q_weight), contiguous_aligned(k_weight), contiguous_aligned(cos), contiguous_aligned(sin), keys, values,
         row_slots, positions, query,
         eps, keys.shape[1],
         H=n_heads, KV=n_kv_heads, HD=head_dim, RD=cos.shape[1],

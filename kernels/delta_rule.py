@@ -106,7 +106,7 @@ def _read_state(b_s, b_q):
 
 
 @triton.jit
-def _state_tile(i_v, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def state_tile(i_v, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """A program's [BLOCK_K, BLOCK_V] tile of one head's state (value block i_v) -> key offsets o_k
     [BLOCK_K], value offsets o_v [BLOCK_V], their masks m_k, m_v, the tile's mask m_s and offsets
     o_s within the head's [D_K, D_V] state."""
@@ -137,7 +137,7 @@ def _load_stash_row(p_key, p_value, p_decay, p_beta, o_k, o_v, m_k, m_v, DECAY_K
 
 
 @triton.jit
-def _walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_n, o_k, o_v, m_k, m_v, DECAY_K: tl.constexpr):
+def walk_rows(b_s, key, value, decay, beta, s_key, s_value, s_decay, s_beta, i_n, o_k, o_v, m_k, m_v, DECAY_K: tl.constexpr):
     """b_s advanced by i_n >= 1 stash rows of one head: key, value, decay, beta point at row 0's
     first channel of that head, rows s_key, s_value, s_decay, s_beta elements apart. Row t + 1 is
     loaded while row t is applied, as in the verify walk below: the same values reach
@@ -196,7 +196,7 @@ def _delta_rule_kernel(
         return
     i_bos = i_bos.to(tl.int64)
 
-    o_k, o_v, m_k, m_v, m_s, o_s = _state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
+    o_k, o_v, m_k, m_v, m_s, o_s = state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
 
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
@@ -212,7 +212,7 @@ def _delta_rule_kernel(
     # (a loop of their own before this one is slower: more registers held across two loops). Row t + 1's inputs are
     # loaded while row t is applied (the last row loads itself again, unused): the same values reach
     # _update_state in the same order as a walk that loads each row when it applies it, and the
-    # carried rows' as the fold's `_walk_rows`.
+    # carried rows' as the fold's `walk_rows`.
 
     # the step's row 0 (head i_rh), where the walk starts unless the slot carries rows (head i_ch of its row 0)
     r_k, r_v, r_decay, r_beta = _stash_rows(i_rh, key, value, decay, beta, H, D_K, D_V, DECAY_K)

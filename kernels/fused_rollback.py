@@ -15,12 +15,12 @@ import triton.language as tl
 
 from . import delta_rule, short_conv
 from .checks import check_contiguous, check_launchable, check_ragged, check_tensor
-from .delta_rule import _state_tile, _walk_rows
+from .delta_rule import state_tile, walk_rows
 from .dependent_launch import after_previous, launch_options
 from .one_row_commit import rows_to_roll
 from .rounding import TL_DTYPES
 from .runtime import interpreting
-from .short_conv import _shift_window
+from .short_conv import shift_window
 
 # The copies' programs: a few large ones per (sequence, layer), not one per head or per 256 channels.
 # A rollback's copies are kilobytes; what they cost is programs, each a chain of dependent loads (the
@@ -150,7 +150,7 @@ def _next_windows_kernel(
     window = _pointer(table, i_layer, WINDOW, CONV_DTYPE)
     inputs = _pointer(table, i_layer, CONV_INPUTS, CONV_DTYPE)
     i_row_stride = _field(table, i_layer, CONV_INPUTS_ROW_STRIDE)
-    _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, o_c < C, C, W, BLOCK_W)
+    shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, o_c < C, C, W, BLOCK_W)
 
 
 @triton.jit
@@ -186,10 +186,10 @@ def _fold_states_kernel(table, seq_slots, cu_rows, kept, H: tl.constexpr, D_K: t
     state = _pointer(table, i_layer, STATE, tl.float32)
     key, value, decay, beta, s_key, s_value, s_decay, s_beta = _stash_of_head(table, i_layer, i_h, D_K, D_V, DECAY_K)
 
-    o_k, o_v, m_k, m_v, m_s, o_s = _state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
+    o_k, o_v, m_k, m_v, m_s, o_s = state_tile(i_v, D_K, D_V, BLOCK_K, BLOCK_V)
     p_state = state + (i_slot * H + i_h) * (D_K * D_V) + o_s
     b_s = tl.load(p_state, mask=m_s, other=0.0)  # padded lanes are 0 and stay 0
-    b_s = _walk_rows(b_s, key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay, beta + i_bos * s_beta,
+    b_s = walk_rows(b_s, key + i_bos * s_key, value + i_bos * s_value, decay + i_bos * s_decay, beta + i_bos * s_beta,
                      s_key, s_value, s_decay, s_beta, i_rows, o_k, o_v, m_k, m_v, DECAY_K)
     tl.store(p_state, b_s, mask=m_s)
 

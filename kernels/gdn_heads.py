@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_launchable, check_operand, check_tensor
+from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
 from .gdn_gates import check_gates, gate_heads, gdn_gates_ref
-from .norms import ALIGN, L2_RSQRT, MAX_BLOCK_D, _aligned, _normalise, l2norm_ref
+from .norms import ALIGN, L2_RSQRT, MAX_BLOCK_D, normalise_block, l2norm_ref
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -21,7 +21,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 @triton.jit
 def _l2norm_rsqrt(b_x, m_d, D: tl.constexpr):
     """fp32 head [BLOCK_D] (zero past D) -> x * rsqrt(sum(x^2) + 1e-6), as norms.l2norm computes a row."""
-    return _normalise(b_x, tl.sum(b_x * b_x, axis=0), b_x, b_x, m_d, D, 0.0, L2_RSQRT, tl.float32, False)
+    return normalise_block(b_x, tl.sum(b_x * b_x, axis=0), b_x, b_x, m_d, D, 0.0, L2_RSQRT, tl.float32, False)
 
 
 # gate row strides are not specialised on (a one-row tensor may carry any), as in gdn_gates
@@ -122,7 +122,7 @@ def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v
     gate_args = ((b, a, A_log.contiguous(), dt_bias.contiguous(), *gate_out, b.stride(0), a.stride(0)) if gates is not None
                  else (stand_in,) * 6 + (0, 0))
     _gdn_heads_kernel[(n, n_k_heads)](
-        _aligned(mixed), *out,
+        contiguous_aligned(mixed), *out,
         d_k**0.5,  # passed as fp32: the reference divides by the python float cast to fp32
         *gate_args,
         HK=n_k_heads, R=r, D_K=d_k, D_V=d_v,

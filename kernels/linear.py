@@ -142,7 +142,7 @@ def _dot_rows_apart(b_x, b_w):
 
 
 @triton.jit
-def _dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
+def dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
     """b_acc + b_a [BLOCK_M, K] @ b_b [K, N] in fp32, each output row from its own input row: the one
     accumulate step of every GEMM's K walk here (linear, linear_fp8, the grouped experts).
 
@@ -157,7 +157,7 @@ def _dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tile_start(x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn,
+def tile_start(x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """What a GEMM program of grid (row blocks, feature blocks, splits of K) walks: its split i_s,
     rows o_m [BLOCK_M] and output features o_n [BLOCK_N] with their masks, the K offsets o_k
@@ -191,7 +191,7 @@ def _linear_kernel(
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = _tile_start(
+    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = tile_start(
         x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
 
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -199,20 +199,20 @@ def _linear_kernel(
         m_k = (k0 + o_k) < k_end
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_acc = _dot_acc(b_x, b_w, b_acc, INTERPRET)
+        b_acc = dot_acc(b_x, b_w, b_acc, INTERPRET)
         p_x += BLOCK_K
         p_w += BLOCK_K
 
-    _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+    store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
 @triton.jit
-def _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+def store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                 ROUND_TO: tl.constexpr, INTERPRET: tl.constexpr):
     """A program's [BLOCK_M, BLOCK_N] fp32 sum (rows o_m, features o_n): split i_s's partial, or
     (+ bias) rounded once to ROUND_TO (x's dtype), widened to out's dtype, stored."""
     m_mn = (o_m < M)[:, None] & (o_n < N)[None, :]
-    if SPLIT_K > 1:  # the fp32 partial of this range; _reduce_splits_kernel finishes the tile
+    if SPLIT_K > 1:  # the fp32 partial of this range; reduce_splits_kernel finishes the tile
         p_part = partial + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :]
         tl.store(p_part, b_acc, mask=m_mn)
     else:
@@ -254,11 +254,11 @@ def _linear_tma_kernel(
         b_acc = tl.dot(b_x, b_w.T, b_acc)  # bf16 MMA, fp32 accumulate
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, tl.bfloat16, False)
+    store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, tl.bfloat16, False)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _reduce_splits_kernel(
+def reduce_splits_kernel(
     partial, bias, out,
     M, N, stride_om,
     HAS_BIAS: tl.constexpr,
@@ -288,7 +288,7 @@ REDUCE_BLOCK_N = 1024
 
 class SplitSums(NamedTuple):
     """A split-K product before its reduce (`linear(..., defer_split=True)`): what
-    `_reduce_splits_kernel` would add up, for a consumer that adds it up itself the same way
+    `reduce_splits_kernel` would add up, for a consumer that adds it up itself the same way
     (kernels/norms.py's add_rms_norm: one launch fewer per projection).
 
     partial [SPLIT_K, M, N] fp32: the splits' sums, in split order; bias [N] or None; dtype: what
@@ -315,7 +315,7 @@ def _reduce(sums: SplitSums, out: torch.Tensor) -> None:
     m, n = sums.shape
     if m == 0 or n == 0:
         return
-    _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+    reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
         sums.partial, sums.bias if sums.bias is not None else out, out, m, n, out.stride(0),
         HAS_BIAS=sums.bias is not None, INTERPRET=interpreting(), SPLIT_K=sums.partial.shape[0], BLOCK_N=REDUCE_BLOCK_N,
         ROUND_TO=TL_DTYPES[sums.dtype], num_warps=4, **launch_options(out.device),

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
-from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, _dot_acc, _reduce_splits_kernel, _store_tile, _tile_start, linear,
+from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, dot_acc, reduce_splits_kernel, store_tile, tile_start, linear,
                      linear_config, linear_ref, split_bounds, split_for)
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import interpreting
@@ -88,7 +88,7 @@ def _linear_fp8_kernel(
     """kernels/linear.py's _linear_kernel (its tile, K walk and store) with each weight tile
     dequantized in registers before its dot."""
     after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = _tile_start(
+    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = tile_start(
         x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     p_srow = scale_row_offsets(scale_row, o_n, m_n, stride_sn)
 
@@ -100,12 +100,12 @@ def _linear_fp8_kernel(
         b_w8 = tl.load(p_w, mask=m_w, other=0.0)  # fp8 [BLOCK_K, BLOCK_N]
         b_w = dequantize_tile(b_w8, scale_inv, p_srow, m_n[None, :], k0, (k0 + o_k)[:, None], m_w,
                               SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
-        b_acc = _dot_acc(b_x, b_w, b_acc, INTERPRET)
+        b_acc = dot_acc(b_x, b_w, b_acc, INTERPRET)
         p_x += BLOCK_K
         p_w += BLOCK_K
 
-    # out is in x's dtype (checked): rounded once to it; a split's partial is left to _reduce_splits_kernel
-    _store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+    # out is in x's dtype (checked): rounded once to it; a split's partial is left to reduce_splits_kernel
+    store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M", "stride_om"], do_not_specialize_on_alignment=["out"])
@@ -161,10 +161,10 @@ def _linear_fp8_rows_kernel(
             m_w = m_n[:, None] & m_k[None, :]
             b_w = dequantize_tile(tl.load(p_w, mask=m_w, other=0.0), scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w,
                                   SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
-        b_acc = _dot_acc(b_w, b_x, b_acc, INTERPRET)
+        b_acc = dot_acc(b_w, b_x, b_acc, INTERPRET)
         p_x += BLOCK_K
         p_w += BLOCK_K
-    _store_tile(tl.trans(b_acc), bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+    store_tile(tl.trans(b_acc), bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
 @triton.jit
@@ -305,7 +305,7 @@ def linear_fp8(
     if deferred:
         return SplitSums(partial, bias, x.dtype)
     if cfg.SPLIT_K > 1:
-        _reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+        reduce_splits_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             partial, bias if bias is not None else x, out, m, n, out.stride(0), **flags, BLOCK_N=REDUCE_BLOCK_N,
             ROUND_TO=TL_DTYPES[x.dtype], num_warps=4, **launch_options(x.device),
         )

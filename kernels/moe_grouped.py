@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .dependent_launch import after_previous, launch_options
-from .linear import _dot_acc
+from .linear import dot_acc
 from .linear_fp8 import BlockScales, dequantize_tile, scale_row_offsets
 from .moe_route import Routing, add_pairs
 from .rounding import cast_rtne
@@ -257,8 +257,8 @@ def _grouped_hidden_kernel(
                                 FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
             b_wu = _weight_tile(p_u, m_w, i_e, up_scale, p_su, m_srow, k0, o_kk, stride_se, x.dtype.element_ty, INTERPRET,
                                 FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-        b_g = _dot_acc(b_x, b_wg, b_g, INTERPRET)
-        b_u = _dot_acc(b_x, b_wu, b_u, INTERPRET)
+        b_g = dot_acc(b_x, b_wg, b_g, INTERPRET)
+        b_u = dot_acc(b_x, b_wu, b_u, INTERPRET)
         p_x += BLOCK_K
         p_g += BLOCK_K
         p_u += BLOCK_K
@@ -300,7 +300,7 @@ def _grouped_down_kernel(
         b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
         b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
                            hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-        b_y = _dot_acc(b_h, b_w, b_y, INTERPRET)
+        b_y = dot_acc(b_h, b_w, b_y, INTERPRET)
         p_h += BLOCK_K
         p_w += BLOCK_K
     tl.store(expert_out + b_pair[:, None] * H + o_n[None, :], b_y, mask=m_p[:, None] & m_n[None, :])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import check_launchable, check_operand, check_tensor
+from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
 from .linear import SplitSums
 from .rounding import cast_rtne
@@ -32,7 +32,7 @@ L2_FORMS = {"rsqrt": L2_RSQRT, "div": L2_DIV}
 
 
 @triton.jit
-def _normalise(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+def normalise_block(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
     """One block of a row: b_x [BLOCK_D] fp32, b_ss the row's fp32 sum of squares -> fp32 block
     whose cast to the output dtype is the result; intermediate casts to DTYPE where the reference
     casts. p_gate / p_w point at this block's gate and weight elements."""
@@ -63,7 +63,7 @@ def _normalise(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTYPE: t
 def _load_residual(p_r, p_split, split_stride, p_split_bias, o_c, m_c, SPLIT_K: tl.constexpr, HAS_SPLIT_BIAS: tl.constexpr,
                    DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
     """One block of the residual, fp32: loaded, or (SPLIT_K > 1) finished from a split-K GEMM's
-    sums as kernels/linear.py's _reduce_splits_kernel finishes them: split 0, + each next split in
+    sums as kernels/linear.py's reduce_splits_kernel finishes them: split 0, + each next split in
     ascending order, + bias, rounded once to DTYPE (the bits of the tensor that reduce would store)."""
     if SPLIT_K > 1:
         b_r = tl.load(p_split + o_c, mask=m_c, other=0.0)
@@ -118,7 +118,7 @@ def _row_norm_kernel(
         if HAS_RESIDUAL:
             tl.store(p_total + o_d, b_x.to(DTYPE), mask=m_d)  # exact: b_x already holds a DTYPE value
         b_ss = tl.sum(b_x * b_x, axis=0)
-        b_y = _normalise(b_x, b_ss, p_g + o_d, weight + o_d, m_d, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
+        b_y = normalise_block(b_x, b_ss, p_g + o_d, weight + o_d, m_d, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
         tl.store(p_out + o_d, cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_d)
     else:
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
@@ -135,7 +135,7 @@ def _row_norm_kernel(
                                   DTYPE, EMULATE_BF16_RTNE)
             if HAS_RESIDUAL:
                 tl.store(p_total + o_c, b_x.to(DTYPE), mask=m_c)
-            b_y = _normalise(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
+            b_y = normalise_block(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
             tl.store(p_out + o_c, cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
 
 
@@ -150,19 +150,11 @@ def norm_config(d: int) -> tuple[int, int, int]:
     return block_d, triton.cdiv(d, block_d), 16 if block_d >= 2048 else min(8, max(1, block_d // 512))
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t contiguous with a 16-byte-aligned start. Triton compiles another variant for a pointer off
-    that alignment, and its load layout (so the order of the row's sum) can differ: a one-row
-    decode slice at an odd offset must meet the same code as the same row inside a verify batch."""
-    t = t.contiguous()
-    return t if t.data_ptr() % ALIGN == 0 else t.clone()
-
-
 def _grouped_gate(op: str, gate: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """A gate [M / G, G, D] whose G rows of D are dense and whose groups may be strided (GDN's z: a
     column slice of the input projection's output, [rows, heads, d_v]) -> (the gate, G, the groups'
     stride), read in place when every row starts 16-byte aligned, else made dense: (copy, 1, D).
-    Whichever it is follows from the model's shapes, the same for every row count (see _aligned)."""
+    Whichever it is follows from the model's shapes, the same for every row count (see checks.contiguous_aligned)."""
     m, d = x.shape
     if gate.shape[0] * gate.shape[1] != m or gate.shape[2] != d:
         raise ValueError(f"{op}: gate must be [M / G, G, D] with M = {m} rows of D = {d}, got shape {list(gate.shape)}")
@@ -171,7 +163,7 @@ def _grouped_gate(op: str, gate: torch.Tensor, x: torch.Tensor) -> tuple[torch.T
     dense_rows = gate.stride(2) == 1 and (gate.shape[1] == 1 or gate.stride(1) == d)
     if dense_rows and gate.data_ptr() % ALIGN == 0 and (gate.stride(0) * size) % ALIGN == 0 and (d * size) % ALIGN == 0:
         return gate, gate.shape[1], gate.stride(0)
-    return _aligned(gate.reshape(m, d)), 1, d
+    return contiguous_aligned(gate.reshape(m, d)), 1, d
 
 
 def _launch(
@@ -198,25 +190,25 @@ def _launch(
         gate, gate_group, gate_group_stride = _grouped_gate(op, gate, x)
     elif gate is not None:
         check_tensor(op, "gate", gate, (m, d), x.dtype, ("x", x))
-        gate = _aligned(gate)
+        gate = contiguous_aligned(gate)
     if weight is not None:
         check_tensor(op, "weight", weight, (d,), x.dtype, ("x", x))
-        weight = _aligned(weight)
+        weight = contiguous_aligned(weight)
     out_dtype = torch.float32 if form.value in (L2_RSQRT.value, L2_DIV.value) else x.dtype
     if out is None:
         out = torch.empty((m, d), dtype=out_dtype, device=x.device)
     else:
         check_tensor(op, "out", out, (m, d), out_dtype, ("x", x), contiguous=True)
         if out.data_ptr() % ALIGN:
-            raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see _aligned), got address {out.data_ptr():#x}")
-    x = _aligned(x)
+            raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see checks.contiguous_aligned), got address {out.data_ptr():#x}")
+    x = contiguous_aligned(x)
     total, split = None, None
     if isinstance(residual, SplitSums):
         split = _checked_split(op, residual, x)
         total = torch.empty_like(x)
     elif residual is not None:
         check_tensor(op, "residual", residual, (m, d), x.dtype, ("x", x))
-        residual = _aligned(residual)
+        residual = contiguous_aligned(residual)
         total = torch.empty_like(x)
     if m == 0:
         return out if residual is None else (total, out)
@@ -254,7 +246,7 @@ def _checked_split(op: str, split: SplitSums, x: torch.Tensor) -> SplitSums:
         raise ValueError(f"{op}: residual split sums finish to {split.dtype}, x is {x.dtype}")
     if split.bias is not None:
         check_tensor(op, "residual split bias", split.bias, (d,), x.dtype, ("x", x), layout="[D]")
-    return SplitSums(_aligned(split.partial), None if split.bias is None else _aligned(split.bias), split.dtype)
+    return SplitSums(contiguous_aligned(split.partial), None if split.bias is None else contiguous_aligned(split.bias), split.dtype)
 
 
 def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,7 @@ def _conv_rows_kernel(
 
 
 @triton.jit
-def _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C: tl.constexpr, W: tl.constexpr,
+def shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C: tl.constexpr, W: tl.constexpr,
                   BLOCK_W: tl.constexpr):
     """In place, channels o_c [BLOCK_C] (mask m_c) of window[i_slot] <- the last W-1 of (window ++
     inputs rows i_bos .. i_bos + i_n - 1), i_n >= 1 (int64); an input row is i_row_stride elements
@@ -205,7 +205,7 @@ def _next_window_kernel(
     if i_n == 0:
         # a padding sequence (graph buckets), or one row, which conv_rows committed: not read nor written
         return
-    _shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C, W, BLOCK_W)
+    shift_window(window, inputs, i_row_stride, i_slot, i_bos, i_n, o_c, m_c, C, W, BLOCK_W)
 
 
 def _check(op: str, window: torch.Tensor, inputs: torch.Tensor, seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ def test_a_verify_longer_than_the_carry_is_refused_before_it_runs(model):
     before = slot_state(engine, seq.slot, seq.position)
     batch = RowBatch((seq.slot,), (seq.position,), (5,))
     with pytest.raises(ValueError, match="a verify of 5 rows in a pool that carries at most 3"):
-        engine.runner.step(torch.tensor([seq.pending, 1, 2, 3, 4]), batch, engine.rollback_mode)
+        engine.runner.step(torch.tensor([seq.pending, 1, 2, 3, 4]), batch)
     assert states_equal(slot_state(engine, seq.slot, seq.position), before)
 
 

@@ -137,7 +137,7 @@ def test_the_verify_graphs_ids_are_the_argmax_of_its_logits(model):
         chosen = seqs[:n_seqs]
         batch = RowBatch(tuple(s.slot for s in chosen), tuple(positions[s.slot] for s in chosen), (k + 1,) * n_seqs)
         tokens = [rng.randrange(3, 90) for _ in range(batch.n_rows)]
-        step = engine.runner.step(tokens, batch, engine.rollback_mode)
+        step = engine.runner.step(tokens, batch)
         logits = step.verify()
         assert step.greedy_ids is not None, "a graphed verify hands back its ids"
         assert step.greedy_ids(batch.n_rows) == argmax_rows(logits).tolist(), (n_seqs, k)

@@ -24,7 +24,6 @@ from verifier.model.fp8_checkpoint import write_block_fp8_checkpoint, write_dequ
 from verifier.model.fp8 import FP8_DTYPE
 from verifier.model.mtp import load_mtp_head
 from verifier.model.ops import head_logits
-from verifier.model.rollback import COMMIT
 
 # Qwen3.5 dense (tied head), Qwen3.5-MoE bare (experts per expert, odd rotary width), Qwen3-Next
 # (untied, no count field in config.json), Qwen3.5-MoE published wrapper (fused experts).
@@ -154,7 +153,7 @@ def test_head_reads_the_main_models_hidden_rows(mtp_checkpoint):
     model = load_model(mtp_checkpoint("qwen3_next_moe"))
     pool, batch = model.new_pool(1, 16), RowBatch(slots=(0,), starts=(0,), counts=(len(TOKENS),))
     hidden = torch.empty(len(TOKENS), model.config.hidden_size)
-    logits = model.compute(torch.tensor(TOKENS), batch, pool, row_invariant=True, last_only=False, mode=COMMIT, record=None,
+    logits = model.compute(torch.tensor(TOKENS), batch, pool, row_invariant=True, last_only=False, record=None,
                            hidden_out=hidden)
     assert torch.equal(head_logits(hidden, model.lm_head, row_invariant=True), logits)
 

@@ -226,7 +226,7 @@ def test_a_one_sequence_buckets_capture_touches_no_real_slot(load_target, mode):
     seqs = [e.open([5, 6, 7], SamplingParams(), 10, eos_ids=()) for e in engines]
     engine = engines[1]
     before = [t.clone() for layer in engine.pool.layers for t in layer.named_tensors().values()]
-    engine.runner.padding_step(BucketShape(MAX_K + 1, 1), mode)  # capture_batch's step, eagerly: token 0 rows, keeping none
+    engine.runner.padding_step(BucketShape(MAX_K + 1, 1))  # capture_batch's step, eagerly: token 0 rows, keeping none
     after = [t for layer in engine.pool.layers for t in layer.named_tensors().values()]
     for a, b in zip(before, after):
         assert torch.equal(a[: engine.pool.n_slots], b[: engine.pool.n_slots]), "the capture's step changed a real slot"

@@ -16,7 +16,7 @@ from conftest import ALL_SPECS
 from hybrid_kernels import delta_rule, fused_rollback, runtime, short_conv
 from hybrid_kernels.runtime import pick
 from verifier.model.padding import BucketShape, pad_batch
-from verifier.model.rollback import ROLLBACK_MODES, RollbackPlan, VerifyRecord
+from verifier.model.rollback import ROLLBACK_MODES, RollbackPlan, VerifyRecord, rollback_named
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
 from verifier.model.step_inputs import StepInputs
@@ -38,8 +38,8 @@ def verified(model, mode: str):
     tokens = torch.randint(3, model.config.vocab_size, (batch.n_rows,), generator=torch.Generator().manual_seed(0))
     inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(model.device)
     padded.attach(model.device, inputs.batch_tensors())
-    record = VerifyRecord(mode, padded)
-    model.compute(inputs.tokens, padded, pool, row_invariant=True, last_only=False, mode=mode, record=record)
+    record = rollback_named(mode).record(padded)
+    model.compute(inputs.tokens, padded, pool, row_invariant=True, last_only=False, record=record)
     return pool, record
 
 

@@ -26,7 +26,7 @@ from .model import HybridModel, RowBatch
 from .model.device_scope import on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
 from .model.padding import check_graph_rows
-from .model.rollback import ROLLBACK_MODES, WOA
+from .model.rollback import WOA, rollback_named
 from .model.step import Step, StepRunner
 from .params import SamplingParams
 from .sampling import choose, choose_rows
@@ -125,8 +125,7 @@ class Engine:
         step runs at most n_slots x (max_k + 1) rows). A given list must fit max_seq_len. Besides
         them, a step of one sequence of up to max_k + 1 rows (at most the largest bucket's) has a
         bucket of exactly its shape."""
-        if rollback_mode not in ROLLBACK_MODES:
-            raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {rollback_mode!r}")
+        rollback = rollback_named(rollback_mode)  # ValueError for a name of none
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         if graph_rows is None:
@@ -134,12 +133,17 @@ class Engine:
         graph_rows = check_graph_rows(tuple(graph_rows), max_seq_len)
         self.model = model
         # write-on-accept carries each step's kept rows into the next verify instead of folding them (model/rollback.py)
-        self.pool = model.new_pool(n_slots, max_seq_len, carry_rows=max_k + 1 if rollback_mode == WOA and max_k > 0 else 0)
+        self.pool = model.new_pool(n_slots, max_seq_len, carry_rows=rollback.carry_rows(max_k))
         self.max_k = max_k
-        self.rollback_mode = rollback_mode
+        self.rollback = rollback  # the one Rollback of every step
         # every step's verify and rollback (model/step.py), eager or CUDA-graphed (same bits, minus the
         # launch cost); a step of one sequence at any K <= max_k replays a bucket of exactly its rows (model/padding.py)
-        self.runner = StepRunner(model, self.pool, cuda_graphs, graph_rows, one_sequence_rows=max_k + 1)
+        self.runner = StepRunner(model, self.pool, rollback, cuda_graphs, graph_rows, one_sequence_rows=max_k + 1)
+
+    @property
+    def rollback_mode(self) -> str:
+        """The rollback's name (ModelInfo.rollback_mode)."""
+        return self.rollback.name
 
     @property
     def vocab_size(self) -> int:
@@ -147,11 +151,11 @@ class Engine:
 
     @on_model_device
     def warm_up(self) -> None:
-        """Capture every graph bucket for the engine's rollback mode now, before the first step, so
+        """Capture every graph bucket now, before the first step, so
         that serving never captures (nothing to do when eager); and on CUDA compile the kernels that
         choose tokens from a step's logits (outside the graphs), so that the first served step does
         not compile them (a compile inside a served step stalls every session in its batch)."""
-        self.runner.capture(self.rollback_mode)
+        self.runner.capture()
         if self.model.device.type == "cuda":
             logits = torch.zeros(2, self.vocab_size, dtype=torch.float32, device=self.model.device)  # as _logits gives
             argmax_rows(logits)  # greedy rows
@@ -170,7 +174,7 @@ class Engine:
         """Seconds per step (verify + rollback) by bucket rows, timed now on the scratch slot: every
         bucket through its graphs, or eagerly (the CPU) the smallest buckets within ~0.5 s
         (StepRunner.step_costs). Real slots are not touched."""
-        return self.runner.step_costs(self.rollback_mode)
+        return self.runner.step_costs()
 
     @on_model_device
     def open(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None,
@@ -251,7 +255,7 @@ class Engine:
         # a list, not a tensor: checked with builtins and written into the step's pinned inputs as it is
         # (a batch-1 step's host time is on its critical path: the GPU waits for it)
         tokens = [t for r in requests for t in (r.sequence.pending, *r.drafts)]
-        step = self.runner.step(tokens, batch, self.rollback_mode)  # rows checked (a caller bug: asserted) before any state changes
+        step = self.runner.step(tokens, batch)  # rows checked (a caller bug: asserted) before any state changes
         try:
             return self._verify_accept_rollback(requests, sequences, step)
         except BaseException:

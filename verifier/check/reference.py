@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import Engine, StepRequest
-from ..model.rollback import committed_state
 from ..model.state import AttentionState
 from ..params import SamplingParams
 from .layers import LayerOutputs
@@ -32,7 +31,7 @@ def slot_state(engine: Engine, slot: int, position: int) -> list[LayerState]:
         if isinstance(layer, AttentionState):
             tensors = [layer.keys[slot, :position].clone(), layer.values[slot, :position].clone()]
         else:
-            tensors = [layer.conv[slot].clone(), committed_state(engine.pool, layer, slot)]  # its carried rows applied
+            tensors = [layer.conv[slot].clone(), engine.rollback.committed_state(engine.pool, layer, slot)]  # its carried rows applied
         states.append(LayerState(kind, tensors))
     return states
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of verify and rollback, one pair per (bucket, rollback mode), captured at startup.
+"""CUDA graphs of verify and rollback, one pair per bucket, captured at startup.
 Buckets, inputs and outputs, greedy ids, the rollback graph and capture: DESIGN.md section 6,
 "CUDA graph buckets".
 """
@@ -17,7 +17,7 @@ from hybrid_kernels import dependent_launch
 from hybrid_kernels.sampling import argmax_rows
 
 from .padding import BucketShape, capture_batch, pad_batch
-from .rollback import RollbackPlan, VerifyRecord
+from .rollback import Rollback
 from .rows import RowBatch
 from .step_inputs import StepInputs
 
@@ -78,7 +78,6 @@ def collector_paused():
 @dataclass
 class _Bucket:
     shape: BucketShape
-    mode: str
     inputs: StepInputs  # on the device: the verify graph's static inputs
     host: StepInputs  # pinned twin the step is packed into
     kept: torch.Tensor  # [S_b] int32 on the device: the rollback graph's static input
@@ -111,14 +110,14 @@ class _Bucket:
 
 
 class GraphedSteps:
-    def __init__(self, model, pool, shapes: list[BucketShape]):
+    def __init__(self, model, pool, shapes: list[BucketShape], rollback: Rollback):
         if not shapes:
             raise ValueError("GraphedSteps needs at least one bucket")
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.rollback = model, pool, rollback
         self.device = model.device
         self.shapes = shapes
         self.captures = 0  # bucket pairs captured since construction
-        self._buckets: dict[tuple[BucketShape, str], _Bucket] = {}
+        self._buckets: dict[BucketShape, _Bucket] = {}
         self._memory = torch.cuda.graph_pool_handle()
         most_rows = max(shape.rows for shape in shapes)
         self._logits = torch.empty(most_rows, model.config.vocab_size, dtype=torch.float32, device=self.device)
@@ -131,23 +130,23 @@ class GraphedSteps:
         self._host_ids_view = self._host_ids.numpy()  # read as numpy, made once: slicing a tensor costs more host time
         self._last: _Bucket | None = None
 
-    def capture(self, mode: str) -> None:
-        """Capture every bucket's verify and rollback graphs for `mode` (those not captured yet)."""
+    def capture(self) -> None:
+        """Capture every bucket's verify and rollback graphs (those not captured yet)."""
         for shape in self.shapes:
-            self._bucket(shape, mode)
+            self._bucket(shape)
 
-    def _bucket(self, shape: BucketShape, mode: str) -> _Bucket:
-        """`shape`'s bucket for `mode`, captured first if it is not yet. A captured one is a dict
+    def _bucket(self, shape: BucketShape) -> _Bucket:
+        """`shape`'s bucket, captured first if it is not yet. A captured one is a dict
         lookup: inference mode, whose entry and exit are host work on a batch-1 step's critical
         path (`python -m bench.gpu` times that step), wraps the capture only."""
-        bucket = self._buckets.get((shape, mode))
+        bucket = self._buckets.get(shape)
         if bucket is not None:
             return bucket
         pdl = contextlib.nullcontext() if shape.rows <= PDL_MAX_ROWS else dependent_launch.suspended()
         with torch.inference_mode(), pdl:
-            return self._new_bucket(shape, mode)
+            return self._new_bucket(shape)
 
-    def _new_bucket(self, shape: BucketShape, mode: str) -> _Bucket:
+    def _new_bucket(self, shape: BucketShape) -> _Bucket:
         scratch = self.pool.scratch_slot
         static = capture_batch(shape, scratch)  # padding only: what the graph is captured on
         host = StepInputs(shape.rows, shape.sequences, "cpu", pin=True).fill(None, static)
@@ -157,25 +156,26 @@ class GraphedSteps:
         logits_out, hidden_out = self._logits[: shape.rows], self._hidden[: shape.rows]
         ids_out, host_ids = self._ids[: shape.rows], self._host_ids[: shape.rows]
         # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
-        warm = VerifyRecord(mode, static)
-        self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, mode=mode, record=warm,
+        rollback = self.rollback
+        warm = rollback.record(static)
+        self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, record=warm,
                            logits_out=logits_out, hidden_out=hidden_out)
         argmax_rows(logits_out, out=ids_out)
-        RollbackPlan(self.pool, warm).apply(kept)
+        rollback.plan(self.pool, warm).apply(kept)
         torch.cuda.synchronize()
-        record = VerifyRecord(mode, static)
+        record = rollback.record(static)
         host_kept = torch.zeros(shape.sequences, dtype=torch.int32).pin_memory()
 
         def verify_step():
             inputs.copy_(host, non_blocking=True)  # captured: the replay reads the pinned buffer
-            self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, mode=mode, record=record,
+            self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, record=record,
                                logits_out=logits_out, hidden_out=hidden_out)
             argmax_rows(logits_out, out=ids_out)  # greedy choices (DESIGN.md section 6, "CUDA graph buckets": greedy ids)
             host_ids.copy_(ids_out, non_blocking=True)
 
         verify_graph = self._capture(verify_step)
         # the record's addresses are the verify graph's from here on: its pointer tables are built once, here
-        plan = RollbackPlan(self.pool, record)
+        plan = rollback.plan(self.pool, record)
         def rollback_step():
             kept.copy_(host_kept, non_blocking=True)  # captured, as the verify's inputs
             plan.apply(kept)
@@ -184,9 +184,9 @@ class GraphedSteps:
         if len(static._on_device) != 1:  # a second copy of the batch would be baked into the graph
             raise RuntimeError(f"verify read its batch on more than one device key: {list(static._on_device)}")
         self._release(record)
-        bucket = _Bucket(shape, mode, inputs, host, kept, host_kept, torch.cuda.Event(), verify_graph,
+        bucket = _Bucket(shape, inputs, host, kept, host_kept, torch.cuda.Event(), verify_graph,
                          rollback_graph, plan.tables)
-        self._buckets[(shape, mode)] = bucket
+        self._buckets[shape] = bucket
         self.captures += 1
         return bucket
 
@@ -197,17 +197,17 @@ class GraphedSteps:
         return graph
 
     @staticmethod
-    def _release(record: VerifyRecord) -> None:
+    def _release(record) -> None:
         """Drop the captured record's tensors: a record lives from a verify replay to its rollback
         replay and nothing replays between them, so its memory goes back to the shared pool for the
         next bucket's capture (the graphs keep their addresses)."""
         record.layers.clear()
 
-    def verify(self, tokens: torch.Tensor | Sequence[int], batch: RowBatch, shape: BucketShape, mode: str) -> tuple[torch.Tensor, _Bucket]:
+    def verify(self, tokens: torch.Tensor | Sequence[int], batch: RowBatch, shape: BucketShape) -> tuple[torch.Tensor, _Bucket]:
         """Replay `shape`'s verify graph on the step (tokens [R] int64 on the host or a list of ints, batch checked)
         -> (logits [R, vocab] fp32, a view of the shared logits buffer valid until the next verify;
         the bucket, for `rollback`)."""
-        bucket = self._bucket(shape, mode)
+        bucket = self._bucket(shape)
         bucket.wait_verified()
         bucket.host.fill(tokens, pad_batch(batch, shape, self.pool.scratch_slot))
         bucket.verify_graph.replay()  # its first node copies bucket.host to bucket.inputs
@@ -238,7 +238,7 @@ class GraphedSteps:
         bucket.rollback_graph.replay()  # its first node copies bucket.host_kept to bucket.kept
         self._last = None
 
-    def replay_padding(self, shape: BucketShape, mode: str) -> None:
+    def replay_padding(self, shape: BucketShape) -> None:
         """A step of padding rows only through `shape`'s graphs: what a step of that bucket costs."""
-        self.verify(torch.zeros(0, dtype=torch.int64), RowBatch((), (), ()), shape, mode)
+        self.verify(torch.zeros(0, dtype=torch.int64), RowBatch((), (), ()), shape)
         self.rollback(self._last, [0] * shape.sequences)

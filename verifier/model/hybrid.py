@@ -29,9 +29,9 @@ from .layers.mlp import DenseMLP, MoE
 from .ops import add_rms_norm, each_row, head_logits, rms_norm
 from .parallel.group import TensorParallel
 from .parallel.sharding import ShardedSource, local_config
-from .rollback import COMMIT, VerifyRecord
+from .rollback import VerifyRecord
 from .rows import RowBatch, check_rows
-from .state import SlotPool
+from .state import RecurrentState, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,15 @@ class HybridModel:
         Commits every row: KV at the row's position, conv window and recurrent state advanced
         past the sequence's last row. Prefill runs this."""
         check_rows(tokens, batch, pool.max_seq_len, self.config.vocab_size)
-        return self.compute(tokens.to(self.device), batch, pool, row_invariant=row_invariant, last_only=last_only, mode=COMMIT,
-                            record=None, hidden_out=hidden_out)
+        return self.compute(tokens.to(self.device), batch, pool, row_invariant=row_invariant, last_only=last_only, record=None,
+                            hidden_out=hidden_out)
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool,
-                mode: str, record: VerifyRecord | None, logits_out: torch.Tensor | None = None,
+                record: VerifyRecord | None, logits_out: torch.Tensor | None = None,
                 hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it.
+        record: a verify's (its Rollback says what the recurrent layers record; they fill it);
+        None: every row is committed (prefill).
         logits_out: an optional fp32 [rows, vocab] buffer the logits are written into (the graphs'
         shared output; the same values: the LM head's output converted to fp32 once).
         hidden_out: an optional [rows, H] buffer (all rows, even with last_only) the final-normed
@@ -105,7 +107,7 @@ class HybridModel:
         positions = batch.positions(self.device)
         h = self.embed[tokens] if self.parallel is None else self.parallel.embed(self.embed, tokens)
         x = residual_stream(self.config, self.blocks, pool.layers, h, self.final_norm, batch, positions,
-                            row_invariant=row_invariant, mode=mode, record=record, parallel=self.parallel)
+                            row_invariant=row_invariant, record=record, parallel=self.parallel)
         if hidden_out is not None:
             hidden_out.copy_(x)
         if last_only:
@@ -138,8 +140,8 @@ class HybridModel:
 
 
 def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: torch.Tensor, final_norm: torch.Tensor,
-                    batch: RowBatch, positions: torch.Tensor, *, row_invariant: bool, mode: str,
-                    record: VerifyRecord | None = None, parallel: TensorParallel | None = None) -> torch.Tensor:
+                    batch: RowBatch, positions: torch.Tensor, *, row_invariant: bool, record: VerifyRecord | None = None,
+                    parallel: TensorParallel | None = None) -> torch.Tensor:
     """The stream h [rows, H] entering blocks[0] through every block (block i over states[i]) ->
     final_norm of the stream after the last block [rows, H]. The main model's blocks and an MTP
     head's layers (verifier/model/mtp.py) run this one loop.
@@ -158,9 +160,13 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
     x = each_row(lambda t: rms_norm(t, blocks[0].input_norm, eps, zero_centred), h, row_invariant=row_invariant)
     next_norms = [block.input_norm for block in blocks[1:]] + [final_norm]
     for index, (block, state, next_norm) in enumerate(zip(blocks, states, next_norms)):
-        mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, mode=mode)
-        if record is not None and layer_record is not None:
-            record.layers[index] = layer_record
+        if isinstance(state, RecurrentState):  # a verify's record says what it keeps; without one, prefill commits
+            mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant,
+                                                      rollback=None if record is None else record.rollback)
+            if record is not None:
+                record.layers[index] = layer_record
+        else:
+            mixed, _ = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant)
         if parallel is not None:
             mixed = parallel.sum(mixed)
         h, x = each_row(lambda a, b: add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)

@@ -16,7 +16,6 @@ from .config import ATTENTION, DENSE, MOE
 from .hf_config import read_json_object
 from .hybrid import Block, HybridModel, residual_stream
 from .ops import each_row, head_logits, linear, rms_norm
-from .rollback import COMMIT
 from .rows import RowBatch, check_rows
 from .state import SlotPool
 
@@ -105,7 +104,7 @@ class MTPHead:
         j = step % self.n_layers
         x = each_row(self._fuse, self.embed[tokens], hidden, row_invariant=row_invariant)
         out = residual_stream(self.config, [self.layers[j]], [pool.layers[j]], x, self.final_norm, batch,
-                              batch.positions(self.device), row_invariant=row_invariant, mode=COMMIT)
+                              batch.positions(self.device), row_invariant=row_invariant)
         return out, head_logits(out, self.lm_head, logits_out, row_invariant=row_invariant)
 
     def _fuse(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

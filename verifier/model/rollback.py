@@ -19,11 +19,6 @@ from hybrid_kernels.runtime import pick
 from .rows import RowBatch
 from .state import RecurrentState, SlotPool
 
-COMMIT = "commit"  # prefill: write the state as rows are consumed
-SNAPSHOT = "snapshot"
-WOA = "woa"
-ROLLBACK_MODES = (WOA, SNAPSHOT)
-
 
 @dataclass
 class LayerRecord:
@@ -37,13 +32,96 @@ class LayerRecord:
     snapshots: torch.Tensor | None = None  # snapshot mode: [rows, heads, d_k, d_v] fp32 state after each row
 
 
-class VerifyRecord:
-    """What one verify forward leaves for rollback: its batch and, per recurrent layer, a LayerRecord."""
+class Rollback:
+    """How a verify's recurrent layers go back to each sequence's accepted prefix, chosen once: the
+    engine holds one (DESIGN.md section 4, "Rollback records and carried rows"). It says how many
+    rows a slot carries between steps (the pool's buffers), what a verify records
+    (`snapshot_buffer`), which rows a forward runs (`rows`), the rollback's plan, the host's
+    bookkeeping after it (`kept`) and a slot's committed state. No forward takes it as an
+    argument: a VerifyRecord carries it to the recurrent layers, and prefill (no record) commits
+    every row."""
 
-    def __init__(self, mode: str, batch: RowBatch):
-        if mode not in ROLLBACK_MODES:
-            raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {mode!r}")
-        self.mode = mode
+    name = ""
+
+    def carry_rows(self, max_k: int) -> int:
+        """Rows a slot carries from one step into the next (SlotPool's CarriedRows): none."""
+        return 0
+
+    def record(self, batch: RowBatch) -> VerifyRecord:
+        """An empty record of a verify of `batch`, which the forward fills."""
+        return VerifyRecord(self, batch)
+
+    def snapshot_buffer(self, rows: int, heads: int, d_k: int, d_v: int, device) -> torch.Tensor | None:
+        """Where a recurrent layer's verify writes the state after each row (None: it keeps none)."""
+        return None
+
+    def rows(self, batch: RowBatch, pool: SlotPool) -> RowBatch:
+        """The rows a verify of `batch` runs: `batch` itself."""
+        return batch
+
+    def plan(self, pool: SlotPool, record: VerifyRecord, store: TableStore | None = None) -> RollbackPlan:
+        """The rollback of `record` (RollbackPlan; store: see there)."""
+        return RollbackPlan(pool, record, store)
+
+    def kept(self, pool: SlotPool, batch: RowBatch, consumed: list[int]) -> None:
+        """The host's bookkeeping once a rollback of `batch` kept consumed[s] rows: none."""
+
+    def committed_state(self, pool: SlotPool, layer: RecurrentState, slot: int) -> torch.Tensor:
+        """A copy of the slot's recurrent state [heads, d_k, d_v]: what its next verify starts from, bitwise."""
+        return layer.recurrent[slot].clone()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class WriteOnAccept(Rollback):
+    """Write-on-accept: a verify stashes each row's keys, values, decays and betas; the rollback
+    folds a sequence's kept rows into its state or, in a pool that carries rows (an engine of
+    max_k > 0), keeps them as the slot's carried rows, which its next verify applies first."""
+
+    name = "woa"
+
+    def carry_rows(self, max_k: int) -> int:
+        return max_k + 1 if max_k > 0 else 0
+
+    def rows(self, batch: RowBatch, pool: SlotPool) -> RowBatch:
+        return with_carried(batch, pool)
+
+    def kept(self, pool: SlotPool, batch: RowBatch, consumed: list[int]) -> None:
+        note_kept(pool, batch, consumed)
+
+    def committed_state(self, pool: SlotPool, layer: RecurrentState, slot: int) -> torch.Tensor:
+        return committed_state(pool, layer, slot)
+
+
+class Snapshot(Rollback):
+    """Per-row snapshots: a verify writes the state after every row; the rollback copies the
+    snapshot after a sequence's last kept row into its slot."""
+
+    name = "snapshot"
+
+    def snapshot_buffer(self, rows: int, heads: int, d_k: int, d_v: int, device) -> torch.Tensor:
+        return torch.empty(rows, heads, d_k, d_v, dtype=torch.float32, device=device)
+
+
+WOA, SNAPSHOT = WriteOnAccept.name, Snapshot.name
+ROLLBACKS: dict[str, Rollback] = {r.name: r for r in (WriteOnAccept(), Snapshot())}  # they hold no state: one each
+ROLLBACK_MODES = tuple(ROLLBACKS)
+
+
+def rollback_named(name: str) -> Rollback:
+    """The rollback of that name (one of ROLLBACK_MODES); ValueError for another."""
+    if name not in ROLLBACKS:
+        raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {name!r}")
+    return ROLLBACKS[name]
+
+
+class VerifyRecord:
+    """What one verify forward leaves for rollback: its batch and, per recurrent layer, a
+    LayerRecord; `rollback` says what the layers record (Rollback.record makes one)."""
+
+    def __init__(self, rollback: Rollback, batch: RowBatch):
+        self.rollback = rollback
         self.batch = batch
         self.layers: dict[int, LayerRecord] = {}
 
@@ -151,14 +229,14 @@ def with_carried(batch: RowBatch, pool: SlotPool) -> RowBatch:
                     carried=carried)
 
 
-def note_kept(pool: SlotPool, batch: RowBatch, consumed: list[int], carried: bool) -> None:
-    """After a rollback of `batch` (the caller's sequences) keeping consumed[s] rows: the rows each
-    slot now carries (consumed[s] where the rollback carried them, a sequence of more than one row;
-    0 where the verify or the rollback committed everything)."""
+def note_kept(pool: SlotPool, batch: RowBatch, consumed: list[int]) -> None:
+    """After a write-on-accept rollback of `batch` (the caller's sequences) keeping consumed[s]
+    rows: the rows each slot now carries (consumed[s] for a sequence of more than one row; 0 where
+    the verify committed everything: a one-row sequence)."""
     if not pool.carry_rows:
         return
     for slot, count, kept in zip(batch.slots, batch.counts, consumed):
-        pool.carried[slot] = kept if carried and count > 1 else 0
+        pool.carried[slot] = kept if count > 1 else 0
 
 
 def committed_state(pool: SlotPool, layer: RecurrentState, slot: int) -> torch.Tensor:

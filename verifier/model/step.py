@@ -14,7 +14,7 @@ from hybrid_kernels.fused_rollback import TableStore
 
 from .graphs import GraphedSteps, collector_paused, graphs_supported
 from .padding import BucketShape, bucket_for, bucket_shapes, buckets, capture_batch, pad_batch, padded_kept
-from .rollback import WOA, RollbackPlan, VerifyRecord, check_consumed, note_kept, with_carried
+from .rollback import ROLLBACKS, WOA, Rollback, RollbackPlan, check_consumed
 from .rows import RowBatch, check_rows
 from .state import RecurrentState, SlotPool
 from .step_inputs import StepInputs
@@ -24,17 +24,16 @@ class Step:
     """One verify of a ragged batch and its rollback (DESIGN.md section 6, "The engine step"). Made by StepRunner.step."""
 
     def __init__(self, runner: StepRunner, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, rows: RowBatch,
-                 mode: str, shape: BucketShape | None):
+                 shape: BucketShape | None):
         self.runner = runner
         self.tokens = tokens  # [rows] int64 on the host or a list of ints: per sequence its pending token, then its drafts
         self.batch = batch  # the step as the caller sent it: kept counts are checked against it
-        self.rows = rows  # `batch` with its slots' carried rows: what the forward runs
-        self.mode = mode  # the rollback mode
+        self.rows = rows  # what the forward runs: `batch` as the runner's Rollback has it (with its slots' carried rows)
         self.shape = shape  # the bucket it fits (None: past the largest, or no buckets)
         self.logits: torch.Tensor | None = None  # after verify: [rows, vocab] fp32, valid until the next verify
         self.greedy_ids: Callable[[int], list[int]] | None = None
         self._padded_to: BucketShape | None = None  # the shape its verify ran padded to (None: as it is)
-        self._record: VerifyRecord | None = None  # eager: the forward's record (graphed: the bucket owns it)
+        self._record = None  # eager: the forward's VerifyRecord (graphed: the bucket owns it)
         self._bucket = None  # graphed: the bucket whose rollback graph replays
         self._rolled_back = False
 
@@ -48,14 +47,14 @@ class Step:
             raise RuntimeError("a step verifies once")
         runner = self.runner
         if runner.graphs is not None and self.shape is not None:
-            self.logits, self._bucket = runner.graphs.verify(self.tokens, self.rows, self.shape, self.mode)
+            self.logits, self._bucket = runner.graphs.verify(self.tokens, self.rows, self.shape)
             self.greedy_ids = runner.graphs.greedy_ids
             self._padded_to = self.shape
             if hidden_out is not None:
                 hidden_out.copy_(runner.graphs.hidden(self.rows.n_rows))
         else:
             self._padded_to = self.shape if runner.pad_eagerly else None
-            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, self.mode, hidden_out)
+            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, hidden_out)
         return self.logits
 
     def rollback(self, consumed: list[int]) -> None:
@@ -71,24 +70,26 @@ class Step:
             if self._bucket is not None:
                 runner.graphs.rollback(self._bucket, kept)
             elif self._record.layers:
-                RollbackPlan(runner.pool, self._record).apply(torch.tensor(kept, dtype=torch.int32).to(runner.model.device))
+                runner.rollback.plan(runner.pool, self._record).apply(torch.tensor(kept, dtype=torch.int32).to(runner.model.device))
         self._rolled_back = True
-        note_kept(runner.pool, self.batch, consumed, carried=self.mode == WOA)
+        runner.rollback.kept(runner.pool, self.batch, consumed)
 
 
 class StepRunner:
-    def __init__(self, model, pool: SlotPool, cuda_graphs: bool = True, graph_rows: tuple[int, ...] = (),
-                 pad_eagerly: bool = False, one_sequence_rows: int = 0):
-        """cuda_graphs: use graphs where the backend supports them (Triton on a GPU); eager otherwise.
+    def __init__(self, model, pool: SlotPool, rollback: Rollback = ROLLBACKS[WOA], cuda_graphs: bool = True,
+                 graph_rows: tuple[int, ...] = (), pad_eagerly: bool = False, one_sequence_rows: int = 0):
+        """rollback: how every step's recurrent state goes back to the accepted rows (the pool's
+        carried rows are sized for it: Rollback.carry_rows).
+        cuda_graphs: use graphs where the backend supports them (Triton on a GPU); eager otherwise.
         graph_rows: the shared buckets' row counts (checked by the caller: padding.check_graph_rows).
         one_sequence_rows: a step of one sequence of up to this many rows (the engine's max_k + 1) has
         a bucket of its own, exactly its shape (padding.py: One sequence's buckets)."""
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.rollback = model, pool, rollback
         self.shared = bucket_shapes(graph_rows, pool.n_slots)  # the step-cost table's buckets, fewest rows first
         self.buckets = buckets(graph_rows, pool.n_slots, one_sequence_rows)  # every bucket a step may replay
         self.pad_eagerly = pad_eagerly
         # None when eager
-        self.graphs = GraphedSteps(model, pool, self.buckets) if cuda_graphs and self.buckets and graphs_supported(model) else None
+        self.graphs = GraphedSteps(model, pool, self.buckets, rollback) if cuda_graphs and self.buckets and graphs_supported(model) else None
 
     @property
     def graphed(self) -> bool:
@@ -104,53 +105,53 @@ class StepRunner:
         """The largest bucket's rows (a step with more runs eagerly); None when not graphed."""
         return self.buckets[-1].rows if self.graphs is not None else None
 
-    def capture(self, mode: str) -> None:
-        """Capture every bucket's graphs for `mode` now (nothing when eager)."""
+    def capture(self) -> None:
+        """Capture every bucket's graphs now (nothing when eager)."""
         if self.graphs is not None:
-            self.graphs.capture(mode)
+            self.graphs.capture()
 
-    def step(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, mode: str) -> Step:
+    def step(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch) -> Step:
         """The Step of `batch` (tokens [rows] int64 on the host or a list of ints; None: padding
         rows, token 0): its rows checked, its slots' carried rows attached; no state touched."""
         check_rows(tokens, batch, self.pool.max_seq_len, self.model.config.vocab_size)
-        rows = with_carried(batch, self.pool)  # each slot's carried rows go first (rollback.py, Carried rows)
+        rows = self.rollback.rows(batch, self.pool)  # each slot's carried rows go first (rollback.py, Carried rows)
         shape = bucket_for(self.buckets, rows) if self.graphs is not None or self.pad_eagerly else None
-        return Step(self, tokens, batch, rows, mode, shape)
+        return Step(self, tokens, batch, rows, shape)
 
     @torch.inference_mode()
     def eager(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, shape: BucketShape | None,
-              mode: str, hidden_out: torch.Tensor | None = None) -> tuple[torch.Tensor, VerifyRecord]:
+              hidden_out: torch.Tensor | None = None):
         """The eager verify of a checked batch (padded to `shape` unless None) -> (logits of its
-        own rows, the record its rollback reads). hidden_out: Step.verify's, [batch rows, H]."""
+        own rows, the VerifyRecord its rollback reads). hidden_out: Step.verify's, [batch rows, H]."""
         padded = batch if shape is None else pad_batch(batch, shape, self.pool.scratch_slot)
         device = self.model.device
         inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(device)
         padded.attach(device, inputs.batch_tensors())
-        record = VerifyRecord(mode, padded)
+        record = self.rollback.record(padded)
         hidden = hidden_out
         if hidden_out is not None:
             assert hidden_out.shape == (batch.n_rows, self.model.config.hidden_size), \
                 f"hidden_out has shape {list(hidden_out.shape)}, expected [{batch.n_rows}, {self.model.config.hidden_size}]"
             if padded.n_rows != batch.n_rows:  # padding rows come after the batch's own (as the logits' slice says)
                 hidden = torch.empty(padded.n_rows, hidden_out.shape[1], dtype=hidden_out.dtype, device=hidden_out.device)
-        logits = self.model.compute(inputs.tokens, padded, self.pool, row_invariant=True, last_only=False, mode=mode, record=record,
+        logits = self.model.compute(inputs.tokens, padded, self.pool, row_invariant=True, last_only=False, record=record,
                                     hidden_out=hidden)
         if hidden is not hidden_out:
             hidden_out.copy_(hidden[: batch.n_rows])
         return logits[: batch.n_rows], record
 
-    def padding_step(self, shape: BucketShape, mode: str) -> None:
+    def padding_step(self, shape: BucketShape) -> None:
         """A step of padding rows only, of `shape`, in the scratch slot (no real state changes): what
         a bucket's capture runs (padding.capture_batch, a rollback keeping nothing), through the
         bucket's graphs where graphed, else eagerly."""
         if self.graphs is not None:
-            self.graphs.replay_padding(shape, mode)
+            self.graphs.replay_padding(shape)
             return
-        _, record = self.eager(None, capture_batch(shape, self.pool.scratch_slot), None, mode)
+        _, record = self.eager(None, capture_batch(shape, self.pool.scratch_slot), None)
         if record.layers:
-            RollbackPlan(self.pool, record).apply(torch.zeros(shape.sequences, dtype=torch.int32, device=self.model.device))
+            self.rollback.plan(self.pool, record).apply(torch.zeros(shape.sequences, dtype=torch.int32, device=self.model.device))
 
-    def step_costs(self, mode: str, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
+    def step_costs(self, repeats: int = 5, budget_s: float = 0.5) -> dict[int, float]:
         """Seconds per step (verify + rollback) of each shared bucket (a one-sequence bucket runs the
         same rows without padding, faster: it times a batch-1 step, not R rows of any batch):
         the median of `repeats` padding steps (`padding_step`: no real state changes),
@@ -174,7 +175,7 @@ class StepRunner:
             for _ in range(repeats + 1):
                 self._sync()
                 start = time.perf_counter()
-                self.padding_step(shape, mode)
+                self.padding_step(shape)
                 self._sync()
                 times.append(time.perf_counter() - start)
             costs[shape.rows] = statistics.median(times[1:])
@@ -185,9 +186,10 @@ class StepRunner:
             torch.cuda.synchronize()
 
 
-def verify(model, pool: SlotPool, tokens: torch.Tensor | Sequence[int], batch: RowBatch, mode: str = WOA) -> Step:
+def verify(model, pool: SlotPool, tokens: torch.Tensor | Sequence[int], batch: RowBatch,
+           rollback: Rollback = ROLLBACKS[WOA]) -> Step:
     """An eager Step outside an engine (tests, benches), verified: its `logits`, then its `rollback`."""
-    step = StepRunner(model, pool, cuda_graphs=False).step(tokens, batch, mode)
+    step = StepRunner(model, pool, rollback, cuda_graphs=False).step(tokens, batch)
     step.verify()
     return step
 
@@ -209,10 +211,10 @@ class FixedStep:
     bits are the engine's. A pool that carries no rows only (the drafter's engine, max_k 0): a
     chained step has no host count of its slot's carried rows to attach."""
 
-    def __init__(self, model, pool: SlotPool, slot: int, rows: int, mode: str = WOA):
+    def __init__(self, model, pool: SlotPool, slot: int, rows: int, rollback: Rollback = ROLLBACKS[WOA]):
         if pool.carry_rows:
             raise ValueError(f"FixedStep: the pool carries {pool.carry_rows} rows a slot; chained steps run on a pool that carries none")
-        self.model, self.pool, self.slot, self.rows, self.mode = model, pool, slot, rows, mode
+        self.model, self.pool, self.slot, self.rows, self.rollback = model, pool, slot, rows, rollback
         self.device = torch.device(model.device)
         batch = RowBatch(slots=(slot,), starts=(0,), counts=(rows,))
         self.inputs = StepInputs(rows, 1, "cpu").fill(None, batch).to(self.device)
@@ -225,12 +227,12 @@ class FixedStep:
         any value). graph: the StepGraph being captured, whose store holds the rollback's tables."""
         batch = RowBatch(slots=(self.slot,), starts=(start,), counts=(self.rows,))
         batch.attach(self.device, self.inputs.batch_tensors())
-        record = VerifyRecord(self.mode, batch)
-        self.model.compute(self.inputs.tokens, batch, self.pool, row_invariant=True, last_only=False, mode=self.mode, record=record,
+        record = self.rollback.record(batch)
+        self.model.compute(self.inputs.tokens, batch, self.pool, row_invariant=True, last_only=False, record=record,
                            logits_out=logits_out)
         # every recurrent layer's window in one launch and state in another, as a graph bucket rolls
         # back; in a capture the tables are written when it ends (StepGraph.capture)
-        plan = RollbackPlan(self.pool, record, None if graph is None else graph.store)
+        plan = self.rollback.plan(self.pool, record, None if graph is None else graph.store)
         if graph is not None:
             graph.plans.append(plan)
         plan.apply(kept)

@@ -214,7 +214,7 @@ class ModelProposer:
         keeping every row); return the last row's logits."""
         batch = RowBatch(slots=(self.slot,), starts=(len(self.tokens),), counts=(len(new),))
         # the step hides graphed vs eager; a graph replay overwrites its output, hence the copy
-        step = self.engine.runner.step(new, batch, WOA)
+        step = self.engine.runner.step(new, batch)
         last = step.verify()[-1].clone()
         step.rollback([len(new)])
         self.tokens += new

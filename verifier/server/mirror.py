@@ -114,7 +114,7 @@ def bucket_cost(engine: Engine, index: int) -> float:
         for _ in range(EAGER_REPEATS + 1):
             _sync(engine)
             start = time.perf_counter()
-            runner.padding_step(shape, engine.rollback_mode)
+            runner.padding_step(shape)
             _sync(engine)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

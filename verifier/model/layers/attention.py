@@ -15,7 +15,6 @@ from hybrid_kernels.attention_prep import attention_prep, output_gate, project_h
 from hybrid_kernels.runtime import use_triton
 
 from ..ops import each_row, linear, rope_cos_sin, rope_inv_freq, rope_table
-from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
 from .attend import attend, write_kv
@@ -43,8 +42,8 @@ class GatedAttention:
         self.k_norm = src.take(p + "k_norm.weight", (hd,))
         self.scale = hd**-0.5
 
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
-                mode: str = COMMIT) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *,
+                row_invariant: bool) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
         if use_triton(x):
             query, gate = self._project_and_write(x, batch, positions, state)

@@ -2,10 +2,10 @@
 the layer's forward around it (`DeltaRuleMixer`).
 
 Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their torch
-references, which walk each sequence row by row, serve the CPU. Verify (SNAPSHOT or WOA mode)
-reads a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback;
-it writes the window and state of a one-row sequence only, whose row every step consumes
-(kernels/one_row_commit.py). Prefill (COMMIT) applies the same record at once.
+references, which walk each sequence row by row, serve the CPU. Verify (a Rollback given) reads
+a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback; it
+writes the window and state of a one-row sequence only, whose row every step consumes
+(kernels/one_row_commit.py). Prefill (no Rollback) applies the same record at once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hybrid_kernels.runtime import pick
 
 from ..ops import each_row
 from ..padding import walk_sequences
-from ..rollback import COMMIT, SNAPSHOT, LayerRecord, commit
+from ..rollback import LayerRecord, Rollback, commit
 from ..rows import RowBatch
 from ..state import RecurrentState
 
@@ -30,32 +30,29 @@ Heads = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Tensor, conv_weight: torch.Tensor,
                   split_heads: Heads, gate_inputs: tuple[torch.Tensor, ...], *, row_invariant: bool,
-                  mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
+                  rollback: Rollback | None = None) -> tuple[torch.Tensor, LayerRecord]:
     """conv_inputs [rows, conv_dim] raw; split_heads maps the conv outputs and the rows' gate_inputs
     (what the layer's projection left for it: GDN's raw gate columns, KDA's finished decay and beta)
     to the heads and gates (Heads) -> (outputs [rows, heads, d_v] in conv_inputs' dtype, the layer's
-    record). COMMIT also applies the record."""
+    record). rollback: the verify's (what it records); None: prefill, which also applies the record."""
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
     runs = short_conv.conv_runs(conv_inputs.shape[0], walk_sequences(batch), conv_inputs.shape[1])
     mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs)
     query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
-    snapshots = None
-    if mode == SNAPSHOT:
-        heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
-        snapshots = torch.empty(key.shape[0], heads, d_k, d_v, dtype=torch.float32, device=device)
+    snapshots = None if rollback is None else rollback.snapshot_buffer(*key.shape, value.shape[2], device)
     verify = pick(delta_rule.delta_rule_verify, delta_rule.delta_rule_verify_ref, state.recurrent)
     # the outputs in the activation dtype, rounded once in the kernel: the layer's output norm takes
     # them so, and a cast after the recurrence would be one more launch per layer
     out = torch.empty(value.shape, dtype=conv_inputs.dtype, device=device)
     carry = {}
-    if state.carry is not None and mode != COMMIT:  # the slot's carried rows go first (verifier/model/rollback.py)
+    if state.carry is not None and rollback is not None:  # the slot's carried rows go first (verifier/model/rollback.py)
         carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
     out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
                  scratch_slot=state.scratch_slot, **carry)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
-    if mode == COMMIT:
+    if rollback is None:
         commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
     return out, record
 
@@ -70,8 +67,8 @@ class DeltaRuleMixer:
     conv_w: torch.Tensor
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: RecurrentState, *, row_invariant: bool,
-                mode: str = COMMIT) -> tuple[torch.Tensor, LayerRecord]:
+                rollback: Rollback | None = None) -> tuple[torch.Tensor, LayerRecord]:
         conv_inputs, gate, *gate_inputs = each_row(self._project, x, row_invariant=row_invariant)
         out, record = mix_sequences(batch, state, conv_inputs, self.conv_w, self._split_heads, tuple(gate_inputs),
-                                    row_invariant=row_invariant, mode=mode)
+                                    row_invariant=row_invariant, rollback=rollback)
         return each_row(self._output, out, gate, row_invariant=row_invariant), record

@@ -14,7 +14,6 @@ import torch
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..ops import each_row, linear, rms_norm
-from ..rollback import COMMIT
 from ..rows import RowBatch
 from ..state import AttentionState
 from .attend import attend, write_kv
@@ -40,8 +39,8 @@ class LatentAttention:
         self.w_o = src.take(p + "o_proj.weight", (H, m.n_heads * m.v_head_dim))
         self.scale = m.qk_head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *, row_invariant: bool,
-                mode: str = COMMIT) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *,
+                row_invariant: bool) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
         query, key, value = each_row(self._project, x, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
