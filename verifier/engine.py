@@ -27,6 +27,7 @@ from .model.device_scope import on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
 from .model.padding import check_graph_rows
 from .model.rollback import WOA, rollback_named
+from .model.state import AttentionState, RecurrentState
 from .model.step import Step, StepRunner
 from .params import SamplingParams
 from .sampling import choose, choose_rows
@@ -149,6 +150,25 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def max_seq_len(self) -> int:
+        """Positions a slot holds: a sequence's prompt, its tokens and a step's rows fit in it."""
+        return self.pool.max_seq_len
+
+    @property
+    def n_slots(self) -> int:
+        return self.pool.n_slots
+
+    @property
+    def graphed(self) -> bool:
+        """Whether steps replay CUDA graphs (else they run eagerly)."""
+        return self.runner.graphed
+
+    @property
+    def max_graph_rows(self) -> int | None:
+        """The largest graph bucket's rows (a step of more runs eagerly); None when not graphed."""
+        return self.runner.max_graph_rows
+
     @on_model_device
     def warm_up(self) -> None:
         """Capture every graph bucket now, before the first step, so
@@ -208,6 +228,50 @@ class Engine:
     @on_model_device
     def close(self, seq: Sequence) -> None:
         self.pool.release(seq.slot)
+
+    # -- a slot as a context (the model drafter's door: its own rows, no acceptance) --------------
+
+    def admit(self) -> int:
+        """A free slot, its recurrent state at zero (PoolFullError when none is free)."""
+        return self.pool.admit()
+
+    def release(self, slot: int) -> None:
+        self.pool.release(slot)
+
+    @on_model_device
+    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Consume `tokens` into `slot` from position 0 (prefill's chunks) -> the last token's logits [vocab]."""
+        return self.model.prefill(self.pool, slot, tokens)
+
+    @on_model_device
+    def consume(self, slot: int, start: int, tokens: list[int]) -> torch.Tensor:
+        """Consume `tokens` into `slot` at `start` through the step's path (verify, then a rollback
+        keeping every row), with the bits a step gives them -> the last row's logits [vocab] (a copy)."""
+        step = self.runner.step(tokens, RowBatch(slots=(slot,), starts=(start,), counts=(len(tokens),)))
+        last = step.verify()[-1].clone()  # a graph's next replay overwrites its output
+        step.rollback([len(tokens)])
+        return last
+
+    def save_recurrent(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the slot's conv windows and committed recurrent states, per recurrent layer
+        (attention needs none: its rows past a position are overwritten before they are read)."""
+        return [(layer.conv[slot].clone(), self.rollback.committed_state(self.pool, layer, slot))
+                for layer in self.pool.layers if isinstance(layer, RecurrentState)]
+
+    def restore_recurrent(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The slot's conv windows and recurrent states back to `saved` (save_recurrent's), carrying no rows."""
+        layers = [layer for layer in self.pool.layers if isinstance(layer, RecurrentState)]
+        for layer, (conv, recurrent) in zip(layers, saved, strict=True):
+            layer.conv[slot].copy_(conv)
+            layer.recurrent[slot].copy_(recurrent)
+        self.pool.carried[slot] = 0
+
+    def slot_tensors(self, slot: int, position: int) -> list[list[torch.Tensor]]:
+        """Per layer, copies of every state tensor that defines `slot` at committed `position`: KV
+        rows [0, position), or the conv window and the recurrent state (its carried rows applied)."""
+        return [[layer.keys[slot, :position].clone(), layer.values[slot, :position].clone()] if isinstance(layer, AttentionState)
+                else [layer.conv[slot].clone(), self.rollback.committed_state(self.pool, layer, slot)]
+                for layer in self.pool.layers]
 
     def check(self, request: StepRequest) -> None:
         """StepError if the sequence's state cannot take this step; never touches state."""

@@ -41,7 +41,7 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, sampling: S
         while not seq.finished:
             drafts, probs = [], None
             if proposer is not None and k > 0:
-                room = draft_room(k, engine.max_k, engine.pool.max_seq_len, seq.position, max_new_tokens, len(tokens))
+                room = draft_room(k, engine.max_k, engine.max_seq_len, seq.position, max_new_tokens, len(tokens))
                 if room > 0:  # a proposer is asked only for drafts that can be sent (a random one draws no more)
                     drafts, probs = _propose(proposer, prompt + tokens, room, engine.vocab_size)
             (result,) = engine.step([StepRequest(seq, drafts, probs, want_hidden=hidden)])

@@ -89,7 +89,7 @@ def make_proposer(args, engine: Engine, prompt: list[int], sampling) -> Proposer
 
         try:
             # coupled mode: the drafter drafts with the session's own noise, so a sampled stream is the plain one
-            return ModelProposer(load_draft_model(draft_dir, args.device), vocab, engine.pool.max_seq_len, sampling,
+            return ModelProposer(load_draft_model(draft_dir, args.device), vocab, engine.max_seq_len, sampling,
                                  args.seed_draft, COUPLED)
         except (ValueError, OSError) as exc:
             raise ValueError(f"--draft-model {draft_dir}: {exc}") from None
@@ -111,4 +111,4 @@ def mtp_proposer(args, engine: Engine, sampling) -> Proposer:
         raise ValueError(f"--draft mtp: the checkpoint {model_dir} has no MTP head (no mtp.* tensors); "
                          "pick another --draft")
     # coupled drafts (the default): a sampled stream is the plain one
-    return MTPProposer(head, engine.pool.max_seq_len, sampling)
+    return MTPProposer(head, engine.max_seq_len, sampling)

@@ -70,7 +70,7 @@ def _result(model, name: str, title: str, path: str) -> CheckResult:
 
 
 def _path(engine: Engine) -> str:
-    return "cuda graphs" if engine.runner.graphed else "eager"
+    return "cuda graphs" if engine.graphed else "eager"
 
 
 def _drafts(kind: str, truth: list[int], k: int, vocab: int, gen: torch.Generator) -> list[int]:

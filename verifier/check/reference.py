@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import Engine, StepRequest
-from ..model.state import AttentionState
 from ..params import SamplingParams
 from .layers import LayerOutputs
 
@@ -25,15 +24,8 @@ class LayerState:
 
 def slot_state(engine: Engine, slot: int, position: int) -> list[LayerState]:
     """Per layer, every state tensor that defines `slot` at committed `position` (copies): KV rows
-    [0, position), or the conv window and the fp32 recurrent state."""
-    states = []
-    for kind, layer in zip(engine.model.config.mixers, engine.pool.layers):
-        if isinstance(layer, AttentionState):
-            tensors = [layer.keys[slot, :position].clone(), layer.values[slot, :position].clone()]
-        else:
-            tensors = [layer.conv[slot].clone(), engine.rollback.committed_state(engine.pool, layer, slot)]  # its carried rows applied
-        states.append(LayerState(kind, tensors))
-    return states
+    [0, position), or the conv window and the fp32 recurrent state (Engine.slot_tensors)."""
+    return [LayerState(kind, tensors) for kind, tensors in zip(engine.model.config.mixers, engine.slot_tensors(slot, position))]
 
 
 @dataclass

@@ -12,10 +12,9 @@ import numpy as np
 import torch
 
 from ..engine import Engine
-from ..model import HybridModel, RowBatch, load_config, load_model
+from ..model import HybridModel, load_config, load_model
 from ..model.device_scope import device_scope, on_model_device
 from ..model.rollback import WOA
-from ..model.state import RecurrentState
 from ..params import STREAM_DRAFT, SamplingParams
 from ..sampling import choose, masked_logits, sample_from
 from .draft_chain import BONUS, NONE, RESTORE_BONUS, TWO, DraftChain
@@ -69,7 +68,7 @@ class ModelProposer:
         return cls(load_draft_model(model_dir, device), vocab_size, max_context, sampling, seed, mode, draft_chain)
 
     def _draft_chain(self, wanted: bool | None, max_k: int) -> DraftChain | None:
-        graphed = self.engine.runner.graphed
+        graphed = self.engine.graphed
         # rejection-sampled drafts are drawn on the host (with their q): the loop; coupled noise is
         # drawn on the device only on CUDA
         chained = self.params.greedy or (self.mode == COUPLED and graphed)
@@ -80,7 +79,7 @@ class ModelProposer:
 
     @property
     def max_seq_len(self) -> int:
-        return self.engine.pool.max_seq_len
+        return self.engine.max_seq_len
 
     @property
     def graph_captures(self) -> int:
@@ -197,41 +196,33 @@ class ModelProposer:
 
     def _restart(self, context: list[int]) -> torch.Tensor:
         if self.slot is not None:
-            self.engine.pool.release(self.slot)
+            self.engine.release(self.slot)
             self.slot = None
         self._snapshots.clear()
-        self.slot = self.engine.pool.admit()
+        self.slot = self.engine.admit()
         self.prefills += 1
         # Prefill all but the last token and decode that one, as the verifier does with a prompt and
         # its first token: a drafter of the target's own checkpoint then holds the target's bits.
         self.tokens = list(context[:-1])
         if self.tokens:
-            self.model.prefill(self.engine.pool, self.slot, self.tokens)
+            self.engine.prefill(self.slot, self.tokens)
         return self._consume([context[-1]])
 
     def _consume(self, new: list[int]) -> torch.Tensor:
         """Consume `new` at the slot's position through the decode path (verify, then rollback
         keeping every row); return the last row's logits."""
-        batch = RowBatch(slots=(self.slot,), starts=(len(self.tokens),), counts=(len(new),))
-        # the step hides graphed vs eager; a graph replay overwrites its output, hence the copy
-        step = self.engine.runner.step(new, batch)
-        last = step.verify()[-1].clone()
-        step.rollback([len(new)])
+        last = self.engine.consume(self.slot, len(self.tokens), new)  # graphed or eager, as the engine's steps
         self.tokens += new
         self.rows += len(new)
         self.logits = last
         return last
 
     def _save(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.conv[self.slot].clone(), layer.recurrent[self.slot].clone())
-                for layer in self.engine.pool.layers if isinstance(layer, RecurrentState)]
+        return self.engine.save_recurrent(self.slot)
 
     def _restore(self, length: int) -> None:
         saved, logits = self._snapshots[length]
-        layers = [layer for layer in self.engine.pool.layers if isinstance(layer, RecurrentState)]
-        for layer, (conv, recurrent) in zip(layers, saved):
-            layer.conv[self.slot].copy_(conv)
-            layer.recurrent[self.slot].copy_(recurrent)
+        self.engine.restore_recurrent(self.slot, saved)
         self.tokens = self.tokens[:length]
         self.logits = logits
 

@@ -73,8 +73,7 @@ class VerifierServer:
         # the only server drafter then
         sharded = getattr(self.engine.model, "parallel", None) is not None
         self.mtp_head = load_mtp_head(config.model_dir, self.engine.model) if config.mtp and not sharded else None
-        pool = self.engine.pool
-        self.mtp = MTPDrafter(self.mtp_head, pool.n_slots, pool.max_seq_len) if self.mtp_head is not None else None
+        self.mtp = MTPDrafter(self.mtp_head, self.engine.n_slots, self.engine.max_seq_len) if self.mtp_head is not None else None
         self.metrics = Metrics(self.engine.max_k)
         self.calls = CallBook()  # the calls in flight: the port closes once they have ended (stop)
         self.service: VerifierService | None = None
@@ -211,8 +210,8 @@ def request_limit_bytes(config: ServerConfig, engine: Engine, tokenizer) -> int:
     character). At least MIN_REQUEST_BYTES, at most --max-message-mb."""
     if config.max_request_mb is not None:
         return int(config.max_request_mb * (1 << 20))
-    max_k, positions = engine.max_k, engine.pool.max_seq_len
-    verify = engine.pool.n_slots * (STEP_FIELD_BYTES + max_k * 5 + max_k * engine.vocab_size * 4)
+    max_k, positions = engine.max_k, engine.max_seq_len
+    verify = engine.n_slots * (STEP_FIELD_BYTES + max_k * 5 + max_k * engine.vocab_size * 4)
     text = positions * tokenizer.longest_token_bytes * 4 if tokenizer is not None else 0
     open_session = STEP_FIELD_BYTES + positions * 5 + text
     return min(config.max_message_bytes, max(MIN_REQUEST_BYTES, verify, open_session))

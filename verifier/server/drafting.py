@@ -44,7 +44,7 @@ class ServerDrafter:
         step (observe)."""
         if self.proposer is None:
             return 0
-        return draft_room(self.k, engine.max_k, engine.pool.max_seq_len, seq.position, seq.max_new_tokens, seq.emitted)
+        return draft_room(self.k, engine.max_k, engine.max_seq_len, seq.position, seq.max_new_tokens, seq.emitted)
 
     def mtp_ask(self, room: int) -> tuple[MTPDrafter, MTPAsk]:
         """An MTP session's request for `room` drafts, and the (shared) MTPDrafter to propose it with."""

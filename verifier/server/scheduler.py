@@ -89,7 +89,7 @@ class Scheduler:
         self.sessions = sessions
         self.metrics = metrics
         # a batch past the largest graph bucket would run eagerly (None: the engine is not graphed)
-        self.max_batch_rows = min(max_batch_rows, engine.runner.max_graph_rows or math.inf)
+        self.max_batch_rows = min(max_batch_rows, engine.max_graph_rows or math.inf)
         self.max_wait_s = max_wait_ms / 1000.0
         self.policy = policy
         self._queue: list[PendingStep] = []
@@ -454,7 +454,7 @@ class Scheduler:
         finally:
             self._running = []
         self._last_step_s = time.perf_counter() - started
-        max_seq_len = self.engine.pool.max_seq_len
+        max_seq_len = self.engine.max_seq_len
         now, clock_now = time.perf_counter(), self.sessions.clock()
         store = self.sessions.store_result
         going_on, ahead = [], []  # ahead: going-on sessions the server drafts for

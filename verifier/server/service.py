@@ -89,7 +89,7 @@ class VerifierService:
         self.calls = calls if calls is not None else CallBook()
         # requests a stream may have outstanding (accepted, not yet taken by its client): every slot's
         # step queued and one more being answered
-        self.stream_window = 2 * engine.pool.n_slots
+        self.stream_window = 2 * engine.n_slots
         self.engine = engine
         self.mtp = mtp
         # ModelInfo.server_drafters: the n-gram proposer needs no model, the MTP one the head
@@ -97,7 +97,7 @@ class VerifierService:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.vocab = engine.vocab_size
-        self.sessions = SessionTable(engine.pool.n_slots, config.results_per_session,
+        self.sessions = SessionTable(engine.n_slots, config.results_per_session,
                                      max_per_principal=config.max_sessions_per_principal)
         self.worker = Worker()
         # OpenSession texts are encoded here, one at a time, never on the event loop nor the engine's worker
@@ -166,9 +166,9 @@ class VerifierService:
         config = self.engine.model.config
         return rpc.ModelInfo(
             protocol_version=rpc.PROTOCOL_VERSION, model_id=self.config.model_dir.name, model_type=config.model_type,
-            vocab_size=config.vocab_size, eos_ids=list(config.eos_token_ids), max_context=self.engine.pool.max_seq_len,
+            vocab_size=config.vocab_size, eos_ids=list(config.eos_token_ids), max_context=self.engine.max_seq_len,
             max_k=self.engine.max_k, layer_kinds=list(config.mixers), rollback_mode=self.engine.rollback_mode,
-            has_tokenizer=self.tokenizer is not None, n_slots=self.engine.pool.n_slots,
+            has_tokenizer=self.tokenizer is not None, n_slots=self.engine.n_slots,
             device=str(self.engine.model.device), dtype=self.config.dtype, trims_drafts=self.config.goodput,
             server_drafters=list(self.server_drafters),
         )
@@ -190,7 +190,7 @@ class VerifierService:
         fingerprint = open_fingerprint(request) if rid else None
         if rid and key in self.sessions.opens:  # a retry: the same session, admitted once (even if closed since)
             return await self._retried_open(key, fingerprint, context)
-        max_seq_len = self.engine.pool.max_seq_len
+        max_seq_len = self.engine.max_seq_len
         try:
             prompt, text = prompt_source(request, self.tokenizer, max_seq_len)
             sampling, max_new_tokens = open_limits(request)
