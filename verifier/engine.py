@@ -27,15 +27,13 @@ from .model.device_scope import on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
 from .model.padding import check_graph_rows
 from .model.rollback import WOA, rollback_named
+from .model.sizes import DEFAULT_MAX_K  # the engine's, the server's, generate's and check's
 from .model.state import AttentionState, RecurrentState
 from .model.step import Step, StepRunner
 from .params import SamplingParams
 from .sampling import choose, choose_rows
 
 EOS, LENGTH = "eos", "length"
-# the most drafts a step may carry unless told otherwise: the engine's, the server's (--max-k of
-# `serve`), `generate`'s and `check`'s default alike
-DEFAULT_MAX_K = 8
 
 # Most bytes of logits a step copies before its acceptance (Engine._copy_early): every row of the
 # sequences that want theirs, emitted or not. 64 MiB: a decode of 64 sequences of the 2B model's

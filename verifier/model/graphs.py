@@ -19,19 +19,21 @@ from hybrid_kernels.sampling import argmax_rows
 from .padding import BucketShape, capture_batch, pad_batch
 from .rollback import Rollback
 from .rows import RowBatch
+from .sizes import FULL_BATCH_ROWS
 from .step_inputs import StepInputs
 
 # Total verify rows per shared bucket (one session's steps have buckets of their own: padding.py, One
 # sequence's buckets). Decode at batch b is b rows, so the small counts are dense (1..6); past 8 the
 # steps grow by at most 1.25x to 2 x 256 (padding wastes at most a fifth of a step there), then
-# 1.33x to 512 and by 64 rows (one more draft for 64 sessions) to 576, which holds 64 sessions at
-# K = 8, the default max_k: a step past the largest bucket runs eagerly, launch by launch, and then
-# the host's launches, not the kernels, set its time (`python -m bench.gpu` times the graphed steps;
-# its step_timeline splits a step's wall time into GPU-busy time and host). With one shared graph
-# memory pool the graph memory is that of the largest bucket, so the list costs capture time (two
-# graphs each at startup), not memory.
-DEFAULT_GRAPH_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512,
-                      576)
+# 1.33x to 512 and by 64 rows (one more draft for 64 sessions) up to FULL_BATCH_ROWS (sizes.py:
+# 64 sessions at K = 8, the default max_k), the largest: a step past it runs eagerly, launch by
+# launch, and then the host's launches, not the kernels, set its time (`python -m bench.gpu` times
+# the graphed steps; its step_timeline splits a step's wall time into GPU-busy time and host). With
+# one shared graph memory pool the graph memory is that of the largest bucket, so the list costs
+# capture time (two graphs each at startup), not memory.
+_LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640,
+           704, 768)
+DEFAULT_GRAPH_ROWS = tuple(r for r in _LADDER if r < FULL_BATCH_ROWS) + (FULL_BATCH_ROWS,)
 
 
 def reachable_rows(buckets: tuple[int, ...], most: int) -> tuple[int, ...]:

@@ -7,16 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .rows import RowBatch
+from .sizes import DEFAULT_MAX_K
 
-# Most rows per padding sequence: a verify at K = 7 walks 8 rows (at K = 8, the largest K the
-# default buckets are sized for, graphs.DEFAULT_GRAPH_ROWS, 9), so padding never walks longer than a
-# real verify of a full-K batch. Smaller chunks would cost more padding sequences, each reading the
-# scratch slot's recurrent state once (a whole state per sequence and layer), for walks shorter
-# than the real ones already are.
-PAD_CHUNK = 8
+# Most rows per padding sequence: a verify at K = DEFAULT_MAX_K - 1 walks DEFAULT_MAX_K rows (at
+# DEFAULT_MAX_K, the largest K the default buckets are sized for, one more), so padding never walks
+# longer than a real verify of a full-K batch. Smaller chunks would cost more padding sequences, each
+# reading the scratch slot's recurrent state once (a whole state per sequence and layer), for walks
+# shorter than the real ones already are.
+PAD_CHUNK = DEFAULT_MAX_K
 
 # Rows a sequence of a padded step is taken to have where a bucket sizes the split of its walks
-# (`walk_sequences`): a verify's at K = 8, as PAD_CHUNK's comment says.
+# (`walk_sequences`): a verify's at DEFAULT_MAX_K.
 WALK_ROWS = PAD_CHUNK + 1
 
 
