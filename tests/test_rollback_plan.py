@@ -19,7 +19,7 @@ from verifier.model.padding import BucketShape, pad_batch
 from verifier.model.rollback import ROLLBACK_MODES, RollbackPlan, VerifyRecord, rollback_named
 from verifier.model.rows import RowBatch
 from verifier.model.state import RecurrentState
-from verifier.model.step_inputs import StepInputs
+from verifier.model.rows import StepInputs
 
 PROMPTS = [[5, 6, 7, 9], [11, 3, 9, 2, 8]]
 DRAFTS = (4, 2)  # K per sequence: the first one keeps 0 .. K+1 rows

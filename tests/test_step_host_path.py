@@ -11,7 +11,7 @@ from verifier.engine import Engine, StepRequest, StepResult
 from verifier.model.padding import BucketShape, bucket_for, bucket_shapes, pad_batch
 from verifier.model.rollback import with_carried
 from verifier.model.rows import RowBatch, check_rows
-from verifier.model.step_inputs import StepInputs
+from verifier.model.rows import StepInputs
 
 BATCHES = [
     RowBatch((0,), (5,), (1,)),  # a decode

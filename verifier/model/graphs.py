@@ -18,9 +18,8 @@ from hybrid_kernels.sampling import argmax_rows
 
 from .padding import BucketShape, capture_batch, pad_batch
 from .rollback import Rollback
-from .rows import RowBatch
+from .rows import RowBatch, StepInputs
 from .sizes import FULL_BATCH_ROWS
-from .step_inputs import StepInputs
 
 # Total verify rows per shared bucket (one session's steps have buckets of their own: padding.py, One
 # sequence's buckets). Decode at batch b is b rows, so the small counts are dense (1..6); past 8 the

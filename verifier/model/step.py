@@ -15,9 +15,8 @@ from hybrid_kernels.fused_rollback import TableStore
 from .graphs import GraphedSteps, collector_paused, graphs_supported
 from .padding import BucketShape, bucket_for, bucket_shapes, buckets, capture_batch, pad_batch, padded_kept
 from .rollback import ROLLBACKS, WOA, Rollback, RollbackPlan, check_consumed
-from .rows import RowBatch, check_rows
+from .rows import RowBatch, StepInputs, check_rows
 from .state import RecurrentState, SlotPool
-from .step_inputs import StepInputs
 
 
 class Step:

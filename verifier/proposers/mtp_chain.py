@@ -10,7 +10,7 @@ from ..model.graphs import collector_paused
 from ..model.mtp import MTPHead
 from ..model.rows import RowBatch
 from ..model.state import SlotPool
-from ..model.step_inputs import StepInputs
+from ..model.rows import StepInputs
 from ..params import SamplingParams
 from .draft_chain import DeviceChoice
 
