@@ -25,7 +25,9 @@ from .acceptance import accept
 from .model import HybridModel, RowBatch
 from .model.device_scope import on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
+from .model.hybrid import PREFILL_CHUNK
 from .model.padding import check_graph_rows
+from .model.prefix_cache import PrefixCache
 from .model.rollback import WOA, rollback_named
 from .model.sizes import DEFAULT_MAX_K  # the engine's, the server's, generate's and check's
 from .model.state import AttentionState, RecurrentState
@@ -118,12 +120,15 @@ def _hand_out(rows: torch.Tensor, wanted: list[tuple[StepResult, int, int]], cou
 
 class Engine:
     def __init__(self, model: HybridModel, n_slots: int, max_seq_len: int, max_k: int = DEFAULT_MAX_K, rollback_mode: str = WOA,
-                 cuda_graphs: bool = True, graph_rows: tuple[int, ...] | None = None):
+                 cuda_graphs: bool = True, graph_rows: tuple[int, ...] | None = None, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """graph_rows: the shared CUDA graph buckets' total verify rows (model/graphs.py); None: those
         of DEFAULT_GRAPH_ROWS that fit max_seq_len and that a step can reach (`reachable_rows`: a
         step runs at most n_slots x (max_k + 1) rows). A given list must fit max_seq_len. Besides
         them, a step of one sequence of up to max_k + 1 rows (at most the largest bucket's) has a
-        bucket of exactly its shape."""
+        bucket of exactly its shape.
+        prefix_cache_bytes: keep ingested prompt prefixes up to this many bytes (model/prefix_cache.py;
+        0: none). prefill_chunk: prompt tokens per prefill forward, the cache's boundaries."""
         rollback = rollback_named(rollback_mode)  # ValueError for a name of none
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
@@ -138,6 +143,8 @@ class Engine:
         # every step's verify and rollback (model/step.py), eager or CUDA-graphed (same bits, minus the
         # launch cost); a step of one sequence at any K <= max_k replays a bucket of exactly its rows (model/padding.py)
         self.runner = StepRunner(model, self.pool, rollback, cuda_graphs, graph_rows, one_sequence_rows=max_k + 1)
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
 
     @property
     def rollback_mode(self) -> str:
@@ -206,7 +213,7 @@ class Engine:
         slot = self.pool.admit()
         hidden = self._hidden_buffer(len(prompt)) if want_hidden else None
         try:
-            logits = self.model.prefill(self.pool, slot, prompt, hidden_out=hidden)
+            logits = self._prefill(slot, prompt, hidden)
         except Exception:
             self.pool.release(slot)
             raise
@@ -218,6 +225,27 @@ class Engine:
         elif max_new_tokens == 1:
             seq.finish_reason = LENGTH
         return seq
+
+    def _prefill(self, slot: int, prompt: list[int], hidden: torch.Tensor | None) -> torch.Tensor:
+        """Ingest the prompt into a fresh slot -> its last token's logits: from the longest cached
+        prefix (restored bitwise) when there is a prefix cache, keeping each new chunk there."""
+        cache = self.prefix_cache
+        if cache is None:
+            return self.model.prefill(self.pool, slot, prompt, chunk=self.prefill_chunk, hidden_out=hidden)
+        if hidden is None and cache.keep_hidden:  # chunks keep their hidden rows for the sessions that will want them
+            hidden = self._hidden_buffer(len(prompt))
+        path = cache.longest(prompt, want_hidden=hidden is not None)
+        start = cache.restore(self.pool, slot, path, hidden) if path else 0
+
+        def keep(end: int) -> None:
+            nonlocal path
+            path = cache.store(self.pool, slot, prompt, path, end, hidden)
+
+        try:
+            return self.model.prefill(self.pool, slot, prompt, chunk=self.prefill_chunk, hidden_out=hidden, start=start,
+                                      after_chunk=keep)
+        finally:
+            cache.trim()
 
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
         """[rows, H] in the model's dtype on its device: what compute's hidden_out copies into."""
@@ -239,7 +267,7 @@ class Engine:
     @on_model_device
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Consume `tokens` into `slot` from position 0 (prefill's chunks) -> the last token's logits [vocab]."""
-        return self.model.prefill(self.pool, slot, tokens)
+        return self.model.prefill(self.pool, slot, tokens, chunk=self.prefill_chunk)
 
     @on_model_device
     def consume(self, slot: int, start: int, tokens: list[int]) -> torch.Tensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
+
 import torch
 
 from .checkpoint import CheckpointError, TensorSource
@@ -34,6 +36,10 @@ from .rows import RowBatch, check_rows
 from .state import RecurrentState, SlotPool
 
 log = logging.getLogger(__name__)
+
+# Prompt tokens per prefill forward; chunks start at its multiples from position 0 (a prefix cache's
+# boundaries: verifier/model/prefix_cache.py)
+PREFILL_CHUNK = 512
 
 _MIXERS = {ATTENTION: GatedAttention, MLA: LatentAttention, GDN: GatedDeltaNet, KDA: KimiDeltaAttention}
 
@@ -119,23 +125,31 @@ class HybridModel:
         logits = self.parallel.gather_last(head_logits(x, self.lm_head, row_invariant=row_invariant))[:, :self.config.vocab_size]
         return logits if logits_out is None else logits_out.copy_(logits)
 
-    def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = 512, all_logits: bool = False,
-                hidden_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Consume `prompt` into `slot` from position 0, `chunk` tokens per forward.
+    def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = PREFILL_CHUNK, all_logits: bool = False,
+                hidden_out: torch.Tensor | None = None, start: int = 0,
+                after_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Consume `prompt` into `slot` from position `start` (0, or a boundary: a multiple of
+        `chunk` up to which the slot holds the prompt already), `chunk` tokens per forward: every
+        chunk starts at a multiple of `chunk` from position 0, whatever the prompt's length.
         hidden_out: an optional [len(prompt), H] buffer for every prompt row's final-normed hidden
-        row (compute's; what an MTP head reads).
+        row (compute's; what an MTP head reads). after_chunk(end): called after each chunk that
+        ends at a boundary (a prefix cache keeps the slot's state there).
 
-        Returns the logits of the last prompt token [vocab] (or of every token [len, vocab])."""
-        if not prompt:
-            raise ValueError("prefill needs at least one prompt token")
+        Returns the logits of the last prompt token [vocab] (or of every token from `start` [len - start, vocab])."""
+        if not start < len(prompt):
+            raise ValueError(f"prefill needs a prompt token at or after start {start}, got {len(prompt)} tokens")
+        if start % chunk:
+            raise ValueError(f"prefill starts at a chunk boundary (a multiple of {chunk}), not at {start}")
         outs = []
-        for start in range(0, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
-            batch = RowBatch(slots=(slot,), starts=(start,), counts=(len(piece),))
-            hidden = None if hidden_out is None else hidden_out[start : start + len(piece)]
+        for begin in range(start, len(prompt), chunk):
+            piece = prompt[begin : begin + chunk]
+            batch = RowBatch(slots=(slot,), starts=(begin,), counts=(len(piece),))
+            hidden = None if hidden_out is None else hidden_out[begin : begin + len(piece)]
             logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits,
                                   hidden_out=hidden)
             outs.append(logits)
+            if after_chunk is not None and len(piece) == chunk:
+                after_chunk(begin + chunk)
         return torch.cat(outs) if all_logits else outs[-1][0]
 
 

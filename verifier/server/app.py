@@ -54,7 +54,7 @@ def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine, para
 
     model = load_model(config.model_dir, config.device, getattr(torch, config.dtype), parallel=parallel)
     return engine_class(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback,
-                        graph_rows=config.graph_rows)
+                        graph_rows=config.graph_rows, prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)))
 
 
 class VerifierServer:
@@ -73,6 +73,8 @@ class VerifierServer:
         # the only server drafter then
         sharded = getattr(self.engine.model, "parallel", None) is not None
         self.mtp_head = load_mtp_head(config.model_dir, self.engine.model) if config.mtp and not sharded else None
+        if self.mtp_head is not None and self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.keep_hidden = True  # cached prefixes keep the hidden rows an MTP session is fed
         self.mtp = MTPDrafter(self.mtp_head, self.engine.n_slots, self.engine.max_seq_len) if self.mtp_head is not None else None
         self.metrics = Metrics(self.engine.max_k)
         self.calls = CallBook()  # the calls in flight: the port closes once they have ended (stop)

@@ -65,6 +65,10 @@ class ServerConfig:
     # KV pool and hidden rows), and the model then offers "ngram" only.
     mtp: bool = option(True, "load the checkpoint's MTP head, if it has one, for server-side MTP drafting "
                              "(--no-mtp: skip it)")
+    # Prompt prefixes already ingested, kept at prefill's chunk boundaries (verifier/model/prefix_cache.py):
+    # a prompt that starts with one restores its state, with a cold start's bits.
+    prefix_cache_gb: float = option(0.0, "keep ingested prompt prefixes up to this many GiB of device memory, least "
+                                         "recently used out first (0: no prefix cache)")
     goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")
     # Tensor parallelism (verifier/server/parallel.py): rank 0 serves, ranks 1 .. N-1 mirror its
     # engine calls on their shards; the MTP head is not split across ranks, so "ngram" is the only
@@ -133,7 +137,7 @@ class ServerConfig:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
         if self.rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
-        for name in ("max_wait_ms", "grace_s", "drain_s"):
+        for name in ("max_wait_ms", "grace_s", "drain_s", "prefix_cache_gb"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

@@ -82,6 +82,15 @@ class Metrics:
         self.open_sessions.set_function(lambda: len(table))
         self.free_slots.set_function(lambda: table.free_slots)
 
+    def watch_prefix_cache(self, stats) -> None:
+        """The engine's prefix cache (its CacheStats, read at each scrape: counts since start, bytes now)."""
+        for field, text in (("hits", "opens that restored a cached prompt prefix"), ("misses", "opens that found none"),
+                            ("evictions", "cached chunks dropped for the budget (--prefix-cache-gb)"),
+                            ("cached_tokens", "prompt tokens restored instead of computed"),
+                            ("bytes", "bytes the cached prefixes hold now")):
+            gauge = Gauge(f"verifier_prefix_cache_{field}", text, registry=self.registry)
+            gauge.set_function(lambda field=field: getattr(stats, field))
+
     def record_batch(self, rows: int, seconds: float) -> None:
         """An engine batch of `rows` verify rows that took `seconds` on the engine's thread."""
         self.engine_steps.inc()

@@ -112,6 +112,8 @@ class VerifierService:
         # --round-timings: where each round's time goes (verifier/server/timings.py); None: not kept
         self.timings = RoundTimings(config.round_timings) if config.round_timings is not None else None
         metrics.watch_sessions(self.sessions)
+        if engine.prefix_cache is not None:
+            metrics.watch_prefix_cache(engine.prefix_cache.stats)
 
     async def start(self) -> None:
         """Warm the engine up (graph buckets, step costs) before anything is served, then schedule."""
