@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 MAX_K, NEW_TOKENS = 3, 5
 SEQUENCES = 5
 SMALL = ["--max-k", str(MAX_K), "--new-tokens", str(NEW_TOKENS), "--prompt-len", "6", "--sequences", str(SEQUENCES)]
-CHECK_NAMES = ["verify_vs_serial", "rollback_state", "full_batch_vs_alone", "streams_vs_plain"]
+CHECK_NAMES = ["verify_vs_serial", "rollback_state", "full_batch_vs_alone", "streams_vs_plain", "prefix_cache_vs_cold"]
 
 
 def _check(model_dir, tmp_path, *extra) -> tuple[int, dict]:
@@ -45,6 +45,9 @@ def test_check_passes_on_every_family(hf_checkpoint, tmp_path, capsys, name):
     # compares 2 samplings x 3 drafters x K in {2, 3} streams of NEW_TOKENS rows
     assert checks["verify_vs_serial"]["rows_checked"] == MAX_K * 3 * (NEW_TOKENS - 1)
     assert checks["streams_vs_plain"]["rows_checked"] == 2 * 3 * 2 * NEW_TOKENS
+    # 2 modes x 3 prompts: the first row, every layer's state after the open, a stream of NEW_TOKENS rows
+    assert checks["prefix_cache_vs_cold"]["rows_checked"] == 2 * 3 * (1 + NEW_TOKENS)
+    assert checks["prefix_cache_vs_cold"]["states_checked"] == 2 * 3 * report["model"]["layers"]
     # every layer of the model is compared after every verify and the decode after it, in both modes
     n_layers = report["model"]["layers"]
     assert checks["rollback_state"]["states_checked"] == 2 * MAX_K * 2 * n_layers

@@ -1,4 +1,4 @@
-"""The four checks of `python -m verifier check`, each a function of (model, settings, progress)
+"""The five checks of `python -m verifier check`, each a function of (model, settings, progress)
 returning its CheckResult. Every comparison is bitwise (results.py); each check keeps going past a
 difference in one stream so the counts say how much differs, and stops that stream (its later rows
 would follow another path).
@@ -14,6 +14,7 @@ import torch
 
 from ..engine import Engine, StepRequest
 from ..generate import generate
+from ..model.hybrid import PREFILL_CHUNK
 from ..model.rollback import ROLLBACK_MODES, WOA
 from ..params import SamplingParams
 from ..proposers import NgramProposer, OracleProposer, RandomProposer
@@ -231,7 +232,42 @@ def streams_vs_plain(model, settings: CheckSettings, progress) -> CheckResult:
     return result
 
 
-CHECKS = (verify_vs_serial, rollback_state, full_batch_vs_alone, streams_vs_plain)
+def prefix_cache_vs_cold(model, settings: CheckSettings, progress) -> CheckResult:
+    """Prompts sharing a prefix of two whole prefill chunks: opened after the first ingested it, each
+    restores it from the prefix cache, and its first row, its slot's state and its stream (n-gram
+    drafts at max_k) equal a cold start's, in both rollback modes."""
+    vocab, c = model.config.vocab_size, PREFILL_CHUNK
+    shared = make_prompt(vocab, 2 * c + 3, settings.seed + 7)
+    prompts = [shared + make_prompt(vocab, 5 + i, settings.seed + 8 + i) for i in range(3)]
+    room = max(map(len, prompts)) + settings.new_tokens + settings.max_k + 1
+    result = None
+    for mode in ROLLBACK_MODES:
+        cached = Engine(model, 1, room, settings.max_k, mode, prefix_cache_bytes=1 << 40)
+        cold = Engine(model, 1, room, settings.max_k, mode)
+        if result is None:
+            result = _result(model, "prefix_cache_vs_cold", f"a start from cached prefixes ({2 * c} of ~{len(prompts[0])} "
+                             f"prompt tokens) == a cold start: first row, slot state, stream ({', '.join(ROLLBACK_MODES)})",
+                             _path(cached))
+        progress(f"prefix_cache_vs_cold: {mode}")
+        for i, prompt in enumerate(prompts):
+            where = f"{mode} prompt {i} ({'cold: it fills the cache' if i == 0 else 'cached'})"
+            warm, plain = (engine.open(prompt, SamplingParams(), settings.new_tokens, eos_ids=()) for engine in (cached, cold))
+            result.compare_rows([warm.pending], warm.first_logits[None], [plain.pending], plain.first_logits[None],
+                                lambda r: f"{where}: first row")
+            result.compare_states(slot_state(cached, warm.slot, warm.position), slot_state(cold, plain.slot, plain.position),
+                                  f"{where}: state after the open")
+            cached.close(warm)
+            cold.close(plain)
+            warm = generate(cached, prompt, settings.new_tokens, None, NgramProposer(), settings.max_k, eos_ids=())
+            plain = generate(cold, prompt, settings.new_tokens, None, NgramProposer(), settings.max_k, eos_ids=())
+            result.compare_rows(warm.tokens, warm.logits, plain.tokens, plain.logits, lambda r: f"{where}: stream row {r}")
+        if cached.prefix_cache.stats.hits < 2 * len(prompts) - 1:
+            raise RuntimeError(f"prefix_cache_vs_cold: {cached.prefix_cache.stats.hits} cache hits in {mode} mode; the check "
+                               "compared cold starts only")
+    return result
+
+
+CHECKS = (verify_vs_serial, rollback_state, full_batch_vs_alone, streams_vs_plain, prefix_cache_vs_cold)
 
 
 def run_checks(model, settings: CheckSettings, progress=lambda message: None) -> list[CheckResult]:
