@@ -23,7 +23,7 @@ from hybrid_kernels.sampling import argmax_rows
 
 from .acceptance import accept
 from .model import HybridModel, RowBatch
-from .model.device_scope import on_model_device
+from .model.device_scope import device_scope, on_model_device
 from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
 from .model.hybrid import PREFILL_CHUNK
 from .model.padding import check_graph_rows
@@ -207,45 +207,31 @@ class Engine:
         """Admit a slot, prefill the prompt, choose the first token (it becomes the pending token).
         The caller has checked its arguments: a non-empty prompt of vocabulary ids that leaves room
         for a step, and max_new_tokens >= 1. want_hidden: keep the prompt rows' hidden rows
-        (Sequence.prompt_hidden)."""
+        (Sequence.prompt_hidden). The open of `opening`, run to its end at once."""
+        opening = self._opening(prompt, sampling, max_new_tokens, eos_ids, want_hidden)
+        while not opening.advance():
+            pass
+        return opening.sequence()
+
+    @on_model_device
+    def opening(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None,
+                want_hidden: bool = False) -> Opening:
+        """An open that prefills one chunk per `Opening.advance`, so a caller may run steps of the
+        other sequences between its chunks (the server does: a long prompt stalls the running batch
+        for a chunk at a time, not for the whole prompt). The slot is admitted now, and the longest
+        cached prefix restored (prefix cache); the bits are open's."""
+        return self._opening(prompt, sampling, max_new_tokens, eos_ids, want_hidden)
+
+    def _opening(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...] | None,
+                 want_hidden: bool) -> Opening:
         assert prompt and max_new_tokens >= 1, "open needs a prompt and max_new_tokens >= 1"
         assert len(prompt) + 1 <= self.pool.max_seq_len, f"a prompt of {len(prompt)} tokens fills max_seq_len {self.pool.max_seq_len}"
         slot = self.pool.admit()
-        hidden = self._hidden_buffer(len(prompt)) if want_hidden else None
         try:
-            logits = self._prefill(slot, prompt, hidden)
-        except Exception:
+            return Opening(self, slot, prompt, sampling, max_new_tokens, eos_ids, want_hidden)
+        except BaseException:
             self.pool.release(slot)
             raise
-        token = choose(logits, sampling, len(prompt))
-        eos = frozenset(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
-        seq = Sequence(slot, len(prompt), token, sampling, max_new_tokens, eos, first_logits=logits, prompt_hidden=hidden)
-        if token in eos:
-            seq.finish_reason = EOS
-        elif max_new_tokens == 1:
-            seq.finish_reason = LENGTH
-        return seq
-
-    def _prefill(self, slot: int, prompt: list[int], hidden: torch.Tensor | None) -> torch.Tensor:
-        """Ingest the prompt into a fresh slot -> its last token's logits: from the longest cached
-        prefix (restored bitwise) when there is a prefix cache, keeping each new chunk there."""
-        cache = self.prefix_cache
-        if cache is None:
-            return self.model.prefill(self.pool, slot, prompt, chunk=self.prefill_chunk, hidden_out=hidden)
-        if hidden is None and cache.keep_hidden:  # chunks keep their hidden rows for the sessions that will want them
-            hidden = self._hidden_buffer(len(prompt))
-        path = cache.longest(prompt, want_hidden=hidden is not None)
-        start = cache.restore(self.pool, slot, path, hidden) if path else 0
-
-        def keep(end: int) -> None:
-            nonlocal path
-            path = cache.store(self.pool, slot, prompt, path, end, hidden)
-
-        try:
-            return self.model.prefill(self.pool, slot, prompt, chunk=self.prefill_chunk, hidden_out=hidden, start=start,
-                                      after_chunk=keep)
-        finally:
-            cache.trim()
 
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
         """[rows, H] in the model's dtype on its device: what compute's hidden_out copies into."""
@@ -455,3 +441,81 @@ class Engine:
             return emitted, LENGTH
         return emitted, None
 
+
+class Opening:
+    """An open in progress (Engine.opening): its slot admitted, the prompt prefilled a chunk per
+    `advance`, the first token chosen by `sequence`. A failure releases the slot."""
+
+    def __init__(self, engine: Engine, slot: int, prompt: list[int], sampling: SamplingParams, max_new_tokens: int,
+                 eos_ids: tuple[int, ...] | None, want_hidden: bool):
+        self.engine, self.slot, self.prompt = engine, slot, prompt
+        self.sampling, self.max_new_tokens, self.eos_ids = sampling, max_new_tokens, eos_ids
+        self.hidden = engine._hidden_buffer(len(prompt)) if want_hidden else None  # the sequence's prompt_hidden
+        cache = engine.prefix_cache
+        # with a prefix cache that keeps hidden rows, every open computes them (the chunks keep them)
+        self._rows = self.hidden if self.hidden is not None or cache is None or not cache.keep_hidden \
+            else engine._hidden_buffer(len(prompt))
+        self._path = cache.longest(prompt, want_hidden=self._rows is not None) if cache is not None else []
+        self.position = cache.restore(engine.pool, slot, self._path, self._rows) if self._path else 0
+        self.logits: torch.Tensor | None = None  # the last token's, once the prompt is in
+
+    def advance(self) -> bool:
+        """Prefill the next chunk (keeping it in the prefix cache when it is whole) -> whether the
+        prompt is all in."""
+        engine = self.engine
+        if self.logits is not None:
+            return True
+        try:
+            with device_scope(engine.model.device):
+                c, begin = engine.prefill_chunk, self.position
+                end = min(begin + c, len(self.prompt))
+                logits = engine.model.prefill(engine.pool, self.slot, self.prompt[:end], chunk=c, hidden_out=self._rows,
+                                              start=begin)
+                cache = engine.prefix_cache
+                if cache is not None and end - begin == c:
+                    self._path = cache.store(engine.pool, self.slot, self.prompt, self._path, end, self._rows)
+                self.position = end
+                if end == len(self.prompt):
+                    self.logits = logits
+                    if cache is not None:
+                        cache.trim()
+        except BaseException:
+            self.abort()
+            raise
+        return self.logits is not None
+
+    def sequence(self) -> Sequence:
+        """The opened sequence: its first token chosen from the last prompt row's logits."""
+        assert self.logits is not None, "an opening's sequence comes after its last chunk"
+        logits, seq_len = self.logits, len(self.prompt)
+        token = choose(logits, self.sampling, seq_len)
+        eos = frozenset(self.engine.model.config.eos_token_ids if self.eos_ids is None else self.eos_ids)
+        seq = Sequence(self.slot, seq_len, token, self.sampling, self.max_new_tokens, eos, first_logits=logits,
+                       prompt_hidden=self.hidden)
+        if token in eos:
+            seq.finish_reason = EOS
+        elif self.max_new_tokens == 1:
+            seq.finish_reason = LENGTH
+        return seq
+
+    def abort(self) -> None:
+        """Give the slot back (an open that failed, or that its caller gives up)."""
+        if self.slot is not None:
+            self.engine.pool.release(self.slot)
+            self.slot = None
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.trim()
+
+
+class Opened:
+    """An opening already done (the whole open ran at once): what an engine that cannot stop
+    between chunks gives (a tensor-parallel server's: its followers replay whole opens)."""
+
+    def __init__(self, seq: Sequence, prompt: list[int]):
+        self.seq, self.prompt = seq, prompt
+
+    def advance(self) -> bool:
+        return True
+
+    def sequence(self) -> Sequence:
+        return self.seq

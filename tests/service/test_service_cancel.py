@@ -29,9 +29,9 @@ class GatedEngine(Engine):
         self.entered.set()
         assert self.gate.wait(20), "the test never opened the gate"
 
-    def open(self, *args, **kwargs):
+    def opening(self, *args, **kwargs):
         self._wait()
-        return super().open(*args, **kwargs)
+        return super().opening(*args, **kwargs)
 
     def step(self, requests):
         self._wait()

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..engine import Engine, Sequence, StepRequest, StepResult
+from ..engine import Engine, Opened, Sequence, StepRequest, StepResult
 from ..model.device_scope import device_scope
 from ..model.parallel import TensorParallel
 
@@ -79,6 +79,11 @@ class MirroredEngine(Engine):
              want_hidden: bool = False) -> Sequence:
         self.channel.send((OPEN, list(prompt), sampling, max_new_tokens, eos_ids, want_hidden))
         return super().open(prompt, sampling, max_new_tokens, eos_ids, want_hidden)
+
+    def opening(self, prompt: list[int], sampling, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None,
+                want_hidden: bool = False) -> Opened:
+        """A whole open, one command for the followers (they replay opens, not chunks)."""
+        return Opened(self.open(prompt, sampling, max_new_tokens, eos_ids, want_hidden), prompt)
 
     def close(self, seq: Sequence) -> None:
         self.channel.send((CLOSE, seq.slot))

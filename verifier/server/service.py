@@ -13,7 +13,7 @@ import time
 import grpc
 
 from .. import rpc
-from ..engine import Engine
+from ..engine import Engine, Opened, Opening
 from ..proposers.mtp import MTPDrafter
 from .config import ServerConfig
 from .convert import FINISH_REASONS, error_result, logits_message
@@ -460,8 +460,13 @@ class VerifierService:
         """Prefill on the worker and register the session; runs to the end even if the caller leaves.
         `drafter`: (server_drafter, drafts per step), None when the client drafts; `principal`: its owner."""
         try:
-            seq, logits, proposer = await self.worker.run(_open, self.engine, prompt, sampling, max_new_tokens,
-                                                          request.return_logits, drafter, self.mtp)
+            # a job per prefill chunk: the batches of the running sessions take their turns on the
+            # worker between them, so a long prompt stalls them a chunk at a time
+            want_hidden = drafter is not None and drafter[0] == MTP  # the MTP head starts from the prompt's hidden rows
+            opening = await self.worker.run(self.engine.opening, prompt, sampling, max_new_tokens, None, want_hidden)
+            while not await self.worker.run(opening.advance):
+                pass
+            seq, logits, proposer = await self.worker.run(_open, self.engine, opening, request.return_logits, drafter, self.mtp)
         except BaseException:
             self.sessions.unreserve(principal)
             if request.request_id:
@@ -603,14 +608,13 @@ def _warm_up(engine: Engine, measure_costs: bool) -> tuple[int, dict[int, float]
     return engine.graph_captures, engine.step_costs() if measure_costs else None
 
 
-def _open(engine: Engine, prompt, sampling, max_new_tokens: int, want_logits: bool, drafter: tuple[str, int] | None,
+def _open(engine: Engine, opening: "Opening | Opened", want_logits: bool, drafter: tuple[str, int] | None,
           mtp: MTPDrafter | None) -> tuple:
-    """On the worker: admit and prefill, the first token's logits row as wire bytes when asked,
-    and the session's server-side drafter (None when the client drafts), fed the prompt."""
-    want_hidden = drafter is not None and drafter[0] == MTP  # the MTP head starts from the prompt's hidden rows
-    seq = engine.open(prompt, sampling, max_new_tokens, want_hidden=want_hidden)
+    """On the worker, once the prompt is in: the sequence, the first token's logits row as wire
+    bytes when asked, and the session's server-side drafter (None when the client drafts), fed the prompt."""
+    seq = opening.sequence()
     try:
-        proposer = ServerDrafter(drafter[0], drafter[1], prompt, seq, engine, mtp) if drafter is not None else None
+        proposer = ServerDrafter(drafter[0], drafter[1], opening.prompt, seq, engine, mtp) if drafter is not None else None
     except BaseException:
         engine.close(seq)  # the slot comes back with the reservation (_admit)
         raise

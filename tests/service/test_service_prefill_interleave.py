@@ -1,0 +1,75 @@
+"""A long prompt is prefilled a chunk per engine-thread job: the batches of sessions already
+stepping run between its chunks (they wait for a chunk, not for the whole prompt), and the opened
+session's tokens are plain decoding's."""
+
+import threading
+import time
+
+import grpc
+
+from verifier import rpc
+from verifier.engine import Engine, Opening
+from verifier.server.testing import LoopbackServer
+
+CHUNK = 4
+
+
+class SmallChunks(Engine):
+    """The test's engine: 4-token prefill chunks, so a 40-token prompt is ten of them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, prefill_chunk=CHUNK, **kwargs)
+
+
+def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeypatch):
+    events = []  # ("chunk", position) and ("step", rows), in the engine thread's order
+    advance, step = Opening.advance, SmallChunks.step
+
+    def slow_advance(self):
+        if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:  # the long prompt's opening
+            time.sleep(0.02)  # a chunk that takes a while: steps queue behind it
+            events.append(("chunk", self.position))
+        return advance(self)
+
+    def logged_step(self, requests):
+        events.append(("step", len(requests)))
+        return step(self, requests)
+
+    monkeypatch.setattr(Opening, "advance", slow_advance)
+    monkeypatch.setattr(SmallChunks, "step", logged_step)
+    prompt = [(7 * i) % 80 + 3 for i in range(40)]
+    with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=2, max_seq_len=96, max_wait_ms=0) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
+            stop = threading.Event()
+
+            def keep_stepping():
+                position = runner.position
+                while not stop.is_set():
+                    (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
+                                                                                   expected_position=position)])).results
+                    assert result.status.code == 0, result.status.message
+                    position = result.position
+                    if result.finish_reason != rpc.FINISH_NONE:
+                        return
+
+            thread = threading.Thread(target=keep_stepping)
+            thread.start()
+            time.sleep(0.1)
+            opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=6))
+            stop.set()
+            thread.join(timeout=30)
+            tokens, position = [opened.first_token], opened.position
+            while True:
+                (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=opened.session_id,
+                                                                               expected_position=position)])).results
+                tokens += result.tokens
+                position = result.position
+                if result.finish_reason != rpc.FINISH_NONE:
+                    break
+    assert tokens == list(plain(prompt, 6).tokens)
+    chunks = [i for i, (kind, _) in enumerate(events) if kind == "chunk"]
+    assert len(chunks) == len(prompt) // CHUNK
+    between = [kind for kind, _ in events[chunks[0] : chunks[-1]] if kind == "step"]
+    assert len(between) >= len(chunks) // 2, f"steps between the chunks: {len(between)} ({events})"
