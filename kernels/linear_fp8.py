@@ -132,10 +132,10 @@ def _linear_fp8_rows_kernel(
     config's.
 
     x is contiguous [M, K] and 16-byte aligned (the launcher copies it otherwise), so its tiles load
-    asynchronously, pipelined with the weight's. Rows past M read row M - 1: multiplied, never
-    stored (an output row is a function of its own input row). WHOLE (a function of the weight's
-    shape and the walk: N a multiple of BLOCK_N, every K step whole) drops the masks, whose
-    compares and selects were a fifth of the loop's instructions."""
+    asynchronously, pipelined with the weight's. Rows past M are masked: cp.async fills them with
+    zeros and reads nothing (reading row M - 1 in their place made a row's x traffic 16-fold).
+    WHOLE (a function of the weight's shape and the walk: N a multiple of BLOCK_N, every K step
+    whole) drops the masks along K and N, whose compares and selects were a fifth of the loop."""
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -147,17 +147,18 @@ def _linear_fp8_rows_kernel(
     k_start = i_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     p_w = weight + o_n[:, None].to(tl.int64) * stride_wn + (k_start + o_k)[None, :]  # [BLOCK_N, BLOCK_K]
-    p_x = x + tl.minimum(o_m, M - 1)[None, :].to(tl.int64) * K + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    p_x = x + o_m[None, :].to(tl.int64) * K + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    m_m = o_m < M
     p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[:, None]  # [BLOCK_N, 1]
     b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         if WHOLE:
-            b_x = tl.load(p_x)
+            b_x = tl.load(p_x, mask=m_m[None, :], other=0.0)
             b_w = dequantize_tile(tl.load(p_w), scale_inv, p_srow, None, k0, (k0 + o_k)[None, :], None, SCALE_BLOCK_K,
                                   ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
         else:
             m_k = (k0 + o_k) < k_end
-            b_x = tl.load(p_x, mask=m_k[:, None], other=0.0)
+            b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
             m_w = m_n[:, None] & m_k[None, :]
             b_w = dequantize_tile(tl.load(p_w, mask=m_w, other=0.0), scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w,
                                   SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)

@@ -105,9 +105,11 @@ def grouped_config(h: int, i: int, dtype: torch.dtype, n_experts: int = 0, top_k
     asynchronous too (the same bits: the same values reach the same dots), and whole tiles load
     without masks: stage 1 spent 17% and 21% less at a batch-64 decode and K = 8 verify, 1-8% less at
     1 to 9 rows but for the 4-row verify (10% more), on one H200 against the masked, hand-loaded
-    stage 1 (bench/results/fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200*.json). Stage 2 keeps its
-    masks: unmasked, a padded pair read pair 0's hidden row, and stage 2 was 3-25% slower at 1 to 64
-    rows on the same H200 (fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200-unmasked-stage-2.json).
+    stage 1 (bench/results/fp8_real_size_2026-12-06_qwen3.6-35b-a3b_h200*.json). There a padded
+    pair (past its expert's count) read row 0 of x, and stage 2 without masks read pair 0's hidden
+    row in its place and was 3-25% slower at 1 to 64 rows (..._h200-unmasked-stage-2.json): a block of one pair read its row 16
+    times. Both stages now mask the pairs only (cp.async fills a masked row with zeros, reading
+    nothing) and whole tiles drop the masks along K and the features.
     """
     block_m, block_k, num_stages = (64, 64, 3) if dtype == torch.bfloat16 else (16, 32, 2)
     block_n = block_n2 = 32
@@ -239,11 +241,11 @@ def _grouped_hidden_kernel(
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
-    # the weights' tiles; a padded pair (past its expert's count) reads row 0 and is never stored.
-    # Whole tiles (a function of the shapes) load without masks, whose compares were a fifth of the loop
+    # the weights' tiles; padded pairs (past the expert's count) are masked, read nothing, never stored.
+    # Whole tiles (a function of the shapes) drop the masks along K and the features
     for k0 in range(0, H, BLOCK_K):
         if (H % BLOCK_K == 0) & (I % BLOCK_N == 0):
-            b_x = tl.load(p_x)
+            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
             b_wg = _weight_tile(p_g, None, i_e, gate_scale, p_sg, None, k0, None, stride_se, x.dtype.element_ty, INTERPRET,
                                 FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
             b_wu = _weight_tile(p_u, None, i_e, up_scale, p_su, None, k0, None, stride_se, x.dtype.element_ty, INTERPRET,
@@ -296,10 +298,15 @@ def _grouped_down_kernel(
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        m_k = (k0 + o_k) < I
-        b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
-        b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
-                           hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        if (I % BLOCK_K == 0) & (H % BLOCK_N == 0):
+            b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
+            b_w = _weight_tile(p_w, None, i_e, down_scale, p_srow, None, k0, None, stride_se,
+                               hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+        else:
+            m_k = (k0 + o_k) < I
+            b_h = tl.load(p_h, mask=m_p[:, None] & m_k[None, :], other=0.0)
+            b_w = _weight_tile(p_w, m_k[:, None] & m_n[None, :], i_e, down_scale, p_srow, m_srow, k0, (k0 + o_k)[:, None], stride_se,
+                               hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
         b_y = dot_acc(b_h, b_w, b_y, INTERPRET)
         p_h += BLOCK_K
         p_w += BLOCK_K
