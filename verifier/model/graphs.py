@@ -114,7 +114,7 @@ class GraphedSteps:
     def __init__(self, model, pool, shapes: list[BucketShape], rollback: Rollback):
         if not shapes:
             raise ValueError("GraphedSteps needs at least one bucket")
-        self.model, self.pool, self.rollback = model, pool, rollback
+        self.model, self.pool, self.way_back = model, pool, rollback  # not `rollback`: that is the method below
         self.device = model.device
         self.shapes = shapes
         self.captures = 0  # bucket pairs captured since construction
@@ -157,7 +157,7 @@ class GraphedSteps:
         logits_out, hidden_out = self._logits[: shape.rows], self._hidden[: shape.rows]
         ids_out, host_ids = self._ids[: shape.rows], self._host_ids[: shape.rows]
         # eager once, outside the capture: compiles every kernel of this shape (rollback keeps 0 rows)
-        rollback = self.rollback
+        rollback = self.way_back
         warm = rollback.record(static)
         self.model.compute(inputs.tokens, static, self.pool, row_invariant=True, last_only=False, record=warm,
                            logits_out=logits_out, hidden_out=hidden_out)
