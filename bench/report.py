@@ -350,6 +350,23 @@ class Tables:
         return table(["attempt", "status", "longest health ms", "RSS over idle MiB", "server threads", "witness's longest step ms"],
                      rows, self.source(*found.values()))
 
+    def prefill(self) -> str:
+        found = newest(self.results, "prefill")
+        if not found:
+            return "No prefill results yet.\n"
+        rows = []
+        for path in found.values():
+            d = self.load(path)
+            rows.append(f"{d['config']} ({d['scale']}) | {d['device']}, {d['date']} | {d['prompt_tokens']:,} | "
+                        f"{d['ttft_cold_ms']:.1f} ({d['ttft_x_floor']:.2f}x of {d['ttft_floor_ms']:.1f}) | "
+                        f"{d['ttft_cached_ms']:.1f} ({d['cached_tokens']:,} restored), "
+                        f"{'= cold' if d['cached_equals_cold'] else 'DIFFERS FROM COLD'} | "
+                        f"{d['step_p99_alone_ms']:.1f} / {d['step_p99_arriving_ms']:.1f} ({d['step_p99_ratio']:.2f}x), "
+                        f"{d['running']} running, {d['arriving']} arriving")
+        return table(["config", "device, date", "prompt tokens", "first token, cold ms (x its compute floor)",
+                      "first token from a cached prefix, ms", "p99 between decode steps, ms: alone / while prompts arrive"],
+                     rows, self.source(*found.values()))
+
     def serve(self) -> str:
         rows, paths = [], []
         for variant, path, name, m in self.serve_models():
@@ -517,7 +534,7 @@ class Tables:
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
         return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,
                 "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "contract": self.contract,
-                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "abuse": self.abuse, "serve": self.serve,
+                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "abuse": self.abuse, "prefill": self.prefill, "serve": self.serve,
                 "serve_remote": self.serve_remote, "service_floor": self.service_floor,
                 "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
 

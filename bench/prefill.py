@@ -1,0 +1,204 @@
+"""Prompts at real size: time to first token against its compute floor, a cached prefix against a
+cold start, and what prompts arriving cost the sessions already stepping.
+How it measures, what it checks and writes: bench/README.md, Methods, `bench.prefill`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.fp8_real_size import checkpoint_config, params, published_configs, write_checkpoint
+from bench.machine import NAME_HELP, device_name, name_arg, results_path
+from verifier.engine import Engine, StepRequest
+from verifier.model import load_model
+from verifier.model.config import ATTENTION
+from verifier.model.hf_config import config_from_dict
+from verifier.params import SamplingParams
+
+def log(message: str) -> None:
+    print(f"[prefill] {message}", file=sys.stderr, flush=True)
+
+
+TAIL = 100  # tokens that differ after a shared prefix (at most a quarter of the prompt): the cached start prefills them
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matrix_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in `dtype` on `device`, measured now (the floor's rate)."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    torch.mm(a, b)
+    _sync(device)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def prefill_floor_s(config, active: int, tokens: int, rate: float) -> float:
+    """2 x active parameters x tokens, plus causal attention's score and value products over the
+    full-attention layers, at `rate` FLOP/s."""
+    a = config.attention
+    attention_layers = sum(1 for kind in config.mixers if kind == ATTENTION)
+    attention = attention_layers * 2 * 2 * (tokens * (tokens + 1) // 2) * a.n_heads * a.head_dim
+    return (2 * active * tokens + attention) / rate
+
+
+def prompt(vocab: int, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=gen).tolist()
+
+
+def time_open(engine: Engine, ids: list[int], device: torch.device):
+    """(seconds to the first token, the sequence): an open on a free slot, synchronised."""
+    _sync(device)
+    start = time.perf_counter()
+    seq = engine.open(ids, SamplingParams(), 4, eos_ids=())
+    _sync(device)
+    return time.perf_counter() - start, seq
+
+
+def running_intervals(engine: Engine, seqs: list, steps: int, device: torch.device, openings: list) -> list[float]:
+    """Seconds between the starts of consecutive decode steps of the running sequences, while
+    `openings` (Engine.opening) advance as the server's worker interleaves them: after each step,
+    the next chunk of every prompt still arriving (each open queues its next chunk as its last one
+    ends, so a step waits behind one chunk of each)."""
+    starts = []
+    for _ in range(steps):
+        _sync(device)
+        starts.append(time.perf_counter())
+        results = engine.step([StepRequest(seq, []) for seq in seqs])
+        assert all(r.error is None for r in results), "a running sequence's decode step was refused"
+        for opening in openings:
+            opening.advance()
+        _sync(device)
+    starts.append(time.perf_counter())
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = checkpoint_config(args.config, args.scale)
+    parsed = config_from_dict(config)
+    today = datetime.date.today().isoformat()
+    result = {"device": device_name(device.type), "date": today, "torch": torch.__version__, "config": args.config,
+              "scale": args.scale, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt_tokens,
+              "running": args.running, "arriving": args.arriving, "prefill_chunk": args.chunk}
+    workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
+    try:
+        path = workdir / f"{args.config}-fp8"
+        plan = write_checkpoint(path, config, "per-expert", args.seed, device, int(4e9), mtp=False)
+        total, active = params(plan, parsed)
+        result.update(params_total=total, params_active=active)
+        model = load_model(path, device, dtype)
+        shutil.rmtree(path)  # loaded: the disk is the next run's
+        rate = matrix_rate(device, dtype)
+        n, vocab = args.prompt_tokens, parsed.vocab_size
+        floor = prefill_floor_s(parsed, active, n, rate)
+        result.update(matrix_tflops=round(rate / 1e12, 1), ttft_floor_ms=round(floor * 1e3, 2))
+        slots = args.running + args.arriving
+        engine = Engine(model, slots, n + 64, max_k=0, prefix_cache_bytes=int(args.cache_gb * (1 << 30)), prefill_chunk=args.chunk)
+        cold_engine = Engine(model, 1, n + 64, max_k=0, prefill_chunk=args.chunk)
+        engine.warm_up()
+        cold_engine.warm_up()
+
+        # time to first token, cold: prompts that share nothing (other first tokens)
+        log(f"time to first token: {n} tokens, floor {floor * 1e3:.1f} ms at {rate / 1e12:.0f} TFLOP/s")
+        cold = []
+        for i in range(args.repeats):
+            seconds, seq = time_open(engine, prompt(vocab, n, args.seed + 10 + i), device)
+            engine.close(seq)
+            cold.append(seconds)
+        ttft = statistics.median(cold[1:] if len(cold) > 1 else cold)
+        result.update(ttft_cold_ms=round(ttft * 1e3, 2), ttft_x_floor=round(ttft / floor, 2))
+
+        # a cached prefix: the last cold prompt's first n - TAIL tokens, then another tail
+        tail = min(TAIL, n // 4)
+        shared = prompt(vocab, n, args.seed + 10 + args.repeats - 1)[: n - tail] + prompt(vocab, tail, args.seed + 99)
+        before = engine.prefix_cache.stats.cached_tokens
+        seconds, warm = time_open(engine, shared, device)
+        restored = engine.prefix_cache.stats.cached_tokens - before
+        plain = cold_engine.open(shared, SamplingParams(), 4, eos_ids=())
+        result.update(ttft_cached_ms=round(seconds * 1e3, 2), cached_tokens=restored,
+                      cached_equals_cold=bool(torch.equal(warm.first_logits, plain.first_logits)))
+        engine.close(warm)
+        cold_engine.close(plain)
+        log(f"cold {ttft * 1e3:.1f} ms ({ttft / floor:.2f}x its floor), cached ({restored} of {n} tokens restored) "
+            f"{seconds * 1e3:.1f} ms, equal to a cold start: {result['cached_equals_cold']}")
+
+        # the running batch: decode steps of `running` sequences, alone, then while prompts arrive
+        seqs = [engine.open(prompt(vocab, 16, args.seed + 200 + i), SamplingParams(), 10**6, eos_ids=()) for i in range(args.running)]
+        alone = running_intervals(engine, seqs, args.steps, device, [])
+        openings = [engine.opening(prompt(vocab, n, args.seed + 300 + i), SamplingParams(), 4, eos_ids=()) for i in range(args.arriving)]
+        chunks = -(-n // args.chunk)
+        busy = running_intervals(engine, seqs, chunks, device, openings)
+        for opening in openings:
+            while not opening.advance():
+                pass
+            engine.close(opening.sequence())
+        result.update(step_p99_alone_ms=round(p99(alone) * 1e3, 2), step_p99_arriving_ms=round(p99(busy) * 1e3, 2),
+                      step_p99_ratio=round(p99(busy) / p99(alone), 2), steps_alone=len(alone), steps_arriving=len(busy))
+        log(f"{args.running} running: p99 between steps {p99(alone) * 1e3:.1f} ms alone, {p99(busy) * 1e3:.1f} ms while "
+            f"{args.arriving} prompts of {n} arrive ({result['step_p99_ratio']}x)")
+        for seq in seqs:
+            engine.close(seq)
+        result["cache"] = vars(engine.prefix_cache.stats).copy()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
+    parser.add_argument("--config", default="qwen3.6-35b-a3b", choices=sorted(published_configs()), help="published config.json")
+    parser.add_argument("--scale", choices=("full", "tiny"), default="full", help="published sizes, or shrunk for a CPU test")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workdir", type=Path, default=None, help="the checkpoint is written in a new folder here")
+    parser.add_argument("--prompt-tokens", type=int, default=8192, help="tokens of each long prompt")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (the prefix cache's boundaries)")
+    parser.add_argument("--running", type=int, default=56, help="sessions decoding while prompts arrive")
+    parser.add_argument("--arriving", type=int, default=8, help="long prompts arriving together")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed with no prompt arriving")
+    parser.add_argument("--repeats", type=int, default=3, help="cold opens timed (the first is a warm-up)")
+    parser.add_argument("--cache-gb", type=float, default=8.0, help="the prefix cache's budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    out = results_path(args.out, "prefill", result["date"], args.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {out}")
+    return 0 if result["cached_equals_cold"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
