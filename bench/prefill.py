@@ -77,17 +77,19 @@ def time_open(engine: Engine, ids: list[int], device: torch.device):
 
 def running_intervals(engine: Engine, seqs: list, steps: int, device: torch.device, openings: list) -> list[float]:
     """Seconds between the starts of consecutive decode steps of the running sequences, while
-    `openings` (Engine.opening) advance as the server's worker interleaves them: after each step,
-    the next chunk of every prompt still arriving (each open queues its next chunk as its last one
-    ends, so a step waits behind one chunk of each)."""
-    starts = []
+    `openings` (Engine.opening) advance as the server interleaves them: after each step, the next
+    chunk of one prompt still arriving, the prompts taking turns (the server runs one open's chunk
+    at a time); at most `steps` steps, fewer once every prompt is in."""
+    starts, waiting = [], list(openings)
     for _ in range(steps):
         _sync(device)
         starts.append(time.perf_counter())
         results = engine.step([StepRequest(seq, []) for seq in seqs])
         assert all(r.error is None for r in results), "a running sequence's decode step was refused"
-        for opening in openings:
-            opening.advance()
+        if waiting:
+            opening = waiting.pop(0)
+            if not opening.advance():
+                waiting.append(opening)
         _sync(device)
     starts.append(time.perf_counter())
     return [b - a for a, b in zip(starts, starts[1:])]
@@ -153,7 +155,7 @@ def run(args) -> dict:
         seqs = [engine.open(prompt(vocab, 16, args.seed + 200 + i), SamplingParams(), 10**6, eos_ids=()) for i in range(args.running)]
         alone = running_intervals(engine, seqs, args.steps, device, [])
         openings = [engine.opening(prompt(vocab, n, args.seed + 300 + i), SamplingParams(), 4, eos_ids=()) for i in range(args.arriving)]
-        chunks = -(-n // args.chunk)
+        chunks = args.arriving * -(-n // args.chunk)  # a step before each chunk of every arriving prompt
         busy = running_intervals(engine, seqs, chunks, device, openings)
         for opening in openings:
             while not opening.advance():

@@ -73,3 +73,60 @@ def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeyp
     assert len(chunks) == len(prompt) // CHUNK
     between = [kind for kind, _ in events[chunks[0] : chunks[-1]] if kind == "step"]
     assert len(between) >= len(chunks) // 2, f"steps between the chunks: {len(between)} ({events})"
+
+
+def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint, plain, monkeypatch):
+    """Two long prompts opening at once while a session steps: one chunk runs between two of its
+    steps (the opens take turns), not one chunk of each, and both sessions are plain decoding's."""
+    events = []
+    advance, step = Opening.advance, SmallChunks.step
+
+    def slow_advance(self):
+        if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:
+            time.sleep(0.02)
+            events.append(("chunk", len(self.prompt)))
+        return advance(self)
+
+    def logged_step(self, requests):
+        events.append(("step", len(requests)))
+        return step(self, requests)
+
+    monkeypatch.setattr(Opening, "advance", slow_advance)
+    monkeypatch.setattr(SmallChunks, "step", logged_step)
+    prompts = [[(7 * i) % 80 + 3 for i in range(40)], [(5 * i) % 80 + 3 for i in range(36)]]
+    with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=3, max_seq_len=96, max_wait_ms=0) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
+            opened, done = {}, threading.Event()
+
+            def keep_stepping():
+                position = runner.position
+                while not done.is_set():
+                    (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
+                                                                                   expected_position=position)])).results
+                    position = result.position
+                    if result.finish_reason != rpc.FINISH_NONE:
+                        return
+
+            def open_one(i):
+                opened[i] = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompts[i], max_new_tokens=1))
+
+            stepping = threading.Thread(target=keep_stepping)
+            stepping.start()
+            time.sleep(0.1)
+            openers = [threading.Thread(target=open_one, args=(i,)) for i in range(2)]
+            for thread in openers:
+                thread.start()
+            for thread in openers:
+                thread.join(timeout=60)
+            done.set()
+            stepping.join(timeout=30)
+    for i, prompt in enumerate(prompts):
+        assert opened[i].first_token == plain(prompt, 1).tokens[0]
+    kinds = [kind for kind, _ in events]
+    first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
+    window = kinds[first : last + 1]
+    assert window.count("chunk") == 40 // CHUNK + 36 // CHUNK
+    back_to_back = sum(1 for a, b in zip(window, window[1:]) if a == b == "chunk")
+    assert back_to_back <= 2, f"chunks with no step between them: {back_to_back} ({window})"

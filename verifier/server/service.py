@@ -102,6 +102,9 @@ class VerifierService:
         self.worker = Worker()
         # OpenSession texts are encoded here, one at a time, never on the event loop nor the engine's worker
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-tokenize")
+        # one prefill chunk at a time on the worker, the opens taking turns (an asyncio lock is
+        # first come, first served): between two batches of the running sessions at most one chunk runs
+        self._prefill_turn = asyncio.Lock()
         self.scheduler: Scheduler | None = None
         self.draining = False
         self.stopping = False  # begin_stop: streams end once answered; steps of a cut server get UNAVAILABLE
@@ -460,12 +463,15 @@ class VerifierService:
         """Prefill on the worker and register the session; runs to the end even if the caller leaves.
         `drafter`: (server_drafter, drafts per step), None when the client drafts; `principal`: its owner."""
         try:
-            # a job per prefill chunk: the batches of the running sessions take their turns on the
-            # worker between them, so a long prompt stalls them a chunk at a time
+            # a job per prefill chunk, one open's chunk at a time: the batches of the running
+            # sessions take their turns on the worker between chunks, so prompts arriving stall
+            # them a chunk at a time, however many arrive together
             want_hidden = drafter is not None and drafter[0] == MTP  # the MTP head starts from the prompt's hidden rows
             opening = await self.worker.run(self.engine.opening, prompt, sampling, max_new_tokens, None, want_hidden)
-            while not await self.worker.run(opening.advance):
-                pass
+            while True:
+                async with self._prefill_turn:
+                    if await self.worker.run(opening.advance):
+                        break
             seq, logits, proposer = await self.worker.run(_open, self.engine, opening, request.return_logits, drafter, self.mtp)
         except BaseException:
             self.sessions.unreserve(principal)
