@@ -153,3 +153,58 @@ def test_drafts_are_proposed_ahead_not_on_a_batch_of_their_own(server, stub, pla
     tokens = [events[0].opened.first_token] + [t for e in events[1:] for t in e.step.tokens]
     assert tokens == list(plain(PROMPT, 30).tokens)
     assert len(events) > 4 and proposals == [1]
+
+
+def test_a_stopping_server_ends_a_generate_call_unavailable_with_final_tokens(text_checkpoint, plain):
+    """A Generate call running when the server stops: no step is chained past the stop, the call
+    ends UNAVAILABLE with the stopping trailer (never CANCELLED), and every token it streamed is
+    plain decoding's."""
+    from verifier.engine import Engine
+    from verifier.server.testing import LoopbackServer
+
+    gate, reached = threading.Event(), threading.Event()
+
+    class Paused(Engine):
+        """Steps wait at the fourth until the test lets them on."""
+
+        steps = 0
+
+        def step(self, requests):
+            Paused.steps += 1
+            if Paused.steps == 4:
+                reached.set()
+                assert gate.wait(30), "the test never let the steps on"
+            return super().step(requests)
+
+    server = LoopbackServer(text_checkpoint, engine_class=Paused, n_slots=2, max_seq_len=96)
+    tokens, code, trailer = [], None, {}
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            call = stub.Generate(rpc.GenerateRequest(open=rpc.OpenSessionRequest(
+                prompt_ids=PROMPT, max_new_tokens=60, server_drafter="ngram", server_draft_k=2)), timeout=60)
+
+            def read():
+                nonlocal code
+                try:
+                    for event in call:
+                        tokens.extend([event.opened.first_token] if event.HasField("opened") else event.step.tokens)
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    trailer.update(dict(exc.trailing_metadata() or ()))
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            assert reached.wait(30)
+            stopper = threading.Thread(target=server.stop, kwargs={"grace_s": 5.0})
+            stopper.start()
+            time.sleep(0.2)  # the stop has begun: no step may be chained from here
+            gate.set()
+            reader.join(timeout=30)
+            stopper.join(timeout=30)
+    finally:
+        gate.set()
+        server.stop()
+    assert code == grpc.StatusCode.UNAVAILABLE and trailer.get(rpc.STOPPING_KEY) == "1", (code, trailer)
+    assert 4 <= len(tokens) < 60 and tokens == list(plain(PROMPT, 60).tokens)[: len(tokens)]
