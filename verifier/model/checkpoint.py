@@ -43,7 +43,7 @@ _EMBEDDING = re.compile(r"embed_tokens\.weight$")
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _feeds_gemm(name: str, dim: int) -> bool:
+def feeds_gemm(name: str, dim: int) -> bool:
     return (dim == 2 and not _EMBEDDING.search(name)) or (dim == 3 and bool(_FUSED_EXPERTS.search(name)))
 
 
@@ -138,7 +138,7 @@ class TensorSource:
         dtype = torch.float32 if fp32 else self.dtype
         if tensor.dtype == FP8_DTYPE:
             weight = self._block_fp8(name, tensor, dtype)
-            if self.keep_fp8 and not fp32 and _feeds_gemm(name, tensor.dim()):
+            if self.keep_fp8 and not fp32 and feeds_gemm(name, tensor.dim()):
                 return weight.to(self.device)
             return weight.dequantize().to(self.device)
         # copy=True: a fresh (64-byte aligned) allocation even when no cast is needed. The CPU's

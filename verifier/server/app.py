@@ -255,7 +255,7 @@ def _check_free(host: str, port: int, target: str) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def _serve_until_signalled(server: VerifierServer, signals: tuple = STOP_SIGNALS) -> None:
+async def serve_until_signalled(server: VerifierServer, signals: tuple = STOP_SIGNALS) -> None:
     """signals: those that stop the server (a tensor-parallel rank 0 takes SIGINT only, which its
     launching process sends it: SIGTERM is the launcher's way to end a rank at once)."""
     address = await server.start()
@@ -296,7 +296,7 @@ def serve(config: ServerConfig) -> int:
     process exits (the interpreter's own teardown would set the signals back to their default
     action, and a SIGTERM then would end it 143: so it is skipped, nothing being left to run)."""
     server = VerifierServer(config)
-    asyncio.run(_serve_until_signalled(server))
+    asyncio.run(serve_until_signalled(server))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

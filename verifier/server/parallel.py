@@ -25,7 +25,7 @@ import sys
 
 from ..model import load_config
 from ..model.parallel import ParallelError, TensorParallel, local_config, run_parallel
-from .app import STOP_SIGNALS, VerifierServer, _serve_until_signalled, build_engine
+from .app import STOP_SIGNALS, VerifierServer, serve_until_signalled, build_engine
 from .config import ServerConfig
 from .mirror import Channel, MirroredEngine, follow
 
@@ -77,7 +77,7 @@ def _serve_on_rank(parallel: TensorParallel, config: ServerConfig) -> int:
         follow(channel, build_engine(config, parallel=parallel))
         return 0
     engine = build_engine(config, lambda *args, **kwargs: MirroredEngine(channel, *args, **kwargs), parallel)
-    asyncio.run(_serve_until_signalled(VerifierServer(config, engine), signals=(signal.SIGINT,)))
+    asyncio.run(serve_until_signalled(VerifierServer(config, engine), signals=(signal.SIGINT,)))
     engine.stop_followers()  # the worker has stopped: no engine call comes after this
     return 0
 

@@ -11,7 +11,7 @@ import torch
 
 from hybrid_kernels.linear_fp8 import BlockScales
 
-from ..checkpoint import CheckpointError, TensorSource, _feeds_gemm
+from ..checkpoint import CheckpointError, TensorSource, feeds_gemm
 from ..config import ATTENTION, DENSE, GDN, KDA, MLA, MOE, ModelConfig
 from ..fp8 import FP8_DTYPE, BlockFP8Weight
 from .group import TensorParallel, split_evenly
@@ -217,7 +217,7 @@ class ShardedSource(TensorSource):
             raise CheckpointError(f"tensor {self.stored_name(name)!r} has shape {list(tensor.shape)}, expected {list(whole)} "
                                   f"(tensor parallelism: {rule.describe(size)}, each rank's part {list(shape)})")
         dtype = torch.float32 if fp32 else self.dtype
-        if tensor.dtype == FP8_DTYPE and self.keep_fp8 and not fp32 and _feeds_gemm(name, tensor.dim()):
+        if tensor.dtype == FP8_DTYPE and self.keep_fp8 and not fp32 and feeds_gemm(name, tensor.dim()):
             weight = self._block_fp8(name, tensor, dtype)
             return fp8_part(weight, rule, self.parallel.rank, size, self.stored_name(name)).to(self.device)
         tensor = self._dense(name, tensor, dtype, fp32)
