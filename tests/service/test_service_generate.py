@@ -208,3 +208,43 @@ def test_a_stopping_server_ends_a_generate_call_unavailable_with_final_tokens(te
         server.stop()
     assert code == grpc.StatusCode.UNAVAILABLE and trailer.get(rpc.STOPPING_KEY) == "1", (code, trailer)
     assert 4 <= len(tokens) < 60 and tokens == list(plain(PROMPT, 60).tokens)[: len(tokens)]
+
+
+def test_a_proposal_made_ahead_that_fails_fails_that_step_alone(server, stub, plain, monkeypatch):
+    """The worker job that proposes ahead raising as a whole: the step its drafts were for is
+    INTERNAL at the position it expected, the session steps on (its next drafts proposed by their
+    batch), and its tokens are plain decoding's."""
+    from verifier.server import scheduler as scheduling
+
+    propose, calls = scheduling._propose, []
+
+    def failing_ahead(engine, sessions):
+        calls.append(len(sessions))
+        if len(calls) == 2:  # the first proposal made ahead: still running when its step's batch takes it
+            time.sleep(0.3)
+            raise RuntimeError("a proposal that fails as a whole")
+        return propose(engine, sessions)
+
+    monkeypatch.setattr(scheduling, "_propose", failing_ahead)
+    opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=PROMPT, max_new_tokens=20, server_drafter="ngram",
+                                                     server_draft_k=2))
+    beside = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=40))  # client-drafted, same batches
+    tokens, position, codes, other = [opened.first_token], opened.position, [], beside.position
+    while True:
+        result, mate = stub.Verify(rpc.VerifyRequest(steps=[
+            rpc.VerifyStep(session_id=opened.session_id, expected_position=position),
+            rpc.VerifyStep(session_id=beside.session_id, expected_position=other)])).results
+        assert mate.status.code == 0, mate.status.message  # the failed proposal is its step's alone
+        other = mate.position
+        codes.append(result.status.code)
+        if result.status.code:
+            assert result.position == position  # nothing ran
+            continue
+        tokens += result.tokens
+        position = result.position
+        if result.finish_reason != rpc.FINISH_NONE:
+            break
+    assert codes[1] == grpc.StatusCode.INTERNAL.value[0] and codes.count(codes[1]) == 1 and codes[0] == 0
+    assert tokens == list(plain(PROMPT, 20).tokens)
+    for session in (opened, beside):
+        stub.CloseSession(rpc.CloseSessionRequest(session_id=session.session_id))

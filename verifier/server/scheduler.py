@@ -386,9 +386,9 @@ class Scheduler:
             return failed
         self._running = batch  # `cut` answers them while they are proposed for
         try:
-            for future in {id(a.future): a.future for a in proposed.values()}.values():
-                if not future.done():  # made ahead on the worker, which is still at it
-                    await asyncio.wrap_future(future)
+            running = [asyncio.wrap_future(f) for f in {id(a.future): a.future for a in proposed.values()}.values() if not f.done()]
+            if running:  # made ahead on the worker, which is still at it (a failure is its steps', read by _outcome)
+                await asyncio.gather(*running, return_exceptions=True)
             outcomes = [(p, _outcome(a.future, a.index)) for p, a in proposed.items()]
             if drafting:
                 made = await self.worker.run(_propose, self.engine, [p.session for p in drafting])
