@@ -4,16 +4,14 @@ accepted, always accepted, accepted half the time, or that turn from useless to 
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from verifier.server.goodput import GoodputPolicy, StepCost, expected_tokens, trim_drafts
 
-# the graph buckets of verifier/model/graphs.py (DEFAULT_GRAPH_ROWS; not imported: that module needs
-# torch; test_buckets_are_the_graphs_defaults holds the copy to it)
+# the graph buckets of verifier/model/graphs.py (DEFAULT_GRAPH_ROWS, derived there from sizes.py;
+# copied so that these simulations read as they are; test_buckets_are_the_graphs_defaults holds the copy to it)
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576)
 # flat inside a bucket; 64 -> 80 rows 8% dearer, every further row 0.5% of a 64-row step
 H200_LIKE = StepCost({rows: 0.68 + 0.005 * rows for rows in BUCKETS})
@@ -21,11 +19,10 @@ SWITCH = 1000  # the batch at which drafters turn from useless to perfect
 
 
 def test_buckets_are_the_graphs_defaults():
-    """BUCKETS is DEFAULT_GRAPH_ROWS as verifier/model/graphs.py writes it (read from its source)."""
-    source = Path(__file__).parents[1] / "verifier" / "model" / "graphs.py"
-    assigned = [node.value for node in ast.parse(source.read_text()).body
-                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULT_GRAPH_ROWS" for t in node.targets)]
-    assert len(assigned) == 1 and ast.literal_eval(assigned[0]) == BUCKETS
+    """BUCKETS is DEFAULT_GRAPH_ROWS as verifier/model/graphs.py makes it."""
+    from verifier.model.graphs import DEFAULT_GRAPH_ROWS
+
+    assert DEFAULT_GRAPH_ROWS == BUCKETS
 
 
 def simulate(policy, sessions: int, k: int, accept, batches: int) -> np.ndarray:
