@@ -350,6 +350,30 @@ class Tables:
         return table(["attempt", "status", "longest health ms", "RSS over idle MiB", "server threads", "witness's longest step ms"],
                      rows, self.source(*found.values()))
 
+    def fp8_walk(self) -> str:
+        found = newest(self.results, "fp8_walk")
+        if not found:
+            return "No fp8_walk results yet.\n"
+        rows = []
+        for variant, path in sorted(found.items()):
+            d = self.load(path)
+            counts, dense = d["weights_per_step"], d["dense"]
+
+            def pinned_us(shape: str, rows_: int) -> float:  # the pinned config, timed before and after the candidates
+                runs = [dense[shape][c][str(rows_)] for c in ("pinned", "pinned_again") if c in dense[shape]]
+                return sum(runs) / len(runs)
+
+            sizes = {shape: [int(v) for v in shape.split("x")] for shape in counts}
+            one_row = sum(counts[s] * n * k for s, (n, k) in sizes.items()) / sum(counts[s] * pinned_us(s, 1) for s in counts) / 1e6
+            many = max(d["timed_rows"])
+            tflops = (sum(counts[s] * 2 * many * n * k for s, (n, k) in sizes.items())
+                      / sum(counts[s] * pinned_us(s, many) for s in counts) / 1e6)
+            shapes = ", ".join(f"{s} x{counts[s]}: {pinned_us(s, 1):.1f} / {pinned_us(s, many):.1f}" for s in counts)
+            label = f", {variant}" if variant else ""
+            rows.append(f"{d['config']}{label} | {d['device']}, {d['date']} | {one_row:.2f} | {tflops:.0f} | {shapes}")
+        return table(["config", "device, date", "one row, TB/s of FP8 weight", f"{many} rows, TFLOP/s",
+                      f"per weight: us at 1 / {many} rows"], rows, self.source(*found.values()))
+
     def prefill(self) -> str:
         found = newest(self.results, "prefill")
         if not found:
@@ -533,7 +557,7 @@ class Tables:
 
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
         return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,
-                "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "contract": self.contract,
+                "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "fp8_walk": self.fp8_walk, "contract": self.contract,
                 "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "abuse": self.abuse, "prefill": self.prefill, "serve": self.serve,
                 "serve_remote": self.serve_remote, "service_floor": self.service_floor,
                 "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
