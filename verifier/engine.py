@@ -194,6 +194,16 @@ class Engine:
         runner's: its max_graph_rows, buckets and the rest are read there, not mirrored here)."""
         return self.runner.captures
 
+    @property
+    def cost_buckets(self) -> list[int]:
+        """The shared graph buckets' rows, fewest first: the rows step_costs times."""
+        return [shape.rows for shape in self.runner.shared]
+
+    def padding_step(self, index: int) -> None:
+        """One step of padding rows only through shared bucket `index` (no real slot changes): what
+        step_costs times, one bucket at a time (the mirrored engine times them so)."""
+        self.runner.padding_step(self.runner.shared[index])
+
     @on_model_device
     def step_costs(self) -> dict[int, float]:
         """Seconds per step (verify + rollback) by bucket rows, timed now on the scratch slot: every

@@ -98,11 +98,11 @@ class MirroredEngine(Engine):
         command, so every rank runs the same padding steps whatever its own clock says."""
         costs: dict[int, float] = {}
         began = time.perf_counter()
-        for index, shape in enumerate(self.runner.shared):
+        for index, rows in enumerate(self.cost_buckets):
             if costs and time.perf_counter() - began > COST_BUDGET_S:
                 break
             self.channel.send((BUCKET_COST, index))
-            costs[shape.rows] = bucket_cost(self, index)
+            costs[rows] = bucket_cost(self, index)
         return costs
 
     def stop_followers(self) -> None:
@@ -112,14 +112,12 @@ class MirroredEngine(Engine):
 
 def bucket_cost(engine: Engine, index: int) -> float:
     """Seconds per padding step of shared bucket `index` (StepRunner.step_costs' inner loop)."""
-    runner = engine.runner
-    shape = runner.shared[index]
     times = []
     with device_scope(engine.model.device):
         for _ in range(EAGER_REPEATS + 1):
             _sync(engine)
             start = time.perf_counter()
-            runner.padding_step(shape)
+            engine.padding_step(index)
             _sync(engine)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
