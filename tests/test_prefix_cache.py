@@ -128,7 +128,7 @@ def test_the_budget_evicts_least_recently_used_chunks_first(load_target):
 
 
 def test_the_server_serves_cached_prefixes_and_reports_them(hf_checkpoint):
-    """--prefix-cache-gb: a second session sharing a prefix streams plain decoding's tokens and the
+    """--prefix-cache-gb: a second prompt sharing a prefix streams plain decoding's tokens and the
     metrics count the hit; a negative budget is refused by name."""
     import grpc
     from prometheus_client import generate_latest

@@ -282,11 +282,7 @@ class Engine:
 
     def restore_recurrent(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The slot's conv windows and recurrent states back to `saved` (save_recurrent's), carrying no rows."""
-        layers = [layer for layer in self.pool.layers if isinstance(layer, RecurrentState)]
-        for layer, (conv, recurrent) in zip(layers, saved, strict=True):
-            layer.conv[slot].copy_(conv)
-            layer.recurrent[slot].copy_(recurrent)
-        self.pool.carried[slot] = 0
+        self.pool.write_recurrent(slot, saved)
 
     def slot_tensors(self, slot: int, position: int) -> list[list[torch.Tensor]]:
         """Per layer, copies of every state tensor that defines `slot` at committed `position`: KV

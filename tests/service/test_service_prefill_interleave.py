@@ -21,14 +21,16 @@ class SmallChunks(Engine):
         super().__init__(*args, prefill_chunk=CHUNK, **kwargs)
 
 
-def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeypatch):
-    events = []  # ("chunk", position) and ("step", rows), in the engine thread's order
+def _record(monkeypatch) -> list:
+    """The engine thread's order of work: ("chunk", its prompt's length) for each chunk of a long
+    prompt (slowed, so that steps queue behind it) and ("step", rows) for each step."""
+    events = []
     advance, step = Opening.advance, SmallChunks.step
 
     def slow_advance(self):
-        if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:  # the long prompt's opening
+        if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:  # a long prompt's opening
             time.sleep(0.05)  # a chunk that takes a while: steps queue behind it
-            events.append(("chunk", self.position))
+            events.append(("chunk", len(self.prompt)))
         return advance(self)
 
     def logged_step(self, requests):
@@ -37,6 +39,11 @@ def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeyp
 
     monkeypatch.setattr(Opening, "advance", slow_advance)
     monkeypatch.setattr(SmallChunks, "step", logged_step)
+    return events
+
+
+def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeypatch):
+    events = _record(monkeypatch)
     prompt = [(7 * i) % 80 + 3 for i in range(40)]
     with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=2, max_seq_len=96, max_wait_ms=0) as server:
         with grpc.insecure_channel(server.address) as channel:
@@ -77,22 +84,8 @@ def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeyp
 
 def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint, plain, monkeypatch):
     """Two long prompts opening at once while a session steps: one chunk runs between two of its
-    steps (the opens take turns), not one chunk of each, and both sessions are plain decoding's."""
-    events = []
-    advance, step = Opening.advance, SmallChunks.step
-
-    def slow_advance(self):
-        if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:
-            time.sleep(0.05)
-            events.append(("chunk", len(self.prompt)))
-        return advance(self)
-
-    def logged_step(self, requests):
-        events.append(("step", len(requests)))
-        return step(self, requests)
-
-    monkeypatch.setattr(Opening, "advance", slow_advance)
-    monkeypatch.setattr(SmallChunks, "step", logged_step)
+    steps (the opens take turns), not one chunk of each, and both first tokens are plain decoding's."""
+    events = _record(monkeypatch)
     prompts = [[(7 * i) % 80 + 3 for i in range(40)], [(5 * i) % 80 + 3 for i in range(36)]]
     with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=3, max_seq_len=96, max_wait_ms=0) as server:
         with grpc.insecure_channel(server.address) as channel:
@@ -129,4 +122,4 @@ def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint,
     window = kinds[first : last + 1]
     assert window.count("chunk") == 40 // CHUNK + 36 // CHUNK
     back_to_back = sum(1 for a, b in zip(window, window[1:]) if a == b == "chunk")
-    assert back_to_back <= 4, f"chunks with no step between them: {back_to_back} ({window})"  # FIFO gave about 9
+    assert back_to_back <= 4, f"chunks with no step between them: {back_to_back} ({window})"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -126,14 +125,12 @@ class HybridModel:
         return logits if logits_out is None else logits_out.copy_(logits)
 
     def prefill(self, pool: SlotPool, slot: int, prompt: list[int], *, chunk: int = PREFILL_CHUNK, all_logits: bool = False,
-                hidden_out: torch.Tensor | None = None, start: int = 0,
-                after_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
+                hidden_out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         """Consume `prompt` into `slot` from position `start` (0, or a boundary: a multiple of
         `chunk` up to which the slot holds the prompt already), `chunk` tokens per forward: every
         chunk starts at a multiple of `chunk` from position 0, whatever the prompt's length.
         hidden_out: an optional [len(prompt), H] buffer for every prompt row's final-normed hidden
-        row (compute's; what an MTP head reads). after_chunk(end): called after each chunk that
-        ends at a boundary (a prefix cache keeps the slot's state there).
+        row (compute's; what an MTP head reads).
 
         Returns the logits of the last prompt token [vocab] (or of every token from `start` [len - start, vocab])."""
         if not start < len(prompt):
@@ -148,8 +145,6 @@ class HybridModel:
             logits = self.forward(torch.tensor(piece, dtype=torch.int64), batch, pool, row_invariant=False, last_only=not all_logits,
                                   hidden_out=hidden)
             outs.append(logits)
-            if after_chunk is not None and len(piece) == chunk:
-                after_chunk(begin + chunk)
         return torch.cat(outs) if all_logits else outs[-1][0]
 
 

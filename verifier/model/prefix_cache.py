@@ -31,13 +31,13 @@ class _Chunk:
     tokens: tuple[int, ...]
     end: int  # the boundary it ends at: a multiple of the chunk size
     kv: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer: keys, values [C, heads, d] (attention layers)
-    recurrent: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer: conv window, state (recurrent layers)
+    recurrent: list[tuple[torch.Tensor, torch.Tensor]]  # per recurrent layer: conv window, state
     hidden: torch.Tensor | None  # [C, H]
     children: dict[tuple[int, ...], "_Chunk"] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for pair in self.kv + self.recurrent if pair is not None for t in pair]
+        tensors = [t for pair in [*self.kv, *self.recurrent] if pair is not None for t in pair]
         if self.hidden is not None:
             tensors.append(self.hidden)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -92,10 +92,7 @@ class PrefixCache:
                     keys, values = node.kv[index]
                     layer.keys[slot, node.end - self.chunk : node.end].copy_(keys)
                     layer.values[slot, node.end - self.chunk : node.end].copy_(values)
-            else:
-                conv, state = path[-1].recurrent[index]
-                layer.conv[slot].copy_(conv)
-                layer.recurrent[slot].copy_(state)
+        pool.write_recurrent(slot, path[-1].recurrent)
         if hidden_out is not None:
             for node in path:
                 hidden_out[node.end - self.chunk : node.end].copy_(node.hidden)
@@ -120,7 +117,7 @@ class PrefixCache:
                           [(layer.keys[slot, end - c : end].clone(), layer.values[slot, end - c : end].clone())
                            if isinstance(layer, AttentionState) else None for layer in pool.layers],
                           [(layer.conv[slot].clone(), layer.recurrent[slot].clone())
-                           if isinstance(layer, RecurrentState) else None for layer in pool.layers],
+                           for layer in pool.layers if isinstance(layer, RecurrentState)],
                           hidden[end - c : end].clone() if self.keep_hidden and hidden is not None else None)
             if self.keep_hidden and node.hidden is None:
                 return path  # a chunk without its hidden rows could not serve an MTP session

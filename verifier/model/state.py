@@ -126,6 +126,16 @@ class SlotPool:
                 layer.recurrent[slot].zero_()
         return slot
 
+    def write_recurrent(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The slot's conv window and committed recurrent state set to saved[i] in its i-th recurrent
+        layer (attention needs nothing: its rows past a position are overwritten before they are
+        read); the slot then carries no rows."""
+        layers = [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        for layer, (conv, recurrent) in zip(layers, saved, strict=True):
+            layer.conv[slot].copy_(conv)
+            layer.recurrent[slot].copy_(recurrent)
+        self.carried[slot] = 0
+
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot} is outside the pool of {self.n_slots}")

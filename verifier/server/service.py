@@ -412,9 +412,8 @@ class VerifierService:
                                                 "are final; open the prompt and them on another replica",
                                                 trailing_metadata=_STOPPING_TRAILER)
                         submit(result.position)
-                if tickets:
+                if tickets:  # its head unanswered: `chain` wakes this handler when it is
                     woken = loop.create_future()
-                    tickets[0].on_done(wake)
                     await woken
                     woken = None
         finally:
