@@ -31,7 +31,7 @@ from .model.prefix_cache import PrefixCache
 from .model.rollback import WOA, rollback_named
 from .model.sizes import DEFAULT_MAX_K  # the engine's, the server's, generate's and check's
 from .model.state import AttentionState, RecurrentState
-from .model.step import Step, StepRunner
+from .model.step import FixedStep, Step, StepGraph, StepRunner
 from .params import SamplingParams
 from .sampling import choose, choose_rows
 
@@ -290,6 +290,28 @@ class Engine:
         return [[layer.keys[slot, :position].clone(), layer.values[slot, :position].clone()] if isinstance(layer, AttentionState)
                 else [layer.conv[slot].clone(), self.rollback.committed_state(self.pool, layer, slot)]
                 for layer in self.pool.layers]
+
+    # -- steps at fixed addresses, chained in one CUDA graph (the model drafter's draft chain) ----
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot no sequence owns: warm-up runs and captures step it and keep no row."""
+        return self.pool.scratch_slot
+
+    def fixed_step(self, slot: int, rows: int) -> FixedStep:
+        """Steps of `rows` rows into `slot` whose inputs sit at fixed device addresses, with this
+        engine's forward and rollback, so their bits are its steps' (model/step.py FixedStep)."""
+        return FixedStep(self.model, self.pool, slot, rows, self.rollback)
+
+    def step_graph(self, steps: int, memory) -> StepGraph:
+        """A CUDA graph of up to `steps` fixed steps, captured into graph memory pool `memory`."""
+        return StepGraph(self.pool, steps, memory, self.model.device)
+
+    def recurrent_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per recurrent layer, the pool's conv windows [slots, conv_dim, W-1] and recurrent states
+        [slots, heads, d_k, d_v] themselves (not copies): a graph saves a slot's rows from them and
+        restores them in place, as fixed addresses it can replay."""
+        return [(layer.conv, layer.recurrent) for layer in self.pool.layers if isinstance(layer, RecurrentState)]
 
     def check(self, request: StepRequest) -> None:
         """StepError if the sequence's state cannot take this step; never touches state."""

@@ -10,7 +10,6 @@ import torch
 from hybrid_kernels.runtime import pick
 from hybrid_kernels.sampling import argmax_rows, argmax_rows_ref, coupled_choice
 
-from ..model.state import RecurrentState, SlotPool
 from ..model.step import FixedStep, StepGraph
 from ..params import SamplingParams
 from ..sampling import keep_threshold, mask_limits, masks_on, seed_as_int64
@@ -54,18 +53,19 @@ class DeviceChoice:
 
 
 class DraftChain:
-    def __init__(self, model, pool: SlotPool, slot: int, max_k: int, params: SamplingParams, graphed: bool):
-        """Chains of 1 .. max_k drafts for `slot` of `pool` (WOA rollback, as the drafter's engine),
-        choosing as `params` says; graphed: capture each chain now (CUDA), else run eagerly."""
+    def __init__(self, engine, slot: int, max_k: int, params: SamplingParams):
+        """Chains of 1 .. max_k drafts for `slot` of `engine` (verifier.engine.Engine, the drafter's:
+        its steps, through its door), choosing as `params` says; captured now when the engine's
+        steps are graphed (CUDA), else run eagerly."""
         if max_k < 1:
             raise ValueError(f"max_k must be at least 1, got {max_k}")
-        if max_k > pool.max_seq_len:
-            raise ValueError(f"a chain of {max_k} drafts consumes {max_k - 1} rows, past max_seq_len {pool.max_seq_len}")
-        self.model, self.pool, self.slot, self.max_k = model, pool, slot, max_k
-        self.device = torch.device(model.device)
-        vocab = model.config.vocab_size
+        if max_k > engine.max_seq_len:
+            raise ValueError(f"a chain of {max_k} drafts consumes {max_k - 1} rows, past max_seq_len {engine.max_seq_len}")
+        self.engine, self.slot, self.max_k = engine, slot, max_k
+        self.device = torch.device(engine.model.device)
+        vocab = engine.vocab_size
         self.choose = DeviceChoice(params, vocab, self.device)
-        self.graphed = graphed
+        self.graphed = graphed = engine.graphed
         device = self.device
         # [5] int64: catch-up start, p (the first draft's position), restore boundary, up to two new tokens
         self._control = torch.zeros(_NEW_TOKENS + 2, dtype=torch.int64, device=device)
@@ -74,21 +74,20 @@ class DraftChain:
         self._catch_start = self._control[_CATCH_START : _CATCH_START + 1]  # [1]: where the caught-up tokens sit
         self._restore_index = self._control[_RESTORE : _RESTORE + 1]  # [1]: the boundary RESTORE_BONUS restores
         self._row_offsets = torch.arange(2, dtype=torch.int64, device=device)  # [2]: 0, 1
-        self._catch_steps = {n: FixedStep(model, pool, slot, n) for n in (1, 2)}  # the catch-up's consume
+        self._catch_steps = {n: engine.fixed_step(slot, n) for n in (1, 2)}  # the catch-up's consume
         self._keep_caught = {n: torch.full((1,), n, dtype=torch.int32, device=device) for n in (1, 2)}
         self._caught_logits = torch.zeros(2, vocab, dtype=torch.float32, device=device)  # [2, vocab]: the catch-up rows'
         self._logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)  # running: predicts the next draft
         self._drafts = torch.zeros(max_k, dtype=torch.int64, device=device)  # [max_k] the draft ids
         self._host_drafts = torch.zeros(max_k, dtype=torch.int64, pin_memory=graphed)
-        self._step = FixedStep(model, pool, slot, 1)  # a draft's consume
+        self._step = engine.fixed_step(slot, 1)  # a draft's consume
         self._keep_row = torch.ones(1, dtype=torch.int32, device=device)  # rollback keeps the consumed draft
         boundaries = max_k - 1
-        layers = [layer for layer in pool.layers if isinstance(layer, RecurrentState)]
-        self._layers = layers
-        self._saved_conv = [torch.zeros((boundaries, *layer.conv.shape[1:]), dtype=layer.conv.dtype, device=device)
-                            for layer in layers]  # per layer [max_k - 1, conv_dim, W-1]
-        self._saved_recurrent = [torch.zeros((boundaries, *layer.recurrent.shape[1:]), dtype=torch.float32, device=device)
-                                 for layer in layers]  # per layer [max_k - 1, heads, d_k, d_v]
+        self._states = engine.recurrent_states()  # per recurrent layer (conv windows, states) of every slot
+        self._saved_conv = [torch.zeros((boundaries, *conv.shape[1:]), dtype=conv.dtype, device=device)
+                            for conv, _ in self._states]  # per layer [max_k - 1, conv_dim, W-1]
+        self._saved_recurrent = [torch.zeros((boundaries, *recurrent.shape[1:]), dtype=torch.float32, device=device)
+                                 for _, recurrent in self._states]  # per layer [max_k - 1, heads, d_k, d_v]
         self._saved_logits = torch.zeros(boundaries, vocab, dtype=torch.float32, device=device)  # [max_k - 1, vocab]
         self.captures = 0  # chain graphs captured since construction
         self.catch_ups = (NONE, BONUS, TWO) + ((RESTORE_BONUS,) if boundaries else ())
@@ -121,7 +120,7 @@ class DraftChain:
         RESTORE_BONUS (DESIGN.md section 9, "The model
 drafter's chain"). The slot ends with drafts[0 .. k-2] consumed."""
         assert 1 <= k <= self.max_k, f"a chain of {k} drafts; chains hold 1 .. {self.max_k}"
-        assert start + k - 1 <= self.pool.max_seq_len, f"drafts consumed up to position {start + k - 2}, past the slot"
+        assert start + k - 1 <= self.engine.max_seq_len, f"drafts consumed up to position {start + k - 2}, past the slot"
         assert catch_up in self.catch_ups and len(new_tokens) == CATCH_UP_TOKENS[catch_up], (catch_up, new_tokens)
         assert (logits is None) == (catch_up != NONE), "logits come either from the caller or from the catch-up"
         assert catch_up != RESTORE_BONUS or 0 <= restore < self.max_k - 1, f"no boundary {restore}"
@@ -153,9 +152,9 @@ drafter's chain"); the running logits then
             return
         if kind == RESTORE_BONUS:  # the boundary's rows gathered straight into the slot: one launch per state
             slot = self.slot
-            for layer, conv, recurrent in zip(self._layers, self._saved_conv, self._saved_recurrent):
-                torch.index_select(conv, 0, self._restore_index, out=layer.conv[slot : slot + 1])
-                torch.index_select(recurrent, 0, self._restore_index, out=layer.recurrent[slot : slot + 1])
+            for (conv, recurrent), saved_conv, saved_recurrent in zip(self._states, self._saved_conv, self._saved_recurrent):
+                torch.index_select(saved_conv, 0, self._restore_index, out=conv[slot : slot + 1])
+                torch.index_select(saved_recurrent, 0, self._restore_index, out=recurrent[slot : slot + 1])
         n = CATCH_UP_TOKENS[kind]
         step = self._catch_steps[n]
         step.tokens.copy_(self._control[_NEW_TOKENS : _NEW_TOKENS + n])
@@ -182,7 +181,7 @@ drafter's chain") through `step` (a one-row consume of the chain's
 
     def _save(self, i: int, slot: int) -> None:
         destinations = [conv[i] for conv in self._saved_conv] + [recurrent[i] for recurrent in self._saved_recurrent]
-        sources = [layer.conv[slot] for layer in self._layers] + [layer.recurrent[slot] for layer in self._layers]
+        sources = [conv[slot] for conv, _ in self._states] + [recurrent[slot] for _, recurrent in self._states]
         _copy_tensors(destinations + [self._saved_logits[i]], sources + [self._logits[0]])
 
     @torch.inference_mode()
@@ -190,17 +189,17 @@ drafter's chain") through `step` (a one-row consume of the chain's
         # one eager run of each catch-up's consume and of the longest chain first, in the scratch
         # slot: it compiles every kernel outside a capture; keeping no row, it commits nothing (the
         # scratch slot's state stays zero)
-        scratch = self.pool.scratch_slot
+        scratch = self.engine.scratch_slot
         keep_none = torch.zeros(1, dtype=torch.int32, device=self.device)
         for n in (1, 2):
-            FixedStep(self.model, self.pool, scratch, n).run(0, keep_none, self._caught_logits[:n])
-        self._run(self.max_k, FixedStep(self.model, self.pool, scratch, 1), keep_none, 0)
+            self.engine.fixed_step(scratch, n).run(0, keep_none, self._caught_logits[:n])
+        self._run(self.max_k, self.engine.fixed_step(scratch, 1), keep_none, 0)
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.graph_pool_handle()  # one replays at a time and keeps nothing in its temporaries
         for kind in self.catch_ups:
             for k in range(1, self.max_k + 1):
                 # a consume per catch-up and per draft but the last
-                graph = StepGraph(self.pool, 1 + k - 1, memory, self.device)
+                graph = self.engine.step_graph(1 + k - 1, memory)
 
                 def body(kind=kind, k=k):
                     self._catch_up(kind, 0)

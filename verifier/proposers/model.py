@@ -75,7 +75,7 @@ class ModelProposer:
         if not chained or wanted is False or (wanted is None and not graphed):
             return None
         # a pool of one slot hands out slot 0 on every admit (checked in _draft_chained)
-        return DraftChain(self.model, self.engine.pool, 0, max_k, self.params, graphed)
+        return DraftChain(self.engine, 0, max_k, self.params)
 
     @property
     def max_seq_len(self) -> int:
