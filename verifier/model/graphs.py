@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -74,6 +74,16 @@ def collector_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def captured(body: Callable[[], None], memory) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of body() captured into graph memory pool `memory`, with the cycle collector
+    paused: the one capture of every graph here (the engine's buckets, the draft chain's and the
+    MTP chain's steps)."""
+    graph = torch.cuda.CUDAGraph()
+    with collector_paused(), torch.cuda.graph(graph, pool=memory):
+        body()
+    return graph
 
 
 @dataclass
@@ -192,10 +202,7 @@ class GraphedSteps:
         return bucket
 
     def _capture(self, step) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        with collector_paused(), torch.cuda.graph(graph, pool=self._memory):
-            step()
-        return graph
+        return captured(step, self._memory)
 
     @staticmethod
     def _release(record) -> None:

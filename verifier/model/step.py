@@ -12,7 +12,7 @@ import torch
 
 from hybrid_kernels.fused_rollback import TableStore
 
-from .graphs import GraphedSteps, collector_paused, graphs_supported
+from .graphs import GraphedSteps, captured, graphs_supported
 from .padding import BucketShape, bucket_for, bucket_shapes, buckets, capture_batch, pad_batch, padded_kept
 from .rollback import ROLLBACKS, WOA, Rollback, RollbackPlan, check_consumed
 from .rows import RowBatch, StepInputs, check_rows
@@ -248,7 +248,7 @@ class StepGraph:
 
     def __init__(self, pool: SlotPool, steps: int, memory, device: torch.device):
         recurrent = sum(isinstance(layer, RecurrentState) for layer in pool.layers)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = None  # captured by `capture`
         self.store = TableStore(steps * recurrent, device)  # a table row per recurrent layer and step
         self.memory = memory
         self.plans: list[RollbackPlan] = []  # during the capture: its plans, tables unwritten
@@ -256,8 +256,7 @@ class StepGraph:
     def capture(self, body: Callable[[], None]) -> None:
         """Capture body() (its FixedStep runs pass graph=self), then write their tables."""
         try:
-            with collector_paused(), torch.cuda.graph(self.graph, pool=self.memory):  # (graphs.py: why)
-                body()
+            self.graph = captured(body, self.memory)
             for plan in self.plans:
                 plan.fill_tables()
         finally:

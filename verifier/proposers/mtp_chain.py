@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.graphs import collector_paused
+from ..model.graphs import captured
 from ..model.mtp import MTPHead
 from ..model.rows import RowBatch
 from ..model.state import SlotPool
@@ -80,9 +80,7 @@ class MTPChain:
 
     def _capture(self, start: int, c: int, k: int) -> torch.cuda.CUDAGraph:
         self._body(start, c, k)  # eager once: compiles this shape's kernels (the replay rewrites its KV rows)
-        graph = torch.cuda.CUDAGraph()
-        with collector_paused(), torch.cuda.graph(graph, pool=self._memory):
-            self._body(start, c, k)
+        graph = captured(lambda: self._body(start, c, k), self._memory)
         self._graphs[(c, k)] = graph
         self.captures += 1
         return graph
