@@ -25,6 +25,8 @@ from verifier.model import load_model
 from verifier.model.config import ATTENTION
 from verifier.model.hf_config import config_from_dict
 from verifier.params import SamplingParams
+from verifier.server.config import ServerConfig
+from verifier.server.prefill import take_turn
 
 def log(message: str) -> None:
     print(f"[prefill] {message}", file=sys.stderr, flush=True)
@@ -76,24 +78,49 @@ def time_open(engine: Engine, ids: list[int], device: torch.device):
     return time.perf_counter() - start, seq
 
 
-def running_intervals(engine: Engine, seqs: list, steps: int, device: torch.device, openings: list) -> list[float]:
+def prompt_turn(engine: Engine, waiting: list, rows: int) -> None:
+    """One turn of the prompts still arriving, as the server runs it (verifier/server/prefill.py):
+    the next chunks of the first openings whose chunks fit `rows`, in one job; an opening not yet
+    all in goes to the back of `waiting`."""
+    turn = take_turn(waiting, rows)
+    del waiting[: len(turn)]
+    waiting.extend(o for o, done in zip(turn, engine.advance_openings(turn)) if not done)
+
+
+def running_intervals(engine: Engine, seqs: list, steps: int, device: torch.device, openings: list, rows: int) -> list[float]:
     """Seconds between the starts of consecutive decode steps of the running sequences, while
-    `openings` (Engine.opening) advance as the server interleaves them: after each step, the next
-    chunk of one prompt still arriving, the prompts taking turns (the server runs one open's chunk
-    at a time); at most `steps` steps, fewer once every prompt is in."""
+    `openings` (Engine.opening) advance as the server interleaves them: after each step one turn
+    of the prompts still arriving (prompt_turn); at most `steps` steps, fewer once every prompt is in."""
     starts, waiting = [], list(openings)
     for _ in range(steps):
+        if openings and not waiting:
+            break
         _sync(device)
         starts.append(time.perf_counter())
         results = engine.step([StepRequest(seq, []) for seq in seqs])
         assert all(r.error is None for r in results), "a running sequence's decode step was refused"
         if waiting:
-            opening = waiting.pop(0)
-            if not opening.advance():
-                waiting.append(opening)
+            prompt_turn(engine, waiting, rows)
         _sync(device)
     starts.append(time.perf_counter())
     return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def time_together(engine: Engine, prompts: list[list[int]], rows: int, device: torch.device) -> tuple[float, list[torch.Tensor]]:
+    """(seconds until every one of `prompts`, opened at once, has its first token, their first
+    logits rows): turns back to back."""
+    _sync(device)
+    start = time.perf_counter()
+    waiting = [engine.opening(ids, SamplingParams(), 4, eos_ids=()) for ids in prompts]
+    openings = list(waiting)
+    while waiting:
+        prompt_turn(engine, waiting, rows)
+    seqs = [o.sequence() for o in openings]
+    _sync(device)
+    seconds = time.perf_counter() - start
+    for seq in seqs:
+        engine.close(seq)
+    return seconds, [seq.first_logits for seq in seqs]
 
 
 def p99(values: list[float]) -> float:
@@ -109,7 +136,8 @@ def run(args) -> dict:
     today = datetime.date.today().isoformat()
     result = {"device": device_name(device.type), "date": today, "torch": torch.__version__, "config": args.config,
               "scale": args.scale, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt_tokens,
-              "running": args.running, "arriving": args.arriving, "prefill_chunk": args.chunk}
+              "running": args.running, "arriving": args.arriving, "prefill_chunk": args.chunk,
+              "prefill_rows": args.prefill_rows}
     workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
     try:
         path = workdir / f"{args.config}-fp8"
@@ -152,12 +180,30 @@ def run(args) -> dict:
         log(f"cold {ttft * 1e3:.1f} ms ({ttft / floor:.2f}x its floor), cached ({restored} of {n} tokens restored) "
             f"{seconds * 1e3:.1f} ms, equal to a cold start: {result['cached_equals_cold']}")
 
+        # prompts arriving together with nothing else running: their turns back to back, on an
+        # engine without a cache (cold), each prompt's first logits then against its own open alone
+        arriving = [prompt(vocab, n, args.seed + 400 + i) for i in range(args.arriving)]
+        together_engine = Engine(model, args.arriving, n + 64, max_k=0, prefill_chunk=args.chunk)
+        together_engine.warm_up()
+        time_together(together_engine, [ids[: args.chunk * 2] for ids in arriving], args.prefill_rows, device)  # warm-up
+        together, firsts = time_together(together_engine, arriving, args.prefill_rows, device)
+        del together_engine
+        equal = []
+        for ids, first in zip(arriving, firsts):
+            alone = cold_engine.open(ids, SamplingParams(), 4, eos_ids=())
+            equal.append(bool(torch.equal(alone.first_logits, first)))
+            cold_engine.close(alone)
+        result.update(together_ms=round(together * 1e3, 2), together_x_floor=round(together / (floor * args.arriving), 2),
+                      together_x_one_by_one=round(together / (ttft * args.arriving), 2), together_equals_alone=all(equal))
+        log(f"{args.arriving} prompts of {n} together: {together * 1e3:.1f} ms, {together / (ttft * args.arriving):.2f}x "
+            f"one by one, {together / (floor * args.arriving):.2f}x their floor; each equal to its open alone: {all(equal)}")
+
         # the running batch: decode steps of `running` sequences, alone, then while prompts arrive
         seqs = [engine.open(prompt(vocab, 16, args.seed + 200 + i), SamplingParams(), 10**6, eos_ids=()) for i in range(args.running)]
-        alone = running_intervals(engine, seqs, args.steps, device, [])
+        alone = running_intervals(engine, seqs, args.steps, device, [], args.prefill_rows)
         openings = [engine.opening(prompt(vocab, n, args.seed + 300 + i), SamplingParams(), 4, eos_ids=()) for i in range(args.arriving)]
-        chunks = args.arriving * -(-n // args.chunk)  # a step before each chunk of every arriving prompt
-        busy = running_intervals(engine, seqs, chunks, device, openings)
+        chunks = args.arriving * -(-n // args.chunk)  # at most a step before each chunk of every arriving prompt
+        busy = running_intervals(engine, seqs, chunks, device, openings, args.prefill_rows)
         for opening in openings:
             while not opening.advance():
                 pass
@@ -183,6 +229,8 @@ def parse_args(argv):
     parser.add_argument("--workdir", type=Path, default=None, help="the checkpoint is written in a new folder here")
     parser.add_argument("--prompt-tokens", type=int, default=8192, help="tokens of each long prompt")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (the prefix cache's boundaries)")
+    parser.add_argument("--prefill-rows", type=int, default=ServerConfig.prefill_rows,
+                        help="rows of prompt chunks a turn holds, as `verifier serve --prefill-rows`")
     parser.add_argument("--running", type=int, default=56, help="sessions decoding while prompts arrive")
     parser.add_argument("--arriving", type=int, default=8, help="long prompts arriving together")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed with no prompt arriving")
@@ -200,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out}")
-    return 0 if result["cached_equals_cold"] else 1
+    return 0 if result["cached_equals_cold"] and result["together_equals_alone"] else 1
 
 
 if __name__ == "__main__":

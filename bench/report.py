@@ -375,6 +375,13 @@ class Tables:
                       f"per weight: us at 1 / {many} rows"], rows, self.source(*found.values()))
 
     def prefill(self) -> str:
+        def together(d: dict) -> str:
+            if "together_ms" not in d:  # a file from before prompts shared turns
+                return "- | "
+            return (f"{d['arriving']} x {d['prompt_tokens']:,}: {d['together_ms']:.1f} ({d['together_x_floor']:.2f}x, "
+                    f"{d['together_x_one_by_one']:.2f}x), turns of {d['prefill_rows']:,} rows, "
+                    f"{'= each alone' if d['together_equals_alone'] else 'DIFFERS FROM ALONE'} | ")
+
         found = newest(self.results, "prefill")
         if not found:
             return "No prefill results yet.\n"
@@ -385,10 +392,12 @@ class Tables:
                         f"{d['ttft_cold_ms']:.1f} ({d['ttft_x_floor']:.2f}x of {d['ttft_floor_ms']:.1f}) | "
                         f"{d['ttft_cached_ms']:.1f} ({d['cached_tokens']:,} restored), "
                         f"{'= cold' if d['cached_equals_cold'] else 'DIFFERS FROM COLD'} | "
+                        f"{together(d)}"
                         f"{d['step_p99_alone_ms']:.1f} / {d['step_p99_arriving_ms']:.1f} ({d['step_p99_ratio']:.2f}x), "
                         f"{d['running']} running, {d['arriving']} arriving")
         return table(["config", "device, date", "prompt tokens", "first token, cold ms (x its compute floor)",
-                      "first token from a cached prefix, ms", "p99 between decode steps, ms: alone / while prompts arrive"],
+                      "first token from a cached prefix, ms", "prompts arriving together: all in, ms (x their floors, x one by one)",
+                      "p99 between decode steps, ms: alone / while prompts arrive"],
                      rows, self.source(*found.values()))
 
     def serve(self) -> str:

@@ -12,5 +12,16 @@ def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path):
     (path,) = tmp_path.glob("prefill_*.json")
     result = json.loads(path.read_text())
     assert code == 0 and result["cached_equals_cold"] and result["cached_tokens"] == 64  # 4 of the 16-token chunks
-    assert result["ttft_cold_ms"] > 0 and result["ttft_floor_ms"] > 0 and result["steps_arriving"] == 2 * 96 // 16
-    assert result["cache"]["hits"] == 1 and result["step_p99_ratio"] > 0
+    # the default turn (2048 rows) holds a chunk of both arriving prompts: a step before each pair of chunks
+    assert result["ttft_cold_ms"] > 0 and result["ttft_floor_ms"] > 0 and result["steps_arriving"] == 96 // 16
+    assert result["cache"]["hits"] == 1 and result["step_p99_ratio"] > 0 and result["together_ms"] > 0
+    assert result["together_equals_alone"]
+
+
+def test_a_turn_of_one_chunk_steps_before_every_chunk(tmp_path):
+    code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "64", "--chunk", "16",
+                         "--prefill-rows", "16", "--running", "2", "--arriving", "2", "--steps", "3", "--repeats", "1",
+                         "--cache-gb", "0.1"])
+    (path,) = tmp_path.glob("prefill_*.json")
+    result = json.loads(path.read_text())
+    assert code == 0 and result["prefill_rows"] == 16 and result["steps_arriving"] == 2 * 64 // 16

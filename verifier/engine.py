@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid_kernels.runtime import use_triton
 from hybrid_kernels.sampling import argmax_rows
 
 from .acceptance import accept
@@ -144,6 +145,7 @@ class Engine:
         # launch cost); a step of one sequence at any K <= max_k replays a bucket of exactly its rows (model/padding.py)
         self.runner = StepRunner(model, self.pool, rollback, cuda_graphs, graph_rows, one_sequence_rows=max_k + 1)
         self.prefill_chunk = prefill_chunk
+        self.prefill_forwards = 0  # prefill forwards run (each holds one chunk of one or more prompts)
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
 
     @property
@@ -242,6 +244,42 @@ class Engine:
         except BaseException:
             self.pool.release(slot)
             raise
+
+    @on_model_device
+    def advance_openings(self, openings: list[Opening | Opened]) -> list[bool]:
+        """The next chunk of each unfinished opening (of this engine), all in one prefill forward
+        where the kernels make every row's bits independent of the rest of its batch (the Triton
+        backend: `together`), else one opening a forward -> whether each prompt is all in.
+        Each prompt's chunks, bits and cached prefixes are those of its own advances. A forward
+        that fails fails every opening in it (their slots released)."""
+        live = [o for o in openings if isinstance(o, Opening) and o.logits is None]
+        try:
+            if len(live) < 2 or not self.together:
+                return [o.advance() for o in openings]
+            chunks = [o.next_chunk() for o in live]
+            batch = RowBatch(slots=tuple(o.slot for o in live), starts=tuple(b for b, _ in chunks),
+                             counts=tuple(e - b for b, e in chunks))
+            tokens = torch.tensor([t for o, (b, e) in zip(live, chunks) for t in o.prompt[b:e]], dtype=torch.int64)
+            hidden = self._hidden_buffer(batch.n_rows) if any(o._rows is not None for o in live) else None
+            logits = self.model.forward(tokens, batch, self.pool, row_invariant=False, last_only=True, hidden_out=hidden)
+            self.prefill_forwards += 1
+            for i, (o, (b, e), rows) in enumerate(zip(live, chunks, batch.sequences())):
+                if o._rows is not None:
+                    o._rows[b:e].copy_(hidden[rows[2]])
+                o._ingested(e, logits[i])
+        except BaseException:
+            for o in live:
+                o.abort()
+            raise
+        return [o.logits is not None if isinstance(o, Opening) else o.advance() for o in openings]
+
+    @property
+    def together(self) -> bool:
+        """Whether prompts of several openings share a prefill forward: on the Triton backend every
+        kernel computes a row from its own sequence only (the step's row invariance), so a prompt's
+        bits do not depend on the prompts beside it. The CPU reference's whole-chunk torch ops make
+        no such promise, and a tensor-parallel rank replays whole opens: one prompt a forward."""
+        return use_triton(self.model.embed) and getattr(self.model, "parallel", None) is None
 
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
         """[rows, H] in the model's dtype on its device: what compute's hidden_out copies into."""
@@ -490,27 +528,34 @@ class Opening:
     def advance(self) -> bool:
         """Prefill the next chunk (keeping it in the prefix cache when it is whole) -> whether the
         prompt is all in."""
-        engine = self.engine
-        if self.logits is not None:
-            return True
-        try:
-            with device_scope(engine.model.device):
-                c, begin = engine.prefill_chunk, self.position
-                end = min(begin + c, len(self.prompt))
-                logits = engine.model.prefill(engine.pool, self.slot, self.prompt[:end], chunk=c, hidden_out=self._rows,
-                                              start=begin)
-                cache = engine.prefix_cache
-                if cache is not None and end - begin == c:
-                    self._path = cache.store(engine.pool, self.slot, self.prompt, self._path, end, self._rows)
-                self.position = end
-                if end == len(self.prompt):
-                    self.logits = logits
-                    if cache is not None:
-                        cache.trim()
-        except BaseException:
-            self.abort()
-            raise
+        if self.logits is None:
+            try:
+                with device_scope(self.engine.model.device):
+                    begin, end = self.next_chunk()
+                    logits = self.engine.model.prefill(self.engine.pool, self.slot, self.prompt[:end], chunk=self.engine.prefill_chunk,
+                                                       hidden_out=self._rows, start=begin)
+                    self.engine.prefill_forwards += 1
+                    self._ingested(end, logits)
+            except BaseException:
+                self.abort()
+                raise
         return self.logits is not None
+
+    def next_chunk(self) -> tuple[int, int]:
+        """The prompt positions [begin, end) the next advance prefills: one chunk from a boundary."""
+        return self.position, min(self.position + self.engine.prefill_chunk, len(self.prompt))
+
+    def _ingested(self, end: int, logits: torch.Tensor) -> None:
+        """The slot holds the prompt up to `end` (logits [vocab]: its last row's): a whole chunk goes
+        to the prefix cache; the last one leaves the logits the first token is chosen from."""
+        cache = self.engine.prefix_cache
+        if cache is not None and end - self.position == self.engine.prefill_chunk:
+            self._path = cache.store(self.engine.pool, self.slot, self.prompt, self._path, end, self._rows)
+        self.position = end
+        if end == len(self.prompt):
+            self.logits = logits
+            if cache is not None:
+                cache.trim()
 
     def sequence(self) -> Sequence:
         """The opened sequence: its first token chosen from the last prompt row's logits."""
@@ -539,11 +584,17 @@ class Opened:
     """An opening already done (the whole open ran at once): what an engine that cannot stop
     between chunks gives (a tensor-parallel server's: its followers replay whole opens)."""
 
-    def __init__(self, seq: Sequence, prompt: list[int]):
-        self.seq, self.prompt = seq, prompt
+    def __init__(self, engine: Engine, seq: Sequence, prompt: list[int]):
+        self.engine, self.seq, self.prompt = engine, seq, prompt
 
     def advance(self) -> bool:
         return True
 
     def sequence(self) -> Sequence:
         return self.seq
+
+    def abort(self) -> None:
+        """Close the sequence (its caller gives the open up)."""
+        if self.seq is not None:
+            self.engine.close(self.seq)
+            self.seq = None

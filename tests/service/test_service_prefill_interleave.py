@@ -1,6 +1,7 @@
-"""A long prompt is prefilled a chunk per engine-thread job: the batches of sessions already
-stepping run between its chunks (they wait for a chunk, not for the whole prompt), and the opened
-session's tokens are plain decoding's."""
+"""Prompts are prefilled in turns, a turn one engine-thread job of the waiting opens' next chunks
+(verifier/server/prefill.py): the batches of sessions already stepping run between turns (they wait
+for a turn, not for a whole prompt), prompts arriving together share turns up to the row budget,
+and the opened sessions' tokens are plain decoding's."""
 
 import threading
 import time
@@ -12,6 +13,7 @@ from verifier.engine import Engine, Opening
 from verifier.server.testing import LoopbackServer
 
 CHUNK = 4
+PROMPTS = [[(7 * i) % 80 + 3 for i in range(40)], [(5 * i) % 80 + 3 for i in range(36)]]  # two long prompts opening at once
 
 
 class SmallChunks(Engine):
@@ -82,16 +84,14 @@ def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeyp
     assert len(between) >= len(chunks) // 3, f"steps between the chunks: {len(between)} ({events})"
 
 
-def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint, plain, monkeypatch):
-    """Two long prompts opening at once while a session steps: one chunk runs between two of its
-    steps (the opens take turns), not one chunk of each, and both first tokens are plain decoding's."""
-    events = _record(monkeypatch)
-    prompts = [[(7 * i) % 80 + 3 for i in range(40)], [(5 * i) % 80 + 3 for i in range(36)]]
-    with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=3, max_seq_len=96, max_wait_ms=0) as server:
+def _open_two_while_stepping(text_checkpoint, **config) -> dict:
+    """Two long prompts opening at once while a session steps -> {i: OpenSessionResponse}."""
+    opened = {}
+    with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=3, max_seq_len=96, max_wait_ms=0, **config) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = rpc.VerifierStub(channel)
             runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
-            opened, done = {}, threading.Event()
+            done = threading.Event()
 
             def keep_stepping():
                 position = runner.position
@@ -103,7 +103,7 @@ def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint,
                         return
 
             def open_one(i):
-                opened[i] = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompts[i], max_new_tokens=1))
+                opened[i] = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=PROMPTS[i], max_new_tokens=1))
 
             stepping = threading.Thread(target=keep_stepping)
             stepping.start()
@@ -115,7 +115,15 @@ def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint,
                 thread.join(timeout=60)
             done.set()
             stepping.join(timeout=30)
-    for i, prompt in enumerate(prompts):
+    return opened
+
+
+def test_a_turn_of_one_chunk_lets_the_opens_take_turns_a_chunk_at_a_time(text_checkpoint, plain, monkeypatch):
+    """With a turn of one chunk's rows, one chunk runs between two of the stepping session's steps
+    (the opens take turns), not one chunk of each, and both first tokens are plain decoding's."""
+    events = _record(monkeypatch)
+    opened = _open_two_while_stepping(text_checkpoint, prefill_rows=CHUNK)
+    for i, prompt in enumerate(PROMPTS):
         assert opened[i].first_token == plain(prompt, 1).tokens[0]
     kinds = [kind for kind, _ in events]
     first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
@@ -123,3 +131,26 @@ def test_prompts_arriving_together_take_turns_a_chunk_at_a_time(text_checkpoint,
     assert window.count("chunk") == 40 // CHUNK + 36 // CHUNK
     back_to_back = sum(1 for a, b in zip(window, window[1:]) if a == b == "chunk")
     assert back_to_back <= 4, f"chunks with no step between them: {back_to_back} ({window})"
+
+
+def test_prompts_arriving_together_share_their_turns(text_checkpoint, plain, monkeypatch):
+    """With the default budget (many chunks' rows) the two opens' chunks share jobs: one job holds
+    the next chunk of each while both are waiting (one forward on the Triton backend), steps still
+    run between the jobs, and both first tokens are plain decoding's."""
+    events = _record(monkeypatch)
+    jobs = []
+    advance_openings = SmallChunks.advance_openings
+
+    def logged(self, openings):
+        jobs.append(sum(1 for o in openings if o.logits is None))
+        return advance_openings(self, openings)
+
+    monkeypatch.setattr(SmallChunks, "advance_openings", logged)
+    opened = _open_two_while_stepping(text_checkpoint)
+    for i, prompt in enumerate(PROMPTS):
+        assert opened[i].first_token == plain(prompt, 1).tokens[0]
+    long_jobs = [n for n in jobs if n == 2]
+    assert len(long_jobs) >= 36 // CHUNK - 2, f"jobs holding both prompts' chunks: {jobs}"
+    kinds = [kind for kind, _ in events]
+    first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
+    assert "step" in kinds[first : last + 1], f"no step between the turns: {kinds}"

@@ -69,6 +69,11 @@ class ServerConfig:
     # a prompt that starts with one restores its state, with a cold start's bits.
     prefix_cache_gb: float = option(0.0, "keep ingested prompt prefixes up to this many GiB of device memory, least "
                                          "recently used out first (0: no prefix cache)")
+    # Prompts in turns (verifier/server/prefill.py): one job on the engine's worker holds the next
+    # chunks of the opens waiting, up to this many rows (at least one chunk): what a running batch
+    # waits behind prompts at most, and what lets prompts arriving together share their forwards.
+    prefill_rows: int = option(2048, "rows of prompt chunks one prefill job holds, the opens waiting sharing it (at "
+                                     "least one chunk)")
     goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")
     # Tensor parallelism (verifier/server/parallel.py): rank 0 serves, ranks 1 .. N-1 mirror its
     # engine calls on their shards; the MTP head is not split across ranks, so "ngram" is the only
@@ -126,7 +131,7 @@ class ServerConfig:
                              f"not {self.device!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        for name in ("n_slots", "max_batch_rows", "results_per_session", "tensor_parallel"):
+        for name in ("n_slots", "max_batch_rows", "results_per_session", "tensor_parallel", "prefill_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.graph_rows is not None:  # the engine checks the buckets themselves

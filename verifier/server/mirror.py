@@ -83,7 +83,7 @@ class MirroredEngine(Engine):
     def opening(self, prompt: list[int], sampling, max_new_tokens: int, eos_ids: tuple[int, ...] | None = None,
                 want_hidden: bool = False) -> Opened:
         """A whole open, one command for the followers (they replay opens, not chunks)."""
-        return Opened(self.open(prompt, sampling, max_new_tokens, eos_ids, want_hidden), prompt)
+        return Opened(self, self.open(prompt, sampling, max_new_tokens, eos_ids, want_hidden), prompt)
 
     def close(self, seq: Sequence) -> None:
         self.channel.send((CLOSE, seq.slot))

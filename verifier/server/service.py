@@ -25,6 +25,7 @@ from .retries import open_fingerprint, reused_open_id, reused_step_id, step_fing
 from .answer import Answer
 from .calls import CallBook
 from .scheduler import PendingStep, Scheduler
+from .prefill import PromptTurns
 from .principals import ANONYMOUS, Principals
 from .sessions import OVER_QUOTA, Session, SessionTable
 from .timings import RoundTimings
@@ -102,9 +103,9 @@ class VerifierService:
         self.worker = Worker()
         # OpenSession texts are encoded here, one at a time, never on the event loop nor the engine's worker
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-tokenize")
-        # one prefill chunk at a time on the worker, the opens taking turns (an asyncio lock is
-        # first come, first served): between two batches of the running sessions at most one chunk runs
-        self._prefill_turn = asyncio.Lock()
+        # the opens' prompts in turns on the worker, a turn the next chunks of those waiting up to
+        # config.prefill_rows rows: between two batches of the running sessions at most one turn runs
+        self.prompts = PromptTurns(self.worker, engine, config.prefill_rows)
         self.scheduler: Scheduler | None = None
         self.draining = False
         self.stopping = False  # begin_stop: streams end once answered; steps of a cut server get UNAVAILABLE
@@ -462,15 +463,12 @@ class VerifierService:
         """Prefill on the worker and register the session; runs to the end even if the caller leaves.
         `drafter`: (server_drafter, drafts per step), None when the client drafts; `principal`: its owner."""
         try:
-            # a job per prefill chunk, one open's chunk at a time: the batches of the running
-            # sessions take their turns on the worker between chunks, so prompts arriving stall
-            # them a chunk at a time, however many arrive together
+            # a job per turn of prompt chunks (PromptTurns): the batches of the running sessions
+            # take their turns on the worker between them, so prompts arriving stall them a turn at
+            # a time, however many arrive together, and those that arrive together share forwards
             want_hidden = drafter is not None and drafter[0] == MTP  # the MTP head starts from the prompt's hidden rows
             opening = await self.worker.run(self.engine.opening, prompt, sampling, max_new_tokens, None, want_hidden)
-            while True:
-                async with self._prefill_turn:
-                    if await self.worker.run(opening.advance):
-                        break
+            await self.prompts.ingest(opening)
             seq, logits, proposer = await self.worker.run(_open, self.engine, opening, request.return_logits, drafter, self.mtp)
         except BaseException:
             self.sessions.unreserve(principal)
