@@ -63,10 +63,13 @@ def expert_candidates(pinned: GroupedConfig) -> list[GroupedConfig]:
 def few_rows_candidates() -> list[dict[str, int]]:
     """Launch fields only (kernels/moe_grouped.py's LAUNCH_FIELDS) for up to FEW_ROWS rows: stage 1's
     feature tile, warps and stages with the rest pinned, then stage 2's, then the combine's. Warps
-    lie along the features at 16 rows a block (at least 8 features each: one mma.sync n8 tile)."""
-    out = [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n, w in ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4))
+    lie along the features at 16 rows a block; more warps than n8 tiles repeat MMAs but share the
+    tile's dequantization, which at one row has one program an SM to hide its latencies."""
+    out = [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n, w in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (32, 8),
+                                                                      (64, 2), (64, 4), (64, 8))
            for st in (3, 4)]
-    out += [dict(BLOCK_N2=n, num_warps2=w) for n, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))]
+    out += [dict(BLOCK_N=32, num_warps=8, num_stages=5)]
+    out += [dict(BLOCK_N2=n, num_warps2=w) for n, w in ((32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))]
     out += [dict(BLOCK_H=b) for b in (64, 128, 512)]
     return out
 
@@ -181,7 +184,7 @@ def rows_candidates() -> list[tuple[int, int, int]]:
     its K walk, which is the pinned config's. Tiles of 16 or 32 features (the MMA's M) would spread a
     weight over more programs, but give other bits than the bf16 GEMM at every published dense shape
     (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_dense-h100.json), so they are not screened."""
-    return [(n, w, st) for n, w in ((64, 4), (128, 4)) for st in (3, 4, 6)]
+    return [(n, w, st) for n, w in ((64, 4), (64, 8), (128, 4), (128, 8)) for st in (3, 4, 6)]
 
 
 def sweep_rows_kernel(n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
