@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_kernels.runtime import use_triton
 from hybrid_kernels.sampling import argmax_rows
 
 from .acceptance import accept
 from .model import HybridModel, RowBatch
 from .model.device_scope import device_scope, on_model_device
-from .model.graphs import DEFAULT_GRAPH_ROWS, reachable_rows
+from .model.graphs import DEFAULT_GRAPH_ROWS, graphs_supported, reachable_rows
 from .model.hybrid import PREFILL_CHUNK
 from .model.padding import check_graph_rows
 from .model.prefix_cache import PrefixCache
@@ -278,8 +277,9 @@ class Engine:
         """Whether prompts of several openings share a prefill forward: on the Triton backend every
         kernel computes a row from its own sequence only (the step's row invariance), so a prompt's
         bits do not depend on the prompts beside it. The CPU reference's whole-chunk torch ops make
-        no such promise, and a tensor-parallel rank replays whole opens: one prompt a forward."""
-        return use_triton(self.model.embed) and getattr(self.model, "parallel", None) is None
+        no such promise, and a tensor-parallel rank replays whole opens: one prompt a forward (the
+        condition steps are graphed under)."""
+        return graphs_supported(self.model)
 
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
         """[rows, H] in the model's dtype on its device: what compute's hidden_out copies into."""

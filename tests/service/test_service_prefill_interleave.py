@@ -44,27 +44,33 @@ def _record(monkeypatch) -> list:
     return events
 
 
+def _keep_stepping(stub, stop: threading.Event) -> threading.Thread:
+    """A session opened now and stepped by a thread until `stop` is set (or it finishes) -> the thread, started."""
+    runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
+
+    def keep_stepping():
+        position = runner.position
+        while not stop.is_set():
+            (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
+                                                                           expected_position=position)])).results
+            assert result.status.code == 0, result.status.message
+            position = result.position
+            if result.finish_reason != rpc.FINISH_NONE:
+                return
+
+    thread = threading.Thread(target=keep_stepping)
+    thread.start()
+    return thread
+
+
 def test_steps_run_between_a_long_prompts_chunks(text_checkpoint, plain, monkeypatch):
     events = _record(monkeypatch)
     prompt = [(7 * i) % 80 + 3 for i in range(40)]
     with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=2, max_seq_len=96, max_wait_ms=0) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = rpc.VerifierStub(channel)
-            runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
             stop = threading.Event()
-
-            def keep_stepping():
-                position = runner.position
-                while not stop.is_set():
-                    (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
-                                                                                   expected_position=position)])).results
-                    assert result.status.code == 0, result.status.message
-                    position = result.position
-                    if result.finish_reason != rpc.FINISH_NONE:
-                        return
-
-            thread = threading.Thread(target=keep_stepping)
-            thread.start()
+            thread = _keep_stepping(stub, stop)
             time.sleep(0.1)
             opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=6))
             stop.set()
@@ -90,23 +96,12 @@ def _open_two_while_stepping(text_checkpoint, **config) -> dict:
     with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=3, max_seq_len=96, max_wait_ms=0, **config) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = rpc.VerifierStub(channel)
-            runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
             done = threading.Event()
-
-            def keep_stepping():
-                position = runner.position
-                while not done.is_set():
-                    (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
-                                                                                   expected_position=position)])).results
-                    position = result.position
-                    if result.finish_reason != rpc.FINISH_NONE:
-                        return
 
             def open_one(i):
                 opened[i] = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=PROMPTS[i], max_new_tokens=1))
 
-            stepping = threading.Thread(target=keep_stepping)
-            stepping.start()
+            stepping = _keep_stepping(stub, done)
             time.sleep(0.1)
             openers = [threading.Thread(target=open_one, args=(i,)) for i in range(2)]
             for thread in openers:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..engine import Engine, Opened, Opening
 from .worker import Worker
 
+
 def chunk_rows(opening: Opening | Opened) -> int:
     """Rows the opening's next chunk takes in a forward (0: nothing left to prefill)."""
     if not isinstance(opening, Opening) or opening.logits is not None:
@@ -49,7 +50,6 @@ class PromptTurns:
         self.worker, self.engine, self.rows = worker, engine, rows
         self._waiting: list[_Waiting] = []
         self._turns: asyncio.Task | None = None
-        self.jobs = 0  # prefill jobs run on the worker
 
     async def ingest(self, opening: Opening | Opened) -> None:
         """Return once the opening's prompt is all in; raise what its turn's job raised (which
@@ -66,7 +66,6 @@ class PromptTurns:
             for waiting in turn:
                 self._waiting.remove(waiting)
             try:
-                self.jobs += 1
                 done = await self.worker.run(self.engine.advance_openings, [w.opening for w in turn])
             except asyncio.CancelledError as exc:  # the server stops: every open still waiting fails, its slot released
                 self._waiting[:0] = turn
