@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from verifier import rpc
 from verifier.engine import Engine, Opening
@@ -149,3 +150,10 @@ def test_prompts_arriving_together_share_their_turns(text_checkpoint, plain, mon
     kinds = [kind for kind, _ in events]
     first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
     assert "step" in kinds[first : last + 1], f"no step between the turns: {kinds}"
+
+
+def test_a_turn_of_no_rows_is_refused_by_name(text_checkpoint):
+    from verifier.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="prefill_rows must be at least 1, got 0"):
+        ServerConfig(text_checkpoint, port=0, prefill_rows=0)
