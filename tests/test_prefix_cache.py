@@ -127,6 +127,34 @@ def test_the_budget_evicts_least_recently_used_chunks_first(load_target):
     assert stats.misses > misses  # FIRST had been evicted
 
 
+def test_opens_ingesting_side_by_side_share_the_budget(load_target):
+    """Prompts arriving together ingest a chunk each in turn: one's store may evict a chunk of the
+    path another is still extending. That one keeps no chunk after it, the budget holds once they
+    are in, and every open equals its cold one."""
+    model = load_target("qwen3_5_text")
+    probe = _engine(model, BIG)
+    probe.close(probe.open(FIRST[:5], SamplingParams(), 2))
+    one_chunk = probe.prefix_cache.stats.bytes
+    cached, cold = _engine(model, 2 * one_chunk), _engine(model, 0)
+    stats = cached.prefix_cache.stats
+    prompts = [FIRST, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]  # 3 whole chunks each
+    waiting = [cached.opening(ids, SamplingParams(), 2, eos_ids=()) for ids in prompts]
+    openings = list(waiting)
+    while waiting:  # a chunk of each in turn, as prompt turns run them
+        waiting = [o for o, done in zip(waiting, cached.advance_openings(waiting)) if not done]
+    assert stats.bytes <= 2 * one_chunk and stats.evictions > 0  # (an open's own path stays until it is in)
+    for ids, opening in zip(prompts, openings):
+        warm, plain = opening.sequence(), cold.open(ids, SamplingParams(), 2)
+        assert torch.equal(warm.first_logits, plain.first_logits)
+        cached.close(warm)
+        cold.close(plain)
+    for ids in prompts:  # what the cache kept still restores the cold bits
+        warm, plain = cached.open(ids, SamplingParams(), 2), cold.open(ids, SamplingParams(), 2)
+        assert torch.equal(warm.first_logits, plain.first_logits)
+        cached.close(warm)
+        cold.close(plain)
+
+
 def test_the_server_serves_cached_prefixes_and_reports_them(hf_checkpoint):
     """--prefix-cache-gb: a second prompt sharing a prefix streams plain decoding's tokens and the
     metrics count the hit; a negative budget is refused by name."""

@@ -107,6 +107,8 @@ class PrefixCache:
         c = self.chunk
         if end != (len(path) + 1) * c or end > len(prompt):  # a chunk before it was not kept (the budget): none after it is
             return path
+        if not all(self._cached(node) for node in path):
+            return path  # another open's store evicted a chunk of this path (the budget): none after it is kept
         tokens = tuple(prompt[end - c : end])
         children = path[-1].children if path else self._roots
         node = children.get(tokens)
@@ -137,6 +139,11 @@ class PrefixCache:
         self._roots.clear()
         self._lru.clear()
         self.stats.bytes = 0
+
+    def _cached(self, node: _Chunk) -> bool:
+        """Whether `node` is still in the tree (opens ingest side by side, and one's store may evict
+        a chunk of the path another is still extending: only the storing open's own path is kept)."""
+        return self._lru.get(id(node)) is node
 
     def _touch(self, path: list[_Chunk]) -> None:
         """The path was used: its chunks most recent, each ahead of its descendants (leaf first,
