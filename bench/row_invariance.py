@@ -18,7 +18,7 @@ from bench import fp8_real_size
 from bench.machine import device_name, name_arg, results_path
 from hybrid_kernels import moe
 from hybrid_kernels.linear import linear
-from hybrid_kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize, linear_fp8, standard_scale_row
 from presets.bench_models import MODELS
 from presets.published import PUBLISHED, PUBLISHED_SIZES
 from verifier.model.fp8 import BlockFP8Format, BlockFP8Weight, OutFeatureGroups
@@ -117,7 +117,11 @@ def sweep_dense(n: int, k: int, dtype: str, max_rows: int, seed: int) -> dict:
     weight = dense_weight(n, k, dtype, gen)
     x_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     x = torch.randn(max_rows, k, generator=gen, device="cuda").to(x_dtype)
-    op = (lambda rows: linear_fp8(rows, *weight)) if dtype == "fp8" else (lambda rows: linear(rows, weight))
+    if dtype == "fp8":  # as the engine runs it on CUDA: from DEQUANTIZED_ROWS on, the kept real weight (HybridModel.keep_fp8_reals)
+        real = dequantize(*weight, torch.bfloat16)
+        op = lambda rows: linear_fp8(rows, *weight, real=real)  # noqa: E731
+    else:
+        op = lambda rows: linear(rows, weight)  # noqa: E731
     alone = torch.cat([op(x[r : r + 1]) for r in range(max_rows)])
     return _differing([(op(x[:m]) != alone[:m]).any(dim=1).sum() for m in range(1, max_rows + 1)])
 

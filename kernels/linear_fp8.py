@@ -258,6 +258,7 @@ def linear_fp8(
     *,
     config: LinearConfig | None = None,
     defer_split: bool = False,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor | SplitSums:
     """x [M, K] @ real(weight, scales)[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
@@ -265,8 +266,13 @@ def linear_fp8(
     config: overrides `fp8_config`: that one config then runs every M.
     defer_split: as kernels/linear.py's: where K is split, the splits' sums (SplitSums) for a
     consumer that finishes them the reduce's way (add_rms_norm); out must then be None.
+    real: the weight's real values [N, K] in x's dtype (`dequantize`'s), kept by the caller: from
+    DEQUANTIZED_ROWS rows on the bf16 GEMM multiplies them instead of a dequantization per call
+    (the same values, so the same bits).
     """
     _check(x, weight, scales, bias, out)
+    if real is not None:
+        check_tensor("linear_fp8", "real", real, tuple(weight.shape), x.dtype, ("x", x), layout="[N, K]", contiguous=True)
     check_launchable("linear_fp8", "x", x)
     m, k = x.shape
     n = weight.shape[0]
@@ -277,7 +283,8 @@ def linear_fp8(
     if defer_split and out is not None:
         raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
     if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS:  # many rows: the bf16 GEMM of the real weight
-        return linear(x, dequantize(weight, scales, x.dtype), bias, out, pinned=fp8_config(n, k, x.dtype), defer_split=defer_split)
+        real = dequantize(weight, scales, x.dtype) if real is None else real
+        return linear(x, real, bias, out, pinned=fp8_config(n, k, x.dtype), defer_split=defer_split)
     cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: DESIGN.md section 6, "The block-FP8 GEMM"
     deferred = defer_split and cfg.SPLIT_K > 1
     if out is None and not deferred:

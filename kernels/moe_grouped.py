@@ -328,7 +328,7 @@ def _combine_kernel(
     m_h = o_h < H
     b_out = tl.zeros([BLOCK_H], dtype=tl.float32)
     i_prev = tl.full([], -1, dtype=tl.int64)
-    for _ in range(T):
+    for _ in tl.static_range(T):  # unrolled: a slot's loads need not wait behind the previous slot's add
         # the next expert in ascending id order, and the slot that lists it
         i_e = tl.min(tl.where(b_ids > i_prev, b_ids, NO_EXPERT), axis=0)
         i_t = tl.min(tl.where(b_ids == i_e, o_t, BLOCK_T), axis=0)

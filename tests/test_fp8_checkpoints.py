@@ -240,3 +240,26 @@ def test_fp8_verify_rows_equal_serial_decode(fp8_pair, model_device, name, mode)
         prompt = [3, 4, 5, 6, 7]
         want = serial_run(Engine(load_model(dequantized, model_device), 1, 64), prompt, 12).logits
         torch.testing.assert_close(serial_run(Engine(model, 1, 64), prompt, 12).logits, want, **CUDA_PARITY)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next_moe"])
+def test_kept_real_weights_give_the_bits_of_dequantizing_each_gemm(fp8_pair, model_device, name):
+    """On CUDA in bf16 the dense FP8 weights keep their real values (load_model's fp8_reals) for the
+    GEMMs of 64 or more rows: a 100-row prefill's every logit row equals, bitwise, the model's that
+    dequantizes each such GEMM's weight instead."""
+    if model_device != "cuda":
+        pytest.skip("the real values are kept on CUDA only (the CPU reference loads the real weights themselves)")
+    fp8_dir, _ = fp8_pair(name)
+    kept, plain = load_model(fp8_dir, "cuda", torch.bfloat16), load_model(fp8_dir, "cuda", torch.bfloat16, fp8_reals=False)
+    def dense(model) -> list[BlockFP8Weight]:
+        weights = [w for w in vars(model.blocks[0].mixer).values() if isinstance(w, BlockFP8Weight)]
+        return weights + [g for w in vars(model.blocks[0].mixer).values() if isinstance(w, OutFeatureGroups)
+                          for g in w.groups if isinstance(g, BlockFP8Weight)]
+
+    assert dense(kept) and all(w.real is not None for w in dense(kept)) and all(w.real is None for w in dense(plain))
+    prompt = [(7 * i) % 60 + 3 for i in range(100)]
+    rows = []
+    for model in (kept, plain):
+        pool = model.new_pool(1, 128)
+        rows.append(model.prefill(pool, pool.admit(), prompt, all_logits=True))
+    assert torch.equal(*rows)

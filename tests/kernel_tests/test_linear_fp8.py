@@ -250,6 +250,17 @@ def test_bf16_paths_are_the_gemm_of_the_dequantized_weight(device, m, target, n,
     # the bf16 GEMM's wide tiles change: compare with the walk's own tile (the GPU's MMAs add 16-wide chunks)
     config = walk if device == "cpu" and m < linear_fp8_module.DEQUANTIZED_ROWS else None
     assert torch.equal(linear_fp8(x, weight, scales, b), linear(x, real, b, config=config, pinned=walk))
+    # a caller that keeps the real weight (HybridModel.keep_fp8_reals) gets the same bits on either path
+    assert torch.equal(linear_fp8(x, weight, scales, b, real=real), linear(x, real, b, config=config, pinned=walk))
+
+
+def test_a_kept_real_weight_of_another_shape_or_dtype_is_refused(device):
+    x, weight, scales, _ = make(64, 256, 96, (128, 128), torch.bfloat16, False, device)
+    real = dequantize_ref(weight, scales, torch.bfloat16)
+    with pytest.raises(ValueError, match="real must have shape"):
+        linear_fp8(x, weight, scales, real=real[:, :128])
+    with pytest.raises(ValueError, match="real"):
+        linear_fp8(x, weight, scales, real=real.float())
 
 
 @pytest.mark.parametrize("m", [1, 9, 64, 72], ids=lambda m: f"M{m}")

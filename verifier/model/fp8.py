@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
 import torch
 
-from hybrid_kernels.linear_fp8 import BlockScales, dequantize_ref, standard_scale_row
+from hybrid_kernels.linear_fp8 import BlockScales, dequantize, dequantize_ref, standard_scale_row
 
 from .hf_config import ConfigError, read_json_object
 
@@ -102,6 +103,9 @@ class BlockFP8Weight:
     data: torch.Tensor
     scales: BlockScales
     dtype: torch.dtype
+    # the real values [N, K] in dtype, kept beside a dense weight for GEMMs of many rows (kept_real):
+    # they multiply it as it is instead of dequantizing it every call, with the same bits
+    real: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -114,7 +118,8 @@ class BlockFP8Weight:
 
     def to(self, device: torch.device | str) -> "BlockFP8Weight":
         s = self.scales
-        return BlockFP8Weight(self.data.to(device), BlockScales(s.scale_inv.to(device), s.scale_row.to(device), s.block_k), self.dtype)
+        return BlockFP8Weight(self.data.to(device), BlockScales(s.scale_inv.to(device), s.scale_row.to(device), s.block_k), self.dtype,
+                              None if self.real is None else self.real.to(device))
 
     def dequantize(self) -> torch.Tensor:
         """The real weight in the compute dtype (what the CPU backend loads)."""
@@ -138,6 +143,17 @@ class OutFeatureGroups:
 
 
 LinearWeight = Union[torch.Tensor, BlockFP8Weight, OutFeatureGroups]
+
+
+def kept_real(weight):
+    """A dense block-FP8 weight (or the FP8 groups of OutFeatureGroups) with its real values kept
+    beside it (dequantize's, made once on its device); any other value as it is."""
+    if isinstance(weight, BlockFP8Weight) and weight.data.dim() == 2 and weight.real is None:
+        return dataclasses.replace(weight, real=dequantize(weight.data, weight.scales, weight.dtype))
+    if isinstance(weight, OutFeatureGroups):
+        groups = tuple(kept_real(g) for g in weight.groups)
+        return weight if all(a is b for a, b in zip(groups, weight.groups)) else OutFeatureGroups(groups)
+    return weight
 
 
 def cat_out_features(*weights: torch.Tensor | BlockFP8Weight) -> LinearWeight:

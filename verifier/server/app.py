@@ -52,7 +52,8 @@ def build_engine(config: ServerConfig, engine_class: type[Engine] = Engine, para
     None for one process. `engine_class` is called as Engine is (a subclass, or a factory)."""
     import torch
 
-    model = load_model(config.model_dir, config.device, getattr(torch, config.dtype), parallel=parallel)
+    model = load_model(config.model_dir, config.device, getattr(torch, config.dtype), parallel=parallel,
+                       fp8_reals=config.fp8_reals)
     return engine_class(model, config.n_slots, config.max_seq_len, config.max_k, config.rollback,
                         graph_rows=config.graph_rows, prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)))
 

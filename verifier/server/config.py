@@ -65,6 +65,10 @@ class ServerConfig:
     # KV pool and hidden rows), and the model then offers "ngram" only.
     mtp: bool = option(True, "load the checkpoint's MTP head, if it has one, for server-side MTP drafting "
                              "(--no-mtp: skip it)")
+    # Block-FP8 checkpoints on the GPU: the dense weights' real values kept beside them for steps of
+    # 64 rows or more (HybridModel.keep_fp8_reals): the same bits, one dequantization a GEMM fewer.
+    fp8_reals: bool = option(True, "keep the dense block-FP8 weights' real values for steps of 64+ rows (--no-fp8-reals: "
+                                   "2 bytes a weight element less GPU memory, a dequantization per such GEMM)")
     # Prompt prefixes already ingested, kept at prefill's chunk boundaries (verifier/model/prefix_cache.py):
     # a prompt that starts with one restores its state, with a cold start's bits.
     prefix_cache_gb: float = option(0.0, "keep ingested prompt prefixes up to this many GiB of device memory, least "
