@@ -25,7 +25,6 @@ from verifier import rpc
 from verifier.engine import Engine, StepResult
 from verifier.server.testing import LoopbackServer
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "qwen3_5_text"  # only its config and prefill are used: steps never run the model
 SHAPES = ("stream", "unary", "unary_x4", "rounds_x4")
 CALLERS = 4
@@ -123,6 +122,7 @@ def measure(server: LoopbackServer, shape: str, sessions: int, steps: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder of the results JSON")
     parser.add_argument("--label", default="after", help="key of these figures in the results file")
     parser.add_argument("--name", default="", help=NAME_HELP)
     parser.add_argument("--sessions", type=int, default=64, help="sessions stepping at once")
@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [measure(server, shape, args.sessions, args.steps) for _ in range(args.repeats)]
                 figures[shape] = {key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}
     date = datetime.date.today().isoformat()
-    path = results_path(RESULTS, "server_overhead", date, args.name)
+    path = results_path(args.out, "server_overhead", date, args.name)
     report = json.loads(path.read_text()) if path.exists() else {}
     report.update(device=device_name("cpu"), date=date, python=platform.python_version(), torch=torch.__version__,
                   grpcio=grpc.__version__, sessions=args.sessions, steps_per_session=args.steps)
     report.setdefault("microseconds_per_step", {})[args.label] = figures
-    RESULTS.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{args.label}: " + "; ".join(f"{shape} {f['server_cpu_us_per_step']} us CPU, {f['wall_us_per_step']} us wall per step"
                                         for shape, f in figures.items()) + f" -> {path}")
