@@ -33,7 +33,10 @@ MANY_EXPERTS_PER_SLOT = 8
 # earlier pin (three stages, 128-feature stage-2 tiles) by 18% at one row and 5% at four
 # (bench/results/fp8_configs_2026-12-07_Qwen3.6-35B-A3B_few-rows-warps-h200.json), and more warps
 # (8 in either stage) lost; in the engine it took a decode of one row from 3.37 to 3.05 ms with the
-# gate green (fp8_real_size_2026-12-07_qwen3.6-35b-a3b_few-rows-candidates-h200.json).
+# gate green (fp8_real_size_2026-12-07_qwen3.6-35b-a3b_few-rows-candidates-h200.json). The H100's screen
+# prefers 32-feature stage-2 tiles by 3% at one row, within its noise, and the engine there with this
+# pin decodes one row in 3.24 ms against 3.49 (fp8_configs_2026-12-07_Qwen3.6-35B-A3B_few-rows-warps-h100.json,
+# fp8_real_size_2026-12-07_qwen3.6-35b-a3b_h100-few-rows-pin.json): one pin serves both.
 FEW_ROWS = 16
 LAUNCH_FIELDS = ("BLOCK_N", "BLOCK_N2", "BLOCK_H", "num_warps", "num_stages", "num_warps2", "num_stages2")
 FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "BLOCK_N2": 64, "num_warps2": 4, "BLOCK_H": 128}
