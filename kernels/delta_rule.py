@@ -177,6 +177,7 @@ def _delta_rule_kernel(
     BLOCK_V: tl.constexpr,
     FOLD: tl.constexpr,  # False: verify (rows of cu_rows, store out); True: fold (first consumed rows, store state)
     STORE_SNAPSHOTS: tl.constexpr,
+    COMMIT: tl.constexpr,  # verify of rows all consumed (prefill): the state after the last row is stored too
     CARRY_ROWS: tl.constexpr,  # verify: C > 0, each slot's carried stash rows (C a slot) go first; 0: none
     INTERPRET: tl.constexpr,  # the interpreter truncates fp32 -> bf16: out is rounded on the bits first there
     PDL: tl.constexpr,
@@ -263,7 +264,7 @@ def _delta_rule_kernel(
             b_q = n_q
         b_k, b_v, b_decay, b_beta = n_k, n_v, n_decay, n_beta
 
-    if FOLD:
+    if FOLD or COMMIT:  # the same walk's state: a verify that commits stores the bits a fold of all its rows would
         tl.store(p_state, b_s, mask=m_s)
     elif commits(i_rows, i_slot, scratch_slot):  # a one-row verify: kernels/one_row_commit.py
         tl.store(p_state, b_s, mask=m_s)
@@ -296,7 +297,7 @@ def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed, out, snapshots, fold: bool,
             scratch_slot: int | None, carried: torch.Tensor | None = None, carry: tuple | None = None,
-            config: DeltaRuleConfig | None = None) -> None:
+            config: DeltaRuleConfig | None = None, commit: bool = False) -> None:
     n_seqs, (_, heads, d_k, d_v) = seq_slots.shape[0], state.shape
     if n_seqs == 0 or key.shape[0] == 0:
         return
@@ -308,7 +309,7 @@ def _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, consumed,
         -1 if scratch_slot is None else scratch_slot,
         *((carried, *carry) if carry is not None else (cu_rows, state, state, state, state)),  # never read without a carry
         H=heads, D_K=d_k, D_V=d_v, DECAY_K=decay.shape[2], BLOCK_K=cfg.BLOCK_K, BLOCK_V=cfg.BLOCK_V,
-        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, CARRY_ROWS=0 if carry is None else carry[0].shape[1],
+        FOLD=fold, STORE_SNAPSHOTS=snapshots is not None, COMMIT=commit, CARRY_ROWS=0 if carry is None else carry[0].shape[1],
         INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
@@ -319,10 +320,11 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                       snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       scratch_slot: int | None = None, carried: torch.Tensor | None = None,
                       carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      config: DeltaRuleConfig | None = None) -> torch.Tensor:
+                      config: DeltaRuleConfig | None = None, *, commit: bool = False) -> torch.Tensor:
     """Every row of a ragged batch through the delta rule from its slot's committed state -> out
     [R, H, D_V] fp32. state is written only by one-row sequences (their row is committed), except
-    in scratch_slot (None: no slot is exempt). snapshots, if given, receives the state after each
+    in scratch_slot (None: no slot is exempt); commit (prefill, every row consumed): every sequence
+    stores its state after its last row, the bits delta_rule_fold of all its rows stores, in one walk. snapshots, if given, receives the state after each
     row. out: an optional contiguous [R, H, D_V] fp32 or bf16 buffer to write into; it is returned.
     carry: (keys [n_slots, C, H, D_K], values [.., D_V], decays [.., DECAY_K], betas [n_slots, C, H])
     fp32 with carried int32 [S]: sequence s first applies its slot's first carried[s] carry rows
@@ -343,6 +345,8 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                      layout="[R, H, D_K, D_V]", contiguous=True)
     if (carry is None) != (carried is None):
         raise ValueError(f"{op}: carry and carried come together")
+    if commit and carry is not None:
+        raise ValueError(f"{op}: commit is prefill's, which carries no rows: pass no carry with it")
     if carry is not None:
         _check_carry(op, carry, carried, state, decay.shape[2], seq_slots)
     if config is not None and config.BLOCK_K != delta_rule_config(d_k, d_v).BLOCK_K:
@@ -352,7 +356,7 @@ def delta_rule_verify(state: torch.Tensor, query: torch.Tensor, key: torch.Tenso
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
     # consumed is never read in verify: cu_rows stands in for it
     _launch(state, query, key, value, decay, beta, seq_slots, cu_rows, cu_rows, out, snapshots, fold=False,
-            scratch_slot=scratch_slot, carried=carried, carry=carry, config=config)
+            scratch_slot=scratch_slot, carried=carried, carry=carry, config=config, commit=commit)
     return out
 
 
@@ -404,10 +408,13 @@ def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.T
                           snapshots: torch.Tensor | None = None, out: torch.Tensor | None = None,
                           scratch_slot: int | None = None, carried: torch.Tensor | None = None,
                           carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          config: DeltaRuleConfig | None = None) -> torch.Tensor:
+                          config: DeltaRuleConfig | None = None, *, commit: bool = False) -> torch.Tensor:
     """delta_rule_verify in torch: each sequence's rows one at a time from its slot's state (after
-    its carried rows, committed); a one-row sequence outside scratch_slot commits its row. config:
-    taken for the launcher's signature (a tile changes no value)."""
+    its carried rows, committed); a one-row sequence outside scratch_slot commits its row, and
+    with commit every sequence its last. config: taken for the launcher's signature (a tile
+    changes no value)."""
+    if commit and carry is not None:
+        raise ValueError("delta_rule_verify: commit is prefill's, which carries no rows: pass no carry with it")
     rows, heads, d_v = value.shape
     if out is None:
         out = torch.empty(rows, heads, d_v, dtype=torch.float32, device=state.device)
@@ -426,7 +433,7 @@ def delta_rule_verify_ref(state: torch.Tensor, query: torch.Tensor, key: torch.T
             out[i] = read_state(s_state, query[i])
             if snapshots is not None:
                 snapshots[i] = s_state
-        if bounds[s + 1] - bounds[s] == 1 and slot != scratch_slot:
+        if (commit and bounds[s + 1] > bounds[s]) or (bounds[s + 1] - bounds[s] == 1 and slot != scratch_slot):
             state[slot] = s_state
     return out
 

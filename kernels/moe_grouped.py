@@ -27,15 +27,19 @@ MANY_EXPERTS_PER_SLOT = 8
 
 # Up to FEW_ROWS rows (a decode, or a verify of up to FEW_ROWS - 1 drafts, of one sequence) block-FP8
 # experts of many take FEW_ROWS_LAUNCH's launch fields (`launch_for_rows`): the grid follows the
-# row count, the arithmetic does not. From `python -m bench.fp8_configs --screen rows`, the same winner
-# on both Hoppers (bench/results/fp8_configs_2026-12-06_Qwen3.6-35B-A3B_rows-h100.json and
-# _few-rows-h200.json): 32-feature stage-1 tiles, four warps in both stages, 128-feature stage-2
-# tiles and 128-feature combine programs (a row's combine over 16 programs, not 2), faster at 1, 4
-# and 9 rows; swept and gated in the engine with it (bench/results/row_invariance_2026-12-06.json,
-# fp8_real_size_2026-12-06_qwen3.6-35b-a3b.json, both on the H100).
+# row count, the arithmetic does not. From `python -m bench.fp8_configs --screen rows`: 32-feature
+# stage-1 tiles with four warps and four stages, 64-feature stage-2 tiles with four warps, and
+# 128-feature combine programs (a row's combine over 16 programs, not 2). On the H200 it beat the
+# earlier pin (three stages, 128-feature stage-2 tiles) by 18% at one row and 5% at four
+# (bench/results/fp8_configs_2026-12-07_Qwen3.6-35B-A3B_few-rows-warps-h200.json), and more warps
+# (8 in either stage) lost; in the engine it took a decode of one row from 3.37 to 3.05 ms with the
+# gate green (fp8_real_size_2026-12-07_qwen3.6-35b-a3b_few-rows-candidates-h200.json). The H100's screen
+# prefers 32-feature stage-2 tiles by 3% at one row, within its noise, and the engine there with this
+# pin decodes one row in 3.24 ms against 3.49 (fp8_configs_2026-12-07_Qwen3.6-35B-A3B_few-rows-warps-h100.json,
+# fp8_real_size_2026-12-07_qwen3.6-35b-a3b_h100-few-rows-pin.json): one pin serves both.
 FEW_ROWS = 16
 LAUNCH_FIELDS = ("BLOCK_N", "BLOCK_N2", "BLOCK_H", "num_warps", "num_stages", "num_warps2", "num_stages2")
-FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "BLOCK_N2": 128, "num_warps2": 4, "BLOCK_H": 128}
+FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "BLOCK_N2": 64, "num_warps2": 4, "BLOCK_H": 128}
 # From MANY_ROWS rows on (64 decoding sequences, verifies of a full batch) MANY_ROWS_LAUNCH's fields,
 # which may also take blocks of 32 pairs (MMA_SYNC_ROWS): each expert tile is then dequantized once
 # per 32 pairs instead of 16, with the same mma.sync instruction (16 rows each) and K walks. Empty:

@@ -131,6 +131,32 @@ def test_fold_matches_ref(kind, shape, device):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_a_committing_verify_stores_the_fold_of_all_its_rows(kind, shape, device):
+    """Prefill's verify (commit=True): the outputs of a plain verify, and each sequence's state after
+    its last row, bitwise the state a fold of all its rows stores; a padding sequence stores
+    nothing. The reference likewise."""
+    counts, slots = [1, 4, 0, 9, 2], [3, 0, 2, 4, 1]
+    heads, d_k, d_v = shape
+    t = make(sum(counts), heads, d_k, d_v, kind, device, seed=4)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    all_rows = torch.tensor(counts, dtype=torch.int32, device=device)
+    args = (t["query"], t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows)
+    for run, run_fold in ((delta_rule_verify, delta_rule_fold), (delta_rule_verify_ref, delta_rule_fold_ref)):
+        committed, walked = t["state"].clone(), t["state"].clone()
+        got = run(committed, *args, commit=True)
+        want = run(walked, *args)
+        run_fold(walked, t["key"], t["value"], t["decay"], t["beta"], seq_slots, cu_rows, all_rows)
+        assert torch.equal(got, want), f"{run.__name__}: commit changed the outputs"
+        assert torch.equal(committed, walked), f"{run.__name__}: the committed state is not the fold of every row"
+        assert torch.equal(committed[2], t["state"][2]), "a padding sequence stored a state"
+    with pytest.raises(ValueError, match="commit is prefill's"):
+        carry = tuple(torch.zeros(N_SLOTS, 1, *x.shape[1:], device=device) for x in (t["key"], t["value"], t["decay"], t["beta"]))
+        delta_rule_verify(t["state"].clone(), *args, carried=torch.zeros(len(slots), dtype=torch.int32, device=device),
+                          carry=carry, commit=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_verify_row_invariant(kind, device):
     """op(x[:r]) == op(x)[:r] bitwise for r in ROW_COUNTS, outputs and snapshots; the fold of r
     rows lands on snapshot r-1."""

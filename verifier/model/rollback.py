@@ -126,15 +126,12 @@ class VerifyRecord:
         self.layers: dict[int, LayerRecord] = {}
 
 
-def commit(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: torch.Tensor) -> None:
-    """Prefill (COMMIT): advance each sequence's conv window and recurrent state past its first
-    kept[s] rows (int32 [sequences], every row of each), in the layer's forward, with the one-layer
-    window update and fold."""
-    device = state.recurrent.device
-    seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
+def commit_window(state: RecurrentState, record: LayerRecord, batch: RowBatch, kept: torch.Tensor) -> None:
+    """Prefill (COMMIT): advance each sequence's conv window past its first kept[s] rows (int32
+    [sequences], every row of each), in the layer's forward; its recurrent state was stored by the
+    delta rule's own walk (delta_rule_verify's commit), as a fold of the same rows would store it."""
+    seq_slots, cu_rows = batch.seq_slots(state.conv.device), batch.cu_rows(state.conv.device)
     pick(short_conv.next_window, short_conv.next_window_ref, state.conv)(state.conv, record.conv_inputs, seq_slots, cu_rows, kept)
-    fold = pick(delta_rule.delta_rule_fold, delta_rule.delta_rule_fold_ref, state.recurrent)
-    fold(state.recurrent, record.keys, record.values, record.decays, record.betas, seq_slots, cu_rows, kept)
 
 
 def recurrent_groups(pool: SlotPool, record: VerifyRecord, store: TableStore | None = None) -> list[RecurrentLayers]:

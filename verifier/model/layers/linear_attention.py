@@ -5,7 +5,8 @@ Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their
 references, which walk each sequence row by row, serve the CPU. Verify (a Rollback given) reads
 a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback; it
 writes the window and state of a one-row sequence only, whose row every step consumes
-(kernels/one_row_commit.py). Prefill (no Rollback) applies the same record at once.
+(kernels/one_row_commit.py). Prefill (no Rollback) consumes every row: its walk stores the state
+and the conv window moves past the rows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hybrid_kernels.runtime import pick
 
 from ..ops import each_row
 from ..padding import walk_sequences
-from ..rollback import LayerRecord, Rollback, commit
+from ..rollback import LayerRecord, Rollback, commit_window
 from ..rows import RowBatch
 from ..state import RecurrentState
 
@@ -49,11 +50,12 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     carry = {}
     if state.carry is not None and rollback is not None:  # the slot's carried rows go first (verifier/model/rollback.py)
         carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
+    # prefill (no rollback) consumes every row: the walk that gives the outputs stores the state
     out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
-                 scratch_slot=state.scratch_slot, **carry)
+                 scratch_slot=state.scratch_slot, commit=rollback is None, **carry)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if rollback is None:
-        commit(state, record, batch, cu_rows[1:] - cu_rows[:-1])  # every row consumed
+        commit_window(state, record, batch, cu_rows[1:] - cu_rows[:-1])
     return out, record
 
 
