@@ -318,23 +318,20 @@ def _grouped_down_kernel(
 
 
 @triton.jit
-def combine_block(expert_out, expert_ids, expert_weights, i_r, o_h, m_h, H, T: tl.constexpr, BLOCK_H: tl.constexpr):
+def combine_block(expert_out, expert_ids, expert_weights, i_r, o_h, m_h, H, T: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
     """Row i_r's weighted sum of its T pairs' outputs over features o_h [BLOCK_H] (mask m_h), fp32:
     from zero, the pairs in ascending expert id order, weight * output added one pair at a time.
     Its callers compile without contraction (enable_fp_fusion=False): each product and each sum is
     rounded on its own, so the combine kernel and a norm that finishes a PendingCombine agree."""
+    o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T] slots
+    b_ids = tl.load(expert_ids + i_r * T + o_t, mask=o_t < T, other=NO_EXPERT)  # [BLOCK_T] int64
     b_out = tl.zeros([BLOCK_H], dtype=tl.float32)
     i_prev = tl.full([], -1, dtype=tl.int64)
     for _ in tl.static_range(T):  # unrolled: a slot's loads need not wait behind the previous slot's add
-        # the next expert in ascending id order, and the slot that lists it: scalar compares over the
-        # row's T ids (distinct), which no reduction across a program's warps has to wait for
-        i_e = tl.full([], NO_EXPERT, dtype=tl.int64)
-        i_t = tl.full([], 0, dtype=tl.int64)
-        for u in tl.static_range(T):
-            i_u = tl.load(expert_ids + i_r * T + u)
-            take = (i_u > i_prev) & (i_u < i_e)
-            i_e = tl.where(take, i_u, i_e)
-            i_t = tl.where(take, u, i_t)
+        # the next expert in ascending id order, and the slot that lists it
+        i_e = tl.min(tl.where(b_ids > i_prev, b_ids, NO_EXPERT), axis=0)
+        i_t = tl.min(tl.where(b_ids == i_e, o_t, BLOCK_T), axis=0)
         b_w = tl.load(expert_weights + i_r * T + i_t)  # fp32 routing weight
         b_y = tl.load(expert_out + (i_r * T + i_t) * H + o_h, mask=m_h, other=0.0)  # [BLOCK_H] fp32
         b_out += b_w * b_y
@@ -352,15 +349,15 @@ def release_counts(counts, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr):
 @triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
 def _combine_kernel(
     expert_out, expert_ids, expert_weights, out, counts,
-    H: tl.constexpr, T: tl.constexpr, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
+    H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_r = tl.program_id(0).to(tl.int64)  # the row
     i_h = tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output features
     m_h = o_h < H
-    b_out = combine_block(expert_out, expert_ids, expert_weights, i_r, o_h, m_h, H, T, BLOCK_H)
+    b_out = combine_block(expert_out, expert_ids, expert_weights, i_r, o_h, m_h, H, T, BLOCK_T, BLOCK_H)
     tl.store(out + i_r * H + o_h, cast_rtne(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
     if (i_r == 0) & (i_h == 0):  # the last reader of the grouping
         release_counts(counts, E_ALL, BLOCK_E)
@@ -394,7 +391,7 @@ class PendingCombine(NamedTuple):
         block_h = block_h or min(1024, triton.next_power_of_2(h))
         _combine_kernel[(r, triton.cdiv(h, block_h))](
             self.expert_out, self.ids, self.weights, out, self.counts,
-            H=h, T=slots, E_ALL=e, BLOCK_E=triton.next_power_of_2(e), INTERPRET=interpreting(),
+            H=h, T=slots, BLOCK_T=triton.next_power_of_2(slots), E_ALL=e, BLOCK_E=triton.next_power_of_2(e), INTERPRET=interpreting(),
             BLOCK_H=block_h, num_warps=num_warps, enable_fp_fusion=False, **launch_options(self.expert_out.device),
         )
         return out

@@ -62,7 +62,7 @@ def normalise_block(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTY
 
 @triton.jit
 def _load_residual(p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, SPLIT_K: tl.constexpr,
-                   HAS_SPLIT_BIAS: tl.constexpr, COMBINE_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HAS_SPLIT_BIAS: tl.constexpr, COMBINE_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                    DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
     """One block of the residual, fp32: loaded; or (SPLIT_K > 1) finished from a split-K GEMM's
     sums as kernels/linear.py's reduce_splits_kernel finishes them: split 0, + each next split in
@@ -71,7 +71,7 @@ def _load_residual(p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids,
     rounded once to DTYPE; pair_out, pair_ids, pair_weights its tensors). Either way the bits of
     the tensor the finishing launch would store."""
     if COMBINE_T > 0:
-        b_r = combine_block(pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, COMBINE_T, BLOCK_D)
+        b_r = combine_block(pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, COMBINE_T, BLOCK_T, BLOCK_D)
         return cast_rtne(b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
     if SPLIT_K > 1:
         b_r = tl.load(p_split + o_c, mask=m_c, other=0.0)
@@ -86,12 +86,12 @@ def _load_residual(p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids,
 @triton.jit
 def _load_row_block(p_x, p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D,
                     HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SPLIT_BIAS: tl.constexpr, COMBINE_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
     """One block of the row to normalise, fp32: x, or x + residual rounded to DTYPE (torch's add)."""
     b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         b_r = _load_residual(p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, SPLIT_K,
-                             HAS_SPLIT_BIAS, COMBINE_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
+                             HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
         b_x = cast_rtne(b_x + b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
     return b_x
 
@@ -106,6 +106,7 @@ def _row_norm_kernel(
     SPLIT_K: tl.constexpr,  # > 1: the residual is a split-K GEMM's sums (split [SPLIT_K, M, D] fp32), finished here
     HAS_SPLIT_BIAS: tl.constexpr,
     COMBINE_T: tl.constexpr,  # > 0: the residual is grouped experts' T pairs a row (a PendingCombine), finished here
+    BLOCK_T: tl.constexpr,
     E_ALL: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -127,7 +128,7 @@ def _row_norm_kernel(
     if N_BLOCKS == 1:
         m_d = o_d < D
         b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, pair_out, pair_ids, pair_weights, i_m, o_d, m_d, D, HAS_RESIDUAL, SPLIT_K,
-                              HAS_SPLIT_BIAS, COMBINE_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)  # [BLOCK_D]
+                              HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)  # [BLOCK_D]
         if HAS_RESIDUAL:
             tl.store(p_total + o_d, b_x.to(DTYPE), mask=m_d)  # exact: b_x already holds a DTYPE value
         b_ss = tl.sum(b_x * b_x, axis=0)
@@ -138,14 +139,14 @@ def _row_norm_kernel(
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
             b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, o_c < D, D, HAS_RESIDUAL, SPLIT_K,
-                                  HAS_SPLIT_BIAS, COMBINE_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
+                                  HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
             b_acc += b_x * b_x
         b_ss = tl.sum(b_acc, axis=0)
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
             m_c = o_c < D
             b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, HAS_RESIDUAL, SPLIT_K,
-                                  HAS_SPLIT_BIAS, COMBINE_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
+                                  HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
             if HAS_RESIDUAL:
                 tl.store(p_total + o_c, b_x.to(DTYPE), mask=m_c)
             b_y = normalise_block(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
@@ -245,6 +246,7 @@ def _launch(
         SPLIT_K=split.partial.shape[0] if split is not None else 1,
         HAS_SPLIT_BIAS=split is not None and split.bias is not None,
         COMBINE_T=slots,
+        BLOCK_T=triton.next_power_of_2(max(slots, 1)),
         E_ALL=e_all,
         BLOCK_E=triton.next_power_of_2(e_all),
         BLOCK_D=block_d,
