@@ -8,7 +8,7 @@ import torch
 
 from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .linear_fp8 import FP8, BlockScales, check_block_scales, dequantize_ref
-from .moe_grouped import group_pairs, grouped_experts
+from .moe_grouped import PendingCombine, group_pairs, grouped_experts
 from .moe_route import Routing
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -77,21 +77,25 @@ def moe_experts_fp8(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: t
 
 
 def moe_experts_routed(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                       scales: ExpertScales | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       scales: ExpertScales | None = None, out: torch.Tensor | None = None, *,
+                       defer_combine: bool = False) -> torch.Tensor | PendingCombine:
     """`moe_experts` (scales None) or `moe_experts_fp8` on a routing already grouped by expert:
     kernels/moe_route.py's `route` (a MoE layer's routing launch) or moe_grouped.group_pairs.
-    routing.counts is left all zero, as the next routing needs it."""
+    routing.counts is left all zero, as the next routing needs it.
+    defer_combine: with at least one row, the experts' outputs before their weighted sum
+    (moe_grouped.PendingCombine, out unused), for kernels/norms.py's add_rms_norm to finish: the
+    counts are zero again once it is finished."""
     _check(x, routing.ids, routing.weights, w_gate, w_up, w_down, out, scales)
     e_all = w_gate.shape[0]
     check_tensor("moe_experts", "routing.counts", routing.counts, (e_all,), torch.int32, ("x", x), layout="[E]", contiguous=True)
     check_tensor("moe_experts", "routing.lists", routing.lists, (e_all, max(x.shape[0], 1)), torch.int32, ("x", x), layout="[E, R]",
                  contiguous=True)
     check_launchable("moe_experts", "x", x)
-    if out is None:
+    if out is None and not (defer_combine and x.shape[0]):
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    return grouped_experts(contiguous_aligned(x), routing, w_gate, w_up, w_down, out, scales)
+    return grouped_experts(contiguous_aligned(x), routing, w_gate, w_up, w_down, out, scales, defer_combine=defer_combine)
 
 
 def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

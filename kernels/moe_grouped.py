@@ -317,19 +317,15 @@ def _grouped_down_kernel(
     tl.store(expert_out + b_pair[:, None] * H + o_n[None, :], b_y, mask=m_p[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
-def _combine_kernel(
-    expert_out, expert_ids, expert_weights, out, counts,
-    H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-):
-    after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_r = tl.program_id(0).to(tl.int64)  # the row
-    i_h = tl.program_id(1)
+@triton.jit
+def combine_block(expert_out, expert_ids, expert_weights, i_r, o_h, m_h, H, T: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """Row i_r's weighted sum of its T pairs' outputs over features o_h [BLOCK_H] (mask m_h), fp32:
+    from zero, the pairs in ascending expert id order, weight * output added one pair at a time.
+    Its callers compile without contraction (enable_fp_fusion=False): each product and each sum is
+    rounded on its own, so the combine kernel and a norm that finishes a PendingCombine agree."""
     o_t = tl.arange(0, BLOCK_T)  # [BLOCK_T] slots
     b_ids = tl.load(expert_ids + i_r * T + o_t, mask=o_t < T, other=NO_EXPERT)  # [BLOCK_T] int64
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output features
-    m_h = o_h < H
     b_out = tl.zeros([BLOCK_H], dtype=tl.float32)
     i_prev = tl.full([], -1, dtype=tl.int64)
     for _ in tl.static_range(T):  # unrolled: a slot's loads need not wait behind the previous slot's add
@@ -340,10 +336,65 @@ def _combine_kernel(
         b_y = tl.load(expert_out + (i_r * T + i_t) * H + o_h, mask=m_h, other=0.0)  # [BLOCK_H] fp32
         b_out += b_w * b_y
         i_prev = i_e
+    return b_out
+
+
+@triton.jit
+def release_counts(counts, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The grouping's counts back to zero (by the last reader of the grouping), for the next routing."""
+    o_e = tl.arange(0, BLOCK_E)
+    tl.store(counts + o_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=o_e < E_ALL)
+
+
+@triton.jit(do_not_specialize_on_alignment=["expert_ids", "expert_weights", "out"])
+def _combine_kernel(
+    expert_out, expert_ids, expert_weights, out, counts,
+    H: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_r = tl.program_id(0).to(tl.int64)  # the row
+    i_h = tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output features
+    m_h = o_h < H
+    b_out = combine_block(expert_out, expert_ids, expert_weights, i_r, o_h, m_h, H, T, BLOCK_T, BLOCK_H)
     tl.store(out + i_r * H + o_h, cast_rtne(b_out, out.dtype.element_ty, INTERPRET), mask=m_h)
-    if (i_r == 0) & (i_h == 0):  # the last reader of the grouping: the counts back to zero for the next routing
-        o_e = tl.arange(0, BLOCK_E)
-        tl.store(counts + o_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=o_e < E_ALL)
+    if (i_r == 0) & (i_h == 0):  # the last reader of the grouping
+        release_counts(counts, E_ALL, BLOCK_E)
+
+
+class PendingCombine(NamedTuple):
+    """The grouped experts before their combine (`grouped_experts(..., defer_combine=True)`): what
+    `_combine_kernel` would add up, for a consumer that adds it up itself with `combine_block`
+    (kernels/norms.py's add_rms_norm: one launch fewer per MoE layer). A row's finished value is
+    `combine_block`'s sum rounded once to dtype; whoever finishes it sets counts back to zero."""
+
+    expert_out: torch.Tensor  # [R * S, H] fp32: each (row, slot) pair's output
+    ids: torch.Tensor  # [R, S] int64
+    weights: torch.Tensor  # [R, S] fp32
+    counts: torch.Tensor  # [E_all] int32: the grouping's, zero again once finished
+    dtype: torch.dtype  # what the finished rows round to (x's dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.ids.shape[0], self.expert_out.shape[1]))
+
+    def finish(self, out: torch.Tensor | None = None, block_h: int | None = None, num_warps: int = 4) -> torch.Tensor:
+        """The combine: [R, H] in dtype, bitwise what grouped_experts without defer_combine returns
+        (block_h and num_warps split the features among programs: speed only)."""
+        r, h = self.shape
+        if out is None:
+            out = torch.empty((r, h), dtype=self.dtype, device=self.expert_out.device)
+        if r == 0:
+            return out
+        slots, e = self.ids.shape[1], self.counts.shape[0]
+        block_h = block_h or min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(r, triton.cdiv(h, block_h))](
+            self.expert_out, self.ids, self.weights, out, self.counts,
+            H=h, T=slots, BLOCK_T=triton.next_power_of_2(slots), E_ALL=e, BLOCK_E=triton.next_power_of_2(e), INTERPRET=interpreting(),
+            BLOCK_H=block_h, num_warps=num_warps, enable_fp_fusion=False, **launch_options(self.expert_out.device),
+        )
+        return out
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -372,14 +423,15 @@ def group_pairs(expert_ids: torch.Tensor, expert_weights: torch.Tensor, n_expert
 
 
 def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                    out: torch.Tensor, scales: tuple[BlockScales, BlockScales, BlockScales] | None,
-                    config: GroupedConfig | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None, scales: tuple[BlockScales, BlockScales, BlockScales] | None,
+                    config: GroupedConfig | None = None, *, defer_combine: bool = False) -> torch.Tensor | PendingCombine:
     """The three launches on arguments kernels/moe.py has checked (x contiguous and 16-byte aligned:
     stage 1 is specialised on it; ids and weights contiguous,
     out [R, H] contiguous, R >= 1; routing's counts and lists as kernels/moe_route.py leaves them);
     scales None: weights in x's dtype. Fills and returns out, and sets routing.counts back to zero.
     config: overrides `grouped_config` and `launch_for_rows` (bench.fp8_configs times candidates):
-    that one config then runs every row count, so the rows stay invariant under it too."""
+    that one config then runs every row count, so the rows stay invariant under it too.
+    defer_combine: return the PendingCombine (out unused) for a consumer that finishes it itself."""
     r, h = x.shape
     slots = routing.ids.shape[1]
     e, i, _ = w_gate.shape
@@ -413,9 +465,5 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
         num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
-    _combine_kernel[(r, triton.cdiv(h, cfg.BLOCK_H))](
-        expert_out, routing.ids, routing.weights, out, routing.counts,
-        H=h, T=slots, BLOCK_T=triton.next_power_of_2(slots), E_ALL=e, BLOCK_E=triton.next_power_of_2(e), INTERPRET=interpreting(),
-        BLOCK_H=cfg.BLOCK_H, num_warps=cfg.num_warps, **launch_options(x.device),
-    )
-    return out
+    pending = PendingCombine(expert_out, routing.ids, routing.weights, routing.counts, x.dtype)
+    return pending if defer_combine else pending.finish(out, cfg.BLOCK_H, cfg.num_warps)

@@ -13,6 +13,7 @@ import triton.language as tl
 from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
 from .linear import SplitSums
+from .moe_grouped import PendingCombine, combine_block, release_counts
 from .rounding import cast_rtne
 from .runtime import interpreting
 
@@ -60,11 +61,18 @@ def normalise_block(b_x, b_ss, p_gate, p_w, m_d, D, eps, FORM: tl.constexpr, DTY
 
 
 @triton.jit
-def _load_residual(p_r, p_split, split_stride, p_split_bias, o_c, m_c, SPLIT_K: tl.constexpr, HAS_SPLIT_BIAS: tl.constexpr,
+def _load_residual(p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, SPLIT_K: tl.constexpr,
+                   HAS_SPLIT_BIAS: tl.constexpr, COMBINE_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                    DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
-    """One block of the residual, fp32: loaded, or (SPLIT_K > 1) finished from a split-K GEMM's
+    """One block of the residual, fp32: loaded; or (SPLIT_K > 1) finished from a split-K GEMM's
     sums as kernels/linear.py's reduce_splits_kernel finishes them: split 0, + each next split in
-    ascending order, + bias, rounded once to DTYPE (the bits of the tensor that reduce would store)."""
+    ascending order, + bias, rounded once to DTYPE; or (COMBINE_T > 0) finished from grouped
+    experts' pair outputs as kernels/moe_grouped.py's combine finishes them (`combine_block`,
+    rounded once to DTYPE; pair_out, pair_ids, pair_weights its tensors). Either way the bits of
+    the tensor the finishing launch would store."""
+    if COMBINE_T > 0:
+        b_r = combine_block(pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, COMBINE_T, BLOCK_T, BLOCK_D)
+        return cast_rtne(b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
     if SPLIT_K > 1:
         b_r = tl.load(p_split + o_c, mask=m_c, other=0.0)
         for i_s in tl.static_range(1, SPLIT_K):
@@ -76,12 +84,14 @@ def _load_residual(p_r, p_split, split_stride, p_split_bias, o_c, m_c, SPLIT_K: 
 
 
 @triton.jit
-def _load_row_block(p_x, p_r, p_split, split_stride, p_split_bias, o_c, m_c, HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-                    HAS_SPLIT_BIAS: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+def _load_row_block(p_x, p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D,
+                    HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SPLIT_BIAS: tl.constexpr, COMBINE_T: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
     """One block of the row to normalise, fp32: x, or x + residual rounded to DTYPE (torch's add)."""
     b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        b_r = _load_residual(p_r, p_split, split_stride, p_split_bias, o_c, m_c, SPLIT_K, HAS_SPLIT_BIAS, DTYPE, EMULATE_BF16_RTNE)
+        b_r = _load_residual(p_r, p_split, split_stride, p_split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, SPLIT_K,
+                             HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
         b_x = cast_rtne(b_x + b_r, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
     return b_x
 
@@ -89,12 +99,16 @@ def _load_row_block(p_x, p_r, p_split, split_stride, p_split_bias, o_c, m_c, HAS
 # split_stride is not specialised: its value (M * D) must not pick another compiled kernel
 @triton.jit(do_not_specialize=["split_stride"])
 def _row_norm_kernel(
-    x, gate, weight, out, residual, total, split, split_bias,
+    x, gate, weight, out, residual, total, split, split_bias, pair_out, pair_ids, pair_weights, counts,
     D, eps, gate_group, gate_group_stride, split_stride,
     FORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1: the residual is a split-K GEMM's sums (split [SPLIT_K, M, D] fp32), finished here
     HAS_SPLIT_BIAS: tl.constexpr,
+    COMBINE_T: tl.constexpr,  # > 0: the residual is grouped experts' T pairs a row (a PendingCombine), finished here
+    BLOCK_T: tl.constexpr,
+    E_ALL: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
@@ -113,8 +127,8 @@ def _row_norm_kernel(
     o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     if N_BLOCKS == 1:
         m_d = o_d < D
-        b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, o_d, m_d, HAS_RESIDUAL, SPLIT_K, HAS_SPLIT_BIAS, DTYPE,
-                              EMULATE_BF16_RTNE)  # [BLOCK_D]
+        b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, pair_out, pair_ids, pair_weights, i_m, o_d, m_d, D, HAS_RESIDUAL, SPLIT_K,
+                              HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)  # [BLOCK_D]
         if HAS_RESIDUAL:
             tl.store(p_total + o_d, b_x.to(DTYPE), mask=m_d)  # exact: b_x already holds a DTYPE value
         b_ss = tl.sum(b_x * b_x, axis=0)
@@ -124,19 +138,22 @@ def _row_norm_kernel(
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
-            b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, o_c, o_c < D, HAS_RESIDUAL, SPLIT_K, HAS_SPLIT_BIAS,
-                                  DTYPE, EMULATE_BF16_RTNE)
+            b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, o_c < D, D, HAS_RESIDUAL, SPLIT_K,
+                                  HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
             b_acc += b_x * b_x
         b_ss = tl.sum(b_acc, axis=0)
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
             m_c = o_c < D
-            b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, o_c, m_c, HAS_RESIDUAL, SPLIT_K, HAS_SPLIT_BIAS,
-                                  DTYPE, EMULATE_BF16_RTNE)
+            b_x = _load_row_block(p_x, p_r, p_split, split_stride, split_bias, pair_out, pair_ids, pair_weights, i_m, o_c, m_c, D, HAS_RESIDUAL, SPLIT_K,
+                                  HAS_SPLIT_BIAS, COMBINE_T, BLOCK_T, BLOCK_D, DTYPE, EMULATE_BF16_RTNE)
             if HAS_RESIDUAL:
                 tl.store(p_total + o_c, b_x.to(DTYPE), mask=m_c)
             b_y = normalise_block(b_x, b_ss, p_g + o_c, weight + o_c, m_c, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
             tl.store(p_out + o_c, cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_c)
+    if COMBINE_T > 0:
+        if i_m == 0:  # the grouping's last reader
+            release_counts(counts, E_ALL, BLOCK_E)
 
 
 def norm_config(d: int) -> tuple[int, int, int]:
@@ -202,9 +219,12 @@ def _launch(
         if out.data_ptr() % ALIGN:
             raise ValueError(f"{op}: out must start {ALIGN}-byte aligned (see checks.contiguous_aligned), got address {out.data_ptr():#x}")
     x = contiguous_aligned(x)
-    total, split = None, None
+    total, split, pending = None, None, None
     if isinstance(residual, SplitSums):
         split = _checked_split(op, residual, x)
+        total = torch.empty_like(x)
+    elif isinstance(residual, PendingCombine):
+        pending = _checked_pending(op, residual, x)
         total = torch.empty_like(x)
     elif residual is not None:
         check_tensor(op, "residual", residual, (m, d), x.dtype, ("x", x))
@@ -213,15 +233,22 @@ def _launch(
     if m == 0:
         return out if residual is None else (total, out)
     block_d, n_blocks, num_warps = norm_config(d)
+    slots = pending.ids.shape[1] if pending is not None else 0
+    e_all = pending.counts.shape[0] if pending is not None else 1
     _row_norm_kernel[(m,)](
         x, gate if gate is not None else x, weight if weight is not None else x, out,
         residual if isinstance(residual, torch.Tensor) else x, total if total is not None else out,
         split.partial if split is not None else x, split.bias if split is not None and split.bias is not None else x,
+        *((pending.expert_out, pending.ids, pending.weights, pending.counts) if pending is not None else (x, x, x, x)),
         d, eps, gate_group, gate_group_stride, m * d,
         FORM=form.value,
         HAS_RESIDUAL=residual is not None,
         SPLIT_K=split.partial.shape[0] if split is not None else 1,
         HAS_SPLIT_BIAS=split is not None and split.bias is not None,
+        COMBINE_T=slots,
+        BLOCK_T=triton.next_power_of_2(max(slots, 1)),
+        E_ALL=e_all,
+        BLOCK_E=triton.next_power_of_2(e_all),
         BLOCK_D=block_d,
         N_BLOCKS=n_blocks,
         EMULATE_BF16_RTNE=interpreting(),
@@ -247,6 +274,24 @@ def _checked_split(op: str, split: SplitSums, x: torch.Tensor) -> SplitSums:
     if split.bias is not None:
         check_tensor(op, "residual split bias", split.bias, (d,), x.dtype, ("x", x), layout="[D]")
     return SplitSums(contiguous_aligned(split.partial), None if split.bias is None else contiguous_aligned(split.bias), split.dtype)
+
+
+def _checked_pending(op: str, pending: PendingCombine, x: torch.Tensor) -> PendingCombine:
+    """A PendingCombine residual for rows x [M, D]: pair outputs [M * S, D] fp32, ids [M, S] int64,
+    weights [M, S] fp32, counts [E] int32, all contiguous (as grouped_experts leaves them), finishing to x's dtype."""
+    m, d = x.shape
+    if pending.ids.dim() != 2 or pending.ids.shape[0] != m:
+        raise ValueError(f"{op}: residual pending combine must have ids [M, S] with M = {m}, got shape {list(pending.ids.shape)}")
+    slots = pending.ids.shape[1]
+    on_x = ("x", x)
+    check_tensor(op, "residual pair outputs", pending.expert_out, (m * slots, d), torch.float32, on_x, layout="[M * S, D]",
+                 contiguous=True)
+    check_tensor(op, "residual ids", pending.ids, (m, slots), torch.int64, on_x, layout="[M, S]", contiguous=True)
+    check_tensor(op, "residual weights", pending.weights, (m, slots), torch.float32, on_x, layout="[M, S]", contiguous=True)
+    check_tensor(op, "residual counts", pending.counts, pending.counts.shape, torch.int32, on_x, layout="[E]", contiguous=True)
+    if pending.dtype != x.dtype:
+        raise ValueError(f"{op}: residual pending combine finishes to {pending.dtype}, x is {x.dtype}")
+    return pending
 
 
 def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
@@ -275,14 +320,20 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred
     return _into(out, weight * normed.to(dtype))
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitSums | PendingCombine, weight: torch.Tensor, eps: float,
                  zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's add and the next pre-norm in one pass: x, residual [M, D], weight [D] ->
     (x + residual rounded to x's dtype, rms_norm of that sum), both [M, D] in x's dtype. residual
-    may be a split-K projection's unfinished sums (linear(..., defer_split=True)): the kernel
-    finishes them as the split's reduce would (the same bits), a launch fewer per projection."""
+    may be a split-K projection's unfinished sums (linear(..., defer_split=True)) or grouped
+    experts before their combine (moe_experts_routed(..., defer_combine=True)): the kernel
+    finishes them as the reduce or the combine would (the same bits), a launch fewer each."""
     form = RMS_ZERO_CENTRED if zero_centred else RMS_PLAIN
-    return _launch("add_rms_norm", form, x, None, weight, eps, None, DTYPES, residual=residual)
+    try:
+        return _launch("add_rms_norm", form, x, None, weight, eps, None, DTYPES, residual=residual)
+    except BaseException:
+        if isinstance(residual, PendingCombine):  # never finished: the layer's next routing must start from zero counts
+            residual.counts.zero_()
+        raise
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:

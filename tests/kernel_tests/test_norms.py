@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from hybrid_kernels import norms
 from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.moe_grouped import PendingCombine
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -291,3 +292,63 @@ def test_add_rms_norm_finishes_split_sums(device, dtype, d, splits):
     with pytest.raises(ValueError, match="residual split sums finish to"):
         other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
         norms.add_rms_norm(x, SplitSums(partial, None, other), weight, EPS, True)
+
+
+def _pending(rows: int, slots: int, experts: int, d: int, dtype: torch.dtype, device, seed: int) -> PendingCombine:
+    """Grouped experts' pair outputs as grouped_experts leaves them: each row's distinct ids in no
+    order, fp32 weights and outputs, and counts not yet zero (the grouping's)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:slots] for _ in range(rows)])
+    weights = torch.rand(rows, slots, generator=gen)
+    outs = 3.0 * torch.randn(rows * slots, d, generator=gen)
+    counts = torch.randint(1, 5, (experts,), generator=gen, dtype=torch.int32)
+    return PendingCombine(outs.to(device), ids.to(device), weights.to(device), counts.to(device), dtype)
+
+
+def _combine_reference(p: PendingCombine) -> torch.Tensor:
+    """A row's pairs in ascending expert id order, weight * output added to an fp32 zero one at a
+    time, each product and sum rounded on its own, then one rounding to the dtype."""
+    ids, weights, outs = p.ids.cpu(), p.weights.cpu(), p.expert_out.cpu()
+    rows, slots = ids.shape
+    want = torch.empty(rows, outs.shape[1], dtype=p.dtype)
+    for r in range(rows):
+        acc = torch.zeros(outs.shape[1])
+        for t in torch.argsort(ids[r]).tolist():
+            acc = acc + weights[r, t] * outs[r * slots + t]
+        want[r] = acc.to(p.dtype)
+    return want
+
+
+@pytest.mark.parametrize("d", [40, 130, 5000], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rms_norm_finishes_pending_combine(device, dtype, d):
+    """Grouped experts before their combine as the residual (hybrid_kernels.moe_grouped.PendingCombine):
+    the sum and the norm are bitwise those of the combined residual (PendingCombine.finish, which is
+    the combine's reference bit for bit), at every row count; either way the grouping's counts end
+    at zero."""
+    rows, slots, experts = 9, 3, 11
+    x, _, weight = make_inputs(rows, d, dtype, device, seed=6)
+    full = _pending(rows, slots, experts, d, dtype, device, seed=7)
+    full_total, full_normed = norms.add_rms_norm(x, full, weight, EPS, True)
+    assert not full.counts.any(), "the norm that finished the combine left the counts for the next routing non-zero"
+    for n in (1, 4, rows):
+        p = _pending(rows, slots, experts, d, dtype, device, seed=7)
+        p = p._replace(expert_out=p.expert_out[: n * slots].contiguous(), ids=p.ids[:n].contiguous(), weights=p.weights[:n].contiguous())
+        counts = p.counts.clone()
+        total, normed = norms.add_rms_norm(x[:n], p, weight, EPS, True)
+        p.counts.copy_(counts)
+        combined = p.finish()
+        assert not p.counts.any(), "the combine left the counts non-zero"
+        assert torch.equal(combined.cpu(), _combine_reference(p)), "the combine differs from its reference"
+        want_total, want_normed = norms.add_rms_norm(x[:n], combined, weight, EPS, True)
+        assert torch.equal(total, want_total) and torch.equal(normed, want_normed), f"{n} rows: finished in the norm != combined first"
+        assert torch.equal(total, full_total[:n]) and torch.equal(normed, full_normed[:n]), f"rows {n} differ in {rows}"
+    bad = _pending(rows, slots, experts, d, dtype, device, seed=8)
+    with pytest.raises(ValueError, match=r"residual pending combine must have ids \[M, S\] with M = 4"):
+        norms.add_rms_norm(x[:4], bad, weight, EPS, True)
+    assert not bad.counts.any(), "a refused combine left the counts non-zero: the layer's next routing would start off them"
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="residual pending combine finishes to"):
+        norms.add_rms_norm(x, bad._replace(dtype=other), weight, EPS, True)
+    with pytest.raises(ValueError, match=r"residual pair outputs"):
+        norms.add_rms_norm(x, bad._replace(expert_out=bad.expert_out[:, :-1].contiguous()), weight, EPS, True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.moe_grouped import PendingCombine
 
 
 class LayerOutputs:
@@ -43,10 +44,12 @@ class LayerOutputs:
     def _recording(self, forward, index: int):
         def recorded(*args, **kwargs):
             out = forward(*args, **kwargs)
-            # a mixer returns (rows, its verify record); SplitSums, a split-K projection's sums that the
-            # next norm finishes (ops.linear), is a tuple too, so it is told apart first
-            rows = out if isinstance(out, SplitSums) else out[0] if isinstance(out, tuple) else out
-            if isinstance(rows, SplitSums):
+            # a mixer returns (rows, its verify record); SplitSums, a split-K projection's sums, and
+            # PendingCombine, grouped experts before their combine, which the next norm finishes
+            # (ops.linear, ops.routed_experts), are tuples too, so they are told apart first
+            owed = (SplitSums, PendingCombine)
+            rows = out if isinstance(out, owed) else out[0] if isinstance(out, tuple) else out
+            if isinstance(rows, owed):
                 rows = rows.finish()
             self._calls[index].append(rows.detach().clone())
             return out

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hybrid_kernels import linear as linear_kernel
 from hybrid_kernels import linear_fp8, moe, norms
 from hybrid_kernels.linear import SplitSums
-from hybrid_kernels.moe_grouped import group_pairs
+from hybrid_kernels.moe_grouped import PendingCombine, group_pairs
 from hybrid_kernels.moe_route import Routing
 from hybrid_kernels.runtime import pick, use_triton
 
@@ -82,11 +82,14 @@ def head_logits(x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None 
     return logits if out is None else out.copy_(logits)
 
 
-def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down, *, into_add_norm: bool = False) -> torch.Tensor | PendingCombine:
     """A MoE layer's experts (kernels/moe.py): x [rows, H]; routing: (ids, fp32 weights) [rows,
     slots], on CUDA normally the routing launch's Routing (its pairs already grouped by expert);
     stacked expert weights [E, I, H], [E, I, H], [E, H, I], all tensors in x's dtype or all
-    BlockFP8Weight -> [rows, H]."""
+    BlockFP8Weight -> [rows, H].
+    into_add_norm: the result goes only to add_rms_norm: on CUDA the experts' outputs before their
+    weighted sum (hybrid_kernels.moe_grouped.PendingCombine), which the norm's kernel finishes
+    bitwise as the combine would: one launch fewer a MoE layer."""
     fp8 = isinstance(w_gate, BlockFP8Weight)
     weights = (w_gate.data, w_up.data, w_down.data) if fp8 else (w_gate, w_up, w_down)
     scales = (w_gate.scales, w_up.scales, w_down.scales) if fp8 else None
@@ -94,7 +97,7 @@ def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down) -> torch.Tens
     if grouped is not None:
         if not isinstance(routing, Routing):
             routing = group_pairs(routing[0].contiguous(), routing[1].float().contiguous(), weights[0].shape[0])
-        return grouped(x, routing, *weights, scales)
+        return grouped(x, routing, *weights, scales, defer_combine=into_add_norm)
     ids, expert_weights = routing[0], routing[1].float()
     if fp8:
         return moe.moe_experts_fp8_ref(x, ids, expert_weights, *weights, scales)
@@ -113,10 +116,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return _rowwise(norms.rms_norm, norms.rms_norm_ref, x, weight, eps, zero_centred)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitSums | PendingCombine, weight: torch.Tensor, eps: float,
                  zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, rms_norm(x + residual)) for [rows, d]: one kernel on CUDA (the residual
-    stream's add fused into the next norm; a SplitSums residual finished there too)."""
+    stream's add fused into the next norm; a SplitSums or PendingCombine residual finished there too)."""
     return pick(norms.add_rms_norm, norms.add_rms_norm_ref, x)(x, residual, weight, eps, zero_centred)
 
 

@@ -18,6 +18,7 @@ import torch
 from hybrid_kernels import linear as linear_kernel
 from hybrid_kernels import moe_route, swiglu
 from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.moe_grouped import PendingCombine
 from hybrid_kernels.runtime import pick, use_triton
 
 from ..checkpoint import TensorSource
@@ -142,13 +143,15 @@ class MoE:
         weights = (weights * m.routed_scaling_factor).to(weight_dtype).float()
         return moe_route.with_shared(ids, weights, m.n_experts, None) if self.shared_folded else (ids, weights)
 
-    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor:
-        """into_add_norm is DenseMLP's; a sum of experts is always finished here."""
+    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor | PendingCombine:
+        """into_add_norm: the output goes only to the residual stream's add_rms_norm: on CUDA, with
+        no unfolded shared expert to add, the experts' weighted sum is left to that norm's kernel
+        (ops.routed_experts)."""
         routing = self.route(x)
         # Per row, its experts in ascending id order, fp32 accumulation (kernels/moe.py): no host
         # sync on the routing, so a CUDA graph can capture it.
         try:
-            out = routed_experts(x, routing, self.w_gate, self.w_up, self.w_down)
+            out = routed_experts(x, routing, self.w_gate, self.w_up, self.w_down, into_add_norm=into_add_norm and self.shared is None)
         except BaseException:  # the combine never ran: the counts go back to zero here, or the next routing starts off them
             self.counts.zero_()
             raise

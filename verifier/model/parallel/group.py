@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_kernels.linear import SplitSums
+from hybrid_kernels.moe_grouped import PendingCombine
 
 
 def split_evenly(n: int, size: int, what: str) -> int:
@@ -55,10 +56,11 @@ class TensorParallel:
         dist.all_gather(parts, x, group=self.group)
         return parts
 
-    def sum(self, x: torch.Tensor | SplitSums) -> torch.Tensor:
+    def sum(self, x: torch.Tensor | SplitSums | PendingCombine) -> torch.Tensor:
         """The ranks' partials added in rank order: ((x_0 + x_1) + x_2) + ... (DESIGN.md section 10, "The tensor-parallel group").
-        A split-K product still owed its reduce (CUDA's into_add_norm hand-over) is finished first."""
-        if isinstance(x, SplitSums):
+        A split-K product or grouped experts still owed their reduce or combine (CUDA's
+        into_add_norm hand-over) are finished first."""
+        if isinstance(x, (SplitSums, PendingCombine)):
             x = x.finish()
         if self.size == 1:
             return x
