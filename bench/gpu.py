@@ -389,7 +389,7 @@ def bench_model(name: str, family: str, fields: dict, bandwidth: float, steps: i
         print(f"[{name}] PDL on and off: { {k: v for k, v in result['pdl'].items() if k != 'runs_ms'} }", flush=True)
     result["rollback"] = rollback_figures(model, 8, steps)
     print(f"[{name}] rollback: {result['rollback']}", flush=True)
-    result["graphed"] = engine.runner.graphed
+    result["graphed"] = engine.graphed
     result["graph_captures"] = engine.graph_captures
     try:
         result["kernel_breakdown_k0"] = kernel_breakdown(model, 0)

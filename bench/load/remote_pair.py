@@ -147,14 +147,14 @@ def remote_drafter(target: Path, draft: Path, prompts_path: Path, count: int, ne
         server.stop()
     progress("remote drafter: the same pair in process")
     engine = Engine(load_model(target, device, getattr(torch, dtype)), 1, longest, max_k=k)
-    local_proposer = TimedProposer(ModelProposer.from_dir(draft, engine.vocab_size, engine.pool.max_seq_len,
+    local_proposer = TimedProposer(ModelProposer.from_dir(draft, engine.vocab_size, engine.max_seq_len,
                                                           device=draft_device))
     runs["inprocess_plain"] = Timed(lambda p: local_generate(engine, p, new_tokens), prompts)
     runs["inprocess_model"] = Timed(lambda p: local_generate(engine, p, new_tokens, proposer=local_proposer, k=k), prompts,
                                     local_proposer)
     if mtp_skipped is None:
         progress(f"remote drafter: MTP in process at K={k}")
-        mtp_proposer = TimedHiddenProposer(MTPProposer(load_mtp_head(target, engine.model), engine.pool.max_seq_len))
+        mtp_proposer = TimedHiddenProposer(MTPProposer(load_mtp_head(target, engine.model), engine.max_seq_len))
         runs["inprocess_mtp"] = Timed(lambda p: local_generate(engine, p, new_tokens, proposer=mtp_proposer, k=k), prompts,
                                       mtp_proposer)
     return _figures(runs, target, draft, draft_device, k, len(prompts), new_tokens, mtp_skipped)
