@@ -135,6 +135,8 @@ def _row_norm_kernel(
         b_y = normalise_block(b_x, b_ss, p_g + o_d, weight + o_d, m_d, D, eps, FORM, DTYPE, EMULATE_BF16_RTNE)
         tl.store(p_out + o_d, cast_rtne(b_y, DTYPE, EMULATE_BF16_RTNE), mask=m_d)
     else:
+        # a row past MAX_BLOCK_D is loaded twice (squares, then output): a residual owed its reduce or
+        # combine is finished twice, the same bits each time (no published MoE hidden size is that wide)
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # per-lane partial sums of squares
         for i_b in range(N_BLOCKS):
             o_c = i_b * BLOCK_D + o_d
