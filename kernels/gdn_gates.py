@@ -41,19 +41,36 @@ def _gdn_gates_kernel(
     after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0).to(tl.int64)  # the row
     o_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] value heads
-    gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, o_h < HV, HV, EMULATE_BF16_RTNE)
+    gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, o_h < HV, HV, EMULATE_BF16_RTNE,
+               0, 0, b.dtype.element_ty)
+
+
+@triton.jit
+def _gate_input(p, i_m, s_row, o_h, m_h, SPLITS: tl.constexpr, s_split, DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """Row i_m's gate input columns o_h as fp32: loaded, or (SPLITS > 0) the split-K sums of the GEMM
+    that makes them, added in ascending split order and rounded once to DTYPE, as the split's reduce
+    (kernels/linear.py's reduce_splits_kernel) would have stored them."""
+    if SPLITS == 0:
+        return tl.load(p + i_m * s_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_x = tl.load(p + i_m * s_row + o_h, mask=m_h, other=0.0)
+    for i_s in range(1, SPLITS):  # ascending, fixed
+        b_x += tl.load(p + i_s * s_split + i_m * s_row + o_h, mask=m_h, other=0.0)
+    return cast_rtne(b_x, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)
 
 
 @triton.jit
 def gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, m_h, HV: tl.constexpr,
-               EMULATE_BF16_RTNE: tl.constexpr):
+               EMULATE_BF16_RTNE: tl.constexpr, SPLITS: tl.constexpr, s_split, DTYPE: tl.constexpr):
     """Row i_m's decay and beta for the value heads o_h (mask m_h), each element computed alone:
     the one formula of _gdn_gates_kernel and of kernels/gdn_heads.py's head split with its gates
-    (`gdn_heads(..., gates=...)`), so both give the same bits whatever heads a program takes."""
-    b_b = tl.load(b + i_m * s_b_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+    (`gdn_heads(..., gates=...)`), so both give the same bits whatever heads a program takes.
+    DTYPE: the gate inputs' dtype; SPLITS > 0: b and a point into their GEMM's unfinished split-K
+    sums (kernels/linear.py's SplitSums, s_split apart), which `_gate_input` finishes."""
+    b_b = _gate_input(b, i_m, s_b_row, o_h, m_h, SPLITS, s_split, DTYPE, EMULATE_BF16_RTNE)
     b_sig = tl.math.div_rn(1.0, 1.0 + tl.exp(-b_b))
-    b_beta = cast_rtne(b_sig, b.dtype.element_ty, EMULATE_BF16_RTNE).to(tl.float32)  # sigmoid runs in b's dtype
-    b_x = tl.load(a + i_m * s_a_row + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_beta = cast_rtne(b_sig, DTYPE, EMULATE_BF16_RTNE).to(tl.float32)  # sigmoid runs in the inputs' dtype
+    b_x = (_gate_input(a, i_m, s_a_row, o_h, m_h, SPLITS, s_split, DTYPE, EMULATE_BF16_RTNE)
+           + tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32))
     b_A = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
     b_decay = tl.exp(-b_A * _softplus(b_x))
     tl.store(decay + i_m * HV + o_h, b_decay, mask=m_h)

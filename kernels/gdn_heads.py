@@ -12,7 +12,9 @@ import triton.language as tl
 from .checks import check_launchable, check_operand, check_tensor, contiguous_aligned
 from .dependent_launch import after_previous, launch_options
 from .gdn_gates import check_gates, gate_heads, gdn_gates_ref
+from .linear import SplitSums
 from .norms import ALIGN, L2_RSQRT, MAX_BLOCK_D, normalise_block, l2norm_ref
+from .rounding import TL_DTYPES
 from .runtime import interpreting
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -24,15 +26,15 @@ def _l2norm_rsqrt(b_x, m_d, D: tl.constexpr):
     return normalise_block(b_x, tl.sum(b_x * b_x, axis=0), b_x, b_x, m_d, D, 0.0, L2_RSQRT, tl.float32, False)
 
 
-# gate row strides are not specialised on (a one-row tensor may carry any), as in gdn_gates
-@triton.jit(do_not_specialize=["s_b_row", "s_a_row"])
+# gate row and split strides are not specialised on (a one-row tensor may carry any), as in gdn_gates
+@triton.jit(do_not_specialize=["s_b_row", "s_a_row", "s_split"])
 def _gdn_heads_kernel(
     mixed, q, k, v,
     q_scale,
-    b, a, A_log, dt_bias, decay, beta, s_b_row, s_a_row,  # HAS_GATES only (else stand-ins)
+    b, a, A_log, dt_bias, decay, beta, s_b_row, s_a_row, s_split,  # HAS_GATES only (else stand-ins)
     HK: tl.constexpr, R: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_GATES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+    HAS_GATES: tl.constexpr, GATE_SPLITS: tl.constexpr, GATE_DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
@@ -59,7 +61,8 @@ def _gdn_heads_kernel(
     b_v = tl.load(p_row + 2 * HK * D_K + o_h[:, None] * D_V + o_dv[None, :], mask=m_v, other=0.0)  # [BLOCK_R, BLOCK_DV]
     tl.store(v + i_m * HV * D_V + o_h[:, None] * D_V + o_dv[None, :], b_v.to(tl.float32), mask=m_v)
     if HAS_GATES:  # this row's decay and beta of the same value heads
-        gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, m_r, HV, EMULATE_BF16_RTNE)
+        gate_heads(b, a, A_log, dt_bias, decay, beta, i_m, s_b_row, s_a_row, o_h, m_r, HV, EMULATE_BF16_RTNE,
+                   GATE_SPLITS, s_split, GATE_DTYPE)
 
 
 def heads_config(r: int, d_k: int, d_v: int) -> tuple[int, int, int, int]:
@@ -94,21 +97,30 @@ def _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out) -> None:
 
 def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int,
               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+              gates: tuple[torch.Tensor | SplitSums, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, ...]:
     """-> (q, k [n, Hv, d_k], v [n, Hv, d_v]), fp32. out: an optional (q, k, v) triple of
     contiguous aligned buffers, filled and returned.
     gates: GatedDeltaNet's (b, a, A_log, dt_bias) as kernels/gdn_gates.py takes them: the same
     programs then also compute each row's gates, returned after v as (decay [n, Hv, 1], beta [n, Hv])
     fp32, bitwise gdn_gates' (its formula, each element alone): one launch where they were two
-    (18 a step of the 2B model)."""
+    (18 a step of the 2B model). b may instead be the unfinished split-K sums of the GEMM whose
+    columns are b | a (kernels/linear.py's SplitSums, [n, 2 Hv], no bias), with a None: each
+    program finishes its own columns as the split's reduce would, the bits of the finished b and a,
+    one launch fewer."""
     _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out)
     n = mixed.shape[0]
     if out is None:
         empty = lambda d: torch.empty((n, n_v_heads, d), dtype=torch.float32, device=mixed.device)  # noqa: E731
         out = (empty(d_k), empty(d_k), empty(d_v))
     gate_out = ()
+    splits, s_split, gate_dtype = 0, 0, mixed.dtype
     if gates is not None:
         b, a, A_log, dt_bias = gates
+        if isinstance(b, SplitSums):
+            b, a, splits, s_split, gate_dtype = _split_gate_sums(b, a, n, n_v_heads)
+        else:
+            gate_dtype = b.dtype
         check_gates(b, a, A_log, dt_bias, None, op="gdn_heads")
         if b.shape != (n, n_v_heads):
             raise ValueError(f"gdn_heads: the gates' b must be [n, Hv] = {[n, n_v_heads]}, got {list(b.shape)}")
@@ -119,18 +131,33 @@ def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v
     r = n_v_heads // n_k_heads
     block_r, block_dk, block_dv, num_warps = heads_config(r, d_k, d_v)
     stand_in = out[0]
-    gate_args = ((b, a, A_log.contiguous(), dt_bias.contiguous(), *gate_out, b.stride(0), a.stride(0)) if gates is not None
-                 else (stand_in,) * 6 + (0, 0))
+    gate_args = ((b, a, A_log.contiguous(), dt_bias.contiguous(), *gate_out, b.stride(0), a.stride(0), s_split) if gates is not None
+                 else (stand_in,) * 6 + (0, 0, 0))
     _gdn_heads_kernel[(n, n_k_heads)](
         contiguous_aligned(mixed), *out,
         d_k**0.5,  # passed as fp32: the reference divides by the python float cast to fp32
         *gate_args,
         HK=n_k_heads, R=r, D_K=d_k, D_V=d_v,
         BLOCK_R=block_r, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-        HAS_GATES=gates is not None, EMULATE_BF16_RTNE=interpreting(),
+        HAS_GATES=gates is not None, GATE_SPLITS=splits, GATE_DTYPE=TL_DTYPES[gate_dtype], EMULATE_BF16_RTNE=interpreting(),
         num_warps=num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(mixed.device),
     )
     return (*out, *gate_out)
+
+
+def _split_gate_sums(sums: SplitSums, a: torch.Tensor | None, n: int, n_v_heads: int):
+    """The b | a GEMM's SplitSums -> (b, a: fp32 [n, Hv] views of split 0's columns, splits, the
+    split stride, the dtype the finished sums round to)."""
+    partial = sums.partial
+    if a is not None:
+        raise ValueError("gdn_heads: with the b | a GEMM's split sums in place of b, a must be None")
+    if sums.bias is not None:
+        raise ValueError("gdn_heads: the b | a GEMM's split sums must have no bias")
+    if partial.dim() != 3 or tuple(partial.shape[1:]) != (n, 2 * n_v_heads) or partial.dtype != torch.float32 \
+            or not partial.is_contiguous():
+        raise ValueError(f"gdn_heads: the b | a split sums must be contiguous fp32 [splits, n, 2 Hv] = [*, {n}, {2 * n_v_heads}], "
+                         f"got {partial.dtype} {list(partial.shape)}")
+    return partial[0, :, :n_v_heads], partial[0, :, n_v_heads:], partial.shape[0], partial.stride(0), sums.dtype
 
 
 def gdn_heads_ref(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int,

@@ -39,6 +39,32 @@ def add_pairs(expert, counts, lists, r, o_s, m_s, R, S):
     tl.store(lists + expert.to(tl.int64) * R + pos, (r * S + o_s).to(tl.int32), mask=m_s)
 
 
+TAKEN = tl.constexpr(-(2**63))  # the key of a lane already chosen or past the experts: below every other key
+NAN_KEY = tl.constexpr(-(2**31) + 1)  # the upper half of a NaN choice's key: below every number's, -inf included
+
+
+@triton.jit
+def choice_keys(b_choice, o_e, m_e, BLOCK_E: tl.constexpr):
+    """Each lane's choice [BLOCK_E] fp32 -> an int64 key whose order is the top-k's: the upper 32 bits
+    the value's bits mapped to a signed order (negatives' magnitude bits flipped; +0 for -0, so the
+    two zeros tie; NaN below -inf), the lower 32 bits BLOCK_E - 1 - lane, so equal values go to the
+    lowest id. Lanes past the E experts (m_e false) get TAKEN."""
+    bits = b_choice.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    ordered = tl.where(b_choice == 0.0, 0, ordered)
+    ordered = tl.where(b_choice != b_choice, NAN_KEY, ordered)
+    b_key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - o_e).to(tl.int64)
+    return tl.where(m_e, b_key, TAKEN)
+
+
+@triton.jit
+def key_value(key):
+    """The fp32 value of a key `choice_keys` made (the order map is its own inverse); a NaN's key gives NaN."""
+    ordered = (key >> 32).to(tl.int32)
+    value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return tl.where(ordered == NAN_KEY, float("nan"), value)
+
+
 @triton.jit(do_not_specialize=["R", "stride_l"])
 def _route_kernel(
     logits, partial, bias, ids, weights, counts, lists,
@@ -71,17 +97,19 @@ def _route_kernel(
         if HAS_BIAS:
             b_choice = b_score + tl.load(bias + o_e, mask=m_e, other=0.0)
     o_s = tl.arange(0, BLOCK_S)
-    b_avail = m_e
+    # one int64 key a lane (`choice_keys`): the T largest are T max-reductions over BLOCK_E lanes
+    b_key = choice_keys(b_choice, o_e, m_e, BLOCK_E)
     b_ids = tl.zeros([BLOCK_S], dtype=tl.int32)
     b_w = tl.zeros([BLOCK_S], dtype=tl.float32)
     b_total = tl.zeros([], dtype=tl.float32)
-    for t in tl.static_range(T):  # the T largest, one at a time; ties (and NaN) to the lowest id
-        b_c = tl.where(b_avail, b_choice, float("-inf"))
-        best = tl.max(b_c, axis=0)
-        i_e = tl.min(tl.where(b_avail & (b_c == best), o_e, BLOCK_E), axis=0)
-        i_e = tl.where(i_e < BLOCK_E, i_e, tl.min(tl.where(b_avail, o_e, BLOCK_E), axis=0))
-        w = tl.sum(tl.where(o_e == i_e, b_score, 0.0), axis=0)
-        b_avail = b_avail & (o_e != i_e)
+    for t in tl.static_range(T):  # the T largest, one at a time; ties to the lowest id, NaN last
+        best = tl.max(b_key, axis=0)
+        i_e = (BLOCK_E - 1) - (best & 0xFFFFFFFF).to(tl.int32)
+        if HAS_BIAS:  # the weight is the score, not the choice it was picked by
+            w = tl.sum(tl.where(o_e == i_e, b_score, 0.0), axis=0)
+        else:  # the choice is the score: its value is in the key's upper half
+            w = key_value(best)
+        b_key = tl.where(o_e == i_e, TAKEN, b_key)
         b_ids = tl.where(o_s == t, i_e, b_ids)
         b_w = tl.where(o_s == t, w, b_w)
         b_total = b_total + w  # left to right

@@ -86,3 +86,40 @@ def test_published_fp8_checkpoint_full_batch_equals_alone(tmp_path, scale, layer
     path = tmp_path / "ckpt"
     fp8_real_size.write_checkpoint(path, config, "per-expert", 0, torch.device("cuda"), int(4e9))
     _assert_full_batch_equal(load_model(path, "cuda", torch.bfloat16), f"qwen3.6-35b-a3b fp8 {scale}")
+
+
+def test_gate_columns_handed_over_unfinished(tmp_path, monkeypatch):
+    """Qwen3.6-35B-A3B's GDN gates b | a are bf16 beside the FP8 input projection: their GEMM splits
+    K (2048) and hands its unfinished sums to the head split (ops.linear_columns), which finishes
+    them as the reduce would. Every logit row of a prefill and of the next decode equals, bitwise,
+    the model's that finishes them first (the plain split of one output)."""
+    from hybrid_kernels.linear import SplitSums
+    from verifier.model import ops
+    from verifier.model.fp8 import OutFeatureGroups
+    from verifier.model.layers import gdn
+
+    config = fp8_real_size.checkpoint_config("qwen3.6-35b-a3b", "full")
+    config["text_config"].update(num_hidden_layers=1, layer_types=config["text_config"]["layer_types"][:1])
+    fp8_real_size.write_checkpoint(tmp_path / "ckpt", config, "per-expert", 0, torch.device("cuda"), int(4e9))
+    model = load_model(tmp_path / "ckpt", "cuda", torch.bfloat16)
+    mixer = model.blocks[0].mixer
+    assert isinstance(mixer.w_in, OutFeatureGroups) and isinstance(mixer.w_in.groups[-1], torch.Tensor)
+    x = torch.randn(3, mixer.w_in.shape[1], device="cuda").bfloat16()
+    assert isinstance(ops.linear_columns(x, mixer.w_in, 2 * mixer.cfg.n_v_heads)[1], SplitSums)
+
+    def run() -> torch.Tensor:
+        pool = model.new_pool(1, 32)
+        slot = pool.admit()
+        prompt = [5, 17, 29, 41, 53, 65, 77, 89]
+        rows = model.prefill(pool, slot, prompt, all_logits=True)
+        from verifier.model.step import decode
+        return torch.cat([rows, decode(model, pool, [slot], [len(prompt)], [prompt[-1]])])
+
+    handed_over = run()
+
+    def finished_first(x, weight, tail):
+        out = ops.linear(x, weight)
+        return out[:, : out.shape[1] - tail], out[:, out.shape[1] - tail :]
+
+    monkeypatch.setattr(gdn, "linear_columns", finished_first)
+    assert torch.equal(handed_over, run())

@@ -167,3 +167,36 @@ def test_gates_in_the_same_launch_are_gdn_gates_bits(device, dtype, shape):
     assert torch.equal(ref[3], want[0]) and torch.equal(ref[4], want[1])
     with pytest.raises(ValueError, match="gdn_heads"):
         gdn_heads.gdn_heads(mixed[:3], *shape, gates=(b[:2], a[:2], A_log, dt_bias))
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_gates_from_split_sums_are_the_finished_columns_bits(device, splits):
+    """b | a handed over as their GEMM's unfinished split-K sums (kernels/linear.py's SplitSums): the
+    programs add each column's splits in ascending order and round once to the sums' dtype, the
+    reduce's bits, so q, k, v, decay and beta equal the launch given the finished b and a (summed
+    here in torch the reduce's way); a non-None a, a bias or a wrong shape is refused."""
+    from hybrid_kernels.linear import SplitSums
+
+    from .test_gdn_gates import make as make_gates
+
+    shape = (2, 6, 8, 10)
+    hv, rows = shape[1], 5
+    mixed = make(rows, shape, torch.bfloat16, device)
+    _, _, A_log, dt_bias = make_gates(rows, hv, torch.bfloat16, torch.float32, device)
+    g = torch.Generator().manual_seed(7)
+    partial = (torch.randn(splits, rows, 2 * hv, generator=g) * 2).to(device)
+    finished = partial[0].clone()
+    for s in range(1, splits):
+        finished = finished + partial[s]
+    finished = finished.bfloat16()
+    got = gdn_heads.gdn_heads(mixed, *shape, gates=(SplitSums(partial, None, torch.bfloat16), None, A_log, dt_bias))
+    want = gdn_heads.gdn_heads(mixed, *shape, gates=(finished[:, :hv], finished[:, hv:], A_log, dt_bias))
+    for name, a, b in zip(("q", "k", "v", "decay", "beta"), got, want):
+        assert torch.equal(a, b), f"{name} differs from the finished columns' launch"
+    sums = SplitSums(partial, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="a must be None"):
+        gdn_heads.gdn_heads(mixed, *shape, gates=(sums, finished[:, hv:], A_log, dt_bias))
+    with pytest.raises(ValueError, match="no bias"):
+        gdn_heads.gdn_heads(mixed, *shape, gates=(SplitSums(partial, finished[0], torch.bfloat16), None, A_log, dt_bias))
+    with pytest.raises(ValueError, match=r"\[splits, n, 2 Hv\]"):
+        gdn_heads.gdn_heads(mixed, *shape, gates=(SplitSums(partial[:, :, :-1], None, torch.bfloat16), None, A_log, dt_bias))

@@ -92,6 +92,20 @@ def test_ties_choose_the_lowest_id(device):
     assert torch.equal(routing.weights.cpu(), torch.full((2, 3), 1 / 3).bfloat16().float())
 
 
+def test_order_of_infinities_zeros_and_nan(device):
+    """The choice order, whole: larger first, equal values (the two zeros too) to the lowest id, -inf
+    after every number and NaN after -inf (the sigmoid router's choice is score + bias; every score
+    here is sigmoid(0) = 0.5)."""
+    inf, nan = float("inf"), float("nan")
+    bias = torch.tensor([0.25, 0.0, 0.25, -inf, nan, inf, -0.5, 0.0, nan, -inf, 0.25, -0.5], device=device)
+    logits = torch.zeros(3, E, dtype=torch.float32, device=device)
+    routing = route(logits, E, E, torch.zeros(E, dtype=torch.int32, device=device), router=SIGMOID, renormalize=False,
+                    bias=bias, weight_dtype=torch.float32)
+    want = [5, 0, 2, 10, 1, 7, 6, 11, 3, 9, 4, 8]
+    assert routing.ids.cpu().tolist() == [want] * 3
+    assert torch.equal(routing.weights.cpu(), torch.full((3, E), 0.5))
+
+
 def test_experts_reset_the_counts(device):
     """The grouped experts leave counts all zero: the next routing of the layer starts from there."""
     case = CASES["softmax-gated-shared"]

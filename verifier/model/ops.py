@@ -60,6 +60,22 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_columns(x: torch.Tensor, weight: LinearWeight, tail: int) -> tuple[torch.Tensor, torch.Tensor | SplitSums]:
+    """x [rows, in] @ weight^T split into (the first out - tail columns, the last tail columns).
+
+    On CUDA, where the last tail columns are a plain-tensor group of OutFeatureGroups (the bf16
+    module beside a block-FP8 projection), that group's GEMM hands over its unfinished split-K sums
+    (SplitSums) where its K is split, for a consumer that finishes them as the reduce would
+    (kernels/gdn_heads.py's gates): one launch fewer. Elsewhere both parts are views of `linear`'s
+    output."""
+    if (use_triton(x) and isinstance(weight, OutFeatureGroups) and isinstance(weight.groups[-1], torch.Tensor)
+            and weight.sizes[-1] == tail):
+        head = linear(x, OutFeatureGroups(weight.groups[:-1])) if len(weight.groups) > 2 else linear(x, weight.groups[0])
+        return head, linear_kernel.linear(x, weight.groups[-1], defer_split=True)
+    out = linear(x, weight)
+    return out[:, : out.shape[1] - tail], out[:, out.shape[1] - tail :]
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """One CUDA GEMM into out (rows may be strided, features contiguous)."""
     if isinstance(weight, BlockFP8Weight):

@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 
 from hybrid_kernels import gdn_heads
+from hybrid_kernels.linear import SplitSums
 from hybrid_kernels.runtime import pick
 
 from ..checkpoint import TensorSource
 from ..config import ModelConfig
 from ..fp8 import cat_out_features, select_rows
-from ..ops import linear, silu_gated_rms_norm
+from ..ops import linear, linear_columns, silu_gated_rms_norm
 from .linear_attention import DeltaRuleMixer
 
 
@@ -52,16 +53,21 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.w_out = src.take(p + "out_proj.weight", (H, g.value_dim))
 
     def _project(self, x: torch.Tensor):
-        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], and the gates' raw columns b, a [n, Hv]."""
+        """x [n, H] -> raw conv inputs [n, conv_dim], z [n, Hv, d_v], and the gates' raw columns: b, a
+        [n, Hv], or on CUDA beside a block-FP8 projection the unfinished split-K sums of the bf16
+        b | a GEMM (ops.linear_columns), which the head split finishes."""
         g, n = self.cfg, x.shape[0]
-        qkv, z, b, a = linear(x, self.w_in).split(self.in_splits, dim=1)
-        return qkv, z.reshape(n, g.n_v_heads, g.d_v), b, a
+        qkvz, ba = linear_columns(x, self.w_in, 2 * g.n_v_heads)
+        qkv, z = qkvz.split(self.in_splits[:2], dim=1)
+        gate_inputs = (ba, None) if isinstance(ba, SplitSums) else ba.split(self.in_splits[2:], dim=1)
+        return qkv, z.reshape(n, g.n_v_heads, g.d_v), *gate_inputs
 
-    def _split_heads(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
-        """Conv output [n, conv_dim] and the gates' columns b, a [n, Hv] -> fp32 q, k [n, Hv, d_k]
-        (normalised, repeated per value head), v [n, Hv, d_v], decay [n, Hv, 1], beta [n, Hv]: one
-        launch on CUDA (kernels/gdn_heads.py with its gates: the sigmoid, softplus and exps of
-        kernels/gdn_gates.py in the same programs); the reference is this layer's torch code."""
+    def _split_heads(self, mixed: torch.Tensor, b: torch.Tensor | SplitSums, a: torch.Tensor | None):
+        """Conv output [n, conv_dim] and the gates' columns b, a [n, Hv] (or b | a's split sums and
+        None) -> fp32 q, k [n, Hv, d_k] (normalised, repeated per value head), v [n, Hv, d_v], decay
+        [n, Hv, 1], beta [n, Hv]: one launch on CUDA (kernels/gdn_heads.py with its gates: the sigmoid,
+        softplus and exps of kernels/gdn_gates.py in the same programs); the reference is this
+        layer's torch code."""
         g = self.cfg
         split = pick(gdn_heads.gdn_heads, gdn_heads.gdn_heads_ref, mixed)
         return split(mixed, g.n_k_heads, g.n_v_heads, g.d_k, g.d_v, gates=(b, a, self.A_log, self.dt_bias))
