@@ -250,10 +250,12 @@ def raw_bf16(b_w8, INTERPRET: tl.constexpr):
 def _scaled_dot(b_x, p_w, scale_inv, p_s, k0, b_acc, SCALE_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """b_acc + (b_x @ raw(w tile)) * (its scale * 2^120): one K step of a walk that applies the block
     scale to the step's fp32 sum instead of to each weight (the step lies in one scale column)."""
-    b_s = tl.load(scale_inv + p_s + k0 // SCALE_BLOCK_K) * SCALE_UP  # [1, BLOCK_N], exact: a power of two
+    b_s = tl.load(scale_inv + p_s + k0 // SCALE_BLOCK_K)  # [1, BLOCK_N]
     b_w = raw_bf16(tl.load(p_w), INTERPRET)
     b_d = dot_acc(b_x, b_w, tl.zeros([b_x.shape[0], b_w.shape[1]], dtype=tl.float32), INTERPRET)
-    return b_acc + b_d * b_s
+    # times 2^120 first (exact: a power of two, giving the step's sum over the fp8 values themselves),
+    # then the scale: a product overflows only where the real weights' would
+    return b_acc + (b_d * SCALE_UP) * b_s
 
 
 @triton.jit
