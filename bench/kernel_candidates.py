@@ -1,7 +1,8 @@
 """Kernel configs from a `python -m bench.fp8_configs` results file, put in place of the pinned ones
 in this process, so that the engine (`python -m bench.fp8_real_size --candidates FILE`) and the
 row-invariance sweep (`python -m bench.row_invariance --candidates FILE`) judge them before they
-are pinned in the code.
+are pinned in the code; and the grouped FP8 experts' other K walks (`--expert-walk`), judged the
+same way before one becomes the default.
 """
 
 from __future__ import annotations
@@ -66,3 +67,29 @@ def apply_winners(path: Path) -> dict[str, str]:
                 setattr(lf, field, value)
         applied["rows kernel"] = best
     return applied
+
+
+# kernels/moe_grouped.py's K walks of block-FP8 experts: name -> its module flags
+EXPERT_WALKS = {
+    "pinned": dict(SCALE_AFTER_ON=False, HIDDEN_K_HALVES=False, DOWN_K_HALVES=False),
+    "k-halves": dict(SCALE_AFTER_ON=False, HIDDEN_K_HALVES=True, DOWN_K_HALVES=True),
+    "scale-after": dict(SCALE_AFTER_ON=True, HIDDEN_K_HALVES=False, DOWN_K_HALVES=False),
+}
+
+
+def apply_expert_walk(name: str) -> dict[str, bool]:
+    """Put the grouped experts' K walk `name` (EXPERT_WALKS) in place for this process -> its flags."""
+    import hybrid_kernels.moe_grouped as mg
+
+    flags = EXPERT_WALKS[name]
+    for flag, value in flags.items():
+        setattr(mg, flag, value)
+    return dict(flags)
+
+
+def current_expert_walk() -> str:
+    """The name of the K walk the kernels take now (the code's default, or what apply_expert_walk set)."""
+    import hybrid_kernels.moe_grouped as mg
+
+    now = {flag: getattr(mg, flag) for flag in EXPERT_WALKS["pinned"]}
+    return next(name for name, flags in EXPERT_WALKS.items() if flags == now)

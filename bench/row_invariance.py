@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="all", help=f"comma-separated names, or all: {', '.join(sweep_configs())}")
     parser.add_argument("--max-rows", type=int, default=1024, help="row counts 1 .. this are swept")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert-walk", choices=("pinned", "k-halves", "scale-after"), default=None,
+                        help="sweep the grouped FP8 experts with this K walk (bench/kernel_candidates.py's EXPERT_WALKS) "
+                             "instead of the code's default; recorded as expert_walk")
     parser.add_argument("--name", default="", type=name_arg, help="appended to the file name: what differs (e.g. the device)")
     parser.add_argument("--candidates", type=Path, default=None,
                         help="a bench.fp8_configs results file: sweep its winning kernel configs instead of the pinned ones "
@@ -209,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.kernel_candidates import apply_winners
 
         candidates = {"kernel_candidates": apply_winners(args.candidates)}
+    from bench.kernel_candidates import apply_expert_walk, current_expert_walk
+
+    if args.expert_walk is not None:
+        apply_expert_walk(args.expert_walk)
+    candidates["expert_walk"] = current_expert_walk()
     today = datetime.date.today().isoformat()
     out = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
            "max_rows": args.max_rows, "seed": args.seed, **candidates,

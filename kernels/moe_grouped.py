@@ -164,6 +164,30 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
     return cfg._replace(**fields)
 
 
+# Block-FP8 experts walk K (H in stage 1, I in stage 2) as two halves in one loop, two sums added
+# once at the end, where the shapes allow (`k_halves`): a function of the weights' shapes, never of the rows.
+HIDDEN_K_HALVES = False
+DOWN_K_HALVES = False
+
+
+def k_halves(k: int, block_k: int, scale_block_k: int) -> bool:
+    """Whether a stage of K = k walks it as two halves: each half a whole number of K steps and of
+    scale blocks. A function of the shapes and the pinned K step, never of a launch's feature tile."""
+    return k % (2 * block_k) == 0 and (k // 2) % scale_block_k == 0
+
+
+# Block-FP8 experts apply each block scale to a K step's fp32 sum of raw weights (`raw_bf16`)
+# instead of dequantizing every weight, where the shapes allow (`scale_after`)
+SCALE_AFTER_ON = False
+
+
+def scale_after(k: int, n: int, block_k: int, scale_block_k: int) -> bool:
+    """Whether a stage of K = k and n features applies its scales after each K step: whole K steps,
+    each in one scale column, and features a multiple of 128 (whole tiles for every launch's feature
+    tile). A function of the shapes and the pinned K step."""
+    return k % block_k == 0 and scale_block_k % block_k == 0 and n % 128 == 0
+
+
 def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
     """The most blocks n_pairs pairs over n_experts experts can need: with n experts owning pairs,
     sum of cdiv(count_e, block_m) <= n + (n_pairs - n) // block_m, largest at n = min(E, P)."""
@@ -195,6 +219,55 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
     return i_e, pairs, m_p
 
 
+SCALE_UP = tl.constexpr(2.0**120)  # the factor `raw_bf16` leaves out of every weight, exact in fp32
+
+
+@triton.jit
+def raw_bf16(b_w8, INTERPRET: tl.constexpr):
+    """An fp8 e4m3 tile -> bf16 of the value w * 2^-120, exactly, subnormals included: the sign bit,
+    then the seven magnitude bits under bf16's exponent field (e4m3's bias 7 against bf16's 127).
+    The two NaN encodings, which no quantizer writes, read as +-480 * 2^-120.
+    On the GPU two bytes a `prmt` (each sign-extended to a half), a shift and a mask: about 1.5
+    instructions a weight where dequantizing took 3 (unpack, widen, scale, pack)."""
+    b_i8 = b_w8.to(tl.int8, bitcast=True)
+    if INTERPRET:
+        b_h = (b_i8.to(tl.int16) << 4) & tl.full([], -30736, tl.int16)  # 0x87F0
+        return b_h.to(tl.bfloat16, bitcast=True)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1;
+        prmt.b32 t0, $2, 0, 0x9180;
+        prmt.b32 t1, $2, 0, 0xB3A2;
+        shl.b32 t0, t0, 4;
+        shl.b32 t1, t1, 4;
+        and.b32 $0, t0, 0x87F087F0;
+        and.b32 $1, t1, 0x87F087F0;
+        }""",
+        constraints="=r,=r,r", args=[b_i8], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _scaled_dot(b_x, p_w, scale_inv, p_s, k0, b_acc, SCALE_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """b_acc + (b_x @ raw(w tile)) * (its scale * 2^120): one K step of a walk that applies the block
+    scale to the step's fp32 sum instead of to each weight (the step lies in one scale column)."""
+    b_s = tl.load(scale_inv + p_s + k0 // SCALE_BLOCK_K)  # [1, BLOCK_N]
+    b_w = raw_bf16(tl.load(p_w), INTERPRET)
+    b_d = dot_acc(b_x, b_w, tl.zeros([b_x.shape[0], b_w.shape[1]], dtype=tl.float32), INTERPRET)
+    # times 2^120 first (exact: a power of two, giving the step's sum over the fp8 values themselves),
+    # then the scale: a product overflows only where the real weights' would
+    return b_acc + (b_d * SCALE_UP) * b_s
+
+
+@triton.jit
+def _feature_mask(m_n, o_k, k0, WHOLE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A K-halves walk's weight-tile masks at K step k0: (the tile's mask [BLOCK_K, BLOCK_N], its
+    scale rows' mask [1, BLOCK_N], its columns [BLOCK_K, 1]), or Nones where the features are whole
+    tiles. Each half is a whole number of K steps (`k_halves`), so only the features mask."""
+    if WHOLE:
+        return None, None, None
+    return tl.broadcast_to(m_n[None, :], [BLOCK_K, m_n.shape[0]]), m_n[None, :], (k0 + o_k)[:, None]
+
+
 @triton.jit
 def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
                  stride_se, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -220,7 +293,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    K_HALVES: tl.constexpr = False, SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -244,10 +317,46 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if K_HALVES:  # two walks, over H's halves, in one loop: their sums added once at the end
+        b_g2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        b_u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        HALF: tl.constexpr = H // 2
+        for k0 in range(0, HALF, BLOCK_K):
+            m_h, m_hs, o_hk = _feature_mask(m_n, o_k, k0, I % BLOCK_N == 0, BLOCK_K)  # Nones where the features are whole tiles
+            m_h2, m_hs2, o_hk2 = _feature_mask(m_n, o_k, k0 + HALF, I % BLOCK_N == 0, BLOCK_K)
+            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
+            b_x2 = tl.load(p_x + HALF, mask=m_p[:, None], other=0.0)
+            b_wg = _weight_tile(p_g, m_h, i_e, gate_scale, p_sg, m_hs, k0, o_hk, stride_se, x.dtype.element_ty, INTERPRET,
+                                FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_wg2 = _weight_tile(p_g + HALF, m_h2, i_e, gate_scale, p_sg, m_hs2, k0 + HALF, o_hk2, stride_se, x.dtype.element_ty,
+                                 INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_wu = _weight_tile(p_u, m_h, i_e, up_scale, p_su, m_hs, k0, o_hk, stride_se, x.dtype.element_ty, INTERPRET,
+                                FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_wu2 = _weight_tile(p_u + HALF, m_h2, i_e, up_scale, p_su, m_hs2, k0 + HALF, o_hk2, stride_se, x.dtype.element_ty,
+                                 INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_g = dot_acc(b_x, b_wg, b_g, INTERPRET)
+            b_g2 = dot_acc(b_x2, b_wg2, b_g2, INTERPRET)
+            b_u = dot_acc(b_x, b_wu, b_u, INTERPRET)
+            b_u2 = dot_acc(b_x2, b_wu2, b_u2, INTERPRET)
+            p_x += BLOCK_K
+            p_g += BLOCK_K
+            p_u += BLOCK_K
+        b_g = b_g + b_g2
+        b_u = b_u + b_u2
+    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
+        p_gs = gate_scale + i_e * stride_se + p_sg
+        p_us = up_scale + i_e * stride_se + p_su
+        for k0 in range(0, H, BLOCK_K):
+            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
+            b_g = _scaled_dot(b_x, p_g, p_gs, 0, k0, b_g, SCALE_BLOCK_K, INTERPRET)
+            b_u = _scaled_dot(b_x, p_u, p_us, 0, k0, b_u, SCALE_BLOCK_K, INTERPRET)
+            p_x += BLOCK_K
+            p_g += BLOCK_K
+            p_u += BLOCK_K
     # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
     # the weights' tiles; padded pairs (past the expert's count) are masked, read nothing, never stored.
     # Whole tiles (a function of the shapes) drop the masks along K and the features
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(0, 0 if (K_HALVES or SCALE_AFTER) else H, BLOCK_K):
         if (H % BLOCK_K == 0) & (I % BLOCK_N == 0):
             b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
             b_wg = _weight_tile(p_g, None, i_e, gate_scale, p_sg, None, k0, None, stride_se, x.dtype.element_ty, INTERPRET,
@@ -282,7 +391,7 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    K_HALVES: tl.constexpr = False, SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -301,7 +410,31 @@ def _grouped_down_kernel(
         p_srow = scale_row_offsets(down_scale_row, o_n, m_n, stride_sn)
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    if K_HALVES:  # two walks, over I's halves, in one loop: their sums added once at the end
+        b_y2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        HALF: tl.constexpr = I // 2
+        for k0 in range(0, HALF, BLOCK_K):
+            m_h, m_hs, o_hk = _feature_mask(m_n, o_k, k0, H % BLOCK_N == 0, BLOCK_K)  # Nones where the features are whole tiles
+            m_h2, m_hs2, o_hk2 = _feature_mask(m_n, o_k, k0 + HALF, H % BLOCK_N == 0, BLOCK_K)
+            b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
+            b_h2 = tl.load(p_h + HALF, mask=m_p[:, None], other=0.0)
+            b_w = _weight_tile(p_w, m_h, i_e, down_scale, p_srow, m_hs, k0, o_hk, stride_se,
+                               hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_w2 = _weight_tile(p_w + HALF, m_h2, i_e, down_scale, p_srow, m_hs2, k0 + HALF, o_hk2, stride_se,
+                                hidden.dtype.element_ty, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
+            b_y = dot_acc(b_h, b_w, b_y, INTERPRET)
+            b_y2 = dot_acc(b_h2, b_w2, b_y2, INTERPRET)
+            p_h += BLOCK_K
+            p_w += BLOCK_K
+        b_y = b_y + b_y2
+    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
+        p_ds = down_scale + i_e * stride_se + p_srow
+        for k0 in range(0, I, BLOCK_K):
+            b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
+            b_y = _scaled_dot(b_h, p_w, p_ds, 0, k0, b_y, SCALE_BLOCK_K, INTERPRET)
+            p_h += BLOCK_K
+            p_w += BLOCK_K
+    for k0 in range(0, 0 if (K_HALVES or SCALE_AFTER) else I, BLOCK_K):
         if (I % BLOCK_K == 0) & (H % BLOCK_N == 0):
             b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
             b_w = _weight_tile(p_w, None, i_e, down_scale, p_srow, None, k0, None, stride_se,
@@ -453,8 +586,12 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         gate, up, down = scales
         hidden_fp8 = (gate.scale_inv, gate.scale_row, up.scale_inv, up.scale_row, gate.scale_inv.stride(0), gate.scale_inv.stride(1))
         down_fp8 = (down.scale_inv, down.scale_row, down.scale_inv.stride(0), down.scale_inv.stride(1))
-        hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0)
-        down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0)
+        after = (SCALE_AFTER_ON and scale_after(h, i, cfg.BLOCK_K, gate.block_k),
+                 SCALE_AFTER_ON and scale_after(i, h, cfg.BLOCK_K2, down.block_k))
+        hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0,
+                            K_HALVES=HIDDEN_K_HALVES and not after[0] and k_halves(h, cfg.BLOCK_K, gate.block_k), SCALE_AFTER=after[0])
+        down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0,
+                          K_HALVES=DOWN_K_HALVES and not after[1] and k_halves(i, cfg.BLOCK_K2, down.block_k), SCALE_AFTER=after[1])
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,

@@ -106,3 +106,17 @@ def test_the_few_rows_launch_is_applied_for_the_engine(tmp_path, monkeypatch):
     assert mg.FEW_ROWS_LAUNCH == launch and applied["experts up to FEW_ROWS rows"] == "BLOCK_N=16,num_warps=1,BLOCK_H=128"
     assert mg.MANY_ROWS_LAUNCH == {"BLOCK_M": 32} and applied["experts from MANY_ROWS rows"] == "BLOCK_M=32"
     assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True) == grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)
+
+
+def test_expert_walks_are_put_in_place_and_named(monkeypatch):
+    """--expert-walk (bench.fp8_real_size, bench.row_invariance): each walk sets kernels/moe_grouped.py's
+    flags, and the results name the walk the kernels take."""
+    import hybrid_kernels.moe_grouped as mg
+    from bench.kernel_candidates import EXPERT_WALKS, apply_expert_walk, current_expert_walk
+
+    for flag in EXPERT_WALKS["pinned"]:
+        monkeypatch.setattr(mg, flag, getattr(mg, flag))  # restored after the test
+    assert current_expert_walk() == "pinned"
+    for name, flags in EXPERT_WALKS.items():
+        assert apply_expert_walk(name) == flags
+        assert current_expert_walk() == name and all(getattr(mg, f) == v for f, v in flags.items())

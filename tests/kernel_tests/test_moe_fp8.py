@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from hybrid_kernels.linear_fp8 import FP8, BlockScales, standard_scale_row
-from hybrid_kernels.moe import moe_experts_fp8, moe_experts_fp8_ref
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, standard_scale_row
+from hybrid_kernels.moe import moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref
+from hybrid_kernels.moe_grouped import raw_bf16
+from hybrid_kernels.runtime import interpreting
 
 from .conftest import assert_close, assert_refused, nan_like
 
@@ -171,3 +175,52 @@ def test_few_rows_launch_gives_the_pinned_bits(device, monkeypatch, rows):
     assert torch.equal(few, pinned)
     full = moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, scales)
     assert torch.equal(full[:rows], few), f"rows 0..{rows} with the few-rows launch differ from the {len(x)}-row launch"
+
+
+@triton.jit
+def _raw(src, dst, INTERPRET: tl.constexpr):
+    o = tl.arange(0, 256)
+    tl.store(dst + o, raw_bf16(tl.load(src + o), INTERPRET))
+
+
+def test_raw_bf16_is_each_fp8_value_times_two_to_the_minus_120(device):
+    """Every e4m3 byte but the two NaN encodings (subnormals and both zeros included) becomes the bf16
+    of its value times 2^-120, exactly: the weights a step that applies its scale after the sum
+    multiplies. (A NaN byte, which no quantizer writes, reads as 480 times 2^-120.)"""
+    src = torch.arange(256, dtype=torch.uint8).view(FP8).to(device)
+    dst = torch.empty(256, dtype=torch.bfloat16, device=device)
+    _raw[(1,)](src, dst, interpreting())
+    got, want = dst.cpu().float(), src.cpu().float() * 2.0**-120
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 and torch.equal(got[~nan], want[~nan])
+    assert torch.equal(dst.cpu().view(torch.int16)[[0, 128]], torch.tensor([0, -32768], dtype=torch.int16))  # +0, -0
+
+
+@pytest.mark.parametrize("flag", ["SCALE_AFTER_ON", "HIDDEN_K_HALVES"])
+def test_other_walks_match_the_reference_and_keep_rows_invariant(device, monkeypatch, flag):
+    """The scale applied after each K step's sum (`scale_after`), and K walked as two halves
+    (`k_halves`, both stages), at a shape that takes them (K a multiple of two 128-wide steps,
+    features of 128): within the bf16 tolerance of the reference, and each row's bits alone equal
+    its bits among 1, 3 and 17 rows."""
+    import hybrid_kernels.moe_grouped as mg
+
+    monkeypatch.setattr(mg, flag, True)
+    if flag == "HIDDEN_K_HALVES":
+        monkeypatch.setattr(mg, "DOWN_K_HALVES", True)
+    r, h, i, e, t, block = 17, 256, 256, 17, 2, (128, 128)
+    assert mg.scale_after(h, i, 128, 128) and mg.k_halves(h, 128, 128) and mg.k_halves(i, 128, 128)
+    args = make(r, h, i, e, t, block, torch.bfloat16, device, seed=5)
+    got = moe_experts_fp8(*args)
+    if flag == "SCALE_AFTER_ON":
+        # against the fp32 real weights: the scale-after walk never rounds a weight to bf16, so what is
+        # left is the kernel's bf16 roundings of the hidden rows and the output (one bf16 step, 2^-7)
+        x, ids, weights, w_gate, w_up, w_down, scales = on_cpu(*args)
+        real = [dequantize_ref(w, sc, torch.float32) for w, sc in zip((w_gate, w_up, w_down), scales)]
+        want = moe_experts_ref(x.float(), ids, weights, *real)
+    else:  # the halves dequantize as the single walk does: only the fp32 sums' association differs
+        want = moe_experts_fp8_ref(*on_cpu(*args))
+    assert_close(f"moe_experts_fp8 with {flag}", got.cpu(), want, *TOLERANCE[torch.bfloat16])
+    x, ids, weights, *rest = args
+    for rows in (1, 3):
+        part = moe_experts_fp8(x[:rows], ids[:rows], weights[:rows], *rest)
+        assert torch.equal(part, got[:rows]), f"the first {rows} rows differ from the same rows among {r}"
