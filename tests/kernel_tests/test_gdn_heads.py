@@ -174,7 +174,8 @@ def test_gates_from_split_sums_are_the_finished_columns_bits(device, splits):
     """b | a handed over as their GEMM's unfinished split-K sums (kernels/linear.py's SplitSums): the
     programs add each column's splits in ascending order and round once to the sums' dtype, the
     reduce's bits, so q, k, v, decay and beta equal the launch given the finished b and a (summed
-    here in torch the reduce's way); a non-None a, a bias or a wrong shape is refused."""
+    here in torch the reduce's way), and each row's bits alone equal its bits among all rows; a
+    non-None a, a bias or a wrong shape is refused."""
     from hybrid_kernels.linear import SplitSums
 
     from .test_gdn_gates import make as make_gates
@@ -193,6 +194,10 @@ def test_gates_from_split_sums_are_the_finished_columns_bits(device, splits):
     want = gdn_heads.gdn_heads(mixed, *shape, gates=(finished[:, :hv], finished[:, hv:], A_log, dt_bias))
     for name, a, b in zip(("q", "k", "v", "decay", "beta"), got, want):
         assert torch.equal(a, b), f"{name} differs from the finished columns' launch"
+    for r in (1, 3):  # the first r rows' sums alone: each row's bits as among all rows
+        part = gdn_heads.gdn_heads(mixed[:r], *shape, gates=(SplitSums(partial[:, :r].contiguous(), None, torch.bfloat16), None,
+                                                            A_log, dt_bias))
+        assert all(torch.equal(a, b[:r]) for a, b in zip(part, got)), f"the first {r} rows differ from the same rows among {rows}"
     sums = SplitSums(partial, None, torch.bfloat16)
     with pytest.raises(ValueError, match="a must be None"):
         gdn_heads.gdn_heads(mixed, *shape, gates=(sums, finished[:, hv:], A_log, dt_bias))
