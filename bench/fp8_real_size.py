@@ -408,7 +408,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--candidates", type=Path, default=None,
                         help="a bench.fp8_configs results file: run its winning kernel configs instead of the pinned ones "
                              "(recorded as kernel_candidates), to judge them in the engine")
-    parser.add_argument("--expert-walk", choices=("pinned", "k-halves", "scale-after"), default=None,
+    parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
                         help="run the grouped FP8 experts with this K walk (bench/kernel_candidates.py's EXPERT_WALKS) "
                              "instead of the code's default; recorded as expert_walk")
     parser.add_argument("--name", default="", type=name_arg,

@@ -71,9 +71,8 @@ def apply_winners(path: Path) -> dict[str, str]:
 
 # kernels/moe_grouped.py's K walks of block-FP8 experts: name -> its module flags
 EXPERT_WALKS = {
-    "pinned": dict(SCALE_AFTER_ON=False, HIDDEN_K_HALVES=False, DOWN_K_HALVES=False),
-    "k-halves": dict(SCALE_AFTER_ON=False, HIDDEN_K_HALVES=True, DOWN_K_HALVES=True),
-    "scale-after": dict(SCALE_AFTER_ON=True, HIDDEN_K_HALVES=False, DOWN_K_HALVES=False),
+    "scale-after": dict(SCALE_AFTER_ON=True),
+    "dequantize": dict(SCALE_AFTER_ON=False),
 }
 
 
@@ -91,5 +90,5 @@ def current_expert_walk() -> str:
     """The name of the K walk the kernels take now (the code's default, or what apply_expert_walk set)."""
     import hybrid_kernels.moe_grouped as mg
 
-    now = {flag: getattr(mg, flag) for flag in EXPERT_WALKS["pinned"]}
+    now = {flag: getattr(mg, flag) for flag in EXPERT_WALKS["scale-after"]}
     return next(name for name, flags in EXPERT_WALKS.items() if flags == now)

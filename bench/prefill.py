@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from bench.fp8_real_size import checkpoint_config, params, published_configs, write_checkpoint
+from bench.gpu import kernel_table
 from bench.machine import NAME_HELP, device_name, name_arg, results_path
 from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
@@ -165,6 +166,8 @@ def run(args) -> dict:
             cold.append(seconds)
         ttft = statistics.median(cold[1:] if len(cold) > 1 else cold)
         result.update(ttft_cold_ms=round(ttft * 1e3, 2), ttft_x_floor=round(ttft / floor, 2))
+        if device.type == "cuda":  # where a cold open's GPU time goes, by kernel (one more open, profiled)
+            result["ttft_kernel_breakdown"] = kernel_table(lambda: engine.close(time_open(engine, prompt(vocab, n, args.seed + 9), device)[1]))
 
         # a cached prefix: the last cold prompt's first n - TAIL tokens, then another tail
         tail = min(TAIL, n // 4)

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="all", help=f"comma-separated names, or all: {', '.join(sweep_configs())}")
     parser.add_argument("--max-rows", type=int, default=1024, help="row counts 1 .. this are swept")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--expert-walk", choices=("pinned", "k-halves", "scale-after"), default=None,
+    parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
                         help="sweep the grouped FP8 experts with this K walk (bench/kernel_candidates.py's EXPERT_WALKS) "
                              "instead of the code's default; recorded as expert_walk")
     parser.add_argument("--name", default="", type=name_arg, help="appended to the file name: what differs (e.g. the device)")

@@ -164,21 +164,11 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
     return cfg._replace(**fields)
 
 
-# Block-FP8 experts walk K (H in stage 1, I in stage 2) as two halves in one loop, two sums added
-# once at the end, where the shapes allow (`k_halves`): a function of the weights' shapes, never of the rows.
-HIDDEN_K_HALVES = False
-DOWN_K_HALVES = False
-
-
-def k_halves(k: int, block_k: int, scale_block_k: int) -> bool:
-    """Whether a stage of K = k walks it as two halves: each half a whole number of K steps and of
-    scale blocks. A function of the shapes and the pinned K step, never of a launch's feature tile."""
-    return k % (2 * block_k) == 0 and (k // 2) % scale_block_k == 0
-
-
 # Block-FP8 experts apply each block scale to a K step's fp32 sum of raw weights (`raw_bf16`)
-# instead of dequantizing every weight, where the shapes allow (`scale_after`)
-SCALE_AFTER_ON = False
+# instead of dequantizing every weight, where the shapes allow (`scale_after`): about 1.5
+# instructions a weight against 3.5, which the few-row steps are bound by (DESIGN.md section 6,
+# "Where the FP8 step's time goes"). False: every shape dequantizes (the walk to compare with).
+SCALE_AFTER_ON = True
 
 
 def scale_after(k: int, n: int, block_k: int, scale_block_k: int) -> bool:
@@ -217,22 +207,6 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
     m_p = o_q < count
     pairs = tl.load(lists + i_e.to(tl.int64) * R + o_q, mask=m_p, other=0)  # past the last block: count 0, nothing read
     return i_e, pairs, m_p
-
-
-@triton.jit
-def _halves_step(b_x, b_x2, p_w, scale_inv, p_s, i_e, m_n, o_k, k0, b_acc, b_acc2, stride_se, HALF: tl.constexpr,
-                 WHOLE: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
-                 SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr):
-    """One step of a K-halves walk for one weight: its tiles at k0 and k0 + HALF (the rows' tiles b_x,
-    b_x2 there) dotted into the two halves' sums -> (b_acc, b_acc2). WHOLE: the features are whole
-    tiles (no masks)."""
-    m_w, m_s, o_kk = _feature_mask(m_n, o_k, k0, WHOLE, BLOCK_K)
-    m_w2, m_s2, o_kk2 = _feature_mask(m_n, o_k, k0 + HALF, WHOLE, BLOCK_K)
-    b_w = _weight_tile(p_w, m_w, i_e, scale_inv, p_s, m_s, k0, o_kk, stride_se, b_x.dtype, INTERPRET,
-                       FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-    b_w2 = _weight_tile(p_w + HALF, m_w2, i_e, scale_inv, p_s, m_s2, k0 + HALF, o_kk2, stride_se, b_x.dtype, INTERPRET,
-                        FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-    return dot_acc(b_x, b_w, b_acc, INTERPRET), dot_acc(b_x2, b_w2, b_acc2, INTERPRET)
 
 
 SCALE_UP = tl.constexpr(2.0**120)  # the factor `raw_bf16` leaves out of every weight, exact in fp32
@@ -275,16 +249,6 @@ def _scaled_dot(b_x, p_w, scale_inv, p_s, k0, b_acc, SCALE_BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def _feature_mask(m_n, o_k, k0, WHOLE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A K-halves walk's weight-tile masks at K step k0: (the tile's mask [BLOCK_K, BLOCK_N], its
-    scale rows' mask [1, BLOCK_N], its columns [BLOCK_K, 1]), or Nones where the features are whole
-    tiles. Each half is a whole number of K steps (`k_halves`), so only the features mask."""
-    if WHOLE:
-        return None, None, None
-    return tl.broadcast_to(m_n[None, :], [BLOCK_K, m_n.shape[0]]), m_n[None, :], (k0 + o_k)[:, None]
-
-
-@triton.jit
 def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
                  stride_se, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
                  FP8: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ONE_SCALE_COLUMN: tl.constexpr):
@@ -309,7 +273,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    K_HALVES: tl.constexpr = False, SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
+    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -333,22 +297,6 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if K_HALVES:  # two walks, over H's halves, in one loop: their sums added once at the end
-        b_g2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        b_u2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        HALF: tl.constexpr = H // 2
-        for k0 in range(0, HALF, BLOCK_K):
-            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
-            b_x2 = tl.load(p_x + HALF, mask=m_p[:, None], other=0.0)
-            b_g, b_g2 = _halves_step(b_x, b_x2, p_g, gate_scale, p_sg, i_e, m_n, o_k, k0, b_g, b_g2, stride_se, HALF,
-                                     I % BLOCK_N == 0, BLOCK_K, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-            b_u, b_u2 = _halves_step(b_x, b_x2, p_u, up_scale, p_su, i_e, m_n, o_k, k0, b_u, b_u2, stride_se, HALF,
-                                     I % BLOCK_N == 0, BLOCK_K, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-            p_x += BLOCK_K
-            p_g += BLOCK_K
-            p_u += BLOCK_K
-        b_g = b_g + b_g2
-        b_u = b_u + b_u2
     if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
         p_gs = gate_scale + i_e * stride_se + p_sg
         p_us = up_scale + i_e * stride_se + p_su
@@ -362,7 +310,7 @@ def _grouped_hidden_kernel(
     # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
     # the weights' tiles; padded pairs (past the expert's count) are masked, read nothing, never stored.
     # Whole tiles (a function of the shapes) drop the masks along K and the features
-    for k0 in range(0, 0 if (K_HALVES or SCALE_AFTER) else H, BLOCK_K):
+    for k0 in range(0, 0 if SCALE_AFTER else H, BLOCK_K):
         if (H % BLOCK_K == 0) & (I % BLOCK_N == 0):
             b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
             b_wg = _weight_tile(p_g, None, i_e, gate_scale, p_sg, None, k0, None, stride_se, x.dtype.element_ty, INTERPRET,
@@ -397,7 +345,7 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    K_HALVES: tl.constexpr = False, SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
+    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -416,17 +364,6 @@ def _grouped_down_kernel(
         p_srow = scale_row_offsets(down_scale_row, o_n, m_n, stride_sn)
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if K_HALVES:  # two walks, over I's halves, in one loop: their sums added once at the end
-        b_y2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        HALF: tl.constexpr = I // 2
-        for k0 in range(0, HALF, BLOCK_K):
-            b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
-            b_h2 = tl.load(p_h + HALF, mask=m_p[:, None], other=0.0)
-            b_y, b_y2 = _halves_step(b_h, b_h2, p_w, down_scale, p_srow, i_e, m_n, o_k, k0, b_y, b_y2, stride_se, HALF,
-                                     H % BLOCK_N == 0, BLOCK_K, INTERPRET, FP8, SCALE_BLOCK_K, ONE_SCALE_COLUMN)
-            p_h += BLOCK_K
-            p_w += BLOCK_K
-        b_y = b_y + b_y2
     if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
         p_ds = down_scale + i_e * stride_se + p_srow
         for k0 in range(0, I, BLOCK_K):
@@ -434,7 +371,7 @@ def _grouped_down_kernel(
             b_y = _scaled_dot(b_h, p_w, p_ds, 0, k0, b_y, SCALE_BLOCK_K, INTERPRET)
             p_h += BLOCK_K
             p_w += BLOCK_K
-    for k0 in range(0, 0 if (K_HALVES or SCALE_AFTER) else I, BLOCK_K):
+    for k0 in range(0, 0 if SCALE_AFTER else I, BLOCK_K):
         if (I % BLOCK_K == 0) & (H % BLOCK_N == 0):
             b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
             b_w = _weight_tile(p_w, None, i_e, down_scale, p_srow, None, k0, None, stride_se,
@@ -589,9 +526,9 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         after = (SCALE_AFTER_ON and scale_after(h, i, cfg.BLOCK_K, gate.block_k),
                  SCALE_AFTER_ON and scale_after(i, h, cfg.BLOCK_K2, down.block_k))
         hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0,
-                            K_HALVES=HIDDEN_K_HALVES and not after[0] and k_halves(h, cfg.BLOCK_K, gate.block_k), SCALE_AFTER=after[0])
+                            SCALE_AFTER=after[0])
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0,
-                          K_HALVES=DOWN_K_HALVES and not after[1] and k_halves(i, cfg.BLOCK_K2, down.block_k), SCALE_AFTER=after[1])
+                          SCALE_AFTER=after[1])
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,

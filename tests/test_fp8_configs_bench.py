@@ -114,9 +114,9 @@ def test_expert_walks_are_put_in_place_and_named(monkeypatch):
     import hybrid_kernels.moe_grouped as mg
     from bench.kernel_candidates import EXPERT_WALKS, apply_expert_walk, current_expert_walk
 
-    for flag in EXPERT_WALKS["pinned"]:
+    for flag in EXPERT_WALKS["scale-after"]:
         monkeypatch.setattr(mg, flag, getattr(mg, flag))  # restored after the test
-    assert current_expert_walk() == "pinned"
+    assert current_expert_walk() == "scale-after"  # the code's default
     for name, flags in EXPERT_WALKS.items():
         assert apply_expert_walk(name) == flags
         assert current_expert_walk() == name and all(getattr(mg, f) == v for f, v in flags.items())

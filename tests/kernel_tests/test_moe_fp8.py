@@ -196,30 +196,29 @@ def test_raw_bf16_is_each_fp8_value_times_two_to_the_minus_120(device):
     assert torch.equal(dst.cpu().view(torch.int16)[[0, 128]], torch.tensor([0, -32768], dtype=torch.int16))  # +0, -0
 
 
-@pytest.mark.parametrize("flag", ["SCALE_AFTER_ON", "HIDDEN_K_HALVES"])
-def test_other_walks_match_the_reference_and_keep_rows_invariant(device, monkeypatch, flag):
-    """The scale applied after each K step's sum (`scale_after`), and K walked as two halves
-    (`k_halves`, both stages), at a shape that takes them (K a multiple of two 128-wide steps,
-    features of 128): within the bf16 tolerance of the reference, and each row's bits alone equal
-    its bits among 1, 3 and 17 rows."""
+@pytest.mark.parametrize("scale_after", [True, False])
+def test_both_walks_match_their_reference_and_keep_rows_invariant(device, monkeypatch, scale_after):
+    """At a shape that takes the scale-after walk (`scale_after`: K steps in one scale column,
+    features of 128), with it (the default) and without it (every weight dequantized): within the
+    bf16 tolerance of the reference each computes, and each row's bits alone equal its bits among
+    1, 3 and 17 rows."""
     import hybrid_kernels.moe_grouped as mg
 
-    monkeypatch.setattr(mg, flag, True)
-    if flag == "HIDDEN_K_HALVES":
-        monkeypatch.setattr(mg, "DOWN_K_HALVES", True)
+    monkeypatch.setattr(mg, "SCALE_AFTER_ON", scale_after)
     r, h, i, e, t, block = 17, 256, 256, 17, 2, (128, 128)
-    assert mg.scale_after(h, i, 128, 128) and mg.k_halves(h, 128, 128) and mg.k_halves(i, 128, 128)
+    assert mg.scale_after(h, i, 128, 128) and mg.scale_after(i, h, 128, 128)
     args = make(r, h, i, e, t, block, torch.bfloat16, device, seed=5)
     got = moe_experts_fp8(*args)
-    if flag == "SCALE_AFTER_ON":
+    if scale_after:
         # against the fp32 real weights: the scale-after walk never rounds a weight to bf16, so what is
         # left is the kernel's bf16 roundings of the hidden rows and the output (one bf16 step, 2^-7)
         x, ids, weights, w_gate, w_up, w_down, scales = on_cpu(*args)
         real = [dequantize_ref(w, sc, torch.float32) for w, sc in zip((w_gate, w_up, w_down), scales)]
         want = moe_experts_ref(x.float(), ids, weights, *real)
-    else:  # the halves dequantize as the single walk does: only the fp32 sums' association differs
+    else:  # the bf16 real weights, as the CPU backend multiplies them
         want = moe_experts_fp8_ref(*on_cpu(*args))
-    assert_close(f"moe_experts_fp8 with {flag}", got.cpu(), want, *TOLERANCE[torch.bfloat16])
+    walk = "scale-after" if scale_after else "dequantize"
+    assert_close(f"moe_experts_fp8, {walk} walk", got.cpu(), want, *TOLERANCE[torch.bfloat16])
     x, ids, weights, *rest = args
     for rows in (1, 3):
         part = moe_experts_fp8(x[:rows], ids[:rows], weights[:rows], *rest)
