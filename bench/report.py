@@ -387,22 +387,31 @@ class Tables:
                     f"{d['together_x_one_by_one']:.2f}x), turns of {d['prefill_rows']:,} rows, "
                     f"{'= each alone' if d['together_equals_alone'] else 'DIFFERS FROM ALONE'} | ")
 
+        def open_gpu(d: dict) -> str:
+            b = d.get("ttft_kernel_breakdown")
+            if not b:  # a file from before the bench profiled an open
+                return "-"
+            top = ", ".join(f"{t['kernel'].lstrip('_').removesuffix('_kernel')} {t['device_ms']:.0f}" for t in b["top"][:4])
+            return f"{b['device_ms']:.0f} ({b['launches']:,}): {top}"
+
         found = newest(self.results, "prefill")
         if not found:
             return "No prefill results yet.\n"
         rows = []
         for path in found.values():
             d = self.load(path)
-            rows.append(f"{d['config']} ({d['scale']}) | {d['device']}, {d['date']} | {d['prompt_tokens']:,} | "
+            rows.append(f"{d['config']} ({d['scale']}) | {d['device']}, {d['date']} | {d['prompt_tokens']:,} in chunks of "
+                        f"{d['prefill_chunk']:,} | "
                         f"{d['ttft_cold_ms']:.1f} ({d['ttft_x_floor']:.2f}x of {d['ttft_floor_ms']:.1f}) | "
                         f"{d['ttft_cached_ms']:.1f} ({d['cached_tokens']:,} restored), "
                         f"{'= cold' if d['cached_equals_cold'] else 'DIFFERS FROM COLD'} | "
                         f"{together(d)}"
                         f"{d['step_p99_alone_ms']:.1f} / {d['step_p99_arriving_ms']:.1f} ({d['step_p99_ratio']:.2f}x), "
-                        f"{d['running']} running, {d['arriving']} arriving")
+                        f"{d['running']} running, {d['arriving']} arriving | {open_gpu(d)}")
         return table(["config", "device, date", "prompt tokens", "first token, cold ms (x its compute floor)",
                       "first token from a cached prefix, ms", "prompts arriving together: all in, ms (x their floors, x one by one)",
-                      "p99 between decode steps, ms: alone / while prompts arrive"],
+                      "p99 between decode steps, ms: alone / while prompts arrive",
+                      "a cold open on the GPU: kernels' ms (launches), the top four"],
                      rows, self.source(*found.values()))
 
     def serve(self) -> str:

@@ -17,7 +17,7 @@ from .rounding import cast_rtne
 from .runtime import interpreting
 
 MAX_D_K = 256  # the whole key dim is one register tile: no split of the sum over D_K
-MAX_SUM_LEVELS = tl.constexpr(MAX_D_K.bit_length() - 2)  # _sum_halves' pairwise levels after its first: MAX_D_K / 2 rows to 1
+MAX_SUM_LEVELS = tl.constexpr(MAX_D_K.bit_length() - 2)  # sum_halves' pairwise levels after its first: MAX_D_K / 2 rows to 1
 
 
 class DeltaRuleConfig(NamedTuple):
@@ -36,7 +36,7 @@ def delta_rule_config(d_k: int, d_v: int, sequences: int = 0, rows: int = 0) -> 
     under 2048 values use one warp. One sequence of at least ONE_SEQUENCE_MIN_ROWS rows (a batch-1
     verify: its walk's latency is the launch's) takes 16 columns in 2 warps, 2 of its 4 sums'
     levels across warps instead of 4: faster from 5 rows on, slower at 2 rows, hence the bound
-    (H200, 2B GDN shape). Every tile gives the same bits (`_sum_halves`); the 32-column tile is the
+    (H200, 2B GDN shape). Every tile gives the same bits (`sum_halves`); the 32-column tile is the
     fastest, or close to it, at 1 to 64 sequences otherwise. `python -m bench.gpu` times the steps."""
     block_k = triton.next_power_of_2(d_k)
     narrow = sequences == 1 and rows >= ONE_SEQUENCE_MIN_ROWS
@@ -45,7 +45,7 @@ def delta_rule_config(d_k: int, d_v: int, sequences: int = 0, rows: int = 0) -> 
 
 
 @triton.jit
-def _halve(b_x):
+def halve(b_x):
     """[N, BLOCK_V] -> its rows 0 .. N/2 - 1 and its rows N/2 .. N - 1, each [N/2, BLOCK_V]. Where a
     thread holds both rows of each pair (the first halvings, in the state tile's register layout)
     no data moves; the last ones pair rows of other warps, which the compiler exchanges."""
@@ -54,14 +54,14 @@ def _halve(b_x):
 
 
 @triton.jit
-def _unhalve(b_lo, b_hi):
-    """_halve's inverse: [N, BLOCK_V] twice -> [2N, BLOCK_V], b_lo's rows first."""
+def unhalve(b_lo, b_hi):
+    """halve's inverse: [N, BLOCK_V] twice -> [2N, BLOCK_V], b_lo's rows first."""
     N: tl.constexpr = b_lo.shape[0]
     return tl.reshape(tl.permute(tl.join(b_lo, b_hi), (2, 0, 1)), [2 * N, b_lo.shape[1]])
 
 
 @triton.jit
-def _sum_halves(b_lo_s, b_hi_s, b_lo_x, b_hi_x):
+def sum_halves(b_lo_s, b_hi_s, b_lo_x, b_hi_x):
     """sum_k S[k, :] * x[k] -> [BLOCK_V] of S and x split into halves: row k + N/2's product added
     to row k's in one fused multiply-add, then the [N/2, BLOCK_V] partial sums added pairwise,
     row j + n/2 to row j, down to one row. The order is written out, so the sum's bits depend on
@@ -72,7 +72,7 @@ def _sum_halves(b_lo_s, b_hi_s, b_lo_x, b_hi_x):
     b_p = tl.fma(b_lo_s, b_lo_x, b_hi_s * b_hi_x)  # [N/2, BLOCK_V]
     for _ in tl.static_range(MAX_SUM_LEVELS):  # N/2 rows, a power of two, halved to 1 (unrolled)
         if b_p.shape[0] > 1:
-            b_lo, b_hi = _halve(b_p)
+            b_lo, b_hi = halve(b_p)
             b_p = b_lo + b_hi
     return tl.reshape(b_p, [b_p.shape[1]])
 
@@ -86,23 +86,23 @@ def _update_state(b_s, b_k, b_v, b_decay, b_beta, DECAY_K: tl.constexpr):
         b_s = b_s * b_decay  # the same products as a broadcast [BLOCK_K] of it, without its registers
     else:
         b_s = b_s * b_decay[:, None]
-    b_lo_s, b_hi_s = _halve(b_s)
-    b_lo_k, b_hi_k = _halve(tl.broadcast_to(b_k[:, None], b_s.shape))
-    b_recalled = _sum_halves(b_lo_s, b_hi_s, b_lo_k, b_hi_k)  # [BLOCK_V]
+    b_lo_s, b_hi_s = halve(b_s)
+    b_lo_k, b_hi_k = halve(tl.broadcast_to(b_k[:, None], b_s.shape))
+    b_recalled = sum_halves(b_lo_s, b_hi_s, b_lo_k, b_hi_k)  # [BLOCK_V]
     b_delta = tl.broadcast_to(((b_v - b_recalled) * b_beta)[None, :], b_lo_s.shape)
     # b_s + k delta^T as one fused multiply-add an element (one rounding, one instruction): written
     # out, since contraction is off and every walk must give these bits; it is also faster than a
     # separate multiply and add at 64 sequences x 9 rows (H200, 2B GDN shape). On the
     # halves the key was split into for the sum, so the key reaches one register layout once a row.
-    return _unhalve(tl.fma(b_lo_k, b_delta, b_lo_s), tl.fma(b_hi_k, b_delta, b_hi_s))
+    return unhalve(tl.fma(b_lo_k, b_delta, b_lo_s), tl.fma(b_hi_k, b_delta, b_hi_s))
 
 
 @triton.jit
 def _read_state(b_s, b_q):
-    """b_s [BLOCK_K, BLOCK_V], b_q [BLOCK_K] -> out [BLOCK_V] = sum_k S[k, :] * q[k], in _sum_halves' order."""
-    b_lo_s, b_hi_s = _halve(b_s)
-    b_lo_q, b_hi_q = _halve(tl.broadcast_to(b_q[:, None], b_s.shape))
-    return _sum_halves(b_lo_s, b_hi_s, b_lo_q, b_hi_q)
+    """b_s [BLOCK_K, BLOCK_V], b_q [BLOCK_K] -> out [BLOCK_V] = sum_k S[k, :] * q[k], in sum_halves' order."""
+    b_lo_s, b_hi_s = halve(b_s)
+    b_lo_q, b_hi_q = halve(tl.broadcast_to(b_q[:, None], b_s.shape))
+    return sum_halves(b_lo_s, b_hi_s, b_lo_q, b_hi_q)
 
 
 @triton.jit

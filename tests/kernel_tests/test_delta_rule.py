@@ -192,7 +192,7 @@ def test_verify_batch_invariant(kind, device):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_tile_gives_the_same_bits(kind, device):
-    """The sums over D_K are written out in one order (_sum_halves), so other value blocks and warp
+    """The sums over D_K are written out in one order (sum_halves), so other value blocks and warp
     counts (other register layouts on the GPU) give bitwise the pinned tile's outputs, snapshots and
     committed state; a config whose BLOCK_K is not the pinned one is refused."""
     counts, slots = [1, 4, 9], [3, 0, 4]
