@@ -33,7 +33,9 @@ GEMM_REPEATS = 10  # graph replays (of 20 launches) per GEMM figure: the section
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    """Wait for the GPU's queued work (nothing to wait for without one: CPU runs time their own ops)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:

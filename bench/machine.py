@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 from pathlib import Path
@@ -45,3 +46,11 @@ def name_arg(text: str) -> str:
 def results_path(out: Path, bench: str, date: str, name: str = "") -> Path:
     """out/<bench>_<date>[_<name>].json, the one naming rule of bench/results (bench.report reads it back)."""
     return Path(out) / f"{bench}_{date}{'_' + check_name(name) if name else ''}.json"
+
+
+def write_results(out: Path, bench: str, result: dict, name: str = "") -> Path:
+    """result (with its "date") as JSON at results_path(out, bench, its date, name), folders made -> the path."""
+    path = results_path(out, bench, result["date"], name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shutil
 import statistics
 import sys
@@ -20,11 +19,12 @@ import torch
 
 from bench.fp8_real_size import checkpoint_config, params, published_configs, write_checkpoint
 from bench.gpu import kernel_table
-from bench.machine import NAME_HELP, device_name, name_arg, results_path
+from bench.machine import NAME_HELP, device_name, name_arg, write_results
 from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
 from verifier.model.config import ATTENTION
 from verifier.model.hf_config import config_from_dict
+from verifier.model.layers import linear_attention
 from verifier.params import SamplingParams
 from verifier.server.config import ServerConfig
 from verifier.server.prefill import take_turn
@@ -139,6 +139,9 @@ def run(args) -> dict:
               "scale": args.scale, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt_tokens,
               "running": args.running, "arriving": args.arriving, "prefill_chunk": args.chunk,
               "prefill_rows": args.prefill_rows}
+    if args.chunked_delta_rule:
+        linear_attention.CHUNKED_PREFILL = True
+    result["chunked_delta_rule"] = linear_attention.CHUNKED_PREFILL
     workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
     try:
         path = workdir / f"{args.config}-fp8"
@@ -239,6 +242,9 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed with no prompt arriving")
     parser.add_argument("--repeats", type=int, default=3, help="cold opens timed (the first is a warm-up)")
     parser.add_argument("--cache-gb", type=float, default=8.0, help="the prefix cache's budget")
+    parser.add_argument("--chunked-delta-rule", action="store_true",
+                        help="GDN's prefill in chunked form (verifier/model/layers/linear_attention.py's CHUNKED_PREFILL); "
+                             "recorded as chunked_delta_rule")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
     return parser.parse_args(argv)
@@ -247,9 +253,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    out = results_path(args.out, "prefill", result["date"], args.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_results(args.out, "prefill", result, args.name)
     log(f"wrote {out}")
     return 0 if result["cached_equals_cold"] and result["together_equals_alone"] else 1
 

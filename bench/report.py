@@ -379,6 +379,20 @@ class Tables:
                       f"{many} rows, TFLOP/s (the kept real weight)", f"per weight: us at 1 / {many} rows"], rows,
                      self.source(*found.values()))
 
+    def delta_rule_prefill(self) -> str:
+        found = newest(self.results, "delta_rule_prefill")
+        if not found:
+            return "No results yet.\n"
+        rows = []
+        for path in found.values():
+            d = self.load(path)
+            for f in d["shapes"]:
+                rows.append(f"{d['heads']} heads, {d['d_k']} x {d['d_v']}, sub-chunks of {d['chunk']} | {d['device']}, {d['date']} | "
+                            f"{f['sequences']} x {f['rows'] // f['sequences']:,} | {f['serial_ms']:.3f} | {f['chunked_ms']:.3f} "
+                            f"({f['chunked_x_serial']:.2f}x) | {f['max_state_difference']:.1e} of {f['state_scale']:.2f}")
+        return table(["shape", "device, date", "prompts x rows", "serial walk, ms a layer", "chunked, ms a layer (x serial)",
+                      "largest state difference (of the state's scale)"], rows, self.source(*found.values()))
+
     def prefill(self) -> str:
         def together(d: dict) -> str:
             if "together_ms" not in d:  # a file from before prompts shared turns
@@ -581,7 +595,8 @@ class Tables:
     def bench_readme_tables(self) -> dict[str, Callable[[], str]]:
         return {"rollback": self.rollback, "gpu": self.gpu, "gpu_time": self.gpu_time,
                 "gemm": self.gemm, "fp8_real_size": self.fp8_real_size, "fp8_walk": self.fp8_walk, "contract": self.contract,
-                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "abuse": self.abuse, "prefill": self.prefill, "serve": self.serve,
+                "acceptance": self.acceptance, "load": self.load_table, "soak": self.soak, "abuse": self.abuse, "prefill": self.prefill,
+                "delta_rule_prefill": self.delta_rule_prefill, "serve": self.serve,
                 "serve_remote": self.serve_remote, "service_floor": self.service_floor,
                 "goodput_policy": self.goodput_policy, "parity_unseen": self.parity_unseen}
 

@@ -270,24 +270,35 @@ def _delta_rule_kernel(
         tl.store(p_state, b_s, mask=m_s)
 
 
-def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-           seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
-    """Shapes, dtypes and devices of what both launchers take. Row bounds and slot values live on
-    the device and are not checked (that would sync)."""
+def check_state_rows(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, launch: bool = True
+                     ) -> tuple[int, int, int, int]:
+    """The state (fp32 [n_slots, H, D_K, D_V], contiguous; launch: launchable too) and the rows' keys
+    [R, H, D_K] and values [R, H, D_V] (fp32, on the state's device) of a delta-rule walk -> (R, H,
+    D_K, D_V). What every walk's launcher checks first (this module's, the chunked prefill's)."""
     if state.dim() != 4:
         raise ValueError(f"{op}: state must be 4-D [n_slots, H, D_K, D_V], got shape {list(state.shape)}")
     if state.dtype != torch.float32:
         raise ValueError(f"{op}: state must be float32, got {state.dtype}")
-    check_launchable(op, "state", state)
+    if launch:
+        check_launchable(op, "state", state)
     check_contiguous(op, "state", state)
     _, heads, d_k, d_v = state.shape
     if d_k > MAX_D_K:
         raise ValueError(f"{op}: D_K {d_k} > {MAX_D_K}: the key dim must fit one register tile")
     if key.dim() != 3:
         raise ValueError(f"{op}: key must be 3-D [R, H, D_K], got shape {list(key.shape)}")
-    rows, f32, on_state = key.shape[0], torch.float32, ("state", state)
-    check_tensor(op, "key", key, (rows, heads, d_k), f32, on_state, layout="[R, H, D_K]")
-    check_tensor(op, "value", value, (rows, heads, d_v), f32, on_state, layout="[R, H, D_V]")
+    rows, on_state = key.shape[0], ("state", state)
+    check_tensor(op, "key", key, (rows, heads, d_k), torch.float32, on_state, layout="[R, H, D_K]")
+    check_tensor(op, "value", value, (rows, heads, d_v), torch.float32, on_state, layout="[R, H, D_V]")
+    return rows, heads, d_k, d_v
+
+
+def _check(op: str, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+           seq_slots: torch.Tensor, cu_rows: torch.Tensor) -> None:
+    """Shapes, dtypes and devices of what both launchers take. Row bounds and slot values live on
+    the device and are not checked (that would sync)."""
+    rows, heads, d_k, _ = check_state_rows(op, state, key, value)
+    f32, on_state = torch.float32, ("state", state)
     if decay.dim() != 3 or decay.shape[2] not in (1, d_k):
         raise ValueError(f"{op}: decay must be [R, H, 1 or D_K={d_k}], got shape {list(decay.shape)}")
     check_tensor(op, "decay", decay, (rows, heads, decay.shape[2]), f32, on_state)

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hybrid_kernels.delta_rule_chunked import chunk_table
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,22 @@ class RowBatch:
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every row: [n_rows] int64."""
         return self._tensors(device)[3]
+
+    def seq_starts(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Committed position of every sequence before these rows: [sequences] int32 (prefill's
+        chunked delta rule aligns its sub-chunks to them; made once per batch and device)."""
+        key = ("starts", self._device_key(device))
+        if key not in self._on_device:
+            self._on_device[key] = torch.tensor(self.starts, dtype=torch.int32).to(key[1])
+        return self._on_device[key]
+
+    def chunk_table(self, chunk: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The sub-chunks of these rows at absolute multiples of `chunk` (prefill's chunked delta
+        rule: kernels/delta_rule_chunked.py's chunk_table), made once per batch, chunk and device."""
+        key = ("chunks", chunk, self._device_key(device))
+        if key not in self._on_device:
+            self._on_device[key] = chunk_table(self.starts, self.counts, chunk).to(key[2])
+        return self._on_device[key]
 
     def carried_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows each sequence's slot carries from its last step: [sequences] int32 (zeros for none)."""

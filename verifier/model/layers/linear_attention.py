@@ -5,8 +5,9 @@ Kernels (kernels/short_conv.py, kernels/delta_rule.py) serve CUDA tensors; their
 references, which walk each sequence row by row, serve the CPU. Verify (a Rollback given) reads
 a slot's committed conv window and recurrent state and leaves a LayerRecord for rollback; it
 writes the window and state of a one-row sequence only, whose row every step consumes
-(kernels/one_row_commit.py). Prefill (no Rollback) consumes every row: its walk stores the state
-and the conv window moves past the rows.
+(kernels/one_row_commit.py). Prefill (no Rollback) consumes every row: the delta rule stores the
+state and the conv window moves past the rows; with CHUNKED_PREFILL, GDN's prefill takes the
+chunked form (kernels/delta_rule_chunked.py), whose sub-chunks sit at absolute multiples of its chunk.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from hybrid_kernels import delta_rule, short_conv
+from hybrid_kernels import delta_rule, delta_rule_chunked, short_conv
 from hybrid_kernels.runtime import pick
 
 from ..ops import each_row
@@ -23,6 +24,10 @@ from ..padding import walk_sequences
 from ..rollback import LayerRecord, Rollback, commit_window
 from ..rows import RowBatch
 from ..state import RecurrentState
+
+# GDN's prefill in chunked form instead of the serial walk: off until `python -m bench.delta_rule_prefill`
+# and `python -m bench.prefill --chunked-delta-rule` show it faster on the GPU
+CHUNKED_PREFILL = False
 
 # (conv outputs [n, conv_dim], *gate inputs [n, ...]) -> fp32 query, key [n, heads, d_k], value [n, heads, d_v],
 # decay [n, heads, 1 or d_k] = exp(g), beta [n, heads]
@@ -50,9 +55,18 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     carry = {}
     if state.carry is not None and rollback is not None:  # the slot's carried rows go first (verifier/model/rollback.py)
         carry = dict(carried=batch.carried_rows(device), carry=state.carry.tensors)
-    # prefill (no rollback) consumes every row: the walk that gives the outputs stores the state
-    out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
-                 scratch_slot=state.scratch_slot, commit=rollback is None, **carry)
+    if CHUNKED_PREFILL and rollback is None and not row_invariant and decay.shape[2] == 1:
+        # GDN's prefill: sub-chunks of matrix products instead of one row at a time. Prefill need
+        # not give decode's bits, only its own under any batching and any split of a prompt at its
+        # chunk boundaries (the prefix cache's); the sub-chunks sit at absolute multiples of the
+        # chunk, so a row's bits follow from the state at the boundary before it (DESIGN.md section 6)
+        chunked = pick(delta_rule_chunked.delta_rule_chunked, delta_rule_chunked.delta_rule_chunked_ref, state.recurrent)
+        out = chunked(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, batch.seq_starts(device), out,
+                      table=batch.chunk_table(delta_rule_chunked.CHUNK, device))
+    else:
+        # prefill (no rollback) consumes every row: the walk that gives the outputs stores the state
+        out = verify(state.recurrent, query, key, value, decay, beta, seq_slots, cu_rows, snapshots, out,
+                     scratch_slot=state.scratch_slot, commit=rollback is None, **carry)
     record = LayerRecord(conv_inputs, key, value, decay, beta, snapshots)
     if rollback is None:
         commit_window(state, record, batch, cu_rows[1:] - cu_rows[:-1])
