@@ -37,6 +37,9 @@ class RowBatch:
     # device -> (seq_slots, cu_rows, row_slots, positions, carried): built once per batch and device, so a
     # forward makes no host-to-device copies after its first use (and a CUDA graph can own them)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
+    # (what, device) -> prefill's chunked delta rule's inputs (seq_starts, chunk_table): apart from
+    # _on_device, whose one entry per device a step's graph holds
+    _prefill_on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         # what the engine's step guarantees (one entry per sequence, each sequence once): a caller bug
@@ -115,17 +118,17 @@ class RowBatch:
         """Committed position of every sequence before these rows: [sequences] int32 (prefill's
         chunked delta rule aligns its sub-chunks to them; made once per batch and device)."""
         key = ("starts", self._device_key(device))
-        if key not in self._on_device:
-            self._on_device[key] = torch.tensor(self.starts, dtype=torch.int32).to(key[1])
-        return self._on_device[key]
+        if key not in self._prefill_on_device:
+            self._prefill_on_device[key] = torch.tensor(self.starts, dtype=torch.int32).to(key[1])
+        return self._prefill_on_device[key]
 
     def chunk_table(self, chunk: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The sub-chunks of these rows at absolute multiples of `chunk` (prefill's chunked delta
         rule: kernels/delta_rule_chunked.py's chunk_table), made once per batch, chunk and device."""
-        key = ("chunks", chunk, self._device_key(device))
-        if key not in self._on_device:
-            self._on_device[key] = chunk_table(self.starts, self.counts, chunk).to(key[2])
-        return self._on_device[key]
+        key = (chunk, self._device_key(device))
+        if key not in self._prefill_on_device:
+            self._prefill_on_device[key] = chunk_table(self.starts, self.counts, chunk).to(key[1])
+        return self._prefill_on_device[key]
 
     def carried_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows each sequence's slot carries from its last step: [sequences] int32 (zeros for none)."""
