@@ -5,6 +5,7 @@ How it measures, what it checks and writes: bench/README.md, Methods, `bench.gpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -237,35 +238,62 @@ def step_timeline(engine: Engine, seqs: list, k: int, steps: int = 10) -> dict:
             "device_span_ms": (spans[-1][1] - spans[0][0]) / steps / 1e3 if spans else 0.0, "device_events": len(spans)}
 
 
-def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
-    """The batch-1 decode and K = 8 steps with programmatic dependent launch (kernels/dependent_launch.py)
-    and without it: two engines, one captured under each setting, timed in turns in this process (this
-    host's drift between runs is larger than the difference). Medians of the alternations' medians."""
-    before = os.environ.get("VERIFIER_PDL")
+def figures_in_turns(model, settings: dict, ks: dict[str, int], steps: int, alternations: int = 6) -> dict:
+    """Batch-1 engine steps under each setting (settings: tag -> a context manager factory, entered
+    while its engine is made, warmed up and captured): one engine per setting, timed in turns in
+    this process (this host's drift between runs is larger than the differences timed). ks: figure
+    name -> drafts K. -> {name_tag_ms: median of the alternations' medians, runs_ms: every median}."""
+    rows = max(ks.values()) + 1
     engines = {}
-    try:
-        for on in (True, False):
-            os.environ["VERIFIER_PDL"] = "1" if on else "0"
-            dependent_launch._options.cache_clear()  # a per-process switch, read again for this engine's captures
+    for tag, setting in settings.items():
+        with setting():
             # every timed or warm-up step advances the sequence one position (rejected_step)
-            engine = Engine(model, 1, PROMPT_LEN + 2 * alternations * (steps + 3) + 16, max_k=8, graph_rows=(1, 9))
+            engine = Engine(model, 1, PROMPT_LEN + 2 * alternations * len(ks) * (steps + 3) + 16, max_k=rows - 1,
+                            graph_rows=tuple(sorted({k + 1 for k in ks.values()})))
             engine.warm_up()
-            engines[on] = (engine, open_sequences(engine, 1))
+            engines[tag] = (engine, open_sequences(engine, 1))
+    runs = {f"{name}_{tag}": [] for name in ks for tag in settings}
+    for _ in range(alternations):
+        for tag, (engine, seqs) in engines.items():
+            for name, k in ks.items():
+                runs[f"{name}_{tag}"].append(step_ms(engine, seqs, k, steps))
+    out = {f"{key}_ms": statistics.median(values) for key, values in runs.items()}
+    out["runs_ms"] = runs
+    return out
+
+
+@contextlib.contextmanager
+def pdl_setting(on: bool):
+    """Launches with programmatic dependent launch on or off (VERIFIER_PDL, a per-process switch)."""
+    before = os.environ.get("VERIFIER_PDL")
+    os.environ["VERIFIER_PDL"] = "1" if on else "0"
+    dependent_launch._options.cache_clear()  # read again for this setting's captures
+    try:
+        yield
     finally:
         if before is None:
             os.environ.pop("VERIFIER_PDL", None)
         else:
             os.environ["VERIFIER_PDL"] = before
         dependent_launch._options.cache_clear()
-    runs = {f"{name}_{tag}": [] for name in ("decode", "verify8") for tag in ("pdl", "no_pdl")}
-    for _ in range(alternations):
-        for on, tag in ((True, "pdl"), (False, "no_pdl")):
-            engine, seqs = engines[on]
-            runs[f"decode_{tag}"].append(step_ms(engine, seqs, 0, steps))
-            runs[f"verify8_{tag}"].append(step_ms(engine, seqs, 8, steps))
-    out = {f"{key}_ms": statistics.median(values) for key, values in runs.items()}
-    out["runs_ms"] = runs
-    return out
+
+
+@contextlib.contextmanager
+def prefetch_setting(budget: int):
+    """Launches whose programs ask L2 for `budget` bytes of their weights before they wait (0: none)."""
+    before = dependent_launch.PREFETCH_BYTES
+    dependent_launch.PREFETCH_BYTES = budget
+    try:
+        yield
+    finally:
+        dependent_launch.PREFETCH_BYTES = before
+
+
+def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
+    """The batch-1 decode and K = 8 steps with programmatic dependent launch (kernels/dependent_launch.py)
+    and without it, timed in turns."""
+    return figures_in_turns(model, {"pdl": lambda: pdl_setting(True), "no_pdl": lambda: pdl_setting(False)},
+                            {"decode": 0, "verify8": 8}, steps, alternations)
 
 
 def kernel_breakdown(model, k: int) -> list[dict]:
