@@ -23,11 +23,9 @@ import torch
 from safetensors.torch import save_file
 
 from bench.fp8_mtp import mtp_draft
-from bench.gpu import (PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, figures_in_turns, kernel_table, median_ms, open_sequences,
-                       prefetch_setting, rejected_step)
+from bench.gpu import PROMPT_LEN, bitexact_rows, copy_bandwidth, decode_bytes, kernel_table, median_ms, open_sequences, rejected_step
 from bench.machine import device_name, name_arg, results_path
 from bench.step_floor import SequenceStep, distinct_experts, mean_floor, model_sizes, recorded_routing, step_floor
-from hybrid_kernels import dependent_launch
 from presets.published import PUBLISHED
 from verifier.check.checks import CheckSettings, full_batch_vs_alone
 from verifier.engine import Engine
@@ -324,18 +322,8 @@ def own_floors(model, steps: int, bandwidth: float | None) -> dict:
     return {"step_floors": floors, "kernel_breakdowns": kernels if bandwidth is not None else None}
 
 
-def prefetch_turns(model, steps: int, budgets: tuple[int, ...]) -> dict:
-    """The batch-1 decode and 4-row verify with each prefetch budget (kernels/dependent_launch.py's
-    PREFETCH_BYTES; 0 none), each captured in its own engine and timed in turns."""
-    return {"budgets": list(budgets), "default": dependent_launch.PREFETCH_BYTES,
-            **figures_in_turns(model, {f"{b // 1024}k": lambda b=b: prefetch_setting(b) for b in budgets},
-                               {"decode": 0, "verify3": 3}, steps)}
-
-
-def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int, mtp: bool = False,
-          prefetch_budgets: tuple[int, ...] = ()) -> dict:
-    """Load, gate, and (CUDA) time the checkpoint at path; with prefetch_budgets, those in turns;
-    with mtp, then its MTP head's drafts."""
+def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int, mtp: bool = False) -> dict:
+    """Load, gate, and (CUDA) time the checkpoint at path; with mtp, then its MTP head's drafts."""
     cuda = device.type == "cuda"
     if cuda:  # measured on the empty device, so that the peak memory below is the model's and the engine's
         bandwidth = copy_bandwidth()
@@ -375,12 +363,6 @@ def serve(path: Path, device: torch.device, dtype: torch.dtype, steps: int, mtp:
             f"K={K} b1 {out[f'verify_k{K}_ms_b1']:.2f}, decode b64 {out['decode_ms_b64']:.2f}, K={K} b64 {out[f'verify_k{K}_ms_b64']:.2f}")
         gc.collect()  # the timed engine's pool goes before the floors' engine makes one as large
         torch.cuda.empty_cache()
-        if prefetch_budgets:
-            out["prefetch_turns"] = prefetch_turns(model, steps, prefetch_budgets)
-            log("prefetch budgets in turns: " + ", ".join(f"{k} {v:.3f}" for k, v in out["prefetch_turns"].items()
-                                                           if k.endswith("_ms") and k != "runs_ms"))
-            gc.collect()
-            torch.cuda.empty_cache()
     start = time.perf_counter()
     out.update(own_floors(model, steps, bandwidth if cuda else None))
     out["floors_s"] = time.perf_counter() - start
@@ -429,9 +411,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
                         help="run the grouped FP8 experts with this K walk (bench/kernel_candidates.py's EXPERT_WALKS) "
                              "instead of the code's default; recorded as expert_walk")
-    parser.add_argument("--prefetch-budgets", default=f"{dependent_launch.PREFETCH_BYTES},0",
-                        type=lambda v: tuple(int(b) for b in v.split(",") if b),
-                        help="comma-separated prefetch budgets timed in turns as prefetch_turns (empty: none)")
     parser.add_argument("--name", default="", type=name_arg,
                         help="appended to the file name after the config: what differs (e.g. the device, so that each "
                              "device keeps its newest figures)")
@@ -487,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        result.update(serve(path, device, dtype, args.steps, args.mtp, args.prefetch_budgets))
+        result.update(serve(path, device, dtype, args.steps, args.mtp))
     except BaseException as exc:  # the results file says how far the run got
         result["error"] = f"{type(exc).__name__}: {exc}"
         raise

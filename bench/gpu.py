@@ -278,17 +278,6 @@ def pdl_setting(on: bool):
         dependent_launch._options.cache_clear()
 
 
-@contextlib.contextmanager
-def prefetch_setting(budget: int):
-    """Launches whose programs ask L2 for `budget` bytes of their weights before they wait (0: none)."""
-    before = dependent_launch.PREFETCH_BYTES
-    dependent_launch.PREFETCH_BYTES = budget
-    try:
-        yield
-    finally:
-        dependent_launch.PREFETCH_BYTES = before
-
-
 def pdl_figures(model, steps: int, alternations: int = 6) -> dict:
     """The batch-1 decode and K = 8 steps with programmatic dependent launch (kernels/dependent_launch.py)
     and without it, timed in turns."""

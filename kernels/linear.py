@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor
-from .dependent_launch import after_previous, launch_options, prefetch_bytes, prefetch_rows
+from .dependent_launch import after_previous, launch_options
 from .rounding import TL_DTYPES, cast_rtne
 from .runtime import hopper, interpreting
 
@@ -189,13 +189,10 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = tile_start(
         x, weight, M, N, K, K_SPLIT, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
-    if tl.program_id(0) == 0:
-        prefetch_rows(weight + tl.minimum(o_n, N - 1).to(tl.int64) * stride_wn + k_start, k_end - k_start, PREFETCH)
-    after_previous(PDL)  # kernels/dependent_launch.py: before anything a kernel of the step writes
 
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -408,7 +405,7 @@ def linear(
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PREFETCH=prefetch_bytes(x.device), **launch_options(x.device),
+        num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return _finish(cfg, partial, bias, x.dtype, out, deferred)
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_contiguous, check_launchable, check_operand, check_tensor, contiguous_aligned
-from .dependent_launch import after_previous, launch_options, prefetch_bytes, prefetch_rows
+from .dependent_launch import after_previous, launch_options
 from .linear import (REDUCE_BLOCK_N, LinearConfig, SplitSums, dot_acc, reduce_splits_kernel, store_tile, tile_start, linear,
                      linear_config, linear_ref, split_bounds, split_for)
 from .rounding import TL_DTYPES, cast_rtne
@@ -124,7 +124,6 @@ def _linear_fp8_rows_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """The few-rows path: out^T = real(weight) x^T, the dequantized weight tile [BLOCK_N features,
     BLOCK_K] the MMA's first operand (held in registers where it is made) and x^T [BLOCK_K,
@@ -137,6 +136,7 @@ def _linear_fp8_rows_kernel(
     zeros and reads nothing (reading row M - 1 in their place made a row's x traffic 16-fold).
     WHOLE (a function of the weight's shape and the walk: N a multiple of BLOCK_N, every K step
     whole) drops the masks along K and N, whose compares and selects were a fifth of the loop."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)  # which range of K (0 without a split)
@@ -146,9 +146,6 @@ def _linear_fp8_rows_kernel(
     m_n = o_n < N
     k_start = i_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    if i_m == 0:
-        prefetch_rows(weight + tl.minimum(o_n, N - 1).to(tl.int64) * stride_wn + k_start, k_end - k_start, PREFETCH)
-    after_previous(PDL)  # kernels/dependent_launch.py: before anything a kernel of the step writes
     p_w = weight + o_n[:, None].to(tl.int64) * stride_wn + (k_start + o_k)[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + o_m[None, :].to(tl.int64) * K + (k_start + o_k)[:, None]  # [BLOCK_K, BLOCK_M]: x^T
     m_m = o_m < M
@@ -307,7 +304,7 @@ def linear_fp8(
             *operands, weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,
             ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, WHOLE=n % ROWS_TILE_FEATURES == 0 and k % cfg.BLOCK_K == 0,
             **flags, BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES,
-            num_warps=ROWS_WARPS, PREFETCH=prefetch_bytes(x.device), **launch_options(x.device))
+            num_warps=ROWS_WARPS, **launch_options(x.device))
     else:
         _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
             *operands, x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,

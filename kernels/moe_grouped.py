@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dependent_launch import after_previous, launch_options, prefetch_bytes, prefetch_rows
+from .dependent_launch import after_previous, launch_options
 from .linear import dot_acc
 from .linear_fp8 import BlockScales, dequantize_tile, scale_row_offsets
 from .moe_route import Routing, add_pairs
@@ -186,20 +186,6 @@ def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _block_owner(counts, i_b, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr):
-    """Block i_b -> (its expert, >= E_ALL past the last block; the expert's first block; its pair count)."""
-    o_e = tl.arange(0, BLOCK_E)
-    b_count = tl.load(counts + o_e, mask=o_e < E_ALL, other=0, cache_modifier=CACHE)
-    b_blocks = (b_count + BLOCK_M - 1) // BLOCK_M
-    b_blocks_end = tl.cumsum(b_blocks, axis=0)
-    i_e = tl.sum((b_blocks_end <= i_b).to(tl.int32), axis=0)
-    m_e = o_e == i_e
-    first_block = tl.sum(tl.where(m_e, b_blocks_end - b_blocks, 0), axis=0)
-    count = tl.sum(tl.where(m_e, b_count, 0), axis=0)
-    return i_e, first_block, count
-
-
-@triton.jit
 def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """A grouped kernel's opening: this program's block (program id 0) -> (its expert: an int32
     scalar, >= E_ALL past the last block; the pairs of the block: [BLOCK_M] int32; their mask:
@@ -209,7 +195,14 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
     kernels/dependent_launch.py), whose output the lists are."""
     after_previous(PDL)
     i_b = tl.program_id(0)
-    i_e, first_block, count = _block_owner(counts, i_b, E_ALL, BLOCK_E, BLOCK_M, "")
+    o_e = tl.arange(0, BLOCK_E)  # [BLOCK_E] one lane per expert (lanes >= E_ALL own no pair)
+    b_count = tl.load(counts + o_e, mask=o_e < E_ALL, other=0)
+    b_blocks = (b_count + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E] blocks of each expert
+    b_blocks_end = tl.cumsum(b_blocks, axis=0)  # [BLOCK_E] one past each expert's last block
+    i_e = tl.sum((b_blocks_end <= i_b).to(tl.int32), axis=0)  # experts whose blocks all come before
+    m_e = o_e == i_e
+    first_block = tl.sum(tl.where(m_e, b_blocks_end - b_blocks, 0), axis=0)
+    count = tl.sum(tl.where(m_e, b_count, 0), axis=0)
     o_q = (i_b - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)  # entries of the expert's list
     m_p = o_q < count
     pairs = tl.load(lists + i_e.to(tl.int64) * R + o_q, mask=m_p, other=0)  # past the last block: count 0, nothing read
@@ -280,7 +273,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -288,9 +281,6 @@ def _grouped_hidden_kernel(
         return
     b_row = (b_pair // S).to(tl.int64)  # [BLOCK_M] each pair's row of x
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden features
-    o_wr = i_e.to(tl.int64) * (I * H) + tl.minimum(o_n, I - 1).to(tl.int64) * H
-    prefetch_rows(w_gate + o_wr, H, PREFETCH // 2)
-    prefetch_rows(w_up + o_wr, H, PREFETCH // 2)
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_n = o_n < I
     p_x = x + b_row[:, None] * H + o_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -355,17 +345,14 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-    if PREFETCH > 0:  # the routing, two kernels back, has completed: its counts name this block's expert
-        i_e0, _, _ = _block_owner(counts, tl.program_id(0), E, BLOCK_E, BLOCK_M, ".cg")
-        if i_e0 < E:
-            prefetch_rows(w_down + i_e0.to(tl.int64) * (H * I) + tl.minimum(o_n, H - 1).to(tl.int64) * I, I, PREFETCH)
+    # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
     if i_e >= E:
         return
     b_pair = b_pair.to(tl.int64)
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_n = o_n < H
     p_h = hidden + b_pair[:, None] * I + o_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -542,16 +529,15 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
                             SCALE_AFTER=after[0])
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0,
                           SCALE_AFTER=after[1])
-    prefetch = prefetch_bytes(x.device) if r <= FEW_ROWS else 0
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PREFETCH=prefetch, **launch_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
         H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
-        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, PREFETCH=prefetch, **launch_options(x.device),
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
     pending = PendingCombine(expert_out, routing.ids, routing.weights, routing.counts, x.dtype)
     return pending if defer_combine else pending.finish(out, cfg.BLOCK_H, cfg.num_warps)
