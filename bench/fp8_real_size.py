@@ -409,8 +409,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a bench.fp8_configs results file: run its winning kernel configs instead of the pinned ones "
                              "(recorded as kernel_candidates), to judge them in the engine")
     parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
-                        help="run the grouped FP8 experts with this K walk (bench/kernel_candidates.py's EXPERT_WALKS) "
+                        help="run the grouped FP8 experts with this K walk (bench/kernel_candidates.py's WALKS) "
                              "instead of the code's default; recorded as expert_walk")
+    parser.add_argument("--dense-walk", choices=("scale-after", "dequantize"), default=None,
+                        help="run the dense block-FP8 GEMMs with this K walk (bench/kernel_candidates.py's WALKS; "
+                             "kernels/linear_fp8.py) instead of the code's default; recorded as dense_walk")
     parser.add_argument("--name", default="", type=name_arg,
                         help="appended to the file name after the config: what differs (e.g. the device, so that each "
                              "device keeps its newest figures)")
@@ -440,11 +443,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         result["kernel_candidates"] = apply_winners(args.candidates)
         log(f"kernel candidates from {args.candidates}: {result['kernel_candidates']}")
-    from bench.kernel_candidates import apply_expert_walk, current_expert_walk
+    from bench.kernel_candidates import apply_walk, current_walk
 
-    if args.expert_walk is not None:
-        apply_expert_walk(args.expert_walk)
-    result["expert_walk"] = current_expert_walk()
+    for kind, walk in (("expert", args.expert_walk), ("dense", args.dense_walk)):
+        if walk is not None:
+            apply_walk(kind, walk)
+        result[f"{kind}_walk"] = current_walk(kind)
     import hybrid_kernels.moe_grouped as mg
 
     # the launches that follow the row count, as this run has them (pinned, or a candidate's)

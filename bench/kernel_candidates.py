@@ -69,26 +69,22 @@ def apply_winners(path: Path) -> dict[str, str]:
     return applied
 
 
-# kernels/moe_grouped.py's K walks of block-FP8 experts: name -> its module flags
-EXPERT_WALKS = {
-    "scale-after": dict(SCALE_AFTER_ON=True),
-    "dequantize": dict(SCALE_AFTER_ON=False),
-}
+# The K walks of block-FP8 weights, name -> SCALE_AFTER_ON: the grouped experts'
+# (kernels/moe_grouped.py) and the dense GEMMs' (kernels/linear_fp8.py), each set on its own
+WALKS = {"scale-after": True, "dequantize": False}
+WALK_MODULES = {"expert": "hybrid_kernels.moe_grouped", "dense": "hybrid_kernels.linear_fp8"}
 
 
-def apply_expert_walk(name: str) -> dict[str, bool]:
-    """Put the grouped experts' K walk `name` (EXPERT_WALKS) in place for this process -> its flags."""
-    import hybrid_kernels.moe_grouped as mg
+def apply_walk(kind: str, name: str) -> None:
+    """Put K walk `name` (WALKS) in place for this process's `kind` of weights (WALK_MODULES)."""
+    import importlib
 
-    flags = EXPERT_WALKS[name]
-    for flag, value in flags.items():
-        setattr(mg, flag, value)
-    return dict(flags)
+    importlib.import_module(WALK_MODULES[kind]).SCALE_AFTER_ON = WALKS[name]
 
 
-def current_expert_walk() -> str:
-    """The name of the K walk the kernels take now (the code's default, or what apply_expert_walk set)."""
-    import hybrid_kernels.moe_grouped as mg
+def current_walk(kind: str) -> str:
+    """The name of the K walk `kind` of weights take now (the code's default, or what apply_walk set)."""
+    import importlib
 
-    now = {flag: getattr(mg, flag) for flag in EXPERT_WALKS["scale-after"]}
-    return next(name for name, flags in EXPERT_WALKS.items() if flags == now)
+    now = importlib.import_module(WALK_MODULES[kind]).SCALE_AFTER_ON
+    return next(name for name, on in WALKS.items() if on == now)

@@ -18,10 +18,10 @@ from bench import fp8_real_size
 from bench.machine import device_name, name_arg, results_path
 from hybrid_kernels import moe
 from hybrid_kernels.linear import linear
-from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize, linear_fp8, standard_scale_row
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, linear_fp8, standard_scale_row
 from presets.bench_models import MODELS
 from presets.published import PUBLISHED, PUBLISHED_SIZES
-from verifier.model.fp8 import BlockFP8Format, BlockFP8Weight, OutFeatureGroups
+from verifier.model.fp8 import BlockFP8Format, BlockFP8Weight, OutFeatureGroups, kept_real
 from verifier.model.fp8_checkpoint import ALWAYS_KEPT, is_quantized
 from verifier.model.hf_config import config_from_dict
 from verifier.model.hybrid import HybridModel
@@ -117,9 +117,9 @@ def sweep_dense(n: int, k: int, dtype: str, max_rows: int, seed: int) -> dict:
     weight = dense_weight(n, k, dtype, gen)
     x_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     x = torch.randn(max_rows, k, generator=gen, device="cuda").to(x_dtype)
-    if dtype == "fp8":  # as the engine runs it on CUDA: from DEQUANTIZED_ROWS on, the kept real weight (HybridModel.keep_fp8_reals)
-        real = dequantize(*weight, torch.bfloat16)
-        op = lambda rows: linear_fp8(rows, *weight, real=real)  # noqa: E731
+    if dtype == "fp8":  # as the engine runs it on CUDA: from DEQUANTIZED_ROWS on, what HybridModel.keep_fp8_reals keeps
+        kept = kept_real(BlockFP8Weight(*weight, torch.bfloat16))
+        op = lambda rows: linear_fp8(rows, *weight, real=kept.real, raw=kept.raw)  # noqa: E731
     else:
         op = lambda rows: linear(rows, weight)  # noqa: E731
     alone = torch.cat([op(x[r : r + 1]) for r in range(max_rows)])
@@ -189,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=1024, help="row counts 1 .. this are swept")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
-                        help="sweep the grouped FP8 experts with this K walk (bench/kernel_candidates.py's EXPERT_WALKS) "
+                        help="sweep the grouped FP8 experts with this K walk (bench/kernel_candidates.py's WALKS) "
                              "instead of the code's default; recorded as expert_walk")
+    parser.add_argument("--dense-walk", choices=("scale-after", "dequantize"), default=None,
+                        help="run the dense block-FP8 GEMMs with this K walk (bench/kernel_candidates.py's WALKS; "
+                             "kernels/linear_fp8.py) instead of the code's default; recorded as dense_walk")
     parser.add_argument("--name", default="", type=name_arg, help="appended to the file name: what differs (e.g. the device)")
     parser.add_argument("--candidates", type=Path, default=None,
                         help="a bench.fp8_configs results file: sweep its winning kernel configs instead of the pinned ones "
@@ -212,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.kernel_candidates import apply_winners
 
         candidates = {"kernel_candidates": apply_winners(args.candidates)}
-    from bench.kernel_candidates import apply_expert_walk, current_expert_walk
+    from bench.kernel_candidates import apply_walk, current_walk
 
-    if args.expert_walk is not None:
-        apply_expert_walk(args.expert_walk)
-    candidates["expert_walk"] = current_expert_walk()
+    for kind, walk in (("expert", args.expert_walk), ("dense", args.dense_walk)):
+        if walk is not None:
+            apply_walk(kind, walk)
+        candidates[f"{kind}_walk"] = current_walk(kind)
     today = datetime.date.today().isoformat()
     out = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
            "max_rows": args.max_rows, "seed": args.seed, **candidates,

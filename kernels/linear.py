@@ -142,6 +142,16 @@ def _dot_rows_apart(b_x, b_w):
 
 
 @triton.jit
+def _widen(b):
+    """b in fp32, exactly. Interpreter only: its bf16 -> fp32 conversion loses bf16's subnormals
+    (the raw weights of the scale-after walks, kernels/linear_fp8.py's `raw_bf16`, are subnormal
+    where the fp8 values are), so bf16 is widened on its bits, as the GPU widens it."""
+    if b.dtype == tl.bfloat16:
+        return (b.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return b.to(tl.float32)
+
+
+@triton.jit
 def dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
     """b_acc + b_a [BLOCK_M, K] @ b_b [K, N] in fp32, each output row from its own input row: the one
     accumulate step of every GEMM's K walk here (linear, linear_fp8, the grouped experts).
@@ -149,7 +159,7 @@ def dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
     Under the interpreter not tl.dot (see _dot_rows_apart): bf16 products are exact in fp32, so
     upcasting keeps the MMA's math up to summation order. fp32 operands: an IEEE dot (no TF32)."""
     if INTERPRET:
-        return b_acc + _dot_rows_apart(b_a.to(tl.float32), b_b.to(tl.float32))
+        return b_acc + _dot_rows_apart(_widen(b_a), _widen(b_b))
     elif b_a.dtype == tl.float32:
         return tl.dot(b_a, b_b, b_acc, input_precision="ieee")
     else:

@@ -26,6 +26,12 @@ DEQUANTIZED_ROWS = 64  # bf16, from this many rows: the real weight made once, t
 # bf16: split K until about this many few-rows programs run (64 weight features each), or None for
 # the bf16 GEMM's walk of the shape (`fp8_config`)
 FP8_TARGET_PROGRAMS: int | None = None
+# The scale-after walk for dense bf16 GEMMs where the shape allows (`scale_after_dense`): each K
+# step's fp32 sum over raw weights (`raw_bf16`) times its block scale, the few-rows kernel making
+# the raw tile in registers, the many-rows kernel (`_linear_raw_kernel`) reading the raw weight
+# (`raw_weight`, kept by the caller). False: every weight is dequantized (rule 11's real weight).
+SCALE_AFTER_ON = False
+RAW_TILES = ((128, 128, 128, 8, 3), (64, 64, 128, 4, 4))  # many rows: (from rows, BLOCK_M, BLOCK_N, warps, stages)
 
 
 class BlockScales(NamedTuple):
@@ -61,6 +67,43 @@ def dequantize_tile(b_w8, scale_inv, p_srow, m_srow, k0, o_kk, m_w,
     else:
         b_s = tl.load(scale_inv + p_srow + o_kk // SCALE_BLOCK_K, mask=m_w, other=0.0)
     return cast_rtne(b_w8.to(tl.float32) * b_s, DTYPE, INTERPRET)
+
+
+SCALE_UP = tl.constexpr(2.0**120)  # the factor `raw_bf16` leaves out of every weight, exact in fp32
+
+
+@triton.jit
+def raw_bf16(b_w8, INTERPRET: tl.constexpr):
+    """An fp8 e4m3 tile -> bf16 of the value w * 2^-120, exactly, subnormals included: the sign bit,
+    then the seven magnitude bits under bf16's exponent field (e4m3's bias 7 against bf16's 127).
+    The two NaN encodings, which no quantizer writes, read as +-480 * 2^-120.
+    On the GPU two bytes a `prmt` (each sign-extended to a half), a shift and a mask: about 1.5
+    instructions a weight where dequantizing takes about 3.5 (unpack, widen, scale, pack, load)."""
+    b_i8 = b_w8.to(tl.int8, bitcast=True)
+    if INTERPRET:
+        b_h = (b_i8.to(tl.int16) << 4) & tl.full([], -30736, tl.int16)  # 0x87F0
+        return b_h.to(tl.bfloat16, bitcast=True)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1;
+        prmt.b32 t0, $2, 0, 0x9180;
+        prmt.b32 t1, $2, 0, 0xB3A2;
+        shl.b32 t0, t0, 4;
+        shl.b32 t1, t1, 4;
+        and.b32 $0, t0, 0x87F087F0;
+        and.b32 $1, t1, 0x87F087F0;
+        }""",
+        constraints="=r,=r,r", args=[b_i8], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def scale_step(b_acc, b_d, b_s):
+    """b_acc + a K step's fp32 sum over raw weights (`raw_bf16`), times 2^120, times its block
+    scale: the one accumulate step of every scale-after walk (the experts' stages, the dense GEMMs'
+    few-rows and many-rows kernels), so every kernel rounds it alike. Times 2^120 first (exact: a
+    power of two, giving the step's sum over the fp8 values themselves), then the scale: a product
+    overflows only where the real weights' would."""
+    return b_acc + (b_d * SCALE_UP) * b_s
 
 
 @triton.jit
@@ -124,6 +167,7 @@ def _linear_fp8_rows_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    SCALE_AFTER: tl.constexpr = False,
 ):
     """The few-rows path: out^T = real(weight) x^T, the dequantized weight tile [BLOCK_N features,
     BLOCK_K] the MMA's first operand (held in registers where it is made) and x^T [BLOCK_K,
@@ -152,20 +196,61 @@ def _linear_fp8_rows_kernel(
     p_srow = (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[:, None]  # [BLOCK_N, 1]
     b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        if WHOLE:
+        if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after_dense`): the step's raw sum, then its scale
+            b_x = tl.load(p_x, mask=m_m[None, :], other=0.0)
+            b_d = dot_acc(raw_bf16(tl.load(p_w), INTERPRET), b_x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET)
+            b_acc = scale_step(b_acc, b_d, tl.load(scale_inv + p_srow + k0 // SCALE_BLOCK_K))
+        elif WHOLE:
             b_x = tl.load(p_x, mask=m_m[None, :], other=0.0)
             b_w = dequantize_tile(tl.load(p_w), scale_inv, p_srow, None, k0, (k0 + o_k)[None, :], None, SCALE_BLOCK_K,
                                   ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
+            b_acc = dot_acc(b_w, b_x, b_acc, INTERPRET)
         else:
             m_k = (k0 + o_k) < k_end
             b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
             m_w = m_n[:, None] & m_k[None, :]
             b_w = dequantize_tile(tl.load(p_w, mask=m_w, other=0.0), scale_inv, p_srow, m_n[:, None], k0, (k0 + o_k)[None, :], m_w,
                                   SCALE_BLOCK_K, ONE_SCALE_COLUMN, x.dtype.element_ty, INTERPRET)
-        b_acc = dot_acc(b_w, b_x, b_acc, INTERPRET)
+            b_acc = dot_acc(b_w, b_x, b_acc, INTERPRET)
         p_x += BLOCK_K
         p_w += BLOCK_K
     store_tile(tl.trans(b_acc), bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
+def _linear_raw_kernel(
+    x, raw, scale_inv, scale_row, bias, out, partial,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    SCALE_BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The many-rows path of the scale-after walk: raw [N, K] bf16 (`raw_weight`: each fp8 value
+    times 2^-120, exact) multiplied as it is, each K step's fp32 sum (a fresh MMA chain over the
+    step's 16-wide chunks in ascending order) times 2^120 and its block scale, added to the tile's
+    sum (`scale_step`): the few-rows kernel's arithmetic, step by step, in an x-first tile of
+    BLOCK_M rows. Whole K steps (K a multiple of BLOCK_K, each in one scale column); features and
+    rows past N and M are masked."""
+    after_previous(PDL)  # first: kernels/dependent_launch.py
+    i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end, p_x, p_w = tile_start(
+        x, raw, M, N, K, K_SPLIT, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    p_s = scale_inv + (tl.load(scale_row + o_n, mask=m_n, other=0).to(tl.int64) * stride_sn)[None, :]  # [1, BLOCK_N]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
+        b_w = tl.load(p_w, mask=m_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]: raw^T
+        b_d = dot_acc(b_x, b_w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET)
+        b_acc = scale_step(b_acc, b_d, tl.load(p_s + k0 // SCALE_BLOCK_K, mask=m_n[None, :], other=0.0))
+        p_x += BLOCK_K
+        p_w += BLOCK_K
+    store_tile(b_acc, bias, out, partial, o_m, o_n, i_s, M, N, stride_om, HAS_BIAS, SPLIT_K, x.dtype.element_ty, INTERPRET)
 
 
 @triton.jit
@@ -192,6 +277,23 @@ def dequantize(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype) ->
             weight, scales.scale_inv, scales.scale_row, out, n, k, scales.scale_inv.stride(0), SCALE_BLOCK_K=scales.block_k,
             BLOCK_N=32, BLOCK_K=256, INTERPRET=interpreting(), num_warps=4, **launch_options(weight.device))
     return out
+
+
+def scale_after_dense(n: int, k: int, cfg: LinearConfig, scale_block_k: int) -> bool:
+    """Whether a dense bf16 GEMM of an fp8 weight [n, k] under config cfg takes the scale-after
+    walk: the walk is on (SCALE_AFTER_ON), every K step whole and in one scale column, and the
+    features whole tiles of every kernel's feature tile (a multiple of 128). A function of the shape."""
+    return (SCALE_AFTER_ON and k % cfg.BLOCK_K == 0 and scale_block_k % cfg.BLOCK_K == 0 and n % 128 == 0
+            and cfg.BLOCK_K <= scale_block_k)
+
+
+def raw_weight(weight: torch.Tensor) -> torch.Tensor:
+    """fp8 [..., N, K] -> bf16 [..., N, K] of each value times 2^-120 (exact: the fp8 value's sign and
+    magnitude bits under bf16's exponent field, `raw_bf16`'s values): what the scale-after walk's
+    many-rows kernel multiplies. The two NaN encodings read as +-480 * 2^-120, as `raw_bf16` reads them."""
+    bits = weight.view(torch.uint8).to(torch.int16)
+    b = ((bits << 8).to(torch.int16) >> 4) & -30736  # 0x87F0: sign, then seven magnitude bits from bf16's exponent on
+    return b.view(torch.bfloat16)
 
 
 def fp8_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -259,6 +361,7 @@ def linear_fp8(
     config: LinearConfig | None = None,
     defer_split: bool = False,
     real: torch.Tensor | None = None,
+    raw: torch.Tensor | None = None,
 ) -> torch.Tensor | SplitSums:
     """x [M, K] @ real(weight, scales)[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, row-invariant.
 
@@ -269,10 +372,15 @@ def linear_fp8(
     real: the weight's real values [N, K] in x's dtype (`dequantize`'s), kept by the caller: from
     DEQUANTIZED_ROWS rows on the bf16 GEMM multiplies them instead of a dequantization per call
     (the same values, so the same bits).
+    raw: the weight's raw values [N, K] bf16 (`raw_weight`'s), kept by the caller: where the walk
+    is scale-after (`scale_after_dense`), the many-rows kernel multiplies them instead of making
+    them per call.
     """
     _check(x, weight, scales, bias, out)
     if real is not None:
         check_tensor("linear_fp8", "real", real, tuple(weight.shape), x.dtype, ("x", x), layout="[N, K]", contiguous=True)
+    if raw is not None:
+        check_tensor("linear_fp8", "raw", raw, tuple(weight.shape), torch.bfloat16, ("x", x), layout="[N, K]", contiguous=True)
     check_launchable("linear_fp8", "x", x)
     m, k = x.shape
     n = weight.shape[0]
@@ -282,7 +390,8 @@ def linear_fp8(
         bias = bias.contiguous()
     if defer_split and out is not None:
         raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
-    if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS:  # many rows: the bf16 GEMM of the real weight
+    after = config is None and x.dtype == torch.bfloat16 and scale_after_dense(n, k, fp8_config(n, k, x.dtype), scales.block_k)
+    if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS and not after:  # many rows: the bf16 GEMM of the real weight
         real = dequantize(weight, scales, x.dtype) if real is None else real
         return linear(x, real, bias, out, pinned=fp8_config(n, k, x.dtype), defer_split=defer_split)
     cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: DESIGN.md section 6, "The block-FP8 GEMM"
@@ -297,14 +406,22 @@ def linear_fp8(
     flags = dict(HAS_BIAS=bias is not None, INTERPRET=interpreting(), SPLIT_K=cfg.SPLIT_K)
     k_split = split_bounds(k, cfg)
     operands = (x, weight, scales.scale_inv, scales.scale_row, bias if bias is not None else x, out, partial, m, n, k, k_split)
-    if config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
+    if after and m >= DEQUANTIZED_ROWS:  # many rows, scale after: the raw weight in x-first tiles
+        raw = raw_weight(weight) if raw is None else raw
+        # the interpreter's dot holds a [BLOCK_M, BLOCK_K, BLOCK_N] product (its bits follow no tile)
+        block_m, block_n, warps, stages = (16, 64, 4, 1) if interpreting() else next(t[1:] for t in RAW_TILES if m >= t[0])
+        _linear_raw_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), cfg.SPLIT_K)](
+            x, raw, *operands[2:], x.stride(0), raw.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,
+            **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.BLOCK_K, STAGES=stages, num_warps=warps,
+            **launch_options(x.device))
+    elif config is None and x.dtype == torch.bfloat16:  # few rows: the weight tile as the MMA's first operand
         x = contiguous_aligned(x)  # the kernel reads x [M, K] with row stride K, specialised on its alignment
         operands = (x, *operands[1:])
         _linear_fp8_rows_kernel[(triton.cdiv(m, ROWS_TILE), triton.cdiv(n, ROWS_TILE_FEATURES), cfg.SPLIT_K)](
             *operands, weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,
             ONE_SCALE_COLUMN=scales.block_k % cfg.BLOCK_K == 0, WHOLE=n % ROWS_TILE_FEATURES == 0 and k % cfg.BLOCK_K == 0,
             **flags, BLOCK_M=ROWS_TILE, BLOCK_N=ROWS_TILE_FEATURES, BLOCK_K=cfg.BLOCK_K, STAGES=ROWS_STAGES,
-            num_warps=ROWS_WARPS, **launch_options(x.device))
+            num_warps=ROWS_WARPS, SCALE_AFTER=after, **launch_options(x.device))
     else:
         _linear_fp8_kernel[(triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N), cfg.SPLIT_K)](
             *operands, x.stride(0), weight.stride(0), scales.scale_inv.stride(0), out.stride(0), SCALE_BLOCK_K=scales.block_k,

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .dependent_launch import after_previous, launch_options
 from .linear import dot_acc
-from .linear_fp8 import BlockScales, dequantize_tile, scale_row_offsets
+from .linear_fp8 import BlockScales, dequantize_tile, raw_bf16, scale_row_offsets, scale_step
 from .moe_route import Routing, add_pairs
 from .rounding import cast_rtne
 from .runtime import interpreting
@@ -209,43 +209,13 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
     return i_e, pairs, m_p
 
 
-SCALE_UP = tl.constexpr(2.0**120)  # the factor `raw_bf16` leaves out of every weight, exact in fp32
-
-
-@triton.jit
-def raw_bf16(b_w8, INTERPRET: tl.constexpr):
-    """An fp8 e4m3 tile -> bf16 of the value w * 2^-120, exactly, subnormals included: the sign bit,
-    then the seven magnitude bits under bf16's exponent field (e4m3's bias 7 against bf16's 127).
-    The two NaN encodings, which no quantizer writes, read as +-480 * 2^-120.
-    On the GPU two bytes a `prmt` (each sign-extended to a half), a shift and a mask: about 1.5
-    instructions a weight where dequantizing takes about 3.5 (unpack, widen, scale, pack, load)."""
-    b_i8 = b_w8.to(tl.int8, bitcast=True)
-    if INTERPRET:
-        b_h = (b_i8.to(tl.int16) << 4) & tl.full([], -30736, tl.int16)  # 0x87F0
-        return b_h.to(tl.bfloat16, bitcast=True)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1;
-        prmt.b32 t0, $2, 0, 0x9180;
-        prmt.b32 t1, $2, 0, 0xB3A2;
-        shl.b32 t0, t0, 4;
-        shl.b32 t1, t1, 4;
-        and.b32 $0, t0, 0x87F087F0;
-        and.b32 $1, t1, 0x87F087F0;
-        }""",
-        constraints="=r,=r,r", args=[b_i8], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
 @triton.jit
 def _scaled_dot(b_x, p_w, scale_inv, p_s, k0, b_acc, SCALE_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """b_acc + (b_x @ raw(w tile)) * (its scale * 2^120): one K step of a walk that applies the block
     scale to the step's fp32 sum instead of to each weight (the step lies in one scale column)."""
     b_s = tl.load(scale_inv + p_s + k0 // SCALE_BLOCK_K)  # [1, BLOCK_N]
     b_w = raw_bf16(tl.load(p_w), INTERPRET)
-    b_d = dot_acc(b_x, b_w, tl.zeros([b_x.shape[0], b_w.shape[1]], dtype=tl.float32), INTERPRET)
-    # times 2^120 first (exact: a power of two, giving the step's sum over the fp8 values themselves),
-    # then the scale: a product overflows only where the real weights' would
-    return b_acc + (b_d * SCALE_UP) * b_s
+    return scale_step(b_acc, dot_acc(b_x, b_w, tl.zeros([b_x.shape[0], b_w.shape[1]], dtype=tl.float32), INTERPRET), b_s)
 
 
 @triton.jit

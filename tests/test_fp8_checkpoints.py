@@ -242,13 +242,17 @@ def test_fp8_verify_rows_equal_serial_decode(fp8_pair, model_device, name, mode)
         torch.testing.assert_close(serial_run(Engine(model, 1, 64), prompt, 12).logits, want, **CUDA_PARITY)
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["dequantize", "scale_after"])
 @pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next_moe"])
-def test_kept_real_weights_give_the_bits_of_dequantizing_each_gemm(fp8_pair, model_device, name):
-    """On CUDA in bf16 the dense FP8 weights keep their real values (load_model's fp8_reals) for the
-    GEMMs of 64 or more rows: a 100-row prefill's every logit row equals, bitwise, the model's that
-    dequantizes each such GEMM's weight instead."""
+def test_kept_real_weights_give_the_bits_of_dequantizing_each_gemm(fp8_pair, model_device, name, walk, monkeypatch):
+    """On CUDA in bf16 the dense FP8 weights keep what their GEMMs of 64 or more rows multiply
+    (load_model's fp8_reals: the real values, or the raw ones where the dense walk is scale-after):
+    a 100-row prefill's every logit row equals, bitwise, the model's that makes them each GEMM instead."""
     if model_device != "cuda":
         pytest.skip("the real values are kept on CUDA only (the CPU reference loads the real weights themselves)")
+    import hybrid_kernels.linear_fp8 as lf
+
+    monkeypatch.setattr(lf, "SCALE_AFTER_ON", walk)
     fp8_dir, _ = fp8_pair(name)
     kept, plain = load_model(fp8_dir, "cuda", torch.bfloat16), load_model(fp8_dir, "cuda", torch.bfloat16, fp8_reals=False)
     def dense(model) -> list[BlockFP8Weight]:
@@ -256,7 +260,7 @@ def test_kept_real_weights_give_the_bits_of_dequantizing_each_gemm(fp8_pair, mod
         return weights + [g for w in vars(model.blocks[0].mixer).values() if isinstance(w, OutFeatureGroups)
                           for g in w.groups if isinstance(g, BlockFP8Weight)]
 
-    assert dense(kept) and all(w.real is not None for w in dense(kept)) and all(w.real is None for w in dense(plain))
+    assert dense(kept) and all(w.kept_bytes for w in dense(kept)) and not any(w.kept_bytes for w in dense(plain))
     prompt = [(7 * i) % 60 + 3 for i in range(100)]
     rows = []
     for model in (kept, plain):

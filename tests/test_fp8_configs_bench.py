@@ -108,15 +108,19 @@ def test_the_few_rows_launch_is_applied_for_the_engine(tmp_path, monkeypatch):
     assert mg.grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True) == grouped_config(2048, 512, torch.bfloat16, 257, 9, fp8=True)
 
 
-def test_expert_walks_are_put_in_place_and_named(monkeypatch):
-    """--expert-walk (bench.fp8_real_size, bench.row_invariance): each walk sets kernels/moe_grouped.py's
-    flags, and the results name the walk the kernels take."""
+def test_walks_are_put_in_place_and_named(monkeypatch):
+    """--expert-walk and --dense-walk (bench.fp8_real_size, bench.row_invariance): each walk sets its
+    kernel module's SCALE_AFTER_ON, the other kind's is left alone, and the results name the walk
+    each kind takes (the code's defaults: scale-after for the experts, dequantize for dense GEMMs)."""
+    import hybrid_kernels.linear_fp8 as lf
     import hybrid_kernels.moe_grouped as mg
-    from bench.kernel_candidates import EXPERT_WALKS, apply_expert_walk, current_expert_walk
+    from bench.kernel_candidates import WALKS, apply_walk, current_walk
 
-    for flag in EXPERT_WALKS["scale-after"]:
-        monkeypatch.setattr(mg, flag, getattr(mg, flag))  # restored after the test
-    assert current_expert_walk() == "scale-after"  # the code's default
-    for name, flags in EXPERT_WALKS.items():
-        assert apply_expert_walk(name) == flags
-        assert current_expert_walk() == name and all(getattr(mg, f) == v for f, v in flags.items())
+    for module in (mg, lf):
+        monkeypatch.setattr(module, "SCALE_AFTER_ON", module.SCALE_AFTER_ON)  # restored after the test
+    assert current_walk("expert") == "scale-after" and current_walk("dense") == "dequantize"
+    for kind, module, other in (("expert", mg, lf), ("dense", lf, mg)):
+        before = other.SCALE_AFTER_ON
+        for name, on in WALKS.items():
+            apply_walk(kind, name)
+            assert current_walk(kind) == name and module.SCALE_AFTER_ON is on and other.SCALE_AFTER_ON is before

@@ -291,3 +291,51 @@ def test_few_rows_take_any_row_layout(device, layout):
         given.copy_(x)
     assert given.data_ptr() % 16 if layout == "misaligned" else given.stride(0) != k
     assert torch.equal(linear_fp8(given, weight, scales, b), linear_fp8(x, weight, scales, b))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole_k", "split_k"])
+def test_scale_after_walk_is_one_walk_across_the_row_switch(device, monkeypatch, split):
+    """The dense scale-after walk (SCALE_AFTER_ON): each K step's sum over the raw weight (the fp8
+    values times 2^-120), times 2^120 and its block scale. The few-rows kernel (raw tile made in
+    registers) and the many-rows kernel (the raw weight, made once or kept) take the same steps in
+    the same order, so every row's bits are the same alone, among the first M rows and across
+    DEQUANTIZED_ROWS; they are the fp32 product of the fp8 values and their scales to within one
+    bf16 rounding of the output and the fp32 sums (the walk never rounds a weight to bf16)."""
+    monkeypatch.setattr(linear_fp8_module, "SCALE_AFTER_ON", True)
+    k, n = (1152, 128) if split else (256, 256)
+    x, weight, scales, b = make(130, k, n, (128, 128), torch.bfloat16, True, device)
+    walk = fp8_config(n, k, torch.bfloat16)
+    assert walk.SPLIT_K == (2 if split else 1)
+    assert linear_fp8_module.scale_after_dense(n, k, walk, scales.block_k)
+    full = linear_fp8(x, weight, scales, b)
+    raw = linear_fp8_module.raw_weight(weight)
+    assert torch.equal(linear_fp8(x, weight, scales, b, raw=raw), full), "a kept raw weight gives other bits"
+    for m in (1, 2, 9, 17, 63, 64, 65, 129):
+        assert torch.equal(linear_fp8(x[:m], weight, scales, b), full[:m]), f"the first {m} rows differ from the 130-row batch"
+    assert torch.equal(linear_fp8(x[64:65], weight, scales, b), full[64:65])
+    # the exact product, in fp64: real weight = fp8 value x its scale, unrounded
+    exact = x.double() @ (weight.double() * scales.scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]).T
+    assert_close("scale-after", full, (exact + b.double()).float(), *tolerance(torch.bfloat16, k))
+    # the dequantize walk rounds every weight to bf16 first: another walk, other bits
+    monkeypatch.setattr(linear_fp8_module, "SCALE_AFTER_ON", False)
+    assert not torch.equal(linear_fp8(x, weight, scales, b), full)
+
+
+def test_scale_after_walk_only_where_the_shape_allows(monkeypatch):
+    """Whole K steps in one scale column and features a multiple of 128; off with SCALE_AFTER_ON."""
+    cfg = fp8_config(256, 1024, torch.bfloat16)
+    monkeypatch.setattr(linear_fp8_module, "SCALE_AFTER_ON", True)
+    assert linear_fp8_module.scale_after_dense(256, 1024, cfg, 128)
+    assert not linear_fp8_module.scale_after_dense(192, 1024, cfg, 128)  # features: not whole 128-wide tiles
+    assert not linear_fp8_module.scale_after_dense(256, 1000, fp8_config(256, 1000, torch.bfloat16), 128)  # a partial K step
+    assert not linear_fp8_module.scale_after_dense(256, 1024, cfg, 64)  # a K step across two scale columns
+    monkeypatch.setattr(linear_fp8_module, "SCALE_AFTER_ON", False)
+    assert not linear_fp8_module.scale_after_dense(256, 1024, cfg, 128)
+
+
+def test_raw_weight_is_each_fp8_value_times_two_to_the_minus_120():
+    w = torch.arange(256, dtype=torch.uint8).view(FP8)
+    raw = linear_fp8_module.raw_weight(w)
+    assert raw.dtype == torch.bfloat16
+    finite = ~torch.isnan(w.float())
+    assert torch.equal(raw.float()[finite], w.float()[finite] * 2.0**-120)

@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, standard_scale_row
+from hybrid_kernels.linear_fp8 import FP8, BlockScales, dequantize_ref, raw_bf16, standard_scale_row
 from hybrid_kernels.moe import moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref
-from hybrid_kernels.moe_grouped import raw_bf16
 from hybrid_kernels.runtime import interpreting
 
 from .conftest import assert_close, assert_refused, nan_like
