@@ -106,7 +106,7 @@ def traced_forward(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.T
         result = F.linear(x, weight, bias)
         return result if out is None else out.copy_(result)  # the LM head's fp32 logits (ops.head_logits)
 
-    def kernel_linear_fp8(x, data, scales, bias=None, out=None, defer_split=False, real=None):
+    def kernel_linear_fp8(x, data, scales, bias=None, out=None, defer_split=False, real=None, raw=None):
         record(fp8, data)
         result = F.linear(x, dequantize_ref(data, scales, x.dtype), bias)
         return result if out is None else out.copy_(result)  # a group of an OutFeatureGroups' output

@@ -14,7 +14,8 @@ from typing import Union
 
 import torch
 
-from hybrid_kernels.linear_fp8 import BlockScales, dequantize, dequantize_ref, standard_scale_row
+from hybrid_kernels.linear_fp8 import (BlockScales, dequantize, dequantize_ref, fp8_config, raw_weight, scale_after_dense,
+                                       standard_scale_row)
 
 from .hf_config import ConfigError, read_json_object
 
@@ -106,6 +107,14 @@ class BlockFP8Weight:
     # the real values [N, K] in dtype, kept beside a dense weight for GEMMs of many rows (kept_real):
     # they multiply it as it is instead of dequantizing it every call, with the same bits
     real: torch.Tensor | None = None
+    # or, where the dense GEMM walks it scale-after (kernels/linear_fp8.py, `scale_after_dense`), its
+    # raw values [N, K] bf16 (`raw_weight`), which that walk's many-rows kernel multiplies
+    raw: torch.Tensor | None = None
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes kept beside the fp8 values for GEMMs of many rows (real or raw values)."""
+        return sum(t.numel() * t.element_size() for t in (self.real, self.raw) if t is not None)
 
     @property
     def shape(self) -> torch.Size:
@@ -119,7 +128,7 @@ class BlockFP8Weight:
     def to(self, device: torch.device | str) -> "BlockFP8Weight":
         s = self.scales
         return BlockFP8Weight(self.data.to(device), BlockScales(s.scale_inv.to(device), s.scale_row.to(device), s.block_k), self.dtype,
-                              None if self.real is None else self.real.to(device))
+                              None if self.real is None else self.real.to(device), None if self.raw is None else self.raw.to(device))
 
     def dequantize(self) -> torch.Tensor:
         """The real weight in the compute dtype (what the CPU backend loads)."""
@@ -146,9 +155,13 @@ LinearWeight = Union[torch.Tensor, BlockFP8Weight, OutFeatureGroups]
 
 
 def kept_real(weight):
-    """A dense block-FP8 weight (or the FP8 groups of OutFeatureGroups) with its real values kept
-    beside it (dequantize's, made once on its device); any other value as it is."""
-    if isinstance(weight, BlockFP8Weight) and weight.data.dim() == 2 and weight.real is None:
+    """A dense block-FP8 weight (or the FP8 groups of OutFeatureGroups) with what its GEMMs of many
+    rows multiply kept beside it, made once on its device: its real values (dequantize's), or its
+    raw values where the GEMM walks it scale-after (kernels/linear_fp8.py); any other value as it is."""
+    if isinstance(weight, BlockFP8Weight) and weight.data.dim() == 2 and weight.real is None and weight.raw is None:
+        n, k = weight.data.shape
+        if weight.dtype == torch.bfloat16 and scale_after_dense(n, k, fp8_config(n, k, weight.dtype), weight.scales.block_k):
+            return dataclasses.replace(weight, raw=raw_weight(weight.data))
         return dataclasses.replace(weight, real=dequantize(weight.data, weight.scales, weight.dtype))
     if isinstance(weight, OutFeatureGroups):
         groups = tuple(kept_real(g) for g in weight.groups)

@@ -100,8 +100,7 @@ class HybridModel:
                     if kept is not weight:
                         setattr(part, name, kept)
                         groups = kept.groups if isinstance(kept, OutFeatureGroups) else (kept,)
-                        added += sum(g.real.numel() * g.real.element_size() for g in groups
-                                     if isinstance(g, BlockFP8Weight) and g.real is not None)
+                        added += sum(g.kept_bytes for g in groups if isinstance(g, BlockFP8Weight))
         return added
 
     def new_pool(self, n_slots: int, max_seq_len: int, carry_rows: int = 0) -> SlotPool:

@@ -53,7 +53,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
         return out
     if isinstance(weight, BlockFP8Weight):
         if use_triton(x):
-            return linear_fp8.linear_fp8(x, weight.data, weight.scales, bias, defer_split=into_add_norm, real=weight.real)
+            return linear_fp8.linear_fp8(x, weight.data, weight.scales, bias, defer_split=into_add_norm, real=weight.real,
+                                         raw=weight.raw)
         weight = weight.dequantize()
     if use_triton(x):
         return linear_kernel.linear(x, weight, bias, defer_split=into_add_norm)
@@ -79,7 +80,7 @@ def linear_columns(x: torch.Tensor, weight: LinearWeight, tail: int) -> tuple[to
 def _gemm(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """One CUDA GEMM into out (rows may be strided, features contiguous)."""
     if isinstance(weight, BlockFP8Weight):
-        linear_fp8.linear_fp8(x, weight.data, weight.scales, bias, out, real=weight.real)
+        linear_fp8.linear_fp8(x, weight.data, weight.scales, bias, out, real=weight.real, raw=weight.raw)
     else:
         linear_kernel.linear(x, weight, bias, out)
 
