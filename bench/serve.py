@@ -66,6 +66,7 @@ class ServeConfig:
     fp8_config: str = "qwen3.6-35b-a3b"  # --model fp8-real-size: the published config it writes
     fp8_scale: str = "full"  # or "tiny": the same layers shrunk, for the CPU
     workdir: Path | None = None  # where the temporary checkpoints go (None: the system's temporary folder)
+    cohorts: int = 1  # the server's --cohorts: groups of sessions whose batches take turns on the engine
 
     def __post_init__(self):
         check_name(self.name)
@@ -81,6 +82,8 @@ class ServeConfig:
             raise ValueError(f"--model {FP8} at --fp8-scale full needs --device cuda (--fp8-scale tiny runs on the CPU)")
         if self.fp8_scale not in ("full", "tiny"):
             raise ValueError(f"--fp8-scale must be full or tiny, got {self.fp8_scale!r}")
+        if self.cohorts < 1:
+            raise ValueError(f"--cohorts must be >= 1, got {self.cohorts}")
         if self.pairs < 1:
             raise ValueError(f"--pairs must be >= 1, got {self.pairs}")
         if self.remote_prompt_count < 1 or self.remote_new_tokens < 2 or self.time_limit_s <= 0:
@@ -217,6 +220,8 @@ def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = 
     """A `python -m verifier serve` subprocess with the load runs' settings, and a client of it;
     with `timings`, the server writes its round timings there when it stops."""
     settings = config.server_config(model_dir)
+    if config.cohorts > 1:
+        extra_args = (*extra_args, "--cohorts", str(config.cohorts))
     if timings is not None:
         extra_args = (*extra_args, ROUND_TIMINGS, str(timings))
     server = ServerProcess(model_dir, device=config.device, dtype=config.served_dtype, n_slots=settings.n_slots,
@@ -503,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(bench.fp8_real_size's --config)")
     p.add_argument("--fp8-scale", default=defaults.fp8_scale, choices=["full", "tiny"],
                    help=f"--model {FP8}: published sizes, or shrunk for the CPU")
+    p.add_argument("--cohorts", type=int, default=defaults.cohorts,
+                   help="the server's --cohorts: sessions in this many groups whose batches take turns on the engine")
     p.add_argument("--workdir", type=Path, default=None, help="where the temporary checkpoints are written (the full-size "
                    "FP8 one takes 36 GB); None: the system's temporary folder")
     return p

@@ -58,6 +58,12 @@ class ServerConfig:
     # is all that is awaited), and a session that misses a batch is no longer awaited.
     max_wait_ms: float = option(2.0, "wait at least this long for the sessions of the last batch, longer when they "
                                      "measurably take longer (0: run as soon as the engine is free)")
+    # Cohorts (verifier/server/scheduler.py): the sessions split into N groups whose batches take
+    # turns on the engine, so that one group's results travel and its drafters draft while another
+    # group's step runs; each batch then waits only for its own group. 1: one batch holds every
+    # session that is waiting. A step's bits do not depend on its batch (rows are invariant).
+    cohorts: int = option(1, "split the sessions into this many groups whose batches take turns on the engine, so "
+                             "the engine runs one while the others' results and next steps travel (1: one batch for all)")
     # Per batch, verify only the drafts worth their rows (verifier/server/goodput.py), from the step
     # costs the engine measures at startup; off: every draft is verified.
     # Load the checkpoint's MTP head when it has one, for sessions opened with server_drafter "mtp"
@@ -135,7 +141,7 @@ class ServerConfig:
                              f"not {self.device!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        for name in ("n_slots", "max_batch_rows", "results_per_session", "tensor_parallel", "prefill_rows"):
+        for name in ("n_slots", "max_batch_rows", "results_per_session", "tensor_parallel", "prefill_rows", "cohorts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.graph_rows is not None:  # the engine checks the buckets themselves

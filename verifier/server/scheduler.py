@@ -83,7 +83,9 @@ class PendingStep(Answer):
 class Scheduler:
     def __init__(self, engine: Engine, worker: Worker, sessions: SessionTable, metrics: Metrics,
                  max_batch_rows: int, max_wait_ms: float, policy: GoodputPolicy | None = None,
-                 timings: RoundTimings | None = None):
+                 timings: RoundTimings | None = None, cohorts: int = 1):
+        if cohorts < 1:
+            raise ValueError(f"cohorts must be at least 1, got {cohorts}")
         self.engine = engine
         self.worker = worker
         self.sessions = sessions
@@ -106,6 +108,12 @@ class Scheduler:
         self._bookkeeping: tuple | None = None  # the last batch's outcomes, until keep_books records them
         self._running: list[PendingStep] = []  # the steps of the batch on the engine now
         self.timings = timings  # None: no per-batch timestamps are kept (the default)
+        # Cohorts (DESIGN.md section 9, "The scheduler"): the sessions split into this many groups whose
+        # batches take turns, so one group's results go out and its next steps come in while another's
+        # step runs. 1: every waiting session in every batch.
+        self.cohorts = cohorts
+        self._members: list[dict[str, Session]] = [{} for _ in range(cohorts)]  # cohort -> its sessions by id
+        self._turn = 0  # the cohort whose batch runs next
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -166,8 +174,10 @@ class Scheduler:
         return pending
 
     def forget(self, session_id: str) -> None:
-        """A session closed or reaped: no batch waits for it, the policy drops its rates."""
+        """A session closed or reaped: no batch waits for it, its cohort loses it, the policy drops its rates."""
         self._awaited.discard(session_id)
+        for members in self._members:
+            members.pop(session_id, None)
         if self.policy is not None:
             self.policy.forget(session_id)
         if not self._awaited:
@@ -276,12 +286,13 @@ class Scheduler:
         """Waiting steps in arrival order: each session once, at most max_batch_rows rows at the
         least (PendingStep.least; the first step always, however many rows it has). The rest wait
         for the next batch (a stream's next step of a session runs from the position its previous
-        step reaches)."""
+        step reaches). With cohorts, only the steps of one cohort (`_cohort_to_run`)."""
+        cohort = self._cohort_to_run() if self.cohorts > 1 else -1
         batch, rest, seen, rows, full = [], [], set(), 0, False
         for pending in self._queue:
             if batch and rows + pending.least > self.max_batch_rows:
                 full = True  # later steps wait too, so arrival order is kept
-            if full or pending.session.id in seen:
+            if full or pending.session.id in seen or pending.session.cohort != cohort:
                 rest.append(pending)
                 continue
             seen.add(pending.session.id)
@@ -292,6 +303,22 @@ class Scheduler:
         self._queued_rows = sum(p.least for p in rest)
         self._cut_short = full
         return batch
+
+    def _cohort_to_run(self) -> int:
+        """With cohorts: the sessions queued without one join the smallest cohort (ties: the one
+        whose turn comes first), in arrival order; then the batch runs the cohort whose turn it is,
+        or the next in turn that has a step queued (a cohort with nothing waiting never holds the
+        engine). The turn passes to the cohort after it."""
+        n = self.cohorts
+        for pending in self._queue:
+            session = pending.session
+            if session.cohort < 0:
+                session.cohort = min(((self._turn + i) % n for i in range(n)), key=lambda c: len(self._members[c]))
+                self._members[session.cohort][session.id] = session
+        queued = {pending.session.cohort for pending in self._queue}
+        cohort = next((self._turn + i) % n for i in range(n) if (self._turn + i) % n in queued)
+        self._turn = (cohort + 1) % n
+        return cohort
 
     def _fitting(self, verified: list[int]) -> int:
         """How many of a batch's steps, in order, run: those whose verified rows (k + 1 each) fit
@@ -500,7 +527,16 @@ class Scheduler:
         if self._cut_short:
             # steps that did not fit this batch are queued: their callers (a Verify call answers
             # all its steps at once) cannot send anything before they run, so nothing is awaited
+            # (with cohorts, the turn stays with the cohort they belong to)
             self._awaited = set()
+            if self.cohorts > 1:
+                self._turn = live[0].session.cohort
+        elif self.cohorts > 1:
+            # the next batch is the next cohort's: it waits for those of its sessions (still open,
+            # unfinished) whose next step is not queued, which had this batch's time to come back
+            is_live, queued = self.sessions.is_live, {p.session.id for p in self._queue}
+            self._awaited = {sid for sid, session in self._members[self._turn].items()
+                             if is_live(session) and session.sequence.finish_reason is None and sid not in queued}
         else:
             # the next batch waits for these (still open, unfinished), minus those whose next step is queued already
             is_live = self.sessions.is_live

@@ -129,7 +129,7 @@ class VerifierService:
                  time.perf_counter() - started)
         policy = GoodputPolicy(self.engine.max_k, StepCost(costs)) if costs else None
         self.scheduler = Scheduler(self.engine, self.worker, self.sessions, self.metrics,
-                                   self.config.max_batch_rows, self.config.max_wait_ms, policy, self.timings)
+                                   self.config.max_batch_rows, self.config.max_wait_ms, policy, self.timings, self.config.cohorts)
         self.scheduler.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
 

@@ -46,6 +46,9 @@ class Session:
     # OpenSessionRequest.server_drafter: the session's proposer (verifier/server/drafting.py), which
     # the scheduler asks for each step's drafts; None: the client drafts
     drafter: "ServerDrafter | None" = None
+    # with cohorts (verifier/server/scheduler.py): which cohort's batches the session's steps run in
+    # (-1: none yet, given at its first batch)
+    cohort: int = -1
 
 
 OpenKey = tuple[str, str]  # (principal, OpenSession request id)
