@@ -66,7 +66,9 @@ class ServeConfig:
     fp8_config: str = "qwen3.6-35b-a3b"  # --model fp8-real-size: the published config it writes
     fp8_scale: str = "full"  # or "tiny": the same layers shrunk, for the CPU
     workdir: Path | None = None  # where the temporary checkpoints go (None: the system's temporary folder)
-    cohorts: int = 1  # the server's --cohorts: groups of sessions whose batches take turns on the engine
+    # the servers' --cohorts (groups of sessions whose batches take turns on the engine): every run
+    # above with the first; each further value, a server of its own for a plain and a random-drafts run
+    cohorts: tuple[int, ...] = (1,)
 
     def __post_init__(self):
         check_name(self.name)
@@ -82,8 +84,8 @@ class ServeConfig:
             raise ValueError(f"--model {FP8} at --fp8-scale full needs --device cuda (--fp8-scale tiny runs on the CPU)")
         if self.fp8_scale not in ("full", "tiny"):
             raise ValueError(f"--fp8-scale must be full or tiny, got {self.fp8_scale!r}")
-        if self.cohorts < 1:
-            raise ValueError(f"--cohorts must be >= 1, got {self.cohorts}")
+        if not self.cohorts or min(self.cohorts) < 1:
+            raise ValueError(f"--cohorts must list values >= 1, got {self.cohorts}")
         if self.pairs < 1:
             raise ValueError(f"--pairs must be >= 1, got {self.pairs}")
         if self.remote_prompt_count < 1 or self.remote_new_tokens < 2 or self.time_limit_s <= 0:
@@ -216,12 +218,15 @@ def _expected(generation: dict, stream: tuple[list[int], str]) -> tuple[list[int
 
 
 @contextmanager
-def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = (), timings: Path | None = None):
+def serving(config: ServeConfig, model_dir: Path, extra_args: tuple[str, ...] = (), timings: Path | None = None,
+            cohorts: int | None = None):
     """A `python -m verifier serve` subprocess with the load runs' settings, and a client of it;
-    with `timings`, the server writes its round timings there when it stops."""
+    with `timings`, the server writes its round timings there when it stops; `cohorts`: its
+    --cohorts (None: the first of config.cohorts)."""
     settings = config.server_config(model_dir)
-    if config.cohorts > 1:
-        extra_args = (*extra_args, "--cohorts", str(config.cohorts))
+    cohorts = config.cohorts[0] if cohorts is None else cohorts
+    if cohorts > 1:
+        extra_args = (*extra_args, "--cohorts", str(cohorts))
     if timings is not None:
         extra_args = (*extra_args, ROUND_TIMINGS, str(timings))
     server = ServerProcess(model_dir, device=config.device, dtype=config.served_dtype, n_slots=settings.n_slots,
@@ -297,6 +302,13 @@ def bench_model(config: ServeConfig, name: str, model_dir: Path, scratch: Path) 
                 pair["baseline"] = run(f"{oracle}, {NO_GOODPUT}, pair {i}", "oracle")
                 runs[f"oracle_trimmed_vs_untrimmed_pair_{i}"] = pair
                 _add_pair(pairs["oracle_trimmed_vs_untrimmed"], pair["drafts"], pair["baseline"])
+    for cohorts in config.cohorts[1:]:  # the same runs with the sessions in other cohorts, a server each
+        _free_device_memory()
+        with serving(config, model_dir, cohorts=cohorts) as (server, client):
+            for key, label, drafter in (("plain", "plain", "none"), ("random", f"random K={config.k}", "random")):
+                runs[f"{key}_cohorts_{cohorts}"] = service_run(
+                    config, server.address, client, dataclasses.replace(plan, drafter=drafter), one, streams, scratch,
+                    f"{name} {label}, --cohorts {cohorts}", None, FLEET)
     add_breakdowns(timed, timings)  # the servers have stopped: their timings files are written
     return model_figures(config, engine_figures, runs, rss, with_goodput_off, pairs)
 
@@ -350,6 +362,12 @@ def model_figures(config: ServeConfig, engine: dict, runs: dict[str, dict], rss:
         # (bench/serve_breakdown.py; every run has its own under runs)
         "added_ms_per_round": plain.get("added_ms_per_round"), "added_ms_per_round_p50": plain.get("added_ms_per_round_p50"),
         "round_breakdown_ms": plain.get("round_breakdown_ms"),
+        # the runs above had the sessions in config.cohorts[0] cohorts; each further value's plain and random runs
+        "cohorts": config.cohorts[0],
+        "other_cohorts": {str(c): {"service_over_engine": _ratio(runs[f"plain_cohorts_{c}"]["tokens_per_s"], engine["tokens_per_s"]),
+                                   "random_over_engine": _ratio(runs[f"random_cohorts_{c}"]["tokens_per_s"], engine["tokens_per_s"]),
+                                   "p50_ms": runs[f"plain_cohorts_{c}"]["p50_ms"]}
+                          for c in config.cohorts[1:]},
         "engine": engine, "runs": runs,
     }
 
@@ -447,6 +465,9 @@ def table(result: dict) -> str:
     for name, m in result["models"].items():
         if name in failed:
             continue
+        for c, figures in m.get("other_cohorts", {}).items():
+            lines.append(f"{name} with --cohorts {c} (the runs above: {m.get('cohorts', 1)}): service/engine plain "
+                         f"{figures['service_over_engine']}, random K {figures['random_over_engine']}, p50 {figures['p50_ms']} ms")
         runs = {key: run for key, run in m["runs"].items() if "baseline" not in run}
         breakdown = serve_breakdown.table(runs)
         if breakdown:
@@ -508,8 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(bench.fp8_real_size's --config)")
     p.add_argument("--fp8-scale", default=defaults.fp8_scale, choices=["full", "tiny"],
                    help=f"--model {FP8}: published sizes, or shrunk for the CPU")
-    p.add_argument("--cohorts", type=int, default=defaults.cohorts,
-                   help="the server's --cohorts: sessions in this many groups whose batches take turns on the engine")
+    p.add_argument("--cohorts", type=lambda v: tuple(int(c) for c in v.split(",") if c), default=defaults.cohorts,
+                   help="comma-separated --cohorts of the servers (sessions in groups whose batches take turns on the "
+                        "engine): every run with the first, a plain and a random-drafts run with each further one")
     p.add_argument("--workdir", type=Path, default=None, help="where the temporary checkpoints are written (the full-size "
                    "FP8 one takes 36 GB); None: the system's temporary folder")
     return p

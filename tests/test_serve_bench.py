@@ -38,7 +38,8 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
     prompts.write_text("\n".join(json.dumps({"prompt_ids": [5 + i, 6, 7, 8, 5 + i, 6, 7]}) for i in range(3)))
     config = ServeConfig(out=tmp_path, models=(str(tiny),), device="cpu", sessions=SESSIONS, processes=PROCESSES,
                          warmup_steps=WARMUP, steps=STEPS, k=K, remote_target=tiny, remote_draft=tiny,
-                         remote_prompts=prompts, remote_prompt_count=2, remote_new_tokens=8, time_limit_s=120, pairs=2)
+                         remote_prompts=prompts, remote_prompt_count=2, remote_new_tokens=8, time_limit_s=120, pairs=2,
+                         cohorts=(1, 2))
     result = run_serve(config)
     written = json.loads(Path(result["path"]).read_text())
     assert Path(result["path"]).name == f"serve_{written['date']}.json"
@@ -68,6 +69,13 @@ def test_a_short_run_writes_every_field_and_every_stream_equals_plain_decoding(t
         assert 0 < run["engine_ms_per_batch"] and 0 < run["server_latency_mean_ms"] and run["ms_per_batch"] > 0, name
         assert 0 < run["engine_ms_total"] <= run["server_latency_ms_total"], name
     assert runs["plain"]["tokens"] == SESSIONS * STEPS  # plain decoding: one token per step
+    # --cohorts 1,2: a second server with the sessions in two cohorts, its plain and random runs the same streams
+    assert model["cohorts"] == 1 and list(model["other_cohorts"]) == ["2"]
+    for name in ("plain_cohorts_2", "random_cohorts_2"):
+        run = runs[name]
+        assert run["steps"] == SESSIONS * STEPS and run["compared_generations"] == SESSIONS and run["mismatches"] == 0, name
+    assert model["other_cohorts"]["2"]["service_over_engine"] > 0 and model["other_cohorts"]["2"]["random_over_engine"] > 0
+    assert "with --cohorts 2" in table(written)
     for name in ("plain", "plain_more_processes", "plain_verify_calls", "random", "oracle"):
         _assert_breakdown_adds_up(runs[name], name)
     assert model["round_breakdown_ms"] == runs["plain"]["round_breakdown_ms"]
