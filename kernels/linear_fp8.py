@@ -283,8 +283,7 @@ def scale_after_dense(n: int, k: int, cfg: LinearConfig, scale_block_k: int) -> 
     """Whether a dense bf16 GEMM of an fp8 weight [n, k] under config cfg takes the scale-after
     walk: the walk is on (SCALE_AFTER_ON), every K step whole and in one scale column, and the
     features whole tiles of every kernel's feature tile (a multiple of 128). A function of the shape."""
-    return (SCALE_AFTER_ON and k % cfg.BLOCK_K == 0 and scale_block_k % cfg.BLOCK_K == 0 and n % 128 == 0
-            and cfg.BLOCK_K <= scale_block_k)
+    return SCALE_AFTER_ON and k % cfg.BLOCK_K == 0 and scale_block_k % cfg.BLOCK_K == 0 and n % 128 == 0
 
 
 def raw_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -390,11 +389,11 @@ def linear_fp8(
         bias = bias.contiguous()
     if defer_split and out is not None:
         raise ValueError("linear_fp8: defer_split returns the split sums; it takes no out buffer")
-    after = config is None and x.dtype == torch.bfloat16 and scale_after_dense(n, k, fp8_config(n, k, x.dtype), scales.block_k)
+    cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: DESIGN.md section 6, "The block-FP8 GEMM"
+    after = config is None and x.dtype == torch.bfloat16 and scale_after_dense(n, k, cfg, scales.block_k)
     if config is None and x.dtype == torch.bfloat16 and m >= DEQUANTIZED_ROWS and not after:  # many rows: the bf16 GEMM of the real weight
         real = dequantize(weight, scales, x.dtype) if real is None else real
-        return linear(x, real, bias, out, pinned=fp8_config(n, k, x.dtype), defer_split=defer_split)
-    cfg = config or fp8_config(n, k, x.dtype)  # the K walk is never a function of m: DESIGN.md section 6, "The block-FP8 GEMM"
+        return linear(x, real, bias, out, pinned=cfg, defer_split=defer_split)
     deferred = defer_split and cfg.SPLIT_K > 1
     if out is None and not deferred:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
