@@ -24,7 +24,7 @@ from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
 from verifier.model.config import ATTENTION
 from verifier.model.hf_config import config_from_dict
-from verifier.model.layers import linear_attention
+from verifier.model.layers import attend, linear_attention
 from verifier.params import SamplingParams
 from verifier.server.config import ServerConfig
 from verifier.server.prefill import take_turn
@@ -142,6 +142,9 @@ def run(args) -> dict:
     if args.chunked_delta_rule:
         linear_attention.CHUNKED_PREFILL = True
     result["chunked_delta_rule"] = linear_attention.CHUNKED_PREFILL
+    if args.tiled_attention:
+        attend.TILED_PREFILL = True
+    result["tiled_attention"] = attend.TILED_PREFILL
     workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
     try:
         path = workdir / f"{args.config}-fp8"
@@ -245,6 +248,9 @@ def parse_args(argv):
     parser.add_argument("--chunked-delta-rule", action="store_true",
                         help="GDN's prefill in chunked form (verifier/model/layers/linear_attention.py's CHUNKED_PREFILL); "
                              "recorded as chunked_delta_rule")
+    parser.add_argument("--tiled-attention", action="store_true",
+                        help="prefill's attention in tiles of rows (verifier/model/layers/attend.py's TILED_PREFILL); "
+                             "recorded as tiled_attention")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
     return parser.parse_args(argv)

@@ -408,13 +408,19 @@ class Tables:
             top = ", ".join(f"{t['kernel'].lstrip('_').removesuffix('_kernel')} {t['device_ms']:.0f}" for t in b["top"][:4])
             return f"{b['device_ms']:.0f} ({b['launches']:,}): {top}"
 
+        def forms(d: dict) -> str:
+            """Prefill's optional kernels the run took (absent: a file from before the switch)."""
+            taken = [label for key, label in (("chunked_delta_rule", "chunked delta rule"), ("tiled_attention", "tiled attention"))
+                     if d.get(key)]
+            return f", {', '.join(taken)}" if taken else ""
+
         found = newest(self.results, "prefill")
         if not found:
             return "No prefill results yet.\n"
         rows = []
         for path in found.values():
             d = self.load(path)
-            rows.append(f"{d['config']} ({d['scale']}) | {d['device']}, {d['date']} | {d['prompt_tokens']:,} in chunks of "
+            rows.append(f"{d['config']} ({d['scale']}{forms(d)}) | {d['device']}, {d['date']} | {d['prompt_tokens']:,} in chunks of "
                         f"{d['prefill_chunk']:,} | "
                         f"{d['ttft_cold_ms']:.1f} ({d['ttft_x_floor']:.2f}x of {d['ttft_floor_ms']:.1f}) | "
                         f"{d['ttft_cached_ms']:.1f} ({d['cached_tokens']:,} restored), "

@@ -6,18 +6,19 @@ import json
 import pytest
 
 from bench import prefill
-from verifier.model.layers import linear_attention
+from verifier.model.layers import attend, linear_attention
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypatch, chunked):
+@pytest.mark.parametrize("optional_forms", [False, True])
+def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypatch, optional_forms):
     monkeypatch.setattr(linear_attention, "CHUNKED_PREFILL", False)  # what --chunked-delta-rule sets, restored after
+    monkeypatch.setattr(attend, "TILED_PREFILL", False)  # what --tiled-attention sets
     code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "96", "--chunk", "16",
                          "--running", "3", "--arriving", "2", "--steps", "4", "--repeats", "2", "--cache-gb", "0.1"]
-                        + (["--chunked-delta-rule"] if chunked else []))
+                        + (["--chunked-delta-rule", "--tiled-attention"] if optional_forms else []))
     (path,) = tmp_path.glob("prefill_*.json")
     result = json.loads(path.read_text())
-    assert result["chunked_delta_rule"] == chunked
+    assert result["chunked_delta_rule"] == optional_forms and result["tiled_attention"] == optional_forms
     assert code == 0 and result["cached_equals_cold"] and result["cached_tokens"] == 64  # 4 of the 16-token chunks
     # the default turn (2048 rows) holds a chunk of both arriving prompts: a step before each pair of chunks
     assert result["ttft_cold_ms"] > 0 and result["ttft_floor_ms"] > 0 and result["steps_arriving"] == 96 // 16

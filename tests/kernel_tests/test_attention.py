@@ -1,9 +1,12 @@
-"""attend_rows: the Triton kernel against its torch reference, row invariance, decode vs verify."""
+"""attend_rows: the Triton kernel against its torch reference, row invariance, decode vs verify.
+attend_prefill (prefill's tiles of rows): against the reference, and each row's bits its own
+whatever tile, batch or chunk split it sits in."""
 
 import pytest
 import torch
 
-from hybrid_kernels.attention import BLOCK_N, attend_rows, attend_rows_ref
+from hybrid_kernels.attention import BLOCK_N, attend_prefill, attend_rows, attend_rows_ref, prefill_tile_rows
+from hybrid_kernels.delta_rule_chunked import chunk_table
 
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
@@ -239,3 +242,108 @@ def test_launcher_errors_name_the_tensor(device, mutate, message):
     mutate(args)
     with pytest.raises(ValueError, match=message):
         attend_rows(scale=1.0, **args)
+
+
+# -- attend_prefill: prefill's rows in tiles ----------------------------------------------------------
+
+# Three sequences' prompt pieces: one crossing two KV blocks and several tiles, a short one from
+# position 0, one ending at the cache's last position.
+PREFILL_SLOTS, PREFILL_STARTS, PREFILL_COUNTS = (2, 0, 3), (BLOCK_N - 6, 0, LENGTH - 41), (BLOCK_N + 9, 3, 41)
+
+
+def prefill_rows(shape, dtype, device, slots=PREFILL_SLOTS, starts=PREFILL_STARTS, counts=PREFILL_COUNTS, seed=0):
+    """The pieces' rows (each sequence's at consecutive positions), the cache NaN past each piece."""
+    slot_rows = [s for s, c in zip(slots, counts) for _ in range(c)]
+    positions = [p + r for p, c in zip(starts, counts) for r in range(c)]
+    return make_rows(shape, dtype, device, slot_rows, positions, seed)
+
+
+def tiles(shape, starts, counts, device):
+    return chunk_table(starts, counts, prefill_tile_rows(shape[0], shape[1])).to(device)
+
+
+def prefill_launch(query, keys, values, row_slots, row_positions, table, scale, gate=None):
+    """attend_prefill into a NaN-poisoned output; every element must be written."""
+    out = nan_like(torch.empty(query.shape[0], query.shape[1], values.shape[-1], dtype=query.dtype, device=query.device))
+    got = attend_prefill(query, keys, values, row_slots, row_positions, table, scale, out=out, gate=gate)
+    assert got is out
+    assert not torch.isnan(got).any(), "attend_prefill left NaN in out (an unwritten row, or masked KV leaked)"
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", [*SHAPES.values(), (16, 2, 16, 16)], ids=[*SHAPES.keys(), "gqa8"])
+def test_prefill_matches_reference(device, shape, dtype):
+    """The tiles' result against each row computed alone (the reference), attend_rows' tolerance:
+    the same maths in another association."""
+    query, keys, values, row_slots, row_positions = prefill_rows(shape, dtype, device)
+    got = prefill_launch(query, keys, values, row_slots, row_positions, tiles(shape, PREFILL_STARTS, PREFILL_COUNTS, device),
+                         scale_of(shape))
+    want = attend_rows_ref(query, keys, values, row_slots, row_positions, scale_of(shape))
+    rtol, atol = TOLERANCE[dtype]
+    assert_close("attend_prefill out", got, want, rtol, atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", [SHAPES["gqa"], SHAPES["mla"]], ids=["gqa", "mla"])
+def test_prefill_rows_keep_their_bits_whatever_tile_batch_or_split(device, shape, dtype):
+    """A prompt's rows cut at other boundaries (as a cached prefix resumes at a boundary), each
+    sequence alone, or the pieces in another order: every row torch.equal to the batch's."""
+    query, keys, values, row_slots, row_positions = prefill_rows(shape, dtype, device)
+    scale = scale_of(shape)
+    full = prefill_launch(query, keys, values, row_slots, row_positions, tiles(shape, PREFILL_STARTS, PREFILL_COUNTS, device), scale)
+    offsets = [0]
+    for c in PREFILL_COUNTS:
+        offsets.append(offsets[-1] + c)
+    for s, (start, count) in enumerate(zip(PREFILL_STARTS, PREFILL_COUNTS)):
+        for cuts in ([0, count], [0, 1, count], [0, count // 2, count], [0, 5, 6, count]):
+            cuts = sorted({min(c, count) for c in cuts})
+            for a, b in zip(cuts, cuts[1:]):
+                rows = slice(offsets[s] + a, offsets[s] + b)
+                part = prefill_launch(query[rows], keys, values, row_slots[rows], row_positions[rows],
+                                      tiles(shape, (start + a,), (b - a,), device), scale)
+                assert torch.equal(part, full[rows]), f"sequence {s} rows {a}..{b} alone differ from the batch's"
+    order = [2, 0, 1]
+    index = torch.cat([torch.arange(offsets[s], offsets[s + 1]) for s in order]).to(device)
+    swapped = prefill_launch(query[index], keys, values, row_slots[index], row_positions[index],
+                             tiles(shape, [PREFILL_STARTS[s] for s in order], [PREFILL_COUNTS[s] for s in order], device), scale)
+    assert torch.equal(swapped, full[index]), "the pieces in another order give other bits"
+
+
+@pytest.mark.parametrize("fill", [float("inf"), -1e30, 0.0], ids=["inf", "huge", "zero"])
+def test_prefill_never_reads_past_its_rows(device, fill):
+    """Whatever sits past a piece's last position (NaN in the other tests) leaves its rows bit-identical."""
+    shape, dtype = SHAPES["gqa"], torch.float32
+    query, keys, values, row_slots, row_positions = prefill_rows(shape, dtype, device)
+    ends = {s: p + c - 1 for s, p, c in zip(PREFILL_SLOTS, PREFILL_STARTS, PREFILL_COUNTS)}
+    other_keys, other_values = make_cache(shape, dtype, device, ends, fill=fill)
+    table = tiles(shape, PREFILL_STARTS, PREFILL_COUNTS, device)
+    nan_out = prefill_launch(query, keys, values, row_slots, row_positions, table, scale_of(shape))
+    other_out = prefill_launch(query, other_keys, other_values, row_slots, row_positions, table, scale_of(shape))
+    assert torch.equal(nan_out, other_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_prefill_output_gate(device, dtype):
+    """The gate in the same launch, as attend_rows applies it: out * sigmoid(gate) against the reference."""
+    shape = SHAPES["gqa"]
+    query, keys, values, row_slots, row_positions = prefill_rows(shape, dtype, device)
+    n, heads, d_v = query.shape[0], shape[0], shape[3]
+    g = torch.Generator().manual_seed(9)
+    gate = (3.0 * torch.randn(n, heads, 2 * d_v, generator=g)).to(dtype=dtype, device=device)[..., d_v:]
+    table = tiles(shape, PREFILL_STARTS, PREFILL_COUNTS, device)
+    got = prefill_launch(query, keys, values, row_slots, row_positions, table, scale_of(shape), gate=gate)
+    want = attend_rows_ref(query, keys, values, row_slots, row_positions, scale_of(shape), gate=gate)
+    rtol, atol = TOLERANCE[dtype]
+    assert_close("gated attend_prefill out", got, want, rtol, atol)
+
+
+def test_prefill_table_errors(device):
+    shape = SHAPES["gqa"]
+    query, keys, values, row_slots, row_positions = prefill_rows(shape, torch.float32, device)
+    table = tiles(shape, PREFILL_STARTS, PREFILL_COUNTS, device)
+    for bad in (table.long(), table[:, :2].contiguous(), table.reshape(-1)):
+        with pytest.raises(ValueError, match="attend_prefill: table must be"):
+            attend_prefill(query, keys, values, row_slots, row_positions, bad, 1.0)
+    with pytest.raises(ValueError, match="attend_prefill: keys dtype"):
+        attend_prefill(query, keys.double(), values, row_slots, row_positions, table, 1.0)

@@ -131,7 +131,7 @@ class HybridModel:
         positions = batch.positions(self.device)
         h = self.embed[tokens] if self.parallel is None else self.parallel.embed(self.embed, tokens)
         x = residual_stream(self.config, self.blocks, pool.layers, h, self.final_norm, batch, positions,
-                            row_invariant=row_invariant, record=record, parallel=self.parallel)
+                            row_invariant=row_invariant, record=record, parallel=self.parallel, prefill=record is None)
         if hidden_out is not None:
             hidden_out.copy_(x)
         if last_only:
@@ -169,7 +169,7 @@ class HybridModel:
 
 def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: torch.Tensor, final_norm: torch.Tensor,
                     batch: RowBatch, positions: torch.Tensor, *, row_invariant: bool, record: VerifyRecord | None = None,
-                    parallel: TensorParallel | None = None) -> torch.Tensor:
+                    parallel: TensorParallel | None = None, prefill: bool = False) -> torch.Tensor:
     """The stream h [rows, H] entering blocks[0] through every block (block i over states[i]) ->
     final_norm of the stream after the last block [rows, H]. The main model's blocks and an MTP
     head's layers (verifier/model/mtp.py) run this one loop.
@@ -179,7 +179,9 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
     on CUDA a split-K output projection's reduce runs fused in there too (ops.linear's into_add_norm).
     parallel: each block's mixer and MLP outputs are this rank's partial sums [rows, H] (their
     output projections split by inputs), added across ranks in rank order before the add and norm
-    (TensorParallel.sum: row-invariant, the same bits on every rank)."""
+    (TensorParallel.sum: row-invariant, the same bits on every rank).
+    prefill: the rows are a prompt's, every one committed (the attention layers may take prefill's
+    kernel: verifier/model/layers/attend.py); an MTP head's rows never are."""
     eps, zero_centred = config.rms_norm_eps, config.zero_centred_norm
 
     def add_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +196,7 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
             if record is not None:
                 record.layers[index] = layer_record
         else:
-            mixed, _ = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant)
+            mixed, _ = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, prefill=prefill)
         if parallel is not None:
             mixed = parallel.sum(mixed)
         h, x = each_row(lambda a, b: add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)

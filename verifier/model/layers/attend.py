@@ -1,7 +1,8 @@
 """Causal attention of rows over their slot's KV: shared by gated attention and MLA.
 
 On CUDA one Triton launch serves every row (kernels/attention.py walks each row's visible prefix
-in fixed blocks from position 0). On the CPU, row-invariant mode computes each row alone over
+in fixed blocks from position 0); with TILED_PREFILL, prefill's rows walk it in tiles of rows
+(attend_prefill: each row's bits still its own, though not decode's). On the CPU, row-invariant mode computes each row alone over
 exactly its visible prefix, so a row's arithmetic is the same whether it is decoded alone or
 verified among K others; prefill batches a sequence's rows under a causal mask.
 """
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_kernels.attention import attend_rows
+from hybrid_kernels.attention import attend_prefill, attend_rows, prefill_tile_rows
 from hybrid_kernels.runtime import use_triton
 
 from ..rows import RowBatch
 from ..state import AttentionState
+
+# Prefill's attention in tiles of a sequence's rows (one load of a KV block serves every row of the
+# tile) instead of a program per row: off until `python -m bench.prefill --tiled-attention` shows
+# it faster on the GPU. Decode and verify never take it.
+TILED_PREFILL = False
 
 
 def write_kv(batch: RowBatch, state: AttentionState, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -25,11 +31,16 @@ def write_kv(batch: RowBatch, state: AttentionState, keys: torch.Tensor, values:
 
 
 def attend(batch: RowBatch, state: AttentionState, queries: torch.Tensor, scale: float, *, row_invariant: bool,
-           gate: torch.Tensor | None = None) -> torch.Tensor:
+           gate: torch.Tensor | None = None, prefill: bool = False) -> torch.Tensor:
     """queries [rows, heads, d_k] over positions 0 .. start + r of the slot -> [rows, heads, d_v].
-    gate [rows, heads, d_v] (CUDA only): the output times sigmoid(gate), in the same launch."""
+    gate [rows, heads, d_v] (CUDA only): the output times sigmoid(gate), in the same launch.
+    prefill: the rows are a prefill's (every row committed), which may take the tiled kernel."""
     if use_triton(queries):
         device = queries.device
+        if prefill and TILED_PREFILL:
+            table = batch.chunk_table(prefill_tile_rows(queries.shape[1], state.keys.shape[2]), device)
+            return attend_prefill(queries, state.keys, state.values, batch.row_slots(device), batch.positions(device), table,
+                                  scale, gate=gate)
         return attend_rows(queries, state.keys, state.values, batch.row_slots(device), batch.positions(device), scale, gate=gate)
     assert gate is None, "the output gate is fused on CUDA only; the CPU reference applies it after attend"
     out = torch.empty(queries.shape[0], queries.shape[1], state.values.shape[-1], dtype=queries.dtype, device=queries.device)

@@ -43,15 +43,16 @@ class GatedAttention:
         self.scale = hd**-0.5
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *,
-                row_invariant: bool) -> tuple[torch.Tensor, None]:
+                row_invariant: bool, prefill: bool = False) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
         if use_triton(x):
             query, gate = self._project_and_write(x, batch, positions, state)
-            gated = attend(batch, state, query, self.scale, row_invariant=row_invariant, gate=gate)  # the gate applied in-kernel
+            gated = attend(batch, state, query, self.scale, row_invariant=row_invariant, gate=gate,
+                           prefill=prefill)  # the gate applied in-kernel
             return linear(gated.reshape(x.shape[0], -1), self.w_o, self.b_o, into_add_norm=True), None
         query, key, value, gate = each_row(self._project, x, positions, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
-        out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
+        out = attend(batch, state, query, self.scale, row_invariant=row_invariant, prefill=prefill)
         return each_row(self._output, out, gate, row_invariant=row_invariant), None
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):

@@ -40,11 +40,11 @@ class LatentAttention:
         self.scale = m.qk_head_dim**-0.5
 
     def forward(self, x: torch.Tensor, batch: RowBatch, positions: torch.Tensor, state: AttentionState, *,
-                row_invariant: bool) -> tuple[torch.Tensor, None]:
+                row_invariant: bool, prefill: bool = False) -> tuple[torch.Tensor, None]:
         # Attention needs no rollback record: its cursor is the committed position.
         query, key, value = each_row(self._project, x, row_invariant=row_invariant)
         write_kv(batch, state, key, value)
-        out = attend(batch, state, query, self.scale, row_invariant=row_invariant)
+        out = attend(batch, state, query, self.scale, row_invariant=row_invariant, prefill=prefill)
         return each_row(self._output, out, row_invariant=row_invariant), None
 
     def _project(self, x: torch.Tensor):
