@@ -34,8 +34,10 @@ def window(timings: dict, first: int, last: int) -> tuple[dict[int, dict], list[
 
 
 def drafter_sums(workers: list[dict]) -> dict:
-    """The drafter processes' timed rounds, summed: rounds, request, proposing and timed seconds."""
-    sums = {"rounds": 0, "request": 0.0, "proposing": 0.0, "timed": 0.0}
+    """The drafter processes' timed rounds, summed: rounds, request, proposing and timed seconds, and
+    over the timed parts the processes' CPU seconds and collector pauses (None where a process did
+    not record them)."""
+    sums = {"rounds": 0, "request": 0.0, "proposing": 0.0, "timed": 0.0, "cpu": 0.0, "gc": 0.0}
     for w in workers:
         seconds = w.get("round_seconds")
         if not w.get("rounds") or seconds is None:
@@ -43,6 +45,8 @@ def drafter_sums(workers: list[dict]) -> dict:
         sums["rounds"] += w["rounds"]
         for key in ("request", "proposing", "timed"):
             sums[key] += seconds[key]
+        for key in ("cpu", "gc"):
+            sums[key] = None if sums[key] is None or key not in seconds else sums[key] + seconds[key]
     return sums
 
 
@@ -95,6 +99,10 @@ def breakdown(round_ms: float | None, batches: dict[int, dict], requests: list[d
         # over the paired requests: the drafter's request time and the server's residence of it
         "drafter_request": _ms(request), "server_residence": _ms(residence), "paired_requests": len(pairs),
         "proposing": _ms(proposing), "fleet_python": _ms(own - proposing),
+        # per drafter round, the process's CPU time (all its threads) and its collector's pauses:
+        # a drafter part well above its CPU time was spent waiting, not computing
+        "drafter_cpu": None if drafters.get("cpu") is None else _ms(drafters["cpu"] * ms / rounds),
+        "drafter_gc": None if drafters.get("gc") is None else _ms(drafters["gc"] * ms / rounds),
         # per batch: its first step's arrival to the engine start (of which the spread of its
         # requests' arrivals: waiting for the last process), and its engine end to its last answer written
         "batch_first_arrival_to_engine": _ms(statistics.fmean(b["engine_start"] - b["first_arrival"] for b in batches.values()) * ms),

@@ -159,6 +159,7 @@ def _assert_breakdown_adds_up(run: dict, name: str) -> None:
     detail = run["round_detail_ms"]
     assert detail["batches"] == run["engine_batches"] and detail["drafter_rounds"] == run["rounds"], (name, detail)
     assert 0 <= detail["proposing"] <= parts["drafter"] and detail["server_residence"] <= detail["drafter_request"], name
+    assert detail["drafter_cpu"] > 0 and 0 <= detail["drafter_gc"] <= detail["drafter_round"], (name, detail)
     # every timed round's request ran in the run's batches: each is paired with the server's record of it
     assert detail["paired_requests"] == run["rounds"] == detail["requests"], (name, detail)
 
@@ -176,7 +177,7 @@ def _synthetic_run():
               "requests": [[1, 10.000, 10.0055, key("a-0")], [1, 10.001, 10.006, key("b-0")],
                            [2, 10.010, 10.015, key("a-1")], [2, 10.010, 10.015, key("b-1")], [3, 20.0, 20.1, key("c-0")]]}
     # each process: 2 rounds, requests of 7 + 6 ms, proposing 0.5 ms a round, 20 ms in all
-    workers = [{"rounds": 2, "round_seconds": {"request": 0.013, "proposing": 0.001, "timed": 0.020},
+    workers = [{"rounds": 2, "round_seconds": {"request": 0.013, "proposing": 0.001, "timed": 0.020, "cpu": 0.004, "gc": 0.0005},
                 "round_requests": [[f"{p}-0", 0.007], [f"{p}-1", 0.006]]} for p in ("a", "b")]
     return server, workers
 
@@ -186,7 +187,7 @@ def test_the_breakdown_arithmetic_on_synthetic_timestamps():
     batches, requests = serve_breakdown.window(server, 1, 2)
     assert sorted(batches) == [1, 2] and len(requests) == 4
     drafters = serve_breakdown.drafter_sums(workers + [{"rounds": 0}])  # a process without fleet rounds adds nothing
-    assert drafters == {"rounds": 4, "request": 0.026, "proposing": 0.002, "timed": 0.040}
+    assert drafters == {"rounds": 4, "request": 0.026, "proposing": 0.002, "timed": 0.040, "cpu": 0.008, "gc": 0.001}
     drafted = serve_breakdown.drafter_requests(workers + [{"rounds": 0}])
     assert drafted == {request_key("a-0"): 0.007, request_key("a-1"): 0.006, request_key("b-0"): 0.007, request_key("b-1"): 0.006}
     got = serve_breakdown.breakdown(10.5, batches, requests, drafters, drafted)
@@ -198,6 +199,10 @@ def test_the_breakdown_arithmetic_on_synthetic_timestamps():
                      "drafter": 3.5, "unexplained": 0.5}
     assert detail["drafter_request"] == 6.5 and detail["server_residence"] == 5.125 and detail["paired_requests"] == 4
     assert detail["drafter_round"] == 10.0 and detail["proposing"] == 0.5 and detail["fleet_python"] == 3.0
+    assert detail["drafter_cpu"] == 2.0 and detail["drafter_gc"] == 0.25  # per drafter round
+    # a process from before the CPU and collector records: the sums say nothing of them
+    older = [{**w, "round_seconds": {k: v for k, v in w["round_seconds"].items() if k not in ("cpu", "gc")}} for w in workers]
+    assert serve_breakdown.drafter_sums(workers[:1] + older[1:])["cpu"] is None
     assert detail["batch_first_arrival_to_engine"] == 1.5 and detail["batch_arrival_spread"] == 0.5
     assert detail["batch_engine_end_to_last_written"] == 1.0
     # the parts before the remainder add up to the drafters' round: in + engine + out is the residence
@@ -221,7 +226,7 @@ def test_the_wire_is_each_drafter_request_minus_the_servers_residence_of_that_re
     server, workers = _synthetic_run()
     workers[1]["round_requests"].append(["b-2", 0.001])
     workers[1]["rounds"] += 1
-    workers[1]["round_seconds"] = {"request": 0.014, "proposing": 0.0015, "timed": 0.027}
+    workers[1]["round_seconds"] = {"request": 0.014, "proposing": 0.0015, "timed": 0.027, "cpu": 0.005, "gc": 0.0}
     batches, requests = serve_breakdown.window(server, 1, 3)
     drafters, drafted = serve_breakdown.drafter_sums(workers), serve_breakdown.drafter_requests(workers)
     unpaired = (drafters["request"] / drafters["rounds"] - sum(r["written"] - r["arrival"] for r in requests) / len(requests))

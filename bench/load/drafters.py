@@ -7,6 +7,7 @@ How it measures, what it checks and writes: bench/README.md, Methods, `bench.loa
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -39,10 +40,15 @@ class Tally:
         self.rounds = 0  # fleet: timed Verify calls
         self.started = self.ended = time.time()
         # fleet, this process's perf_counter: the timed rounds' requests (send to answer) and
-        # proposals, and the time from the start of the timed part to the end of its last round
-        self.round_seconds = {"request": 0.0, "proposing": 0.0, "timed": 0.0}
+        # proposals, and the time from the start of the timed part to the end of its last round;
+        # over that same part, the process's CPU time (every thread's: gRPC's too) and the
+        # collector's pauses, which say whether the time outside the requests was work or waiting
+        self.round_seconds = {"request": 0.0, "proposing": 0.0, "timed": 0.0, "cpu": 0.0, "gc": 0.0}
         self.round_requests: list[list] = []  # fleet: per timed round, [request id, request seconds]
         self.clock_started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        self.pauses = CollectorPauses()
+        self.gc_started = 0.0
 
     def failed(self, record: dict, err: Exception) -> None:
         """Counted and reported, never hidden: the run then fails."""
@@ -54,6 +60,21 @@ class Tally:
                 "tokens": self.tokens, "opens": self.opens, "latencies_ms": self.latencies_ms, "rounds": self.rounds,
                 "round_seconds": self.round_seconds, "round_requests": self.round_requests,
                 "errors": dict(self.errors), "cut_by_deadline": self.cut_by_deadline, "generations": self.generations}
+
+
+class CollectorPauses:
+    """The cyclic garbage collector's pauses in this process, summed (gc.callbacks: start to stop)."""
+
+    def __init__(self):
+        self.seconds, self._began = 0.0, None
+        gc.callbacks.append(self._heard)
+
+    def _heard(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
 
 
 def new_record(plan: workload.Plan, index: int, generation: int) -> dict:
@@ -119,6 +140,8 @@ class StartLine:
             sys.stdin.readline()
             self.tally.started = self.tally.ended = time.time()
             self.tally.clock_started = time.perf_counter()
+            self.tally.cpu_started = time.process_time()
+            self.tally.gc_started = self.tally.pauses.seconds
 
     def on_round(self, done: Round) -> None:
         if done.index < self.warmup_rounds:
@@ -135,6 +158,8 @@ class StartLine:
             self.tally.round_requests.append([done.request_id, done.seconds])
         seconds["proposing"] += done.proposing
         seconds["timed"] = time.perf_counter() - self.tally.clock_started
+        seconds["cpu"] = time.process_time() - self.tally.cpu_started
+        seconds["gc"] = self.tally.pauses.seconds - self.tally.gc_started
 
 
 def run_as_fleet(config: dict, plan: workload.Plan, references: dict[int, list[int]] | None, tally: Tally) -> None:
