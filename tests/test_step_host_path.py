@@ -172,3 +172,32 @@ def test_row_batch_checks():
     assert padded.n_rows == 10
     with pytest.raises(AssertionError, match="at least one row"):
         RowBatch((0, 9), (3, 0), (0, 2), scratch_slot=9)
+
+
+def test_a_prefill_forward_never_waits_for_the_device(load_target, model_device):
+    """A prompt's chunk moves its tokens and batch tensors to the GPU through pinned memory and picks
+    each sequence's last row on the device (verifier/model/rows.py to_device): no host sync in its
+    forward, so the host launches the next chunk while this one runs. On the CPU every copy is a
+    plain one: the same values, checked against a forward that copies the old way."""
+    from verifier.model.rows import to_device
+
+    model = load_target("qwen3_next_moe")
+    pool = model.new_pool(6, 64)  # every forward prefills two fresh slots: prefill commits its rows
+    tokens = torch.tensor([5, 9, 2, 7, 11, 3, 8, 6, 4], dtype=torch.int64)
+    assert torch.equal(to_device(tokens, model.device).cpu(), tokens)
+    first = model.forward(tokens, RowBatch((0, 1), (0, 0), (4, 5)), pool, row_invariant=False, last_only=True)
+    again = RowBatch((2, 3), (0, 0), (4, 5))
+    if model_device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            second = model.forward(tokens, again, pool, row_invariant=False, last_only=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        second = model.forward(tokens, again, pool, row_invariant=False, last_only=True)
+    assert torch.equal(first, second)
+    assert (again.cu_rows(model.device)[1:] - 1).tolist() == [3, 8]  # each sequence's last row
+    if model_device == "cuda":  # the Triton backend's rows are row-invariant: the picked rows are the whole forward's
+        whole = model.forward(tokens, RowBatch((4, 5), (0, 0), (4, 5)), pool, row_invariant=False)
+        assert torch.equal(first, whole[[3, 8]])

@@ -34,7 +34,7 @@ from .ops import add_rms_norm, each_row, head_logits, rms_norm
 from .parallel.group import TensorParallel
 from .parallel.sharding import ShardedSource, local_config
 from .rollback import VerifyRecord
-from .rows import RowBatch, check_rows
+from .rows import RowBatch, check_rows, to_device
 from .state import RecurrentState, SlotPool
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class HybridModel:
         Commits every row: KV at the row's position, conv window and recurrent state advanced
         past the sequence's last row. Prefill runs this."""
         check_rows(tokens, batch, pool.max_seq_len, self.config.vocab_size)
-        return self.compute(tokens.to(self.device), batch, pool, row_invariant=row_invariant, last_only=last_only, record=None,
+        return self.compute(to_device(tokens, self.device), batch, pool, row_invariant=row_invariant, last_only=last_only, record=None,
                             hidden_out=hidden_out)
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool,
@@ -134,8 +134,8 @@ class HybridModel:
                             row_invariant=row_invariant, record=record, parallel=self.parallel, prefill=record is None)
         if hidden_out is not None:
             hidden_out.copy_(x)
-        if last_only:
-            x = x[[o - 1 for o in batch.offsets[1:]]]
+        if last_only:  # each sequence's last row, indexed on the device (a host index would be copied, and wait)
+            x = x.index_select(0, batch.cu_rows(self.device)[1:] - 1)
         if self.parallel is None:
             return head_logits(x, self.lm_head, logits_out, row_invariant=row_invariant)
         # each rank's vocabulary columns [rows, cdiv(V, N)], gathered [rows, N * cdiv(V, N)] on every

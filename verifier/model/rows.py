@@ -15,6 +15,16 @@ import torch
 from hybrid_kernels.delta_rule_chunked import chunk_table
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on `device` that does not wait for the device: on CUDA through pinned
+    memory, asynchronously (a copy from pageable memory waits for every kernel queued before it, so
+    the host could not launch a forward while the one before still runs). The same values either way."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class RowBatch:
     """Rows of all sequences stacked in order; sequence s owns rows offsets[s] .. offsets[s+1].
@@ -94,7 +104,8 @@ class RowBatch:
     def _tensors(self, device) -> tuple[torch.Tensor, ...]:
         key = self._device_key(device)
         if key not in self._on_device:
-            packed = StepInputs(self.n_rows, len(self.slots), "cpu").fill(None, self).to(key)
+            on_cuda = torch.device(key).type == "cuda"
+            packed = StepInputs(self.n_rows, len(self.slots), "cpu", pin=on_cuda).fill(None, self).to(key, non_blocking=on_cuda)
             self._on_device[key] = packed.batch_tensors()
         return self._on_device[key]
 
@@ -119,7 +130,7 @@ class RowBatch:
         chunked delta rule aligns its sub-chunks to them; made once per batch and device)."""
         key = ("starts", self._device_key(device))
         if key not in self._prefill_on_device:
-            self._prefill_on_device[key] = torch.tensor(self.starts, dtype=torch.int32).to(key[1])
+            self._prefill_on_device[key] = to_device(torch.tensor(self.starts, dtype=torch.int32), key[1])
         return self._prefill_on_device[key]
 
     def chunk_table(self, chunk: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -127,7 +138,7 @@ class RowBatch:
         rule: kernels/delta_rule_chunked.py's chunk_table), made once per batch, chunk and device."""
         key = (chunk, self._device_key(device))
         if key not in self._prefill_on_device:
-            self._prefill_on_device[key] = chunk_table(self.starts, self.counts, chunk).to(key[1])
+            self._prefill_on_device[key] = to_device(chunk_table(self.starts, self.counts, chunk), key[1])
         return self._prefill_on_device[key]
 
     def carried_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
