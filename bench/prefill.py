@@ -142,8 +142,8 @@ def run(args) -> dict:
     if args.chunked_delta_rule:
         linear_attention.CHUNKED_PREFILL = True
     result["chunked_delta_rule"] = linear_attention.CHUNKED_PREFILL
-    if args.tiled_attention:
-        attend.TILED_PREFILL = True
+    if args.tiled_attention is not None:
+        attend.TILED_PREFILL = args.tiled_attention
     result["tiled_attention"] = attend.TILED_PREFILL
     workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
     try:
@@ -248,9 +248,9 @@ def parse_args(argv):
     parser.add_argument("--chunked-delta-rule", action="store_true",
                         help="GDN's prefill in chunked form (verifier/model/layers/linear_attention.py's CHUNKED_PREFILL); "
                              "recorded as chunked_delta_rule")
-    parser.add_argument("--tiled-attention", action="store_true",
-                        help="prefill's attention in tiles of rows (verifier/model/layers/attend.py's TILED_PREFILL); "
-                             "recorded as tiled_attention")
+    parser.add_argument("--tiled-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefill's attention in tiles of rows, or a program per row (verifier/model/layers/attend.py's "
+                             "TILED_PREFILL; None: its default); recorded as tiled_attention")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
     return parser.parse_args(argv)

@@ -30,6 +30,8 @@ FP8_TARGET_PROGRAMS: int | None = None
 # step's fp32 sum over raw weights (`raw_bf16`) times its block scale, the few-rows kernel making
 # the raw tile in registers, the many-rows kernel (`_linear_raw_kernel`) reading the raw weight
 # (`raw_weight`, kept by the caller). False: every weight is dequantized (rule 11's real weight).
+# Off: in the engine on an H100 the few-rows kernel took the same time either way and the raw
+# many-rows kernel several times the TMA path's (DESIGN.md section 6, rule 11).
 SCALE_AFTER_ON = False
 RAW_TILES = ((128, 128, 128, 8, 3), (64, 64, 128, 4, 4))  # many rows: (from rows, BLOCK_M, BLOCK_N, warps, stages)
 

@@ -12,7 +12,7 @@ from verifier.model.layers import attend, linear_attention
 @pytest.mark.parametrize("optional_forms", [False, True])
 def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypatch, optional_forms):
     monkeypatch.setattr(linear_attention, "CHUNKED_PREFILL", False)  # what --chunked-delta-rule sets, restored after
-    monkeypatch.setattr(attend, "TILED_PREFILL", False)  # what --tiled-attention sets
+    monkeypatch.setattr(attend, "TILED_PREFILL", False)  # what --[no-]tiled-attention sets
     code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "96", "--chunk", "16",
                          "--running", "3", "--arriving", "2", "--steps", "4", "--repeats", "2", "--cache-gb", "0.1"]
                         + (["--chunked-delta-rule", "--tiled-attention"] if optional_forms else []))
@@ -26,10 +26,12 @@ def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypat
     assert result["together_equals_alone"]
 
 
-def test_a_turn_of_one_chunk_steps_before_every_chunk(tmp_path):
+def test_a_turn_of_one_chunk_steps_before_every_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(attend, "TILED_PREFILL", True)  # the default, which --no-tiled-attention turns off
     code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "64", "--chunk", "16",
                          "--prefill-rows", "16", "--running", "2", "--arriving", "2", "--steps", "3", "--repeats", "1",
-                         "--cache-gb", "0.1"])
+                         "--cache-gb", "0.1", "--no-tiled-attention"])
     (path,) = tmp_path.glob("prefill_*.json")
     result = json.loads(path.read_text())
     assert code == 0 and result["prefill_rows"] == 16 and result["steps_arriving"] == 2 * 64 // 16
+    assert result["tiled_attention"] is False

@@ -1,7 +1,7 @@
 """Causal attention of rows over their slot's KV: shared by gated attention and MLA.
 
 On CUDA one Triton launch serves every row (kernels/attention.py walks each row's visible prefix
-in fixed blocks from position 0); with TILED_PREFILL, prefill's rows walk it in tiles of rows
+in fixed blocks from position 0); prefill's rows walk it in tiles of rows (TILED_PREFILL)
 (attend_prefill: each row's bits still its own, though not decode's). On the CPU, row-invariant mode computes each row alone over
 exactly its visible prefix, so a row's arithmetic is the same whether it is decoded alone or
 verified among K others; prefill batches a sequence's rows under a causal mask.
@@ -18,9 +18,9 @@ from ..rows import RowBatch
 from ..state import AttentionState
 
 # Prefill's attention in tiles of a sequence's rows (one load of a KV block serves every row of the
-# tile) instead of a program per row: off until `python -m bench.prefill --tiled-attention` shows
-# it faster on the GPU. Decode and verify never take it.
-TILED_PREFILL = False
+# tile) instead of a program per row; False: a program per row, as decode (`python -m bench.prefill
+# --no-tiled-attention` times that). Decode and verify never take it.
+TILED_PREFILL = True
 
 
 def write_kv(batch: RowBatch, state: AttentionState, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -25,8 +25,8 @@ from ..rollback import LayerRecord, Rollback, commit_window
 from ..rows import RowBatch
 from ..state import RecurrentState
 
-# GDN's prefill in chunked form instead of the serial walk: off until `python -m bench.delta_rule_prefill`
-# and `python -m bench.prefill --chunked-delta-rule` show it faster on the GPU
+# GDN's prefill in chunked form instead of the serial walk: off, many times slower than the serial
+# walk in the engine on an H100 (`python -m bench.prefill --chunked-delta-rule`; DESIGN.md section 6)
 CHUNKED_PREFILL = False
 
 # (conv outputs [n, conv_dim], *gate inputs [n, ...]) -> fp32 query, key [n, heads, d_k], value [n, heads, d_v],
