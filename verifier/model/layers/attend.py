@@ -1,8 +1,8 @@
 """Causal attention of rows over their slot's KV: shared by gated attention and MLA.
 
 On CUDA one Triton launch serves every row (kernels/attention.py walks each row's visible prefix
-in fixed blocks from position 0); prefill's rows walk it in tiles of rows (TILED_PREFILL)
-(attend_prefill: each row's bits still its own, though not decode's). On the CPU, row-invariant mode computes each row alone over
+in fixed blocks from position 0); a prefill's rows walk it in tiles of rows where TILED_PREFILL
+says so (attend_prefill: each row's bits its own, though not decode's). On the CPU, row-invariant mode computes each row alone over
 exactly its visible prefix, so a row's arithmetic is the same whether it is decoded alone or
 verified among K others; prefill batches a sequence's rows under a causal mask.
 """
