@@ -82,16 +82,6 @@ def apply_walk(kind: str, name: str) -> None:
     importlib.import_module(WALK_MODULES[kind]).SCALE_AFTER_ON = WALKS[name]
 
 
-def apply_k_ranges(ranges: int | None) -> int:
-    """Put the experts' scale-after walk in `ranges` K ranges at once (None: the code's default)
-    for this process -> the ranges it takes now (kernels/moe_grouped.py, SCALE_AFTER_RANGES)."""
-    import hybrid_kernels.moe_grouped as mg
-
-    if ranges is not None:
-        mg.SCALE_AFTER_RANGES = ranges
-    return mg.SCALE_AFTER_RANGES
-
-
 def current_walk(kind: str) -> str:
     """The name of the K walk `kind` of weights take now (the code's default, or what apply_walk set)."""
     import importlib

@@ -24,7 +24,7 @@ from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
 from verifier.model.config import ATTENTION
 from verifier.model.hf_config import config_from_dict
-from verifier.model.layers import attend, linear_attention
+from verifier.model.layers import attend, linear_attention, mlp
 from verifier.params import SamplingParams
 from verifier.server.config import ServerConfig
 from verifier.server.prefill import take_turn
@@ -145,6 +145,9 @@ def run(args) -> dict:
     if args.tiled_attention is not None:
         attend.TILED_PREFILL = args.tiled_attention
     result["tiled_attention"] = attend.TILED_PREFILL
+    if args.expert_tiles is not None:
+        mlp.PREFILL_EXPERT_TILES = args.expert_tiles
+    result["expert_tiles"] = mlp.PREFILL_EXPERT_TILES
     workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
     try:
         path = workdir / f"{args.config}-fp8"
@@ -251,6 +254,9 @@ def parse_args(argv):
     parser.add_argument("--tiled-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill's attention in tiles of rows, or a program per row (verifier/model/layers/attend.py's "
                              "TILED_PREFILL; None: its default); recorded as tiled_attention")
+    parser.add_argument("--expert-tiles", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefill's block-FP8 experts in blocks of 64 pairs, or decode's 16 (verifier/model/layers/mlp.py's "
+                             "PREFILL_EXPERT_TILES; None: its default); recorded as expert_tiles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
     return parser.parse_args(argv)

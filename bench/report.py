@@ -410,8 +410,9 @@ class Tables:
 
         def forms(d: dict) -> str:
             """Prefill's optional kernels the run took (absent: a file from before the switch)."""
-            taken = [label for key, label in (("chunked_delta_rule", "chunked delta rule"), ("tiled_attention", "tiled attention"))
-                     if d.get(key)]
+            labels = (("chunked_delta_rule", "chunked delta rule"), ("tiled_attention", "tiled attention"),
+                      ("expert_tiles", "expert tiles"))
+            taken = [label for key, label in labels if d.get(key)]
             return f", {', '.join(taken)}" if taken else ""
 
         found = newest(self.results, "prefill")

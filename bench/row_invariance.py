@@ -191,10 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
                         help="sweep the grouped FP8 experts with this K walk (bench/kernel_candidates.py's WALKS) "
                              "instead of the code's default; recorded as expert_walk")
-    parser.add_argument("--expert-k-ranges", type=int, choices=(1, 2, 4), default=None,
-                        help="sweep the experts' scale-after walk with K in this many ranges at once "
-                             "(kernels/moe_grouped.py, SCALE_AFTER_RANGES) instead of the code's default; recorded as "
-                             "expert_k_ranges")
     parser.add_argument("--dense-walk", choices=("scale-after", "dequantize"), default=None,
                         help="run the dense block-FP8 GEMMs with this K walk (bench/kernel_candidates.py's WALKS; "
                              "kernels/linear_fp8.py) instead of the code's default; recorded as dense_walk")
@@ -219,13 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.kernel_candidates import apply_winners
 
         candidates = {"kernel_candidates": apply_winners(args.candidates)}
-    from bench.kernel_candidates import apply_k_ranges, apply_walk, current_walk
+    from bench.kernel_candidates import apply_walk, current_walk
 
     for kind, walk in (("expert", args.expert_walk), ("dense", args.dense_walk)):
         if walk is not None:
             apply_walk(kind, walk)
         candidates[f"{kind}_walk"] = current_walk(kind)
-    candidates["expert_k_ranges"] = apply_k_ranges(args.expert_k_ranges)
     today = datetime.date.today().isoformat()
     out = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
            "max_rows": args.max_rows, "seed": args.seed, **candidates,

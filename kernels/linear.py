@@ -138,8 +138,6 @@ def _dot_rows_apart(b_x, b_w):
     broadcast product summed over K (numpy adds along K for every (row, column) alike) cannot
     depend on the other rows. The GPU's tl.dot has no such dependence and never takes this path.
     """
-    if len(b_x.shape) == 3:  # a batch of dots: [Q, BLOCK_M, BLOCK_K] @ [Q, BLOCK_K, BLOCK_N]
-        return tl.sum(b_x[:, :, :, None] * b_w[:, None, :, :], axis=2)
     return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
 
 
@@ -156,8 +154,7 @@ def _widen(b):
 @triton.jit
 def dot_acc(b_a, b_b, b_acc, INTERPRET: tl.constexpr):
     """b_acc + b_a [BLOCK_M, K] @ b_b [K, N] in fp32, each output row from its own input row: the one
-    accumulate step of every GEMM's K walk here (linear, linear_fp8, the grouped experts). Also a
-    batch of such dots, [Q, BLOCK_M, K] @ [Q, K, N] (the experts' K ranges walked at once).
+    accumulate step of every GEMM's K walk here (linear, linear_fp8, the grouped experts).
 
     Under the interpreter not tl.dot (see _dot_rows_apart): bf16 products are exact in fp32, so
     upcasting keeps the MMA's math up to summation order. fp32 operands: an IEEE dot (no TF32)."""

@@ -78,13 +78,14 @@ def moe_experts_fp8(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: t
 
 def moe_experts_routed(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                        scales: ExpertScales | None = None, out: torch.Tensor | None = None, *,
-                       defer_combine: bool = False) -> torch.Tensor | PendingCombine:
+                       defer_combine: bool = False, prefill: bool = False) -> torch.Tensor | PendingCombine:
     """`moe_experts` (scales None) or `moe_experts_fp8` on a routing already grouped by expert:
     kernels/moe_route.py's `route` (a MoE layer's routing launch) or moe_grouped.group_pairs.
     routing.counts is left all zero, as the next routing needs it.
     defer_combine: with at least one row, the experts' outputs before their weighted sum
     (moe_grouped.PendingCombine, out unused), for kernels/norms.py's add_rms_norm to finish: the
-    counts are zero again once it is finished."""
+    counts are zero again once it is finished.
+    prefill: the rows are a prefill's (moe_grouped.PREFILL_LAUNCH for block-FP8 experts of many)."""
     _check(x, routing.ids, routing.weights, w_gate, w_up, w_down, out, scales)
     e_all = w_gate.shape[0]
     check_tensor("moe_experts", "routing.counts", routing.counts, (e_all,), torch.int32, ("x", x), layout="[E]", contiguous=True)
@@ -95,7 +96,8 @@ def moe_experts_routed(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, 
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    return grouped_experts(contiguous_aligned(x), routing, w_gate, w_up, w_down, out, scales, defer_combine=defer_combine)
+    return grouped_experts(contiguous_aligned(x), routing, w_gate, w_up, w_down, out, scales, defer_combine=defer_combine,
+                           prefill=prefill)
 
 
 def _launch(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

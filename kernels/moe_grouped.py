@@ -48,6 +48,15 @@ FEW_ROWS_LAUNCH: dict[str, int] = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 
 MANY_ROWS = 64
 MANY_ROWS_LAUNCH: dict[str, int] = {}
 MMA_SYNC_ROWS = 32  # the most pairs a block may take: past it Triton multiplies with wgmma, whose bits differ here
+# A prefill's block-FP8 experts of many (`grouped_experts(prefill=True)`): blocks of 64 pairs and
+# wider feature tiles, so a chunk of a few thousand rows reads each expert's tiles a few times, not
+# once per 16 pairs. The blocks multiply with wgmma, whose sums are not mma.sync's: a prefill row's
+# bits are then not a decode's, which prefill need not give (DESIGN.md section 6), but the same under
+# any batching of prompts (the instruction and the K walks are fixed; a pair's block does not change
+# its arithmetic). Every prefill launch takes it, whatever its rows, where the model asks for it
+# (verifier/model/layers/mlp.py, PREFILL_EXPERT_TILES).
+PREFILL_LAUNCH: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N2": 128, "num_warps": 4, "num_stages": 3,
+                                  "num_warps2": 4, "num_stages2": 3}
 
 
 class GroupedConfig(NamedTuple):
@@ -164,6 +173,15 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
     return cfg._replace(**fields)
 
 
+def prefill_config(cfg: GroupedConfig, h: int, i: int) -> GroupedConfig:
+    """The pinned config `cfg` of block-FP8 experts of many [E, i, h] with PREFILL_LAUNCH's blocks,
+    tiles, warps and stages, fitted to the shape as grouped_config fits its own; the K walks are cfg's."""
+    fields = dict(PREFILL_LAUNCH)
+    for field, n in (("BLOCK_N", i), ("BLOCK_N2", h)):
+        fields[field] = _fit(fields[field], n)
+    return cfg._replace(**fields)
+
+
 # Block-FP8 experts apply each block scale to a K step's fp32 sum of raw weights (`raw_bf16`)
 # instead of dequantizing every weight, where the shapes allow (`scale_after`): about 1.5
 # instructions a weight against 3.5, which the few-row steps are bound by (DESIGN.md section 6,
@@ -176,36 +194,6 @@ def scale_after(k: int, n: int, block_k: int, scale_block_k: int) -> bool:
     each in one scale column, and features a multiple of 128 (whole tiles for every launch's feature
     tile). A function of the shapes and the pinned K step."""
     return k % block_k == 0 and scale_block_k % block_k == 0 and n % 128 == 0
-
-
-# The scale-after walk can take K as several ranges at once, where the K steps split evenly
-# (`k_ranges`): each program multiplies every range's tiles in one batched dot a step, a warp a
-# range, and adds the ranges' sums in ascending order at the end. At a few rows a program is bound
-# by its warps' chains of dependent instructions, one warp per scheduler, not by its bytes (DESIGN.md
-# section 6, "Where the FP8 step's time goes"); ranges give each warp independent chains. Another
-# association of the K sum, so other bits, but a function of the shapes, as the K walk must be:
-# every row count takes it. 1: one range, the walk as before (`python -m bench.fp8_real_size
-# --expert-k-ranges N` and `python -m bench.row_invariance --expert-k-ranges N` run the others).
-SCALE_AFTER_RANGES = 1
-
-
-def k_ranges(k: int, block_k: int) -> int:
-    """The K ranges the scale-after walk of a stage with K = k and K step block_k takes at once."""
-    return SCALE_AFTER_RANGES if k % (SCALE_AFTER_RANGES * block_k) == 0 else 1
-
-
-RANGES_SHARED_BYTES = 160 * 1024  # a stage walking K ranges at once pipelines at most this many bytes of tiles
-
-
-def _launch(flags: dict, warps: int, stages: int, stage_bytes: int) -> dict:
-    """A stage's warps and pipeline stages. Walking K in ranges at once (flags' K_RANGES): a warp a
-    range (Triton lays a batched dot's warps along its batch, so other counts would repeat work or
-    leave a range to fewer warps), and no more stages than RANGES_SHARED_BYTES holds (at least 2) of
-    stage_bytes a stage for one range. Neither changes what a pair computes."""
-    ranges = flags.get("K_RANGES", 1)
-    if ranges == 1:
-        return dict(num_warps=warps, num_stages=stages)
-    return dict(num_warps=ranges, num_stages=max(2, min(stages, RANGES_SHARED_BYTES // (ranges * stage_bytes))))
 
 
 def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -240,14 +228,12 @@ def _expert_block(counts, lists, R, E_ALL: tl.constexpr, BLOCK_E: tl.constexpr, 
 
 
 @triton.jit
-def _scaled_dot(b_x, p_w, p_s, k0, b_acc, SCALE_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+def _scaled_dot(b_x, p_w, scale_inv, p_s, k0, b_acc, SCALE_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """b_acc + (b_x @ raw(w tile)) * (its scale * 2^120): one K step of a walk that applies the block
-    scale to the step's fp32 sum instead of to each weight (the step lies in one scale column).
-    Batched over the K ranges walked at once: b_x [Q, BLOCK_M, BLOCK_K], the weight tiles p_w
-    [Q, BLOCK_K, BLOCK_N], their scales p_s [Q, 1, BLOCK_N], b_acc [Q, BLOCK_M, BLOCK_N]."""
-    b_s = tl.load(p_s + k0 // SCALE_BLOCK_K)
+    scale to the step's fp32 sum instead of to each weight (the step lies in one scale column)."""
+    b_s = tl.load(scale_inv + p_s + k0 // SCALE_BLOCK_K)  # [1, BLOCK_N]
     b_w = raw_bf16(tl.load(p_w), INTERPRET)
-    return scale_step(b_acc, dot_acc(b_x, b_w, tl.zeros(b_acc.shape, dtype=tl.float32), INTERPRET), b_s)
+    return scale_step(b_acc, dot_acc(b_x, b_w, tl.zeros([b_x.shape[0], b_w.shape[1]], dtype=tl.float32), INTERPRET), b_s)
 
 
 @triton.jit
@@ -266,26 +252,6 @@ def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
     return b_w
 
 
-@triton.jit
-def _ranges(o_k, Q: tl.constexpr, K: tl.constexpr):
-    """[Q, 1, 1] offsets of the Q ranges of K (each K / Q long, consecutive) walked at once, and a
-    step's offsets o_k [BLOCK_K] placed along the last axis ([1, 1, BLOCK_K]) and the middle ([1, BLOCK_K, 1])."""
-    q_off = tl.arange(0, Q)[:, None, None] * (K // Q)
-    return q_off, o_k[None, None, :], o_k[None, :, None]
-
-
-@triton.jit
-def _sum_ranges(b_acc3):
-    """[Q, BLOCK_M, BLOCK_N] sums of the Q ranges -> [BLOCK_M, BLOCK_N]: range 0's, plus range 1's,
-    and so on in ascending order, whatever the layout: each range is taken out alone (a sum with
-    zeros, exact) before it is added."""
-    o_q = tl.arange(0, b_acc3.shape[0])[:, None, None]
-    b_sum = tl.sum(tl.where(o_q == 0, b_acc3, 0.0), axis=0)
-    for q in tl.static_range(1, b_acc3.shape[0]):
-        b_sum = b_sum + tl.sum(tl.where(o_q == q, b_acc3, 0.0), axis=0)
-    return b_sum
-
-
 @triton.jit(do_not_specialize=["R"])
 def _grouped_hidden_kernel(
     x, counts, lists, w_gate, w_up, hidden,
@@ -295,7 +261,7 @@ def _grouped_hidden_kernel(
     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    SCALE_AFTER: tl.constexpr = False, K_RANGES: tl.constexpr = 1, PDL: tl.constexpr = False,
+    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -319,35 +285,16 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALE_AFTER & (K_RANGES == 1):  # whole tiles, one scale column a step (`scale_after`)
+    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
         p_gs = gate_scale + i_e * stride_se + p_sg
         p_us = up_scale + i_e * stride_se + p_su
         for k0 in range(0, H, BLOCK_K):
             b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
-            b_g = _scaled_dot(b_x, p_g, p_gs, k0, b_g, SCALE_BLOCK_K, INTERPRET)
-            b_u = _scaled_dot(b_x, p_u, p_us, k0, b_u, SCALE_BLOCK_K, INTERPRET)
+            b_g = _scaled_dot(b_x, p_g, p_gs, 0, k0, b_g, SCALE_BLOCK_K, INTERPRET)
+            b_u = _scaled_dot(b_x, p_u, p_us, 0, k0, b_u, SCALE_BLOCK_K, INTERPRET)
             p_x += BLOCK_K
             p_g += BLOCK_K
             p_u += BLOCK_K
-    if SCALE_AFTER & (K_RANGES > 1):  # the same, H walked as K_RANGES ranges at once (`k_ranges`)
-        q_off, o_kx, o_kw = _ranges(o_k, K_RANGES, H)
-        p_x3 = x + b_row[None, :, None] * H + q_off + o_kx  # [Q, BLOCK_M, BLOCK_K]
-        o_w3 = i_e.to(tl.int64) * (I * H) + o_n[None, None, :].to(tl.int64) * H + q_off + o_kw  # [Q, BLOCK_K, BLOCK_N]
-        p_g3 = w_gate + o_w3
-        p_u3 = w_up + o_w3
-        p_gs = gate_scale + i_e * stride_se + p_sg[None, :, :] + q_off // SCALE_BLOCK_K  # [Q, 1, BLOCK_N]
-        p_us = up_scale + i_e * stride_se + p_su[None, :, :] + q_off // SCALE_BLOCK_K
-        b_g3 = tl.zeros([K_RANGES, BLOCK_M, BLOCK_N], dtype=tl.float32)
-        b_u3 = tl.zeros([K_RANGES, BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H // K_RANGES, BLOCK_K):
-            b_x3 = tl.load(p_x3, mask=m_p[None, :, None], other=0.0)
-            b_g3 = _scaled_dot(b_x3, p_g3, p_gs, k0, b_g3, SCALE_BLOCK_K, INTERPRET)
-            b_u3 = _scaled_dot(b_x3, p_u3, p_us, k0, b_u3, SCALE_BLOCK_K, INTERPRET)
-            p_x3 += BLOCK_K
-            p_g3 += BLOCK_K
-            p_u3 += BLOCK_K
-        b_g = _sum_ranges(b_g3)
-        b_u = _sum_ranges(b_u3)
     # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
     # the weights' tiles; padded pairs (past the expert's count) are masked, read nothing, never stored.
     # Whole tiles (a function of the shapes) drop the masks along K and the features
@@ -386,7 +333,7 @@ def _grouped_down_kernel(
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
-    SCALE_AFTER: tl.constexpr = False, K_RANGES: tl.constexpr = 1, PDL: tl.constexpr = False,
+    SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -405,25 +352,13 @@ def _grouped_down_kernel(
         p_srow = scale_row_offsets(down_scale_row, o_n, m_n, stride_sn)
 
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALE_AFTER & (K_RANGES == 1):  # whole tiles, one scale column a step (`scale_after`)
+    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
         p_ds = down_scale + i_e * stride_se + p_srow
         for k0 in range(0, I, BLOCK_K):
             b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
-            b_y = _scaled_dot(b_h, p_w, p_ds, k0, b_y, SCALE_BLOCK_K, INTERPRET)
+            b_y = _scaled_dot(b_h, p_w, p_ds, 0, k0, b_y, SCALE_BLOCK_K, INTERPRET)
             p_h += BLOCK_K
             p_w += BLOCK_K
-    if SCALE_AFTER & (K_RANGES > 1):  # the same, I walked as K_RANGES ranges at once (`k_ranges`)
-        q_off, o_kx, o_kw = _ranges(o_k, K_RANGES, I)
-        p_h3 = hidden + b_pair[None, :, None] * I + q_off + o_kx  # [Q, BLOCK_M, BLOCK_K]
-        p_w3 = w_down + i_e.to(tl.int64) * (H * I) + o_n[None, None, :].to(tl.int64) * I + q_off + o_kw  # [Q, BLOCK_K, BLOCK_N]
-        p_ds = down_scale + i_e * stride_se + p_srow[None, :, :] + q_off // SCALE_BLOCK_K  # [Q, 1, BLOCK_N]
-        b_y3 = tl.zeros([K_RANGES, BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I // K_RANGES, BLOCK_K):
-            b_h3 = tl.load(p_h3, mask=m_p[None, :, None], other=0.0)
-            b_y3 = _scaled_dot(b_h3, p_w3, p_ds, k0, b_y3, SCALE_BLOCK_K, INTERPRET)
-            p_h3 += BLOCK_K
-            p_w3 += BLOCK_K
-        b_y = _sum_ranges(b_y3)
     for k0 in range(0, 0 if SCALE_AFTER else I, BLOCK_K):
         if (I % BLOCK_K == 0) & (H % BLOCK_N == 0):
             b_h = tl.load(p_h, mask=m_p[:, None], other=0.0)
@@ -547,14 +482,16 @@ def group_pairs(expert_ids: torch.Tensor, expert_weights: torch.Tensor, n_expert
 
 def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                     out: torch.Tensor | None, scales: tuple[BlockScales, BlockScales, BlockScales] | None,
-                    config: GroupedConfig | None = None, *, defer_combine: bool = False) -> torch.Tensor | PendingCombine:
+                    config: GroupedConfig | None = None, *, defer_combine: bool = False,
+                    prefill: bool = False) -> torch.Tensor | PendingCombine:
     """The three launches on arguments kernels/moe.py has checked (x contiguous and 16-byte aligned:
     stage 1 is specialised on it; ids and weights contiguous,
     out [R, H] contiguous, R >= 1; routing's counts and lists as kernels/moe_route.py leaves them);
     scales None: weights in x's dtype. Fills and returns out, and sets routing.counts back to zero.
     config: overrides `grouped_config` and `launch_for_rows` (bench.fp8_configs times candidates):
     that one config then runs every row count, so the rows stay invariant under it too.
-    defer_combine: return the PendingCombine (out unused) for a consumer that finishes it itself."""
+    defer_combine: return the PendingCombine (out unused) for a consumer that finishes it itself.
+    prefill: the rows are a prefill's: block-FP8 experts of many take PREFILL_LAUNCH (`prefill_config`)."""
     r, h = x.shape
     slots = routing.ids.shape[1]
     e, i, _ = w_gate.shape
@@ -563,7 +500,7 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     if cfg is None:
         cfg = grouped_config(h, i, x.dtype, e, slots, fp8=scales is not None)
         if scales is not None and x.dtype == torch.bfloat16 and many_experts(e, slots):
-            cfg = launch_for_rows(cfg, r, h, i)
+            cfg = prefill_config(cfg, h, i) if prefill else launch_for_rows(cfg, r, h, i)
     hidden = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)  # [P, I] by pair
     expert_out = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)  # [P, H] by pair
     n_blocks = block_bound(n_pairs, e, cfg.BLOCK_M)
@@ -579,21 +516,18 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
         after = (SCALE_AFTER_ON and scale_after(h, i, cfg.BLOCK_K, gate.block_k),
                  SCALE_AFTER_ON and scale_after(i, h, cfg.BLOCK_K2, down.block_k))
         hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0,
-                            SCALE_AFTER=after[0], K_RANGES=k_ranges(h, cfg.BLOCK_K) if after[0] else 1)
+                            SCALE_AFTER=after[0])
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0,
-                          SCALE_AFTER=after[1], K_RANGES=k_ranges(i, cfg.BLOCK_K2) if after[1] else 1)
-    # a step's tiles of one K range: x's (2 bytes a value) and the fp8 weights' (gate and up in stage 1)
-    hidden_launch = _launch(hidden_flags, cfg.num_warps, cfg.num_stages, cfg.BLOCK_K * (2 * cfg.BLOCK_M + 2 * cfg.BLOCK_N))
-    down_launch = _launch(down_flags, cfg.num_warps2, cfg.num_stages2, cfg.BLOCK_K2 * (2 * cfg.BLOCK_M + cfg.BLOCK_N2))
+                          SCALE_AFTER=after[1])
     _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
-        H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags, **hidden_launch,
-        **launch_options(x.device),
+        H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     _grouped_down_kernel[(n_blocks, triton.cdiv(h, cfg.BLOCK_N2))](
         hidden, routing.counts, routing.lists, w_down, expert_out, *down_fp8,
-        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags, **down_launch,
-        **launch_options(x.device),
+        H=h, I=i, BLOCK_N=cfg.BLOCK_N2, BLOCK_K=cfg.BLOCK_K2, **grouping, **down_flags,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **launch_options(x.device),
     )
     pending = PendingCombine(expert_out, routing.ids, routing.weights, routing.counts, x.dtype)
     return pending if defer_combine else pending.finish(out, cfg.BLOCK_H, cfg.num_warps)

@@ -224,23 +224,26 @@ def test_both_walks_match_their_reference_and_keep_rows_invariant(device, monkey
         assert torch.equal(part, got[:rows]), f"the first {rows} rows differ from the same rows among {r}"
 
 
-@pytest.mark.parametrize("ranges", [1, 2, 4])
-def test_scale_after_walk_in_k_ranges_matches_the_reference_and_keeps_rows_invariant(device, monkeypatch, ranges):
-    """The scale-after walk taking K as 1, 2 or 4 ranges at once (`k_ranges`; H = I = 512 gives 4,
-    2 and 1 K steps a range): within the tolerance of the fp32 real weights' reference, and each
-    row's bits alone equal its bits among 3 and 17 rows."""
-    import hybrid_kernels.moe_grouped as mg
+def test_a_prefill_launch_matches_the_reference_and_keeps_rows_invariant(device):
+    """A prefill's launch (moe_grouped.PREFILL_LAUNCH: blocks of 64 pairs, wide feature tiles) of
+    block-FP8 experts of many: within the tolerance of the fp32 real weights' reference, and each
+    row's bits alone equal its bits among 3 and 70 rows (a block of 64 pairs and more)."""
+    from hybrid_kernels.moe import moe_experts_routed
+    from hybrid_kernels.moe_grouped import PREFILL_LAUNCH, group_pairs, many_experts
 
-    monkeypatch.setattr(mg, "SCALE_AFTER_RANGES", ranges)
-    r, h, i, e, t, block = 17, 512, 512, 9, 2, (128, 128)
-    assert mg.k_ranges(h, 128) == ranges and mg.k_ranges(i, 128) == ranges
-    args = make(r, h, i, e, t, block, torch.bfloat16, device, seed=7)
-    got = moe_experts_fp8(*args)
-    x, ids, weights, w_gate, w_up, w_down, scales = on_cpu(*args)
-    real = [dequantize_ref(w, sc, torch.float32) for w, sc in zip((w_gate, w_up, w_down), scales)]
-    assert_close(f"moe_experts_fp8, scale-after walk in {ranges} ranges", got.cpu(),
-                 moe_experts_ref(x.float(), ids, weights, *real), *TOLERANCE[torch.bfloat16])
-    x, ids, weights, *rest = args
+    r, h, i, e, t, block = 70, 256, 256, 17, 2, (128, 128)
+    assert many_experts(e, t) and PREFILL_LAUNCH["BLOCK_M"] == 64
+    args = make(r, h, i, e, t, block, torch.bfloat16, device, seed=9)
+    x, ids, weights, w_gate, w_up, w_down, scales = args
+
+    def prefill(rows: int) -> torch.Tensor:
+        routing = group_pairs(ids[:rows].contiguous(), weights[:rows].float().contiguous(), e)
+        return moe_experts_routed(x[:rows], routing, w_gate, w_up, w_down, scales, prefill=True)
+
+    got = prefill(r)
+    cx, cids, cweights, *cw, cscales = on_cpu(*args)
+    real = [dequantize_ref(w, sc, torch.float32) for w, sc in zip(cw, cscales)]
+    assert_close("moe_experts_routed, prefill launch", got.cpu(), moe_experts_ref(cx.float(), cids, cweights, *real),
+                 *TOLERANCE[torch.bfloat16])
     for rows in (1, 3):
-        part = moe_experts_fp8(x[:rows], ids[:rows], weights[:rows], *rest)
-        assert torch.equal(part, got[:rows]), f"the first {rows} rows differ from the same rows among {r}"
+        assert torch.equal(prefill(rows), got[:rows]), f"the first {rows} rows differ from the same rows among {r}"

@@ -180,8 +180,8 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
     parallel: each block's mixer and MLP outputs are this rank's partial sums [rows, H] (their
     output projections split by inputs), added across ranks in rank order before the add and norm
     (TensorParallel.sum: row-invariant, the same bits on every rank).
-    prefill: the rows are a prompt's, every one committed (the attention layers may take prefill's
-    kernel: verifier/model/layers/attend.py); an MTP head's rows never are."""
+    prefill: the rows are a prompt's, every one committed (the attention layers and the experts may
+    take prefill's kernels: verifier/model/layers/attend.py, mlp.py); an MTP head's rows never are."""
     eps, zero_centred = config.rms_norm_eps, config.zero_centred_norm
 
     def add_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +200,7 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
         if parallel is not None:
             mixed = parallel.sum(mixed)
         h, x = each_row(lambda a, b: add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)
-        mlp_out = each_row(lambda t: block.mlp.forward(t, into_add_norm=True), x, row_invariant=row_invariant)
+        mlp_out = each_row(lambda t: block.mlp.forward(t, into_add_norm=True, prefill=prefill), x, row_invariant=row_invariant)
         if parallel is not None:
             mlp_out = parallel.sum(mlp_out)
         h, x = each_row(lambda a, b: add_norm(a, b, next_norm), h, mlp_out, row_invariant=row_invariant)

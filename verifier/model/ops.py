@@ -99,14 +99,17 @@ def head_logits(x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None 
     return logits if out is None else out.copy_(logits)
 
 
-def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down, *, into_add_norm: bool = False) -> torch.Tensor | PendingCombine:
+def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down, *, into_add_norm: bool = False,
+                   prefill: bool = False) -> torch.Tensor | PendingCombine:
     """A MoE layer's experts (kernels/moe.py): x [rows, H]; routing: (ids, fp32 weights) [rows,
     slots], on CUDA normally the routing launch's Routing (its pairs already grouped by expert);
     stacked expert weights [E, I, H], [E, I, H], [E, H, I], all tensors in x's dtype or all
     BlockFP8Weight -> [rows, H].
     into_add_norm: the result goes only to add_rms_norm: on CUDA the experts' outputs before their
     weighted sum (hybrid_kernels.moe_grouped.PendingCombine), which the norm's kernel finishes
-    bitwise as the combine would: one launch fewer a MoE layer."""
+    bitwise as the combine would: one launch fewer a MoE layer.
+    prefill: the rows are a prefill's: on CUDA block-FP8 experts of many take prefill's launch
+    (kernels/moe_grouped.py, PREFILL_LAUNCH)."""
     fp8 = isinstance(w_gate, BlockFP8Weight)
     weights = (w_gate.data, w_up.data, w_down.data) if fp8 else (w_gate, w_up, w_down)
     scales = (w_gate.scales, w_up.scales, w_down.scales) if fp8 else None
@@ -114,7 +117,7 @@ def routed_experts(x: torch.Tensor, routing, w_gate, w_up, w_down, *, into_add_n
     if grouped is not None:
         if not isinstance(routing, Routing):
             routing = group_pairs(routing[0].contiguous(), routing[1].float().contiguous(), weights[0].shape[0])
-        return grouped(x, routing, *weights, scales, defer_combine=into_add_norm)
+        return grouped(x, routing, *weights, scales, defer_combine=into_add_norm, prefill=prefill)
     ids, expert_weights = routing[0], routing[1].float()
     if fp8:
         return moe.moe_experts_fp8_ref(x, ids, expert_weights, *weights, scales)

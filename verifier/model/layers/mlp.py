@@ -27,6 +27,12 @@ from ..ops import linear, routed_experts
 from ..config import ModelConfig, MoEConfig
 
 
+# A prefill's block-FP8 experts in blocks of 64 pairs (kernels/moe_grouped.py, PREFILL_LAUNCH)
+# instead of decode's 16; False: decode's launches (`python -m bench.prefill --[no-]expert-tiles`).
+# Decode, verify and the MTP head never take it.
+PREFILL_EXPERT_TILES = False
+
+
 class DenseMLP:
     def __init__(self, src: TensorSource, prefix: str, hidden: int, intermediate: int):
         # gate | up in one GEMM: one launch reads both weights
@@ -35,9 +41,10 @@ class DenseMLP:
         self.intermediate = intermediate
         self.w_down = src.take(prefix + "down_proj.weight", (hidden, intermediate))
 
-    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor | SplitSums:
+    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False, prefill: bool = False) -> torch.Tensor | SplitSums:
         """into_add_norm: the output goes only to the residual stream's add_rms_norm (a block's MLP,
-        not a shared expert), so a split-K down projection may hand over its sums (ops.linear)."""
+        not a shared expert), so a split-K down projection may hand over its sums (ops.linear).
+        prefill: the rows are a prefill's (the same arithmetic here)."""
         silu_mul = pick(swiglu.silu_mul, swiglu.silu_mul_ref, x)  # silu(gate) * up in one launch on CUDA
         return linear(silu_mul(linear(x, self.w_gate_up), self.intermediate), self.w_down, into_add_norm=into_add_norm)
 
@@ -143,15 +150,17 @@ class MoE:
         weights = (weights * m.routed_scaling_factor).to(weight_dtype).float()
         return moe_route.with_shared(ids, weights, m.n_experts, None) if self.shared_folded else (ids, weights)
 
-    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False) -> torch.Tensor | PendingCombine:
+    def forward(self, x: torch.Tensor, *, into_add_norm: bool = False, prefill: bool = False) -> torch.Tensor | PendingCombine:
         """into_add_norm: the output goes only to the residual stream's add_rms_norm: on CUDA, with
         no unfolded shared expert to add, the experts' weighted sum is left to that norm's kernel
-        (ops.routed_experts)."""
+        (ops.routed_experts).
+        prefill: the rows are a prefill's: the experts may take prefill's launch (PREFILL_EXPERT_TILES)."""
         routing = self.route(x)
         # Per row, its experts in ascending id order, fp32 accumulation (kernels/moe.py): no host
         # sync on the routing, so a CUDA graph can capture it.
         try:
-            out = routed_experts(x, routing, self.w_gate, self.w_up, self.w_down, into_add_norm=into_add_norm and self.shared is None)
+            out = routed_experts(x, routing, self.w_gate, self.w_up, self.w_down, into_add_norm=into_add_norm and self.shared is None,
+                                 prefill=prefill and PREFILL_EXPERT_TILES)
         except BaseException:  # the combine never ran: the counts go back to zero here, or the next routing starts off them
             self.counts.zero_()
             raise
