@@ -411,6 +411,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
                         help="run the grouped FP8 experts with this K walk (bench/kernel_candidates.py's WALKS) "
                              "instead of the code's default; recorded as expert_walk")
+    parser.add_argument("--expert-k-parts", type=int, choices=(1, 2), default=None,
+                        help="run stage 1 of the experts' scale-after walk with H summed in this many parts "
+                             "(kernels/moe_grouped.py, SCALE_AFTER_PARTS) instead of the code's default; recorded as "
+                             "expert_k_parts")
     parser.add_argument("--dense-walk", choices=("scale-after", "dequantize"), default=None,
                         help="run the dense block-FP8 GEMMs with this K walk (bench/kernel_candidates.py's WALKS; "
                              "kernels/linear_fp8.py) instead of the code's default; recorded as dense_walk")
@@ -443,12 +447,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         result["kernel_candidates"] = apply_winners(args.candidates)
         log(f"kernel candidates from {args.candidates}: {result['kernel_candidates']}")
-    from bench.kernel_candidates import apply_walk, current_walk
+    from bench.kernel_candidates import apply_k_parts, apply_walk, current_walk
 
     for kind, walk in (("expert", args.expert_walk), ("dense", args.dense_walk)):
         if walk is not None:
             apply_walk(kind, walk)
         result[f"{kind}_walk"] = current_walk(kind)
+    result["expert_k_parts"] = apply_k_parts(args.expert_k_parts)
     import hybrid_kernels.moe_grouped as mg
 
     # the launches that follow the row count, as this run has them (pinned, or a candidate's)

@@ -82,6 +82,16 @@ def apply_walk(kind: str, name: str) -> None:
     importlib.import_module(WALK_MODULES[kind]).SCALE_AFTER_ON = WALKS[name]
 
 
+def apply_k_parts(parts: int | None) -> int:
+    """Put stage 1 of the experts' scale-after walk in `parts` K parts (None: the code's default) for
+    this process -> the parts it takes now (kernels/moe_grouped.py, SCALE_AFTER_PARTS)."""
+    import hybrid_kernels.moe_grouped as mg
+
+    if parts is not None:
+        mg.SCALE_AFTER_PARTS = parts
+    return mg.SCALE_AFTER_PARTS
+
+
 def current_walk(kind: str) -> str:
     """The name of the K walk `kind` of weights take now (the code's default, or what apply_walk set)."""
     import importlib

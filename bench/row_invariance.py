@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
                         help="sweep the grouped FP8 experts with this K walk (bench/kernel_candidates.py's WALKS) "
                              "instead of the code's default; recorded as expert_walk")
+    parser.add_argument("--expert-k-parts", type=int, choices=(1, 2), default=None,
+                        help="sweep stage 1 of the experts' scale-after walk with H summed in this many parts "
+                             "(kernels/moe_grouped.py, SCALE_AFTER_PARTS) instead of the code's default; recorded as "
+                             "expert_k_parts")
     parser.add_argument("--dense-walk", choices=("scale-after", "dequantize"), default=None,
                         help="run the dense block-FP8 GEMMs with this K walk (bench/kernel_candidates.py's WALKS; "
                              "kernels/linear_fp8.py) instead of the code's default; recorded as dense_walk")
@@ -215,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         from bench.kernel_candidates import apply_winners
 
         candidates = {"kernel_candidates": apply_winners(args.candidates)}
-    from bench.kernel_candidates import apply_walk, current_walk
+    from bench.kernel_candidates import apply_k_parts, apply_walk, current_walk
 
     for kind, walk in (("expert", args.expert_walk), ("dense", args.dense_walk)):
         if walk is not None:
             apply_walk(kind, walk)
         candidates[f"{kind}_walk"] = current_walk(kind)
+    candidates["expert_k_parts"] = apply_k_parts(args.expert_k_parts)
     today = datetime.date.today().isoformat()
     out = {"device": device_name("cuda"), "date": today, "torch": torch.__version__, "triton": triton.__version__,
            "max_rows": args.max_rows, "seed": args.seed, **candidates,

@@ -196,6 +196,48 @@ def scale_after(k: int, n: int, block_k: int, scale_block_k: int) -> bool:
     return k % block_k == 0 and scale_block_k % block_k == 0 and n % 128 == 0
 
 
+# The scale-after walk of stage 1 sums H in this many parts apart and adds them in ascending order
+# (`k_parts`: 1 or 2; 1 walks H as one sum). With two, a launch of up to FEW_ROWS rows splits each
+# feature tile's parts over two programs (grid axis 2), the second to finish adding the first's
+# sums to its own, and every other launch walks both parts in one program: the same bits either
+# way (a sum of two cannot depend on its order), so a row's bits stay its own at every row count.
+# The aim: at a few rows stage 1 is bound by its warps' chains of dependent instructions, one warp
+# per scheduler (DESIGN.md section 6, "Why a few-row program is slow"), and two programs a tile
+# give twice the warps, each with half the chain. Off until the engine shows it faster
+# (`python -m bench.fp8_real_size --expert-k-parts 2`, `python -m bench.row_invariance --expert-k-parts 2`).
+SCALE_AFTER_PARTS = 1
+
+
+def k_parts(h: int, block_k: int, after: bool) -> int:
+    """The parts stage 1's K walk over h sums apart: SCALE_AFTER_PARTS where the walk is scale-after
+    and the parts are whole K steps, else 1. A function of the shapes."""
+    return SCALE_AFTER_PARTS if after and h % (SCALE_AFTER_PARTS * block_k) == 0 else 1
+
+
+class _PartBuffers:
+    """Per device, the split stage 1's partial sums and tickets, grown as needed and kept: a ticket
+    is 0 between launches (the second program to arrive sets it back), so one set serves every layer
+    and every step on the device's stream. Made before a CUDA graph captures a launch that uses it
+    (the engine runs each launch once before it captures)."""
+
+    def __init__(self):
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, partial_numel: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._by_device.get(device)
+        if held is None or held[0].numel() < partial_numel or held[1].numel() < tickets:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("grouped experts: the split stage 1's buffers must be made before a CUDA graph captures "
+                                   "its launch (run the launch once first)")
+            held = (torch.empty(max(partial_numel, 0 if held is None else held[0].numel()), dtype=torch.float32, device=device),
+                    torch.zeros(max(tickets, 0 if held is None else held[1].numel()), dtype=torch.int32, device=device))
+            self._by_device[device] = held
+        return held
+
+
+_PART_BUFFERS = _PartBuffers()
+
+
 def block_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
     """The most blocks n_pairs pairs over n_experts experts can need: with n experts owning pairs,
     sum of cdiv(count_e, block_m) <= n + (n_pairs - n) // block_m, largest at n = min(E, P)."""
@@ -252,6 +294,31 @@ def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
     return b_w
 
 
+@triton.jit
+def _add_other_part(b_g, b_u, partials, tickets, b_pair, o_n, m_t, i_s, PARTIAL_ROWS: tl.constexpr, I: tl.constexpr):
+    """Stage 1 with H in two parts walked by two programs (grid axis 2): this program's sums of its
+    part (b_g, b_u [BLOCK_M, BLOCK_N]) go to partials [2 parts, 2 (gate, up), PARTIAL_ROWS pairs, I];
+    the tile's ticket counts the programs done, and the second to arrive reads the other's sums and
+    returns (own + other, for gate and up; a sum of two whose order cannot matter, so it equals the
+    one-program walk's part 0 + part 1) and a mask of trues, after setting the ticket back to 0 for
+    the next launch. The first returns a mask of falses: it stores nothing. Stores are made visible before the ticket's release (a
+    barrier, then the acquire-release add); the other's sums are read past L1 (".cg")."""
+    o_t = b_pair[:, None].to(tl.int64) * I + o_n[None, :]  # [BLOCK_M, BLOCK_N] within one part's gate or up
+    p_own = partials + i_s * (2 * PARTIAL_ROWS * I) + o_t
+    tl.store(p_own, b_g, mask=m_t)
+    tl.store(p_own + PARTIAL_ROWS * I, b_u, mask=m_t)
+    tl.debug_barrier()
+    p_ticket = tickets + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(p_ticket, 1, sem="acq_rel")
+    last = (tl.zeros(m_t.shape, dtype=tl.int32) + arrived) == 1  # [BLOCK_M, BLOCK_N], a mask's shape
+    if arrived == 1:
+        p_other = partials + (1 - i_s) * (2 * PARTIAL_ROWS * I) + o_t
+        b_g = b_g + tl.load(p_other, mask=m_t, other=0.0, cache_modifier=".cg")
+        b_u = b_u + tl.load(p_other + PARTIAL_ROWS * I, mask=m_t, other=0.0, cache_modifier=".cg")
+        tl.store(p_ticket, 0)
+    return b_g, b_u, last
+
+
 @triton.jit(do_not_specialize=["R"])
 def _grouped_hidden_kernel(
     x, counts, lists, w_gate, w_up, hidden,
@@ -262,6 +329,8 @@ def _grouped_hidden_kernel(
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1, ONE_SCALE_COLUMN: tl.constexpr = False,
     SCALE_AFTER: tl.constexpr = False, PDL: tl.constexpr = False,
+    partials=None, tickets=None, PARTIAL_ROWS: tl.constexpr = 1,  # K parts across programs: their sums and arrivals
+    K_PARTS: tl.constexpr = 1, K_SPLITS: tl.constexpr = 1,
 ):
     # first (it calls after_previous: kernels/dependent_launch.py); o_p, m_p: [BLOCK_M]
     i_e, b_pair, m_p = _expert_block(counts, lists, R, E, BLOCK_E, BLOCK_M, PDL)
@@ -285,16 +354,30 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`)
+    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`); H in K_PARTS parts summed apart (`k_parts`)
         p_gs = gate_scale + i_e * stride_se + p_sg
         p_us = up_scale + i_e * stride_se + p_su
-        for k0 in range(0, H, BLOCK_K):
-            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
-            b_g = _scaled_dot(b_x, p_g, p_gs, 0, k0, b_g, SCALE_BLOCK_K, INTERPRET)
-            b_u = _scaled_dot(b_x, p_u, p_us, 0, k0, b_u, SCALE_BLOCK_K, INTERPRET)
-            p_x += BLOCK_K
-            p_g += BLOCK_K
-            p_u += BLOCK_K
+        i_s = tl.program_id(2)  # with K_SPLITS programs a tile, the part this one walks
+        for q in tl.static_range(K_PARTS // K_SPLITS):  # this program's parts, in ascending order
+            k_begin = (i_s + q * K_SPLITS) * (H // K_PARTS)
+            b_pg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            b_pu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            p_xq, p_gq, p_uq = p_x + k_begin, p_g + k_begin, p_u + k_begin
+            for k0 in range(k_begin, k_begin + H // K_PARTS, BLOCK_K):
+                b_x = tl.load(p_xq, mask=m_p[:, None], other=0.0)
+                b_pg = _scaled_dot(b_x, p_gq, p_gs, 0, k0, b_pg, SCALE_BLOCK_K, INTERPRET)
+                b_pu = _scaled_dot(b_x, p_uq, p_us, 0, k0, b_pu, SCALE_BLOCK_K, INTERPRET)
+                p_xq += BLOCK_K
+                p_gq += BLOCK_K
+                p_uq += BLOCK_K
+            if q == 0:  # one part: its sum as it is (no add of a zero, which would turn -0 into +0)
+                b_g, b_u = b_pg, b_pu
+            else:
+                b_g, b_u = b_g + b_pg, b_u + b_pu
+    m_h = m_p[:, None] & m_n[None, :]  # the tile's stored elements
+    if SCALE_AFTER and (K_SPLITS > 1):  # two programs, a part each: the last to finish adds the other's sums to its own
+        b_g, b_u, last = _add_other_part(b_g, b_u, partials, tickets, b_pair, o_n, m_h, tl.program_id(2), PARTIAL_ROWS, I)
+        m_h = m_h & last  # the first to finish stores nothing
     # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
     # the weights' tiles; padded pairs (past the expert's count) are masked, read nothing, never stored.
     # Whole tiles (a function of the shapes) drop the masks along K and the features
@@ -321,7 +404,7 @@ def _grouped_hidden_kernel(
         p_u += BLOCK_K
     b_h = tl.math.div_rn(b_g, 1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u as torch: g / (1 + exp(-g))
     p_h = hidden + b_pair[:, None].to(tl.int64) * I + o_n[None, :]  # by pair
-    tl.store(p_h, cast_rtne(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_p[:, None] & m_n[None, :])
+    tl.store(p_h, cast_rtne(b_h, hidden.dtype.element_ty, INTERPRET), mask=m_h)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -509,17 +592,25 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_u
     # scale pointers, strides and flags per stage (unused placeholders without FP8)
     hidden_fp8, down_fp8 = (x, x, x, x, 0, 0), (x, x, 0, 0)
     hidden_flags, down_flags = {}, {}
+    splits = 1  # programs a stage-1 tile
     if scales is not None:
         gate, up, down = scales
         hidden_fp8 = (gate.scale_inv, gate.scale_row, up.scale_inv, up.scale_row, gate.scale_inv.stride(0), gate.scale_inv.stride(1))
         down_fp8 = (down.scale_inv, down.scale_row, down.scale_inv.stride(0), down.scale_inv.stride(1))
         after = (SCALE_AFTER_ON and scale_after(h, i, cfg.BLOCK_K, gate.block_k),
                  SCALE_AFTER_ON and scale_after(i, h, cfg.BLOCK_K2, down.block_k))
+        parts = k_parts(h, cfg.BLOCK_K, after[0])
         hidden_flags = dict(FP8=True, SCALE_BLOCK_K=gate.block_k, ONE_SCALE_COLUMN=gate.block_k % cfg.BLOCK_K == 0,
-                            SCALE_AFTER=after[0])
+                            SCALE_AFTER=after[0], K_PARTS=parts)
+        if parts > 1 and r <= FEW_ROWS:  # a few rows: the parts over two programs a tile (`SCALE_AFTER_PARTS`)
+            most_pairs = FEW_ROWS * slots  # sized for every few-row launch: one compile, one allocation
+            tiles = block_bound(most_pairs, e, cfg.BLOCK_M) * triton.cdiv(i, cfg.BLOCK_N)
+            partials, tickets = _PART_BUFFERS.get(x.device, parts * 2 * most_pairs * i, tiles)
+            splits = parts
+            hidden_flags.update(partials=partials, tickets=tickets, PARTIAL_ROWS=most_pairs, K_SPLITS=parts)
         down_flags = dict(FP8=True, SCALE_BLOCK_K=down.block_k, ONE_SCALE_COLUMN=down.block_k % cfg.BLOCK_K2 == 0,
                           SCALE_AFTER=after[1])
-    _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N))](
+    _grouped_hidden_kernel[(n_blocks, triton.cdiv(i, cfg.BLOCK_N), splits)](
         x, routing.counts, routing.lists, w_gate, w_up, hidden, *hidden_fp8,
         H=h, I=i, S=slots, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **grouping, **hidden_flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),

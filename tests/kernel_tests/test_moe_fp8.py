@@ -247,3 +247,31 @@ def test_a_prefill_launch_matches_the_reference_and_keeps_rows_invariant(device)
                  *TOLERANCE[torch.bfloat16])
     for rows in (1, 3):
         assert torch.equal(prefill(rows), got[:rows]), f"the first {rows} rows differ from the same rows among {r}"
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_stage_one_in_k_parts_matches_the_reference_and_keeps_rows_invariant(device, monkeypatch, parts):
+    """Stage 1's scale-after walk summing H in 1 or 2 parts (moe_grouped.SCALE_AFTER_PARTS): within
+    the tolerance of the fp32 real weights' reference, and each row's bits the same alone, among 3
+    (two programs a tile, the second adding the first's sums), among 17 (one program walking both
+    parts) and among 70 rows (the many-row launch). The tickets are all back at zero after every
+    launch, and a launch run again gives the same bits."""
+    import hybrid_kernels.moe_grouped as mg
+
+    monkeypatch.setattr(mg, "SCALE_AFTER_PARTS", parts)
+    r, h, i, e, t, block = 70, 512, 256, 17, 2, (128, 128)
+    assert mg.k_parts(h, 128, True) == parts
+    args = make(r, h, i, e, t, block, torch.bfloat16, device, seed=11)
+    got = moe_experts_fp8(*args)
+    x, ids, weights, w_gate, w_up, w_down, scales = on_cpu(*args)
+    real = [dequantize_ref(w, sc, torch.float32) for w, sc in zip((w_gate, w_up, w_down), scales)]
+    assert_close(f"moe_experts_fp8, stage 1 in {parts} parts", got.cpu(), moe_experts_ref(x.float(), ids, weights, *real),
+                 *TOLERANCE[torch.bfloat16])
+    x, ids, weights, *rest = args
+    for rows in (1, 3, 17):
+        part = moe_experts_fp8(x[:rows], ids[:rows], weights[:rows], *rest)
+        assert torch.equal(part, got[:rows]), f"the first {rows} rows differ from the same rows among {r}"
+    assert torch.equal(moe_experts_fp8(x[:3], ids[:3], weights[:3], *rest), got[:3]), "a second launch differs"
+    held = mg._PART_BUFFERS._by_device.get(torch.device(device))
+    if parts > 1:
+        assert held is not None and not held[1].any(), "a ticket was left above zero"
