@@ -148,6 +148,11 @@ def run(args) -> dict:
     if args.expert_tiles is not None:
         mlp.PREFILL_EXPERT_TILES = args.expert_tiles
     result["expert_tiles"] = mlp.PREFILL_EXPERT_TILES
+    from bench.kernel_candidates import apply_walk, current_walk
+
+    if args.expert_walk is not None:
+        apply_walk("expert", args.expert_walk)
+    result["expert_walk"] = current_walk("expert")
     workdir = Path(tempfile.mkdtemp(prefix="prefill_", dir=args.workdir))
     try:
         path = workdir / f"{args.config}-fp8"
@@ -257,6 +262,9 @@ def parse_args(argv):
     parser.add_argument("--expert-tiles", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill's block-FP8 experts in blocks of 64 pairs, or decode's 16 (verifier/model/layers/mlp.py's "
                              "PREFILL_EXPERT_TILES; None: its default); recorded as expert_tiles")
+    parser.add_argument("--expert-walk", choices=("scale-after", "dequantize"), default=None,
+                        help="the grouped FP8 experts' K walk (bench/kernel_candidates.py's WALKS) instead of the code's "
+                             "default, for the prompts and the running steps alike; recorded as expert_walk")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
     return parser.parse_args(argv)
