@@ -354,7 +354,17 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`); H in K_PARTS parts summed apart (`k_parts`)
+    if SCALE_AFTER & (K_PARTS == 1):  # whole tiles, one scale column a step (`scale_after`)
+        p_gs = gate_scale + i_e * stride_se + p_sg
+        p_us = up_scale + i_e * stride_se + p_su
+        for k0 in range(0, H, BLOCK_K):
+            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
+            b_g = _scaled_dot(b_x, p_g, p_gs, 0, k0, b_g, SCALE_BLOCK_K, INTERPRET)
+            b_u = _scaled_dot(b_x, p_u, p_us, 0, k0, b_u, SCALE_BLOCK_K, INTERPRET)
+            p_x += BLOCK_K
+            p_g += BLOCK_K
+            p_u += BLOCK_K
+    if SCALE_AFTER & (K_PARTS > 1):  # the same walk over each of H's K_PARTS parts, their sums added in ascending order (`k_parts`)
         p_gs = gate_scale + i_e * stride_se + p_sg
         p_us = up_scale + i_e * stride_se + p_su
         i_s = tl.program_id(2)  # with K_SPLITS programs a tile, the part this one walks
@@ -370,12 +380,12 @@ def _grouped_hidden_kernel(
                 p_xq += BLOCK_K
                 p_gq += BLOCK_K
                 p_uq += BLOCK_K
-            if q == 0:  # one part: its sum as it is (no add of a zero, which would turn -0 into +0)
+            if q == 0:  # a program's first part: its sums as they are
                 b_g, b_u = b_pg, b_pu
             else:
                 b_g, b_u = b_g + b_pg, b_u + b_pu
     m_h = m_p[:, None] & m_n[None, :]  # the tile's stored elements
-    if SCALE_AFTER and (K_SPLITS > 1):  # two programs, a part each: the last to finish adds the other's sums to its own
+    if SCALE_AFTER & (K_SPLITS > 1):  # two programs, a part each: the last to finish adds the other's sums to its own
         b_g, b_u, last = _add_other_part(b_g, b_u, partials, tickets, b_pair, o_n, m_h, tl.program_id(2), PARTIAL_ROWS, I)
         m_h = m_h & last  # the first to finish stores nothing
     # x is 16-byte aligned (kernels/moe.py copies it otherwise), so Triton pipelines its gather with
