@@ -20,6 +20,7 @@ import torch
 from bench.fp8_real_size import checkpoint_config, params, published_configs, write_checkpoint
 from bench.gpu import kernel_table
 from bench.machine import NAME_HELP, device_name, name_arg, write_results
+from hybrid_kernels import delta_rule_chunked
 from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
 from verifier.model.config import ATTENTION
@@ -142,6 +143,9 @@ def run(args) -> dict:
     if args.chunked_delta_rule:
         linear_attention.CHUNKED_PREFILL = True
     result["chunked_delta_rule"] = linear_attention.CHUNKED_PREFILL
+    if args.chunked_precision is not None:
+        delta_rule_chunked.DOT_PRECISION = args.chunked_precision
+    result["chunked_precision"] = delta_rule_chunked.DOT_PRECISION
     if args.tiled_attention is not None:
         attend.TILED_PREFILL = args.tiled_attention
     result["tiled_attention"] = attend.TILED_PREFILL
@@ -256,6 +260,9 @@ def parse_args(argv):
     parser.add_argument("--chunked-delta-rule", action="store_true",
                         help="GDN's prefill in chunked form (verifier/model/layers/linear_attention.py's CHUNKED_PREFILL); "
                              "recorded as chunked_delta_rule")
+    parser.add_argument("--chunked-precision", choices=("ieee", "tf32x3"), default=None,
+                        help="the chunked delta rule's products (kernels/delta_rule_chunked.py's DOT_PRECISION; None: its "
+                             "default); recorded as chunked_precision")
     parser.add_argument("--tiled-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill's attention in tiles of rows, or a program per row (verifier/model/layers/attend.py's "
                              "TILED_PREFILL; None: its default); recorded as tiled_attention")

@@ -413,6 +413,8 @@ class Tables:
             labels = (("chunked_delta_rule", "chunked delta rule"), ("tiled_attention", "tiled attention"),
                       ("expert_tiles", "expert tiles"))
             taken = [label for key, label in labels if d.get(key)]
+            if d.get("chunked_delta_rule") and d.get("chunked_precision") not in (None, "ieee"):  # absent: before the option
+                taken.append(f"{d['chunked_precision']} products")
             if d.get("expert_walk") not in (None, "scale-after"):  # absent: a file from before the option
                 taken.append(f"experts' {d['expert_walk']} walk")
             return f", {', '.join(taken)}" if taken else ""

@@ -31,6 +31,14 @@ MAX_BLOCK_V = 32  # default value columns a walk program: a [D_K, 32] fp32 state
 NUM_WARPS = 4  # the walk's default; neither kernel's bits depend on num_warps
 PREP_NUM_WARPS = 8  # the prep kernel's default: it holds five [CHUNK, D_K] tiles (keys, queries, values, W, U) at once
 
+# The products' precision, the same in both kernels: "ieee" (fp32 sums, one ordered sum an element:
+# no bit depends on BLOCK_V or num_warps; compiled for sm_90 they are multiply-add loops that spill
+# to local memory), or "tf32x3" (three tf32 MMAs a product, near fp32; the MMA instruction follows
+# the launch's warps, so which launches agree bitwise is not shown). Either way a prefill's bits
+# follow from its rows alone under the pinned launch. `python -m bench.prefill --chunked-delta-rule
+# --chunked-precision tf32x3` times the other.
+DOT_PRECISION = "ieee"
+
 # No pointer is specialised on its alignment (as the serial kernel's): the same compiled kernels for any view.
 _NO_ALIGNMENT = ["state", "query", "key", "value", "decay", "beta", "table", "w", "u", "q0", "o0", "scales", "out"]
 
@@ -59,7 +67,7 @@ def chunk_table(starts: Sequence[int], counts: Sequence[int], chunk: int) -> tor
 
 
 @triton.jit
-def _log_decays(b_decay, o_c, CHUNK: tl.constexpr):
+def _log_decays(b_decay, o_c, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """[CHUNK] decays -> L [CHUNK]: the sum of log(decay) over the sub-chunk's rows up to each row,
     a decay of 0 counted as 1; and Z [CHUNK]: how many decays of exactly 0 up to each row (0., 1.,
     ... in fp32, exact). A zero decay resets the state, which log space cannot say (-inf - -inf is
@@ -71,7 +79,7 @@ def _log_decays(b_decay, o_c, CHUNK: tl.constexpr):
     o_2 = tl.arange(0, 16)  # two used columns, padded to tl.dot's 16
     b_x = tl.where(o_2[None, :] == 0, b_log[:, None], tl.where(o_2[None, :] == 1, b_zero.to(tl.float32)[:, None], 0.0))
     b_ones = tl.where(o_c[:, None] >= o_c[None, :], 1.0, 0.0)  # [CHUNK, CHUNK]: row i sums rows 0 .. i
-    b_cum = tl.dot(b_ones, b_x, input_precision="ieee")  # [CHUNK, 16]
+    b_cum = tl.dot(b_ones, b_x, input_precision=PRECISION)  # [CHUNK, 16]
     # one column each: a sum of one value and zeros, exact in any order
     b_l = tl.sum(tl.where(o_2[None, :] == 0, b_cum, 0.0), axis=1)
     b_z = tl.sum(tl.where(o_2[None, :] == 1, b_cum, 0.0), axis=1)
@@ -79,7 +87,7 @@ def _log_decays(b_decay, o_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _invert_unit_lower(b_a, o_c, CHUNK: tl.constexpr):
+def _invert_unit_lower(b_a, o_c, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """T = (I + A)^-1 of a strictly lower-triangular [CHUNK, CHUNK] A, in blocks: T_s, the inverse
     of I + A's diagonal blocks of s rows, gives T_2s = T_s - (T_s A_s) T_s, where A_s holds A's
     entries in the lower-left quarter of each diagonal block of 2s rows (the block inverse
@@ -94,8 +102,8 @@ def _invert_unit_lower(b_a, o_c, CHUNK: tl.constexpr):
         if (2 << i) <= CHUNK:
             m_quarter = (o_c[:, None] // (2 << i) == o_c[None, :] // (2 << i)) & ((o_c[:, None] >> i) % 2 == 1) \
                 & ((o_c[None, :] >> i) % 2 == 0)
-            b_ta = tl.dot(b_t, tl.where(m_quarter, b_a, 0.0), input_precision="ieee")  # T_s A_s
-            b_t = b_t - tl.dot(b_ta, b_t, input_precision="ieee")
+            b_ta = tl.dot(b_t, tl.where(m_quarter, b_a, 0.0), input_precision=PRECISION)  # T_s A_s
+            b_t = b_t - tl.dot(b_ta, b_t, input_precision=PRECISION)
     return b_t
 
 
@@ -111,6 +119,7 @@ def _chunk_prep_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):
     """One program per (sub-chunk, head): table row i_c's n <= CHUNK rows. With L_i the sum of the
     log decays of its rows up to i (_log_decays), g_i = exp(L_i) (0 from a zero decay on) and
@@ -145,21 +154,21 @@ def _chunk_prep_kernel(
     b_decay = tl.load(decay + i_rh, mask=m_c, other=1.0)  # [CHUNK] (GDN: one a head)
     b_beta = tl.load(beta + i_rh, mask=m_c, other=0.0)
 
-    b_l, b_z = _log_decays(b_decay, o_c, CHUNK)
+    b_l, b_z = _log_decays(b_decay, o_c, CHUNK, PRECISION)
     # the mask before exp: above the diagonal L_i - L_j > 0 may overflow, and across a zero decay
     # the ratio is 0 (the state was reset between j and i)
     m_p = (o_c[:, None] >= o_c[None, :]) & (b_z[:, None] == b_z[None, :])
     b_p = tl.where(m_p, tl.exp(tl.where(m_p, b_l[:, None] - b_l[None, :], 0.0)), 0.0)  # [CHUNK, CHUNK]
     b_g = tl.where(b_z == 0.0, tl.exp(b_l), 0.0)  # [CHUNK] S0's share at each row: 0 after a zero decay
 
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")  # [CHUNK, CHUNK] k_i . k_j
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)  # [CHUNK, CHUNK] k_i . k_j
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_p * b_kk, 0.0)
-    b_t = _invert_unit_lower(b_a, o_c, CHUNK)
-    b_w = tl.dot(b_t, (b_beta * b_g)[:, None] * b_k, input_precision="ieee")  # [CHUNK, BLOCK_K]
-    b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision="ieee")  # [CHUNK, BLOCK_DV]
-    b_m = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_p  # [CHUNK, CHUNK], 0 above the diagonal
-    b_q0 = b_g[:, None] * b_q - tl.dot(b_m, b_w, input_precision="ieee")
-    b_o0 = tl.dot(b_m, b_u, input_precision="ieee")
+    b_t = _invert_unit_lower(b_a, o_c, CHUNK, PRECISION)
+    b_w = tl.dot(b_t, (b_beta * b_g)[:, None] * b_k, input_precision=PRECISION)  # [CHUNK, BLOCK_K]
+    b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
+    b_m = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_p  # [CHUNK, CHUNK], 0 above the diagonal
+    b_q0 = b_g[:, None] * b_q - tl.dot(b_m, b_w, input_precision=PRECISION)
+    b_o0 = tl.dot(b_m, b_u, input_precision=PRECISION)
     # padded rows have log decay 0 and no zero, so row CHUNK - 1 of P is row n - 1's on the valid
     # columns; picking it is a sum of one value and zeros
     b_p_end = tl.sum(tl.where(o_c[:, None] == CHUNK - 1, b_p, 0.0), axis=0)  # [CHUNK] P[n - 1, j]
@@ -183,6 +192,7 @@ def _chunk_walk_kernel(
     BLOCK_V: tl.constexpr,
     INTERPRET: tl.constexpr,  # the interpreter truncates fp32 -> bf16: out is rounded on the bits first there
     PDL: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):
     """One program per (sequence, head, BLOCK_V value columns): the slot's [D_K, BLOCK_V] state tile
     in registers, the sequence's sub-chunks in order, each from the prep kernel's rows (its
@@ -228,10 +238,10 @@ def _chunk_walk_kernel(
         b_p_end = tl.load(scales + i_rh * 2 + 1, mask=m_c, other=0.0)  # [CHUNK] P[n - 1, j]
         b_g_end = tl.load(scales + ((i_first + i_n - 1) * H + i_h) * 2)  # g_{n-1}
 
-        b_delta = b_u - tl.dot(b_w, b_s, input_precision="ieee")  # [CHUNK, BLOCK_V]
-        b_o = tl.dot(b_q0, b_s, input_precision="ieee") + b_o0
+        b_delta = b_u - tl.dot(b_w, b_s, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+        b_o = tl.dot(b_q0, b_s, input_precision=PRECISION) + b_o0
         tl.store(out + p_cv, cast_rtne(b_o, out.dtype.element_ty, INTERPRET), mask=m_cv)
-        b_s = b_g_end * b_s + tl.dot(tl.trans(b_k), b_delta * b_p_end[:, None], input_precision="ieee")
+        b_s = b_g_end * b_s + tl.dot(tl.trans(b_k), b_delta * b_p_end[:, None], input_precision=PRECISION)
 
     tl.store(p_state, b_s, mask=m_s)  # prefill commits: the state after the sequence's last row
 
@@ -307,13 +317,14 @@ def delta_rule_chunked(state: torch.Tensor, query: torch.Tensor, key: torch.Tens
         _chunk_prep_kernel[(table.shape[0], heads)](
             query, key, value, decay, beta, table, w, u, q0, o0, scales,
             H=heads, D_K=d_k, D_V=d_v, CHUNK=chunk, BLOCK_K=block_k, BLOCK_DV=max(MIN_DOT, triton.next_power_of_2(d_v)),
-            num_warps=num_warps or PREP_NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
+            PRECISION=DOT_PRECISION, num_warps=num_warps or PREP_NUM_WARPS, num_stages=1, enable_fp_fusion=False,
+            **launch_options(state.device),
         )
     block_v = block_v or min(MAX_BLOCK_V, max(MIN_DOT, triton.next_power_of_2(d_v)))
     _chunk_walk_kernel[(n_seqs, heads, triton.cdiv(d_v, block_v))](
         state, key, seq_slots, cu_rows, starts, w, u, q0, o0, scales, out,
         H=heads, D_K=d_k, D_V=d_v, CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=block_v, INTERPRET=interpreting(),
-        num_warps=num_warps or NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
+        PRECISION=DOT_PRECISION, num_warps=num_warps or NUM_WARPS, num_stages=1, enable_fp_fusion=False, **launch_options(state.device),
     )
     return out
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench import prefill
-from hybrid_kernels import moe_grouped
+from hybrid_kernels import delta_rule_chunked, moe_grouped
 from verifier.model.layers import attend, linear_attention, mlp
 
 
@@ -16,14 +16,16 @@ def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypat
     monkeypatch.setattr(attend, "TILED_PREFILL", False)  # what --[no-]tiled-attention sets
     monkeypatch.setattr(mlp, "PREFILL_EXPERT_TILES", False)  # what --[no-]expert-tiles sets
     monkeypatch.setattr(moe_grouped, "SCALE_AFTER_ON", True)  # what --expert-walk sets
+    monkeypatch.setattr(delta_rule_chunked, "DOT_PRECISION", "ieee")  # what --chunked-precision sets
     code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "96", "--chunk", "16",
                          "--running", "3", "--arriving", "2", "--steps", "4", "--repeats", "2", "--cache-gb", "0.1"]
-                        + (["--chunked-delta-rule", "--tiled-attention", "--expert-tiles", "--expert-walk", "dequantize"]
-                           if optional_forms else []))
+                        + (["--chunked-delta-rule", "--chunked-precision", "tf32x3", "--tiled-attention", "--expert-tiles",
+                            "--expert-walk", "dequantize"] if optional_forms else []))
     (path,) = tmp_path.glob("prefill_*.json")
     result = json.loads(path.read_text())
     assert result["chunked_delta_rule"] == optional_forms and result["tiled_attention"] == optional_forms
     assert result["expert_tiles"] == optional_forms
+    assert result["chunked_precision"] == ("tf32x3" if optional_forms else "ieee")
     assert result["expert_walk"] == ("dequantize" if optional_forms else "scale-after")
     assert code == 0 and result["cached_equals_cold"] and result["cached_tokens"] == 64  # 4 of the 16-token chunks
     # the default turn (2048 rows) holds a chunk of both arriving prompts: a step before each pair of chunks
