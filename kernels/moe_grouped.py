@@ -164,7 +164,12 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
         return cfg
     if launch.get("BLOCK_M", 16) not in (16, MMA_SYNC_ROWS):
         raise ValueError(f"a launch's BLOCK_M must be 16 or {MMA_SYNC_ROWS} (mma.sync), got {launch['BLOCK_M']}")
-    fields = {f: v for f, v in launch.items() if f in fields_allowed}
+    return _with_launch(cfg, {f: v for f, v in launch.items() if f in fields_allowed}, h, i)
+
+
+def _with_launch(cfg: GroupedConfig, fields: dict[str, int], h: int, i: int) -> GroupedConfig:
+    """cfg with a launch's fields, its feature tiles fitted to the shape as grouped_config fits its own."""
+    fields = dict(fields)
     for field, n in (("BLOCK_N", i), ("BLOCK_N2", h)):
         if field in fields:
             fields[field] = _fit(fields[field], n)
@@ -176,10 +181,7 @@ def launch_for_rows(cfg: GroupedConfig, rows: int, h: int, i: int, few_rows_laun
 def prefill_config(cfg: GroupedConfig, h: int, i: int) -> GroupedConfig:
     """The pinned config `cfg` of block-FP8 experts of many [E, i, h] with PREFILL_LAUNCH's blocks,
     tiles, warps and stages, fitted to the shape as grouped_config fits its own; the K walks are cfg's."""
-    fields = dict(PREFILL_LAUNCH)
-    for field, n in (("BLOCK_N", i), ("BLOCK_N2", h)):
-        fields[field] = _fit(fields[field], n)
-    return cfg._replace(**fields)
+    return _with_launch(cfg, PREFILL_LAUNCH, h, i)
 
 
 # Block-FP8 experts apply each block scale to a K step's fp32 sum of raw weights (`raw_bf16`)
@@ -295,6 +297,24 @@ def _weight_tile(p_w, m_w, i_e, scale_inv, p_srow, m_srow, k0, o_kk,
 
 
 @triton.jit
+def _scale_after_walk(p_x, p_g, p_u, p_gs, p_us, m_p, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """Stage 1's scale-after walk over K = k_begin .. k_end from zero sums: x's [BLOCK_M, BLOCK_K]
+    and the gate's and up's [BLOCK_K, BLOCK_N] tiles of k_begin at p_x, p_g, p_u, their scale rows'
+    offsets p_gs, p_us -> the fp32 sums (gate, up) [BLOCK_M, BLOCK_N]."""
+    b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
+        b_g = _scaled_dot(b_x, p_g, p_gs, 0, k0, b_g, SCALE_BLOCK_K, INTERPRET)
+        b_u = _scaled_dot(b_x, p_u, p_us, 0, k0, b_u, SCALE_BLOCK_K, INTERPRET)
+        p_x += BLOCK_K
+        p_g += BLOCK_K
+        p_u += BLOCK_K
+    return b_g, b_u
+
+
+@triton.jit
 def _add_other_part(b_g, b_u, partials, tickets, b_pair, o_n, m_t, i_s, PARTIAL_ROWS: tl.constexpr, I: tl.constexpr):
     """Stage 1 with H in two parts walked by two programs (grid axis 2): this program's sums of its
     part (b_g, b_u [BLOCK_M, BLOCK_N]) go to partials [2 parts, 2 (gate, up), PARTIAL_ROWS pairs, I];
@@ -354,32 +374,16 @@ def _grouped_hidden_kernel(
 
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALE_AFTER & (K_PARTS == 1):  # whole tiles, one scale column a step (`scale_after`)
-        p_gs = gate_scale + i_e * stride_se + p_sg
-        p_us = up_scale + i_e * stride_se + p_su
-        for k0 in range(0, H, BLOCK_K):
-            b_x = tl.load(p_x, mask=m_p[:, None], other=0.0)
-            b_g = _scaled_dot(b_x, p_g, p_gs, 0, k0, b_g, SCALE_BLOCK_K, INTERPRET)
-            b_u = _scaled_dot(b_x, p_u, p_us, 0, k0, b_u, SCALE_BLOCK_K, INTERPRET)
-            p_x += BLOCK_K
-            p_g += BLOCK_K
-            p_u += BLOCK_K
-    if SCALE_AFTER & (K_PARTS > 1):  # the same walk over each of H's K_PARTS parts, their sums added in ascending order (`k_parts`)
+    if SCALE_AFTER:  # whole tiles, one scale column a step (`scale_after`); H in K_PARTS parts summed apart (`k_parts`)
         p_gs = gate_scale + i_e * stride_se + p_sg
         p_us = up_scale + i_e * stride_se + p_su
         i_s = tl.program_id(2)  # with K_SPLITS programs a tile, the part this one walks
         for q in tl.static_range(K_PARTS // K_SPLITS):  # this program's parts, in ascending order
-            k_begin = (i_s + q * K_SPLITS) * (H // K_PARTS)
-            b_pg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            b_pu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            p_xq, p_gq, p_uq = p_x + k_begin, p_g + k_begin, p_u + k_begin
-            for k0 in range(k_begin, k_begin + H // K_PARTS, BLOCK_K):
-                b_x = tl.load(p_xq, mask=m_p[:, None], other=0.0)
-                b_pg = _scaled_dot(b_x, p_gq, p_gs, 0, k0, b_pg, SCALE_BLOCK_K, INTERPRET)
-                b_pu = _scaled_dot(b_x, p_uq, p_us, 0, k0, b_pu, SCALE_BLOCK_K, INTERPRET)
-                p_xq += BLOCK_K
-                p_gq += BLOCK_K
-                p_uq += BLOCK_K
+            k_begin = 0  # one part: the walk from 0 with constant bounds, as its loop always compiled
+            if K_PARTS > 1:
+                k_begin = (i_s + q * K_SPLITS) * (H // K_PARTS)
+            b_pg, b_pu = _scale_after_walk(p_x + k_begin, p_g + k_begin, p_u + k_begin, p_gs, p_us, m_p, k_begin,
+                                           k_begin + H // K_PARTS, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK_K, INTERPRET)
             if q == 0:  # a program's first part: its sums as they are
                 b_g, b_u = b_pg, b_pu
             else:
