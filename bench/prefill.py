@@ -89,20 +89,31 @@ def prompt_turn(engine: Engine, waiting: list, rows: int) -> None:
     waiting.extend(o for o, done in zip(turn, engine.advance_openings(turn)) if not done)
 
 
-def running_intervals(engine: Engine, seqs: list, steps: int, device: torch.device, openings: list, rows: int) -> list[float]:
+def running_intervals(engine: Engine, seqs: list, steps: int, device: torch.device, openings: list, rows: int,
+                      step_rows: int = 0) -> list[float]:
     """Seconds between the starts of consecutive decode steps of the running sequences, while
     `openings` (Engine.opening) advance as the server interleaves them: after each step one turn
-    of the prompts still arriving (prompt_turn); at most `steps` steps, fewer once every prompt is in."""
+    of the prompts still arriving (prompt_turn), or (step_rows) inside each step the next pieces
+    of the first prompts waiting whose pieces fit step_rows (verifier serve --step-prompt-rows);
+    at most `steps` steps, fewer once every prompt is in."""
     starts, waiting = [], list(openings)
+    limit = engine.piece_limit(step_rows) if step_rows else None
     for _ in range(steps):
         if openings and not waiting:
             break
         _sync(device)
         starts.append(time.perf_counter())
-        results = engine.step([StepRequest(seq, []) for seq in seqs])
+        requests = [StepRequest(seq, []) for seq in seqs]
+        if step_rows and waiting:
+            turn = take_turn(waiting, step_rows, limit=limit)
+            del waiting[: len(turn)]
+            results = engine.step(requests, turn, step_rows)
+            waiting.extend(o for o in turn if o.logits is None)  # round robin, as the server's turns
+        else:
+            results = engine.step(requests)
+            if waiting:
+                prompt_turn(engine, waiting, rows)
         assert all(r.error is None for r in results), "a running sequence's decode step was refused"
-        if waiting:
-            prompt_turn(engine, waiting, rows)
         _sync(device)
     starts.append(time.perf_counter())
     return [b - a for a, b in zip(starts, starts[1:])]
@@ -139,7 +150,7 @@ def run(args) -> dict:
     result = {"device": device_name(device.type), "date": today, "torch": torch.__version__, "config": args.config,
               "scale": args.scale, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt_tokens,
               "running": args.running, "arriving": args.arriving, "prefill_chunk": args.chunk,
-              "prefill_rows": args.prefill_rows}
+              "prefill_rows": args.prefill_rows, "step_prompt_rows": args.step_prompt_rows}
     if args.chunked_delta_rule:
         linear_attention.CHUNKED_PREFILL = True
     result["chunked_delta_rule"] = linear_attention.CHUNKED_PREFILL
@@ -222,15 +233,25 @@ def run(args) -> dict:
         # the running batch: decode steps of `running` sequences, alone, then while prompts arrive
         seqs = [engine.open(prompt(vocab, 16, args.seed + 200 + i), SamplingParams(), 10**6, eos_ids=()) for i in range(args.running)]
         alone = running_intervals(engine, seqs, args.steps, device, [], args.prefill_rows)
-        openings = [engine.opening(prompt(vocab, n, args.seed + 300 + i), SamplingParams(), 4, eos_ids=()) for i in range(args.arriving)]
-        chunks = args.arriving * -(-n // args.chunk)  # at most a step before each chunk of every arriving prompt
-        busy = running_intervals(engine, seqs, chunks, device, openings, args.prefill_rows)
+        late = [prompt(vocab, n, args.seed + 300 + i) for i in range(args.arriving)]
+        openings = [engine.opening(ids, SamplingParams(), 4, eos_ids=()) for ids in late]
+        # at most a step before each chunk (each piece of a chunk, inside steps) of every arriving prompt
+        piece = (engine.piece_limit(args.step_prompt_rows) if args.step_prompt_rows else None) or args.chunk
+        pieces = args.arriving * -(-n // args.chunk) * -(-args.chunk // piece)
+        busy = running_intervals(engine, seqs, pieces, device, openings, args.prefill_rows, args.step_prompt_rows)
         for opening in openings:
             while not opening.advance():
                 pass
-            engine.close(opening.sequence())
+        equal = []  # each arriving prompt, taken in by the steps or their turns, against its open alone
+        for ids, opening in zip(late, openings):
+            seq = opening.sequence()
+            solo = cold_engine.open(ids, SamplingParams(), 4, eos_ids=())
+            equal.append(bool(torch.equal(solo.first_logits, seq.first_logits)))
+            cold_engine.close(solo)
+            engine.close(seq)
         result.update(step_p99_alone_ms=round(p99(alone) * 1e3, 2), step_p99_arriving_ms=round(p99(busy) * 1e3, 2),
-                      step_p99_ratio=round(p99(busy) / p99(alone), 2), steps_alone=len(alone), steps_arriving=len(busy))
+                      step_p99_ratio=round(p99(busy) / p99(alone), 2), steps_alone=len(alone), steps_arriving=len(busy),
+                      arriving_equal_alone=all(equal))
         log(f"{args.running} running: p99 between steps {p99(alone) * 1e3:.1f} ms alone, {p99(busy) * 1e3:.1f} ms while "
             f"{args.arriving} prompts of {n} arrive ({result['step_p99_ratio']}x)")
         for seq in seqs:
@@ -252,6 +273,9 @@ def parse_args(argv):
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (the prefix cache's boundaries)")
     parser.add_argument("--prefill-rows", type=int, default=ServerConfig.prefill_rows,
                         help="rows of prompt chunks a turn holds, as `verifier serve --prefill-rows`")
+    parser.add_argument("--step-prompt-rows", type=int, default=ServerConfig.step_prompt_rows,
+                        help="rows of the arriving prompts' pieces each running step takes in, as `verifier serve "
+                             "--step-prompt-rows` (0: turns of their own between the steps)")
     parser.add_argument("--running", type=int, default=56, help="sessions decoding while prompts arrive")
     parser.add_argument("--arriving", type=int, default=8, help="long prompts arriving together")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed with no prompt arriving")
@@ -282,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     out = write_results(args.out, "prefill", result, args.name)
     log(f"wrote {out}")
-    return 0 if result["cached_equals_cold"] and result["together_equals_alone"] else 1
+    return 0 if result["cached_equals_cold"] and result["together_equals_alone"] and result["arriving_equal_alone"] else 1
 
 
 if __name__ == "__main__":

@@ -419,6 +419,13 @@ class Tables:
                 taken.append(f"experts' {d['expert_walk']} walk")
             return f", {', '.join(taken)}" if taken else ""
 
+        def inside(d: dict) -> str:
+            """Where the arriving prompts ran: inside the steps (absent or 0: turns of their own)."""
+            if not d.get("step_prompt_rows"):
+                return ""
+            same = "" if d.get("arriving_equal_alone", True) else ", DIFFER FROM ALONE"
+            return f", inside steps of {d['step_prompt_rows']:,} prompt rows{same}"
+
         found = newest(self.results, "prefill")
         if not found:
             return "No prefill results yet.\n"
@@ -432,7 +439,7 @@ class Tables:
                         f"{'= cold' if d['cached_equals_cold'] else 'DIFFERS FROM COLD'} | "
                         f"{together(d)}"
                         f"{d['step_p99_alone_ms']:.1f} / {d['step_p99_arriving_ms']:.1f} ({d['step_p99_ratio']:.2f}x), "
-                        f"{d['running']} running, {d['arriving']} arriving | {open_gpu(d)}")
+                        f"{d['running']} running, {d['arriving']} arriving{inside(d)} | {open_gpu(d)}")
         return table(["config", "device, date", "prompt tokens", "first token, cold ms (x its compute floor)",
                       "first token from a cached prefix, ms", "prompts arriving together: all in, ms (x their floors, x one by one)",
                       "p99 between decode steps, ms: alone / while prompts arrive",

@@ -31,7 +31,7 @@ def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypat
     # the default turn (2048 rows) holds a chunk of both arriving prompts: a step before each pair of chunks
     assert result["ttft_cold_ms"] > 0 and result["ttft_floor_ms"] > 0 and result["steps_arriving"] == 96 // 16
     assert result["cache"]["hits"] == 1 and result["step_p99_ratio"] > 0 and result["together_ms"] > 0
-    assert result["together_equals_alone"]
+    assert result["together_equals_alone"] and result["arriving_equal_alone"] and result["step_prompt_rows"] == 0
 
 
 def test_a_turn_of_one_chunk_steps_before_every_chunk(tmp_path, monkeypatch):
@@ -43,3 +43,16 @@ def test_a_turn_of_one_chunk_steps_before_every_chunk(tmp_path, monkeypatch):
     result = json.loads(path.read_text())
     assert code == 0 and result["prefill_rows"] == 16 and result["steps_arriving"] == 2 * 64 // 16
     assert result["tiled_attention"] is False
+
+
+def test_steps_that_take_the_prompts_in_step_before_every_chunk(tmp_path):
+    """--step-prompt-rows: each running step takes the arriving prompts' next chunks in (whole
+    chunks on the CPU reference: Engine.piece_limit), as many as fit its rows, and the prompts
+    still start with the bits of their opens alone."""
+    code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "64", "--chunk", "16",
+                         "--step-prompt-rows", "16", "--running", "2", "--arriving", "2", "--steps", "3", "--repeats", "1",
+                         "--cache-gb", "0.1"])
+    (path,) = tmp_path.glob("prefill_*.json")
+    result = json.loads(path.read_text())
+    assert code == 0 and result["step_prompt_rows"] == 16 and result["arriving_equal_alone"]
+    assert result["steps_arriving"] == 2 * 64 // 16  # a chunk a step, the two prompts in turn

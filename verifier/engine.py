@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Sequence as Seq
 
 import torch
 
+from hybrid_kernels.delta_rule_chunked import CHUNK as DELTA_RULE_CHUNK
 from hybrid_kernels.sampling import argmax_rows
 
 from .acceptance import accept
@@ -31,7 +33,7 @@ from .model.prefix_cache import PrefixCache
 from .model.rollback import WOA, rollback_named
 from .model.sizes import DEFAULT_MAX_K  # the engine's, the server's, generate's and check's
 from .model.state import AttentionState, RecurrentState
-from .model.step import FixedStep, Step, StepGraph, StepRunner
+from .model.step import FixedStep, PromptRows, Step, StepGraph, StepRunner
 from .params import SamplingParams
 from .sampling import choose, choose_rows
 
@@ -42,6 +44,11 @@ EOS, LENGTH = "eos", "length"
 # 248k-word vocabulary, or a verify of 7 sequences x 9 rows; past it only the emitted rows are
 # copied, after the acceptance.
 EARLY_LOGITS_BYTES = 64 << 20
+
+# A piece of a prompt chunk (a step that takes prompts in: Engine.step's piece) ends at a multiple
+# of this from position 0 unless its chunk or prompt ends first: the chunked delta rule's sub-chunks
+# sit at those multiples, so a chunk taken in pieces walks the sub-chunks a whole chunk walks.
+PIECE_ALIGN = DELTA_RULE_CHUNK
 
 
 class StepError(ValueError):
@@ -245,32 +252,71 @@ class Engine:
             raise
 
     @on_model_device
-    def advance_openings(self, openings: list[Opening | Opened]) -> list[bool]:
+    def advance_openings(self, openings: list[Opening | Opened], piece: int | None = None) -> list[bool]:
         """The next chunk of each unfinished opening (of this engine), all in one prefill forward
         where the kernels make every row's bits independent of the rest of its batch (the Triton
         backend: `together`), else one opening a forward -> whether each prompt is all in.
         Each prompt's chunks, bits and cached prefixes are those of its own advances. A forward
-        that fails fails every opening in it (their slots released)."""
+        that fails fails every opening in it (their slots released). piece: at most this many of
+        each chunk's rows (`step`'s piece)."""
         live = [o for o in openings if isinstance(o, Opening) and o.logits is None]
+        limit = self.piece_limit(piece)
         try:
-            if len(live) < 2 or not self.together:
-                return [o.advance() for o in openings]
-            chunks = [o.next_chunk() for o in live]
-            batch = RowBatch(slots=tuple(o.slot for o in live), starts=tuple(b for b, _ in chunks),
-                             counts=tuple(e - b for b, e in chunks))
-            tokens = torch.tensor([t for o, (b, e) in zip(live, chunks) for t in o.prompt[b:e]], dtype=torch.int64)
-            hidden = self._hidden_buffer(batch.n_rows) if any(o._rows is not None for o in live) else None
-            logits = self.model.forward(tokens, batch, self.pool, row_invariant=False, last_only=True, hidden_out=hidden)
-            self.prefill_forwards += 1
-            for i, (o, (b, e), rows) in enumerate(zip(live, chunks, batch.sequences())):
-                if o._rows is not None:
-                    o._rows[b:e].copy_(hidden[rows[2]])
-                o._ingested(e, logits[i])
+            for part in ([live] if self.together else [[o] for o in live]):
+                self._ingest(part, [o.next_chunk(limit) for o in part])
         except BaseException:
             for o in live:
                 o.abort()
             raise
         return [o.logits is not None if isinstance(o, Opening) else o.advance() for o in openings]
+
+    def piece_limit(self, piece: int | None) -> int | None:
+        """The rows a piece of a chunk may hold (Opening.next_chunk's limit): `piece` rounded down to
+        a multiple of PIECE_ALIGN, where the kernels make a prompt row's bits independent of the
+        rows beside it in its forward (`together`: a chunk taken in pieces then gives a whole
+        chunk's bits) and the chunks are whole multiples of it; else None, whole chunks."""
+        if piece is None or not self.together or self.prefill_chunk % PIECE_ALIGN:
+            return None
+        return max(PIECE_ALIGN, piece // PIECE_ALIGN * PIECE_ALIGN)
+
+    def _ingest(self, live: list[Opening], chunks: list[tuple[int, int]]) -> None:
+        """One prefill forward of each opening's rows chunks[i] = [begin, end), then each one's
+        ingested (Opening._ingested); a failure aborts them all (their slots released)."""
+        try:
+            prompts = self._prompt_rows(live, chunks, groups=False)
+            (batch,) = prompts.groups
+            prompts.logits = self.model.forward(prompts.tokens, batch, self.pool, row_invariant=False, last_only=True,
+                                                hidden_out=prompts.hidden)
+            self.prefill_forwards += 1
+            self._settle(live, chunks, prompts)
+        except BaseException:
+            for o in live:
+                o.abort()
+            raise
+
+    def _prompt_rows(self, live: list[Opening], chunks: list[tuple[int, int]], *, groups: bool) -> PromptRows:
+        """The rows chunks[i] = [begin, end) of each opening's prompt as PromptRows: one group, or
+        (groups, where a prompt's bits depend on the rows beside it: not `together`) one an opening,
+        each what its own prefill forward holds; a hidden buffer where an opening keeps hidden rows."""
+        if groups and not self.together:
+            batches = [RowBatch(slots=(o.slot,), starts=(b,), counts=(e - b,)) for o, (b, e) in zip(live, chunks)]
+        else:
+            batches = [RowBatch(slots=tuple(o.slot for o in live), starts=tuple(b for b, _ in chunks),
+                                counts=tuple(e - b for b, e in chunks))]
+        tokens = torch.tensor([t for o, (b, e) in zip(live, chunks) for t in o.prompt[b:e]], dtype=torch.int64)
+        rows = sum(e - b for b, e in chunks)
+        hidden = self._hidden_buffer(rows) if any(o._rows is not None for o in live) else None
+        return PromptRows(tuple(batches), tokens, hidden)
+
+    @staticmethod
+    def _settle(live: list[Opening], chunks: list[tuple[int, int]], prompts: PromptRows) -> None:
+        """Each opening's rows in (its hidden rows kept, the prefix cache fed: Opening._ingested),
+        from the forward's PromptRows: its logits hold each opening's last row, in order."""
+        for o, (b, e), first, logits in zip(live, chunks, itertools.accumulate((e - b for b, e in chunks), initial=0),
+                                            prompts.logits):
+            if o._rows is not None:
+                o._rows[b:e].copy_(prompts.hidden[first : first + e - b])
+            o._ingested(e, logits)
 
     @property
     def together(self) -> bool:
@@ -366,9 +412,14 @@ class Engine:
             raise StepError("out_of_range", f"{len(drafts) + 1} rows from position {seq.position} pass max_seq_len {self.pool.max_seq_len}")
 
     @on_model_device
-    def step(self, requests: list[StepRequest]) -> list[StepResult]:
+    def step(self, requests: list[StepRequest], openings: Seq[Opening | Opened] = (), piece: int | None = None) -> list[StepResult]:
         """One engine step over many sequences; a request its sequence's state refuses gets its
-        StepError, the others run."""
+        StepError, the others run.
+        openings: opens whose prompts go on in this step (DESIGN.md section 9, "Prompts inside a
+        step"): the next chunk of each unfinished one (at most `piece` of its rows: piece_limit)
+        runs in the step's forward, committed, with the bits its own prefill forward gives it; with
+        no request to run they take one prefill forward (advance_openings). Whether a prompt is all
+        in: its `logits`. A failure fails them (their slots released) and the step's sequences."""
         results: list[StepResult | None] = [None] * len(requests)
         live: list[int] = []
         slots: set[int] = set()
@@ -383,11 +434,29 @@ class Engine:
                 logits = torch.empty(0, self.vocab_size) if req.want_logits else None
                 results[i] = StepResult(0, [], req.sequence.position, req.sequence.finish_reason, logits, err)
         if live:
-            for i, result in zip(live, self._run([requests[i] for i in live])):
+            for i, result in zip(live, self._run([requests[i] for i in live], openings, piece)):
                 results[i] = result
+        elif openings:
+            self.advance_openings(list(openings), piece)
         return results
 
-    def _run(self, requests: list[StepRequest]) -> list[StepResult]:
+    def _run(self, requests: list[StepRequest], openings: Seq[Opening | Opened], piece: int | None) -> list[StepResult]:
+        opening = [o for o in openings if isinstance(o, Opening) and o.logits is None]
+        if not opening:
+            return self._verify(requests, None)
+        limit = self.piece_limit(piece)
+        chunks = [o.next_chunk(limit) for o in opening]
+        try:
+            prompts = self._prompt_rows(opening, chunks, groups=True)
+            results = self._verify(requests, prompts)
+            self._settle(opening, chunks, prompts)
+        except BaseException:
+            for o in opening:
+                o.abort()
+            raise
+        return results
+
+    def _verify(self, requests: list[StepRequest], prompts: PromptRows | None) -> list[StepResult]:
         sequences = [r.sequence for r in requests]
         batch = RowBatch(
             slots=tuple(seq.slot for seq in sequences),
@@ -397,7 +466,7 @@ class Engine:
         # a list, not a tensor: checked with builtins and written into the step's pinned inputs as it is
         # (a batch-1 step's host time is on its critical path: the GPU waits for it)
         tokens = [t for r in requests for t in (r.sequence.pending, *r.drafts)]
-        step = self.runner.step(tokens, batch)  # rows checked (a caller bug: asserted) before any state changes
+        step = self.runner.step(tokens, batch, prompts)  # rows checked (a caller bug: asserted) before any state changes
         try:
             return self._verify_accept_rollback(requests, sequences, step)
         except BaseException:
@@ -526,30 +595,26 @@ class Opening:
         self.logits: torch.Tensor | None = None  # the last token's, once the prompt is in
 
     def advance(self) -> bool:
-        """Prefill the next chunk (keeping it in the prefix cache when it is whole) -> whether the
-        prompt is all in."""
+        """Prefill the rest of the chunk it is in (keeping the chunk in the prefix cache when it is
+        whole) -> whether the prompt is all in."""
         if self.logits is None:
-            try:
-                with device_scope(self.engine.model.device):
-                    begin, end = self.next_chunk()
-                    logits = self.engine.model.prefill(self.engine.pool, self.slot, self.prompt[:end], chunk=self.engine.prefill_chunk,
-                                                       hidden_out=self._rows, start=begin)
-                    self.engine.prefill_forwards += 1
-                    self._ingested(end, logits)
-            except BaseException:
-                self.abort()
-                raise
+            with device_scope(self.engine.model.device):
+                self.engine._ingest([self], [self.next_chunk()])
         return self.logits is not None
 
-    def next_chunk(self) -> tuple[int, int]:
-        """The prompt positions [begin, end) the next advance prefills: one chunk from a boundary."""
-        return self.position, min(self.position + self.engine.prefill_chunk, len(self.prompt))
+    def next_chunk(self, limit: int | None = None) -> tuple[int, int]:
+        """The prompt positions [begin, end) it prefills next: to the end of the chunk it is in
+        (chunks start at multiples of the engine's prefill_chunk from position 0), or at most
+        `limit` rows of it (a piece: Engine.piece_limit)."""
+        begin, chunk = self.position, self.engine.prefill_chunk
+        end = min((begin // chunk + 1) * chunk, len(self.prompt))
+        return begin, end if limit is None else min(end, begin + limit)
 
     def _ingested(self, end: int, logits: torch.Tensor) -> None:
-        """The slot holds the prompt up to `end` (logits [vocab]: its last row's): a whole chunk goes
-        to the prefix cache; the last one leaves the logits the first token is chosen from."""
+        """The slot holds the prompt up to `end` (logits [vocab]: its last row's): a chunk now whole
+        goes to the prefix cache; the last one leaves the logits the first token is chosen from."""
         cache = self.engine.prefix_cache
-        if cache is not None and end - self.position == self.engine.prefill_chunk:
+        if cache is not None and end % self.engine.prefill_chunk == 0:
             self._path = cache.store(self.engine.pool, self.slot, self.prompt, self._path, end, self._rows)
         self.position = end
         if end == len(self.prompt):

@@ -26,28 +26,34 @@ class SmallChunks(Engine):
 
 def _record(monkeypatch) -> list:
     """The engine thread's order of work: ("chunk", its prompt's length) for each chunk of a long
-    prompt (slowed, so that steps queue behind it) and ("step", rows) for each step."""
+    prompt in a prefill forward of its own (slowed, so that steps queue behind it), ("step", rows)
+    for each step and ("step+chunk", its prompt's length) for each such chunk a step takes in."""
     events = []
-    advance, step = Opening.advance, SmallChunks.step
+    ingest, step = SmallChunks._ingest, SmallChunks.step
 
-    def slow_advance(self):
-        if isinstance(self.engine, SmallChunks) and len(self.prompt) > CHUNK:  # a long prompt's opening
-            time.sleep(0.05)  # a chunk that takes a while: steps queue behind it
-            events.append(("chunk", len(self.prompt)))
-        return advance(self)
+    def slow_ingest(self, live, chunks):
+        for opening in live:  # one a forward on the CPU reference
+            if len(opening.prompt) > CHUNK:  # a long prompt's opening
+                time.sleep(0.05)  # a chunk that takes a while: steps queue behind it
+                events.append(("chunk", len(opening.prompt)))
+        return ingest(self, live, chunks)
 
-    def logged_step(self, requests):
+    def logged_step(self, requests, openings=(), piece=None):
         events.append(("step", len(requests)))
-        return step(self, requests)
+        events.extend(("step+chunk", len(o.prompt)) for o in openings if isinstance(o, Opening) and o.logits is None)
+        return step(self, requests, openings, piece)
 
-    monkeypatch.setattr(Opening, "advance", slow_advance)
+    monkeypatch.setattr(SmallChunks, "_ingest", slow_ingest)
     monkeypatch.setattr(SmallChunks, "step", logged_step)
     return events
 
 
-def _keep_stepping(stub, stop: threading.Event) -> threading.Thread:
-    """A session opened now and stepped by a thread until `stop` is set (or it finishes) -> the thread, started."""
+def _keep_stepping(stub, stop: threading.Event, tokens: list | None = None) -> threading.Thread:
+    """A session opened now and stepped by a thread until `stop` is set (or it finishes) -> the
+    thread, started. tokens: where its tokens go (the first included)."""
     runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
+    if tokens is not None:
+        tokens.append(runner.first_token)
 
     def keep_stepping():
         position = runner.position
@@ -55,6 +61,8 @@ def _keep_stepping(stub, stop: threading.Event) -> threading.Thread:
             (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
                                                                            expected_position=position)])).results
             assert result.status.code == 0, result.status.message
+            if tokens is not None:
+                tokens.extend(result.tokens)
             position = result.position
             if result.finish_reason != rpc.FINISH_NONE:
                 return
@@ -150,6 +158,44 @@ def test_prompts_arriving_together_share_their_turns(text_checkpoint, plain, mon
     kinds = [kind for kind, _ in events]
     first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
     assert "step" in kinds[first : last + 1], f"no step between the turns: {kinds}"
+
+
+def test_steps_take_the_waiting_prompts_in(text_checkpoint, plain, monkeypatch):
+    """With step_prompt_rows, the stepping session's batches take the long prompt's chunks into
+    their steps (DESIGN.md section 9, "Prompts inside a step"): a chunk a step here (one chunk's
+    rows), and both streams are plain decoding's."""
+    events = _record(monkeypatch)
+    prompt, running = PROMPTS[0], []
+    with LoopbackServer(text_checkpoint, engine_class=SmallChunks, n_slots=2, max_seq_len=96, max_wait_ms=200,
+                        step_prompt_rows=CHUNK) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            stop = threading.Event()
+            thread = _keep_stepping(stub, stop, running)
+            time.sleep(0.1)
+            opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=1))
+            stop.set()
+            thread.join(timeout=30)
+    assert opened.first_token == plain(prompt, 1).tokens[0]
+    assert running == list(plain([9, 8, 7], len(running)).tokens)
+    inside = [n for kind, n in events if kind == "step+chunk"]
+    alone = [n for kind, n in events if kind == "chunk"]
+    assert len(inside) + len(alone) == len(prompt) // CHUNK
+    assert len(inside) >= len(prompt) // CHUNK - 2, f"chunks inside steps: {len(inside)} ({events})"
+    per_step = [0]  # chunks each step took in: its budget holds one
+    for kind, _ in events:
+        if kind == "step":
+            per_step.append(0)
+        elif kind == "step+chunk":
+            per_step[-1] += 1
+    assert max(per_step) == 1, f"a step took more chunks than its budget holds: {events}"
+
+
+def test_a_negative_step_prompt_budget_is_refused_by_name(text_checkpoint):
+    from verifier.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="step_prompt_rows must be >= 0, got -1"):
+        ServerConfig(text_checkpoint, port=0, step_prompt_rows=-1)
 
 
 def test_a_turn_of_no_rows_is_refused_by_name(text_checkpoint):

@@ -13,11 +13,13 @@ returns the same whole-vocabulary logits. Without one (parallel None) no line of
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
 import torch
 
+from hybrid_kernels.linear import SplitSums
 from hybrid_kernels.runtime import use_triton
 
 from .checkpoint import CheckpointError, TensorSource
@@ -28,9 +30,8 @@ from .layers.attention import GatedAttention
 from .layers.gdn import GatedDeltaNet
 from .layers.kda import KimiDeltaAttention
 from .layers.mla import LatentAttention
-from .layers.mlp import DenseMLP, MoE
-
-from .ops import add_rms_norm, each_row, head_logits, rms_norm
+from .layers.mlp import DenseMLP, MoE, prefill_kernels_differ
+from .ops import MixedRows, add_rms_norm, each_row, head_logits, rms_norm
 from .parallel.group import TensorParallel
 from .parallel.sharding import ShardedSource, local_config
 from .rollback import VerifyRecord
@@ -120,20 +121,30 @@ class HybridModel:
 
     def compute(self, tokens: torch.Tensor, batch: RowBatch, pool: SlotPool, *, row_invariant: bool, last_only: bool,
                 record: VerifyRecord | None, logits_out: torch.Tensor | None = None,
-                hidden_out: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_out: torch.Tensor | None = None, prompts: tuple[RowBatch, ...] = ()) -> torch.Tensor:
         """The forward itself, on checked device tokens: no host syncs, so a CUDA graph can capture it.
         record: a verify's (its Rollback says what the recurrent layers record; they fill it);
         None: every row is committed (prefill).
         logits_out: an optional fp32 [rows, vocab] buffer the logits are written into (the graphs'
         shared output; the same values: the LM head's output converted to fp32 once).
         hidden_out: an optional [rows, H] buffer (all rows, even with last_only) the final-normed
-        hidden rows are copied into: the LM head's input, which an MTP head reads (verifier/model/mtp.py)."""
+        hidden rows are copied into: the LM head's input, which an MTP head reads (verifier/model/mtp.py).
+        prompts: groups of prompt rows that follow the verify's rows in `tokens` (a step that takes
+        prompts in: residual_stream), each group what one prefill forward would hold; the logits are
+        then the verify's rows, then each prompt sequence's last row, and hidden_out holds every row."""
         positions = batch.positions(self.device)
         h = self.embed[tokens] if self.parallel is None else self.parallel.embed(self.embed, tokens)
         x = residual_stream(self.config, self.blocks, pool.layers, h, self.final_norm, batch, positions,
-                            row_invariant=row_invariant, record=record, parallel=self.parallel, prefill=record is None)
+                            row_invariant=row_invariant, record=record, parallel=self.parallel, prefill=record is None,
+                            prompts=prompts)
         if hidden_out is not None:
             hidden_out.copy_(x)
+        if prompts:  # the verify's rows, then each prompt sequence's last row
+            assert not last_only and logits_out is None, "a step with prompts keeps its verify rows and writes no graph's buffer"
+            ends = itertools.accumulate((n for group in prompts for n in group.counts), initial=batch.n_rows)
+            head_rows = [*range(batch.n_rows), *(end - 1 for end in itertools.islice(ends, 1, None))]
+            x = x.index_select(0, to_device(torch.tensor(head_rows, dtype=torch.int64), self.device))
+            row_invariant = True  # each row's logits as its step or its prefill forward gives them: one row each
         if last_only:  # each sequence's last row, indexed on the device (a host index would be copied, and wait)
             x = x.index_select(0, batch.cu_rows(self.device)[1:] - 1)
         if self.parallel is None:
@@ -169,7 +180,7 @@ class HybridModel:
 
 def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: torch.Tensor, final_norm: torch.Tensor,
                     batch: RowBatch, positions: torch.Tensor, *, row_invariant: bool, record: VerifyRecord | None = None,
-                    parallel: TensorParallel | None = None, prefill: bool = False) -> torch.Tensor:
+                    parallel: TensorParallel | None = None, prefill: bool = False, prompts: tuple[RowBatch, ...] = ()) -> torch.Tensor:
     """The stream h [rows, H] entering blocks[0] through every block (block i over states[i]) ->
     final_norm of the stream after the last block [rows, H]. The main model's blocks and an MTP
     head's layers (verifier/model/mtp.py) run this one loop.
@@ -181,22 +192,42 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
     output projections split by inputs), added across ranks in rank order before the add and norm
     (TensorParallel.sum: row-invariant, the same bits on every rank).
     prefill: the rows are a prompt's, every one committed (the attention layers and the experts may
-    take prefill's kernels: verifier/model/layers/attend.py, mlp.py); an MTP head's rows never are."""
+    take prefill's kernels: verifier/model/layers/attend.py, mlp.py); an MTP head's rows never are.
+    prompts: groups of prompt rows after the verify's `batch` in h (a step that takes prompts in,
+    DESIGN.md section 9, "Prompts inside a step"): each mixer runs the verify's rows as the step
+    alone would and each group's as its own prefill forward would (rows committed, prefill's
+    kernels); the row-wise ops (norms, MLP) run over all rows at once with the kernels, so a
+    step's weights are read once for both (MixedRows)."""
     eps, zero_centred = config.rms_norm_eps, config.zero_centred_norm
+    if prompts:
+        assert parallel is None and record is not None, "prompts join a verify on one rank"
+        assert not prefill_kernels_differ(), "a step runs the experts with decode's launches, which a prefill forward does not take"
+        row_invariant = MixedRows(batch.n_rows, tuple(group.n_rows for group in prompts))
 
     def add_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(a, b, weight, eps, zero_centred)
 
+    def mix(block: Block, state, x: torch.Tensor, rows: RowBatch, at: torch.Tensor, invariant: bool, verify: VerifyRecord | None,
+            index: int, of_prompts: bool):
+        if isinstance(state, RecurrentState):  # a verify's record says what it keeps; without one, prefill commits
+            mixed, layer_record = block.mixer.forward(x, rows, at, state, row_invariant=invariant,
+                                                      rollback=None if verify is None else verify.rollback)
+            if verify is not None:
+                verify.layers[index] = layer_record
+            return mixed
+        return block.mixer.forward(x, rows, at, state, row_invariant=invariant, prefill=of_prompts)[0]
+
     x = each_row(lambda t: rms_norm(t, blocks[0].input_norm, eps, zero_centred), h, row_invariant=row_invariant)
     next_norms = [block.input_norm for block in blocks[1:]] + [final_norm]
     for index, (block, state, next_norm) in enumerate(zip(blocks, states, next_norms)):
-        if isinstance(state, RecurrentState):  # a verify's record says what it keeps; without one, prefill commits
-            mixed, layer_record = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant,
-                                                      rollback=None if record is None else record.rollback)
-            if record is not None:
-                record.layers[index] = layer_record
-        else:
-            mixed, _ = block.mixer.forward(x, batch, positions, state, row_invariant=row_invariant, prefill=prefill)
+        if not prompts:
+            mixed = mix(block, state, x, batch, positions, row_invariant, record, index, prefill)
+        else:  # the step's rows, then each group's, each finished (a split-K output's reduce) and stacked
+            parts = [mix(block, state, x[: batch.n_rows], batch, positions, True, record, index, False)]
+            for group, (begin, end) in zip(prompts, itertools.pairwise(itertools.accumulate(row_invariant.groups,
+                                                                                            initial=batch.n_rows))):
+                parts.append(mix(block, state, x[begin:end], group, group.positions(x.device), False, None, index, True))
+            mixed = torch.cat([part.finish() if isinstance(part, SplitSums) else part for part in parts])
         if parallel is not None:
             mixed = parallel.sum(mixed)
         h, x = each_row(lambda a, b: add_norm(a, b, block.post_norm), h, mixed, row_invariant=row_invariant)

@@ -5,6 +5,8 @@ The design in full: DESIGN.md section 6, "Reference primitives".
 from __future__ import annotations
 
 import functools
+import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +21,33 @@ from hybrid_kernels.runtime import pick, use_triton
 from .fp8 import BlockFP8Weight, LinearWeight, OutFeatureGroups
 
 
-def each_row(fn, *tensors: torch.Tensor, row_invariant: bool):
+@dataclass(frozen=True)
+class MixedRows:
+    """The rows of a forward that a step and prompts share (HybridModel.compute's prompts): the
+    step's `verify` rows first, then prompt groups of `groups` rows each, a group being what one
+    prefill forward would hold. As each_row's row_invariant, it gives every row the bits it has in
+    the step or in its group's own forward: with the kernels one launch over all rows (a row's bits
+    are its own), without them each verify row alone and each group whole, as the CPU reference's
+    step and prefill compute them."""
+
+    verify: int
+    groups: tuple[int, ...]
+
+
+def each_row(fn, *tensors: torch.Tensor, row_invariant: bool | MixedRows):
     """fn(*tensors) over all rows at once, or (row_invariant, without the kernels) one row at a
-    time, concatenated. Every tensor has rows on dim 0; fn returns a tensor or a tuple of them."""
+    time, concatenated. Every tensor has rows on dim 0; fn returns a tensor or a tuple of them.
+    row_invariant a MixedRows: without the kernels, its verify rows one at a time, then each group
+    whole (MixedRows)."""
     if not row_invariant or use_triton(tensors[0]):
         return fn(*tensors)
-    outs = [fn(*(t[r : r + 1].clone() for t in tensors)) for r in range(tensors[0].shape[0])]
+    if isinstance(row_invariant, MixedRows):
+        verify = row_invariant.verify
+        outs = [each_row(fn, *(t[:verify] for t in tensors), row_invariant=True)] if verify else []
+        for begin, end in itertools.pairwise(itertools.accumulate(row_invariant.groups, initial=verify)):
+            outs.append(fn(*(t[begin:end].clone() for t in tensors)))
+    else:
+        outs = [fn(*(t[r : r + 1].clone() for t in tensors)) for r in range(tensors[0].shape[0])]
     if isinstance(outs[0], tuple):
         return tuple(torch.cat(parts) for parts in zip(*outs))
     return torch.cat(outs)

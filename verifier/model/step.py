@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -15,16 +16,36 @@ from hybrid_kernels.fused_rollback import TableStore
 from .graphs import GraphedSteps, captured, graphs_supported
 from .padding import BucketShape, bucket_for, bucket_shapes, buckets, capture_batch, pad_batch, padded_kept
 from .rollback import ROLLBACKS, WOA, Rollback, RollbackPlan, check_consumed
-from .rows import RowBatch, StepInputs, check_rows
+from .rows import RowBatch, StepInputs, check_rows, to_device
 from .state import RecurrentState, SlotPool
+
+
+@dataclass
+class PromptRows:
+    """Prompt rows a step takes in with its verify (HybridModel.compute's prompts; DESIGN.md
+    section 9, "Prompts inside a step"): every row committed, each with the bits of its own prefill
+    forward. groups: the prompt chunks' RowBatches, each what one prefill forward would hold;
+    tokens: their rows' tokens in order [rows] int64 on the host; hidden: an optional [rows, H]
+    buffer for their final-normed hidden rows. After the step's verify, logits holds each prompt
+    sequence's last row [sequences, vocab] fp32."""
+
+    groups: tuple[RowBatch, ...]
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return sum(group.n_rows for group in self.groups)
 
 
 class Step:
     """One verify of a ragged batch and its rollback (DESIGN.md section 6, "The engine step"). Made by StepRunner.step."""
 
     def __init__(self, runner: StepRunner, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, rows: RowBatch,
-                 shape: BucketShape | None):
+                 shape: BucketShape | None, prompts: PromptRows | None = None):
         self.runner = runner
+        self.prompts = prompts  # prompt rows its verify takes in (eager; their rows are committed, not rolled back)
         self.tokens = tokens  # [rows] int64 on the host or a list of ints: per sequence its pending token, then its drafts
         self.batch = batch  # the step as the caller sent it: kept counts are checked against it
         self.rows = rows  # what the forward runs: `batch` as the runner's Rollback has it (with its slots' carried rows)
@@ -53,7 +74,7 @@ class Step:
                 hidden_out.copy_(runner.graphs.hidden(self.rows.n_rows))
         else:
             self._padded_to = self.shape if runner.pad_eagerly else None
-            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, hidden_out)
+            self.logits, self._record = runner.eager(self.tokens, self.rows, self._padded_to, hidden_out, self.prompts)
         return self.logits
 
     def rollback(self, consumed: list[int]) -> None:
@@ -109,34 +130,50 @@ class StepRunner:
         if self.graphs is not None:
             self.graphs.capture()
 
-    def step(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch) -> Step:
+    def step(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, prompts: PromptRows | None = None) -> Step:
         """The Step of `batch` (tokens [rows] int64 on the host or a list of ints; None: padding
-        rows, token 0): its rows checked, its slots' carried rows attached; no state touched."""
+        rows, token 0): its rows checked, its slots' carried rows attached; no state touched.
+        prompts: prompt rows its verify takes in; such a step runs eagerly (its shape is no bucket's)."""
         check_rows(tokens, batch, self.pool.max_seq_len, self.model.config.vocab_size)
+        for group in prompts.groups if prompts is not None else ():
+            check_rows(None, group, self.pool.max_seq_len, self.model.config.vocab_size)
         rows = self.rollback.rows(batch, self.pool)  # each slot's carried rows go first (rollback.py, Carried rows)
-        shape = bucket_for(self.buckets, rows) if self.graphs is not None or self.pad_eagerly else None
-        return Step(self, tokens, batch, rows, shape)
+        shape = bucket_for(self.buckets, rows) if prompts is None and (self.graphs is not None or self.pad_eagerly) else None
+        return Step(self, tokens, batch, rows, shape, prompts)
 
     @torch.inference_mode()
     def eager(self, tokens: torch.Tensor | Sequence[int] | None, batch: RowBatch, shape: BucketShape | None,
-              hidden_out: torch.Tensor | None = None):
+              hidden_out: torch.Tensor | None = None, prompts: PromptRows | None = None):
         """The eager verify of a checked batch (padded to `shape` unless None) -> (logits of its
-        own rows, the VerifyRecord its rollback reads). hidden_out: Step.verify's, [batch rows, H]."""
+        own rows, the VerifyRecord its rollback reads). hidden_out: Step.verify's, [batch rows, H].
+        prompts: prompt rows after the batch's (shape None), whose logits and hidden rows it fills."""
         padded = batch if shape is None else pad_batch(batch, shape, self.pool.scratch_slot)
         device = self.model.device
         inputs = StepInputs(padded.n_rows, len(padded.slots), "cpu").fill(tokens, padded).to(device)
         padded.attach(device, inputs.batch_tensors())
         record = self.rollback.record(padded)
-        hidden = hidden_out
+        width = self.model.config.hidden_size
         if hidden_out is not None:
-            assert hidden_out.shape == (batch.n_rows, self.model.config.hidden_size), \
-                f"hidden_out has shape {list(hidden_out.shape)}, expected [{batch.n_rows}, {self.model.config.hidden_size}]"
-            if padded.n_rows != batch.n_rows:  # padding rows come after the batch's own (as the logits' slice says)
-                hidden = torch.empty(padded.n_rows, hidden_out.shape[1], dtype=hidden_out.dtype, device=hidden_out.device)
-        logits = self.model.compute(inputs.tokens, padded, self.pool, row_invariant=True, last_only=False, record=record,
-                                    hidden_out=hidden)
+            assert hidden_out.shape == (batch.n_rows, width), \
+                f"hidden_out has shape {list(hidden_out.shape)}, expected [{batch.n_rows}, {width}]"
+        row_tokens, groups, total = inputs.tokens, (), padded.n_rows
+        if prompts is not None:
+            assert shape is None, "a step that takes prompts in is not padded"
+            row_tokens = torch.cat((inputs.tokens, to_device(prompts.tokens, device)))
+            groups, total = prompts.groups, total + prompts.n_rows
+        hidden = hidden_out
+        if (hidden_out is not None or (prompts is not None and prompts.hidden is not None)) and total != batch.n_rows:
+            # padding rows, or prompt rows, come after the batch's own (as the logits' slice says)
+            hidden = torch.empty(total, width, dtype=self.model.dtype, device=device)
+        logits = self.model.compute(row_tokens, padded, self.pool, row_invariant=True, last_only=False, record=record,
+                                    hidden_out=hidden, prompts=groups)
         if hidden is not hidden_out:
-            hidden_out.copy_(hidden[: batch.n_rows])
+            if hidden_out is not None:
+                hidden_out.copy_(hidden[: batch.n_rows])
+            if prompts is not None and prompts.hidden is not None:
+                prompts.hidden.copy_(hidden[padded.n_rows :])
+        if prompts is not None:
+            prompts.logits = logits[padded.n_rows :]
         return logits[: batch.n_rows], record
 
     def padding_step(self, shape: BucketShape) -> None:

@@ -84,6 +84,12 @@ class ServerConfig:
     # waits behind prompts at most, and what lets prompts arriving together share their forwards.
     prefill_rows: int = option(2048, "rows of prompt chunks one prefill job holds, the opens waiting sharing it (at "
                                      "least one chunk)")
+    # Prompts inside a step (verifier/server/prefill.py, Engine.step's openings): each batch of the
+    # running sessions takes the waiting prompts' next pieces into its step, up to this many rows,
+    # so a step's weights are read once for both; a turn of their own runs only while no batch
+    # comes. 0: prompts take turns between batches.
+    step_prompt_rows: int = option(0, "rows of waiting prompts' pieces each batch's step takes in (at least one piece; "
+                                      "0: prompts take turns of their own between batches)")
     goodput: bool = option(True, "goodput-aware K: trim each session's drafts per batch (--no-goodput: verify all)")
     # Tensor parallelism (verifier/server/parallel.py): rank 0 serves, ranks 1 .. N-1 mirror its
     # engine calls on their shards; the MTP head is not split across ranks, so "ngram" is the only
@@ -144,6 +150,8 @@ class ServerConfig:
         for name in ("n_slots", "max_batch_rows", "results_per_session", "tensor_parallel", "prefill_rows", "cohorts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.step_prompt_rows < 0:
+            raise ValueError(f"step_prompt_rows must be >= 0, got {self.step_prompt_rows}")
         if self.graph_rows is not None:  # the engine checks the buckets themselves
             object.__setattr__(self, "graph_rows", tuple(self.graph_rows))
         if self.max_seq_len < 2:  # a prompt token and one generated

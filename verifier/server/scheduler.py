@@ -24,6 +24,7 @@ from .convert import STEP_ERROR_CODES, code_name, error_result, logits_message, 
 from .drafting import propose_all
 from .goodput import GoodputPolicy
 from .metrics import Metrics
+from .prefill import PromptTurns
 from .retries import Fingerprint
 from .sessions import Session, SessionTable
 from .timings import RoundTimings
@@ -83,7 +84,10 @@ class PendingStep(Answer):
 class Scheduler:
     def __init__(self, engine: Engine, worker: Worker, sessions: SessionTable, metrics: Metrics,
                  max_batch_rows: int, max_wait_ms: float, policy: GoodputPolicy | None = None,
-                 timings: RoundTimings | None = None, cohorts: int = 1):
+                 timings: RoundTimings | None = None, cohorts: int = 1, prompts: PromptTurns | None = None):
+        """prompts: the opens' prompt turns; with their step_rows, each batch takes the waiting
+        prompts' next pieces into its step, and the batcher runs their turns while no batch comes
+        (DESIGN.md section 9, "Prompts inside a step")."""
         if cohorts < 1:
             raise ValueError(f"cohorts must be at least 1, got {cohorts}")
         self.engine = engine
@@ -114,6 +118,10 @@ class Scheduler:
         self.cohorts = cohorts
         self._members: list[dict[str, Session]] = [{} for _ in range(cohorts)]  # cohort -> its sessions by id
         self._turn = 0  # the cohort whose batch runs next
+        # the prompt turns whose waiting opens the batches take in (None: they run turns of their own)
+        self.prompts = prompts if prompts is not None and prompts.step_rows else None
+        if self.prompts is not None:
+            self.prompts.on_waiting = self._wakeup.set
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batcher(), name="verifier-batcher")
@@ -216,14 +224,22 @@ class Scheduler:
 
     async def _batcher(self) -> None:
         while True:
-            if not self._queue:
-                if self._ending:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
             all_came = None  # whether the awaited sessions came within the window (None: no wait)
-            if self.max_wait_s > 0 and not self._ready():
+            if not self._queue:
+                prompts = self.prompts is not None and self.prompts.waiting
+                if self._ending and not prompts:
+                    return
+                if not prompts:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                # prompts wait: the next batch takes them in, so first the window for its sessions
+                if self.max_wait_s > 0 and self._awaited and not self._stopping:
+                    all_came = await self._gather()
+                if not self._queue:  # no batch came: the prompts take a turn of their own
+                    await self.prompts.turn()
+                    continue
+            elif self.max_wait_s > 0 and not self._ready():
                 all_came = await self._gather()
             self._observe_turnaround(all_came)
             batch = self._take()
@@ -474,12 +490,25 @@ class Scheduler:
         drafters = [p.session.drafter for p in live]
         if not any(drafters):
             drafters = None
+        # the waiting prompts' next pieces, taken into this step (DESIGN.md section 9, "Prompts inside a step")
+        turn = self.prompts.take()[0] if self.prompts is not None and self.prompts.waiting else []
         started = time.perf_counter()
         self._running = live
         try:
-            results, logits, on_thread = await self.worker.run(_step, self.engine, requests, drafters)
+            results, logits, on_thread = await self.worker.run(_step, self.engine, requests, drafters, [w.opening for w in turn],
+                                                               self.prompts.step_rows if turn else None)
+        except asyncio.CancelledError as exc:  # the job still runs on the worker: its opens fail behind it
+            if turn:
+                self.prompts.cancel(turn, exc)
+            raise
+        except BaseException as exc:  # the step failed: so did its opens (the engine released their slots)
+            if turn:
+                self.prompts.settle(turn, exc)
+            raise
         finally:
             self._running = []
+        if turn:
+            self.prompts.settle(turn)
         self._last_step_s = time.perf_counter() - started
         max_seq_len = self.engine.max_seq_len
         now, clock_now = time.perf_counter(), self.sessions.clock()
@@ -589,15 +618,16 @@ def _propose(engine: Engine, sessions: list[Session]) -> list:
     return propose_all([session.drafter for session in sessions], [session.sequence for session in sessions], engine)
 
 
-def _step(engine: Engine, requests: list[StepRequest], drafters: list | None):
+def _step(engine: Engine, requests: list[StepRequest], drafters: list | None, openings: list | None = None,
+          piece: int | None = None):
     """On the worker: one engine step, the asked-for logits as wire bytes (the device-to-host copy
     stays off the event loop), and the step's start and end on this thread (perf_counter; the end
     once the ids are on the host): two clock reads a batch, so they are taken whether or not round
     timings are kept. `drafters`: per request its session's server-side drafter or None (None for
     all: no session drafts on the server), which observes its OK step's outcome here, in order
-    with its proposals."""
+    with its proposals. openings, piece: opens whose prompts go on in the step (Engine.step's)."""
     started = time.perf_counter()
-    results = engine.step(requests)
+    results = engine.step(requests, openings, piece) if openings else engine.step(requests)
     on_thread = (started, time.perf_counter())
     if drafters is not None:
         for drafter, result in zip(drafters, results):

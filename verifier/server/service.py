@@ -105,7 +105,8 @@ class VerifierService:
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier-tokenize")
         # the opens' prompts in turns on the worker, a turn the next chunks of those waiting up to
         # config.prefill_rows rows: between two batches of the running sessions at most one turn runs
-        self.prompts = PromptTurns(self.worker, engine, config.prefill_rows)
+        # (with config.step_prompt_rows, the batches take the waiting prompts into their steps)
+        self.prompts = PromptTurns(self.worker, engine, config.prefill_rows, config.step_prompt_rows)
         self.scheduler: Scheduler | None = None
         self.draining = False
         self.stopping = False  # begin_stop: streams end once answered; steps of a cut server get UNAVAILABLE
@@ -129,7 +130,8 @@ class VerifierService:
                  time.perf_counter() - started)
         policy = GoodputPolicy(self.engine.max_k, StepCost(costs)) if costs else None
         self.scheduler = Scheduler(self.engine, self.worker, self.sessions, self.metrics,
-                                   self.config.max_batch_rows, self.config.max_wait_ms, policy, self.timings, self.config.cohorts)
+                                   self.config.max_batch_rows, self.config.max_wait_ms, policy, self.timings, self.config.cohorts,
+                                   self.prompts)
         self.scheduler.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap(self.config.idle_timeout_s), name="verifier-reaper")
 

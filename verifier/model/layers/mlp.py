@@ -33,6 +33,13 @@ from ..config import ModelConfig, MoEConfig
 PREFILL_EXPERT_TILES = False
 
 
+def prefill_kernels_differ() -> bool:
+    """Whether a prefill forward's row-wise kernels are other than a step's (PREFILL_EXPERT_TILES):
+    then a prompt's rows cannot join a step (its row-wise ops run once over all rows) and keep the
+    bits of their own prefill forward."""
+    return PREFILL_EXPERT_TILES
+
+
 class DenseMLP:
     def __init__(self, src: TensorSource, prefix: str, hidden: int, intermediate: int):
         # gate | up in one GEMM: one launch reads both weights
