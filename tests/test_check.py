@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 MAX_K, NEW_TOKENS = 3, 5
 SEQUENCES = 5
 SMALL = ["--max-k", str(MAX_K), "--new-tokens", str(NEW_TOKENS), "--prompt-len", "6", "--sequences", str(SEQUENCES)]
-CHECK_NAMES = ["verify_vs_serial", "rollback_state", "full_batch_vs_alone", "streams_vs_plain", "prefix_cache_vs_cold"]
+CHECK_NAMES = ["verify_vs_serial", "rollback_state", "full_batch_vs_alone", "streams_vs_plain", "prefix_cache_vs_cold",
+               "prompts_in_steps"]
 
 
 def _check(model_dir, tmp_path, *extra) -> tuple[int, dict]:
@@ -107,6 +108,37 @@ def test_only_the_full_batch_sees_a_bug_of_large_batches(hf_checkpoint, tmp_path
     assert [name for name, c in checks.items() if not c["passed"]] == ["full_batch_vs_alone"]
     first = report["first_difference"]
     assert first["check"] == "full_batch_vs_alone" and first["where"].startswith(f"step 0 of {SEQUENCES} rows")
+
+
+def test_only_the_prompts_check_sees_a_bug_of_prompts_inside_steps(hf_checkpoint, tmp_path, capsys, monkeypatch):
+    """The row-wise ops of a step that takes prompts in, made to nudge the prompt rows (as a kernel
+    whose prompt rows depended on the verify rows beside them would): every other check passes,
+    and prompts_in_steps names the first prompt's first row."""
+    from verifier.model import hybrid, ops
+
+    honest = ops.each_row
+
+    def nudging(fn, *tensors, row_invariant):
+        out = honest(fn, *tensors, row_invariant=row_invariant)
+        if not isinstance(row_invariant, ops.MixedRows):
+            return out
+
+        def nudge(t):
+            t = t.clone()
+            t[row_invariant.verify :] *= 1 + 2**-10
+            return t
+
+        return tuple(nudge(t) for t in out) if isinstance(out, tuple) else nudge(out)
+
+    monkeypatch.setattr(hybrid, "each_row", nudging)
+    code, report = _check(hf_checkpoint("qwen3_5_text"), tmp_path)
+    assert code == 1, capsys.readouterr().out
+    checks = {c["name"]: c for c in report["checks"]}
+    assert [name for name, c in checks.items() if not c["passed"]] == ["prompts_in_steps"]
+    first = report["first_difference"]
+    assert first["check"] == "prompts_in_steps" and "prompt 0" in first["where"] and first["where"].endswith("first row")
+    # the running sequences' rows stayed equal: only the prompts' rows (and the cached chunk's start) differ
+    assert checks["prompts_in_steps"]["rows_checked"] - checks["prompts_in_steps"]["rows_equal"] <= 2 * 3
 
 
 def test_the_command_as_a_user_runs_it(hf_checkpoint):

@@ -1,4 +1,4 @@
-"""The five checks of `python -m verifier check`, each a function of (model, settings, progress)
+"""The six checks of `python -m verifier check`, each a function of (model, settings, progress)
 returning its CheckResult. Every comparison is bitwise (results.py); each check keeps going past a
 difference in one stream so the counts say how much differs, and stops that stream (its later rows
 would follow another path).
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import Engine, StepRequest
+from ..engine import PIECE_ALIGN, Engine, StepRequest
 from ..generate import generate
 from ..model.hybrid import PREFILL_CHUNK
 from ..model.rollback import ROLLBACK_MODES, WOA
@@ -55,10 +55,10 @@ def _engine(model, settings: CheckSettings, n_slots: int = 1, mode: str = WOA, c
     return Engine(model, n_slots, settings.max_seq_len, settings.max_k, mode, cuda_graphs=cuda_graphs)
 
 
-def _step(engine: Engine, requests: list[StepRequest]):
+def _step(engine: Engine, requests: list[StepRequest], openings=(), piece: int | None = None):
     """engine.step, raising a request's StepError: the check sized the engine for every step it
     sends, so one is a bug of the check, not a difference of bits."""
-    results = engine.step(requests)
+    results = engine.step(requests, openings, piece)
     for res in results:
         if res.error is not None:
             raise res.error
@@ -267,7 +267,64 @@ def prefix_cache_vs_cold(model, settings: CheckSettings, progress) -> CheckResul
     return result
 
 
-CHECKS = (verify_vs_serial, rollback_state, full_batch_vs_alone, streams_vs_plain, prefix_cache_vs_cold)
+def prompts_in_steps(model, settings: CheckSettings, progress) -> CheckResult:
+    """Prompts taken into the running sequences' steps (Engine.step's openings, in pieces of
+    PIECE_ALIGN rows where the backend allows: Engine.piece_limit) == the same steps without them
+    and each prompt's open alone: every step's rows and the running slots' state, each prompt's
+    first row and its slot's state, and a later open restoring a chunk those pieces cached, in
+    both rollback modes."""
+    vocab, c = model.config.vocab_size, PREFILL_CHUNK
+    running = [make_prompt(vocab, settings.prompt_len + i, settings.seed + 20 + i) for i in range(2)]
+    prompts = [make_prompt(vocab, c + c // 2 + 3, settings.seed + 22), make_prompt(vocab, c // 2 + 1, settings.seed + 23)]
+    tail = prompts[0][:c] + make_prompt(vocab, 4, settings.seed + 24)  # its first chunk, cached by the pieces
+    steps = 2 * -(-c // PIECE_ALIGN)  # the longest prompt's pieces, at the most
+    room = max(map(len, prompts)) + steps * (settings.max_k + 1) + settings.new_tokens + 1
+    result = None
+    for mode in ROLLBACK_MODES:
+        mixed = Engine(model, 4, room, settings.max_k, mode, prefix_cache_bytes=1 << 40)
+        alone = Engine(model, 4, room, settings.max_k, mode)
+        if result is None:
+            result = _result(model, "prompts_in_steps", f"{len(prompts)} prompts taken into the steps of {len(running)} running "
+                             "sequences == the steps without them and each open alone: rows, states, a cached chunk "
+                             f"({', '.join(ROLLBACK_MODES)})", "eager (a step with prompts), " + _path(alone) + " alone")
+        progress(f"prompts_in_steps: {mode}")
+        gen = torch.Generator().manual_seed(settings.seed + 25)
+        budget = steps * (settings.max_k + 1) + 1
+        pairs = [(mixed.open(p, SamplingParams(), budget, eos_ids=()), alone.open(p, SamplingParams(), budget, eos_ids=()))
+                 for p in running]
+        openings = [mixed.opening(p, SamplingParams(), 2, eos_ids=()) for p in prompts]
+        step = 0
+        while any(o.logits is None for o in openings) and not any(m.finished for m, _ in pairs):
+            drafts = [_drafts("random", [], int(torch.randint(0, settings.max_k + 1, (1,), generator=gen)), vocab, gen)
+                      for _ in pairs]
+            got = _step(mixed, [StepRequest(m, d) for (m, _), d in zip(pairs, drafts)], openings, PIECE_ALIGN)
+            want = _step(alone, [StepRequest(a, d) for (_, a), d in zip(pairs, drafts)])
+            for i, ((m, a), g, w) in enumerate(zip(pairs, got, want)):
+                where = f"{mode} step {step}, running sequence {i} (K={len(drafts[i])})"
+                if result.compare_rows(g.tokens, g.logits, w.tokens, w.logits, lambda r: f"{where}, row {r}"):
+                    result.compare_states(slot_state(mixed, m.slot, m.position), slot_state(alone, a.slot, a.position), where)
+            step += 1
+        if any(o.logits is None for o in openings):
+            raise RuntimeError(f"prompts_in_steps: the prompts were not all in after {step} steps in {mode} mode")
+        for i, (opening, prompt) in enumerate(zip(openings, prompts)):
+            seq, ref = opening.sequence(), alone.open(prompt, SamplingParams(), 2, eos_ids=())
+            where = f"{mode} prompt {i} ({len(prompt)} tokens) taken in over {step} steps"
+            result.compare_rows([seq.pending], seq.first_logits[None], [ref.pending], ref.first_logits[None],
+                                lambda r: f"{where}: first row")
+            result.compare_states(slot_state(mixed, seq.slot, seq.position), slot_state(alone, ref.slot, ref.position),
+                                  f"{where}: state after the open")
+            mixed.close(seq)
+            alone.close(ref)
+        hits = mixed.prefix_cache.stats.hits
+        warm, cold = mixed.open(tail, SamplingParams(), 2, eos_ids=()), alone.open(tail, SamplingParams(), 2, eos_ids=())
+        if mixed.prefix_cache.stats.hits == hits:
+            raise RuntimeError(f"prompts_in_steps: no cache hit for the chunk the steps took in ({mode} mode)")
+        result.compare_rows([warm.pending], warm.first_logits[None], [cold.pending], cold.first_logits[None],
+                            lambda r: f"{mode} a prompt restoring the chunk the steps cached: first row")
+    return result
+
+
+CHECKS = (verify_vs_serial, rollback_state, full_batch_vs_alone, streams_vs_plain, prefix_cache_vs_cold, prompts_in_steps)
 
 
 def run_checks(model, settings: CheckSettings, progress=lambda message: None) -> list[CheckResult]:

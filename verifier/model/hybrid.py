@@ -200,7 +200,7 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
     step's weights are read once for both (MixedRows)."""
     eps, zero_centred = config.rms_norm_eps, config.zero_centred_norm
     if prompts:
-        assert parallel is None and record is not None, "prompts join a verify on one rank"
+        assert record is not None, "prompts join a verify"
         assert not prefill_kernels_differ(), "a step runs the experts with decode's launches, which a prefill forward does not take"
         row_invariant = MixedRows(batch.n_rows, tuple(group.n_rows for group in prompts))
 
