@@ -102,12 +102,18 @@ def test_only_the_full_batch_sees_a_bug_of_large_batches(hf_checkpoint, tmp_path
         return out if query.shape[0] <= MAX_K + 1 else out * (1 + 2**-20)
 
     monkeypatch.setattr(delta_rule, "delta_rule_verify_ref", large_batch_dependent)
-    code, report = _check(hf_checkpoint("qwen3_5_text"), tmp_path)
+    first = _only_failing(hf_checkpoint("qwen3_5_text"), tmp_path, capsys, "full_batch_vs_alone")[1]
+    assert first["where"].startswith(f"step 0 of {SEQUENCES} rows")
+
+
+def _only_failing(model_dir, tmp_path, capsys, name: str) -> tuple[dict, dict]:
+    """Run the check, which must fail in check `name` alone -> (that check's report, the first difference)."""
+    code, report = _check(model_dir, tmp_path)
     assert code == 1, capsys.readouterr().out
     checks = {c["name"]: c for c in report["checks"]}
-    assert [name for name, c in checks.items() if not c["passed"]] == ["full_batch_vs_alone"]
-    first = report["first_difference"]
-    assert first["check"] == "full_batch_vs_alone" and first["where"].startswith(f"step 0 of {SEQUENCES} rows")
+    assert [n for n, c in checks.items() if not c["passed"]] == [name]
+    assert report["first_difference"]["check"] == name
+    return checks[name], report["first_difference"]
 
 
 def test_only_the_prompts_check_sees_a_bug_of_prompts_inside_steps(hf_checkpoint, tmp_path, capsys, monkeypatch):
@@ -131,14 +137,10 @@ def test_only_the_prompts_check_sees_a_bug_of_prompts_inside_steps(hf_checkpoint
         return tuple(nudge(t) for t in out) if isinstance(out, tuple) else nudge(out)
 
     monkeypatch.setattr(hybrid, "each_row", nudging)
-    code, report = _check(hf_checkpoint("qwen3_5_text"), tmp_path)
-    assert code == 1, capsys.readouterr().out
-    checks = {c["name"]: c for c in report["checks"]}
-    assert [name for name, c in checks.items() if not c["passed"]] == ["prompts_in_steps"]
-    first = report["first_difference"]
-    assert first["check"] == "prompts_in_steps" and "prompt 0" in first["where"] and first["where"].endswith("first row")
+    check, first = _only_failing(hf_checkpoint("qwen3_5_text"), tmp_path, capsys, "prompts_in_steps")
+    assert "prompt 0" in first["where"] and first["where"].endswith("first row")
     # the running sequences' rows stayed equal: only the prompts' rows (and the cached chunk's start) differ
-    assert checks["prompts_in_steps"]["rows_checked"] - checks["prompts_in_steps"]["rows_equal"] <= 2 * 3
+    assert 0 < check["rows_checked"] - check["rows_equal"] <= 2 * 3
 
 
 def test_the_command_as_a_user_runs_it(hf_checkpoint):

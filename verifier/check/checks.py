@@ -74,6 +74,20 @@ def _path(engine: Engine) -> str:
     return "cuda graphs" if engine.graphed else "eager"
 
 
+def _cached_and_plain(model, settings: CheckSettings, slots: int, room: int, mode: str) -> tuple[Engine, Engine]:
+    """Two engines alike but for a prefix cache (the first has one, unbounded)."""
+    return (Engine(model, slots, room, settings.max_k, mode, prefix_cache_bytes=1 << 40),
+            Engine(model, slots, room, settings.max_k, mode))
+
+
+def _compare_opens(result: CheckResult, engine: Engine, seq, ref_engine: Engine, ref, where: str) -> None:
+    """Two opens of one prompt (seq on engine, ref on ref_engine): the first row and token, then
+    every layer's state after the open."""
+    result.compare_rows([seq.pending], seq.first_logits[None], [ref.pending], ref.first_logits[None], lambda r: f"{where}: first row")
+    result.compare_states(slot_state(engine, seq.slot, seq.position), slot_state(ref_engine, ref.slot, ref.position),
+                          f"{where}: state after the open")
+
+
 def _drafts(kind: str, truth: list[int], k: int, vocab: int, gen: torch.Generator) -> list[int]:
     """k drafts against the serial continuation `truth` (at least k long)."""
     if kind == "right":
@@ -242,8 +256,7 @@ def prefix_cache_vs_cold(model, settings: CheckSettings, progress) -> CheckResul
     room = max(map(len, prompts)) + settings.new_tokens + settings.max_k + 1
     result = None
     for mode in ROLLBACK_MODES:
-        cached = Engine(model, 1, room, settings.max_k, mode, prefix_cache_bytes=1 << 40)
-        cold = Engine(model, 1, room, settings.max_k, mode)
+        cached, cold = _cached_and_plain(model, settings, 1, room, mode)
         if result is None:
             result = _result(model, "prefix_cache_vs_cold", f"a start from cached prefixes ({2 * c} of ~{len(prompts[0])} "
                              f"prompt tokens) == a cold start: first row, slot state, stream ({', '.join(ROLLBACK_MODES)})",
@@ -252,10 +265,7 @@ def prefix_cache_vs_cold(model, settings: CheckSettings, progress) -> CheckResul
         for i, prompt in enumerate(prompts):
             where = f"{mode} prompt {i} ({'cold: it fills the cache' if i == 0 else 'cached'})"
             warm, plain = (engine.open(prompt, SamplingParams(), settings.new_tokens, eos_ids=()) for engine in (cached, cold))
-            result.compare_rows([warm.pending], warm.first_logits[None], [plain.pending], plain.first_logits[None],
-                                lambda r: f"{where}: first row")
-            result.compare_states(slot_state(cached, warm.slot, warm.position), slot_state(cold, plain.slot, plain.position),
-                                  f"{where}: state after the open")
+            _compare_opens(result, cached, warm, cold, plain, where)
             cached.close(warm)
             cold.close(plain)
             warm = generate(cached, prompt, settings.new_tokens, None, NgramProposer(), settings.max_k, eos_ids=())
@@ -281,8 +291,7 @@ def prompts_in_steps(model, settings: CheckSettings, progress) -> CheckResult:
     room = max(map(len, prompts)) + steps * (settings.max_k + 1) + settings.new_tokens + 1
     result = None
     for mode in ROLLBACK_MODES:
-        mixed = Engine(model, 4, room, settings.max_k, mode, prefix_cache_bytes=1 << 40)
-        alone = Engine(model, 4, room, settings.max_k, mode)
+        mixed, alone = _cached_and_plain(model, settings, 4, room, mode)
         if result is None:
             result = _result(model, "prompts_in_steps", f"{len(prompts)} prompts taken into the steps of {len(running)} running "
                              "sequences == the steps without them and each open alone: rows, states, a cached chunk "
@@ -308,11 +317,7 @@ def prompts_in_steps(model, settings: CheckSettings, progress) -> CheckResult:
             raise RuntimeError(f"prompts_in_steps: the prompts were not all in after {step} steps in {mode} mode")
         for i, (opening, prompt) in enumerate(zip(openings, prompts)):
             seq, ref = opening.sequence(), alone.open(prompt, SamplingParams(), 2, eos_ids=())
-            where = f"{mode} prompt {i} ({len(prompt)} tokens) taken in over {step} steps"
-            result.compare_rows([seq.pending], seq.first_logits[None], [ref.pending], ref.first_logits[None],
-                                lambda r: f"{where}: first row")
-            result.compare_states(slot_state(mixed, seq.slot, seq.position), slot_state(alone, ref.slot, ref.position),
-                                  f"{where}: state after the open")
+            _compare_opens(result, mixed, seq, alone, ref, f"{mode} prompt {i} ({len(prompt)} tokens) taken in over {step} steps")
             mixed.close(seq)
             alone.close(ref)
         hits = mixed.prefix_cache.stats.hits
