@@ -13,7 +13,8 @@ import torch
 
 from bench.gpu import median_ms
 from bench.machine import NAME_HELP, device_name, name_arg, write_results
-from hybrid_kernels.delta_rule import delta_rule_verify, delta_rule_verify_ref
+from hybrid_kernels import delta_rule_chunked as chunked_module
+from hybrid_kernels.delta_rule import DeltaRuleConfig, delta_rule_config, delta_rule_verify, delta_rule_verify_ref
 from hybrid_kernels.delta_rule_chunked import CHUNK, chunk_table, delta_rule_chunked, delta_rule_chunked_ref
 
 
@@ -63,8 +64,22 @@ def measure(rows: int, sequences: int, args, device: torch.device) -> dict:
     serial_ms, chunked_ms = median_ms(serial, args.repeats, warmup=1), median_ms(chunked, args.repeats, warmup=1)
     serial()
     chunked()
+    tiles = {}  # the serial walk in other tiles (delta_rule_verify's config): each must give the default's bits
+    for block_v, warps in args.serial_tiles if cuda else ():
+        config = DeltaRuleConfig(delta_rule_config(args.d_k, args.d_v).BLOCK_K, block_v, warps)
+        tile_state, tile_out = t["state"].clone(), torch.empty_like(serial_out)
+
+        def tiled():
+            delta_rule_verify(tile_state.copy_(t["state"]), *walk, out=tile_out, config=config, commit=True)
+
+        ms = median_ms(tiled, args.repeats, warmup=1)
+        tiled()
+        tiles[f"{block_v}x{warps}"] = {"ms": round(ms, 4), "x_default": round(ms / serial_ms, 3),
+                                       "same_bits": bool(torch.equal(tile_state, serial_state) and torch.equal(tile_out, serial_out))}
     state_scale = serial_state.abs().max().item()
+    default = delta_rule_config(args.d_k, args.d_v, sequences, rows)
     return {"rows": rows, "sequences": sequences, "serial_ms": round(serial_ms, 4), "chunked_ms": round(chunked_ms, 4),
+            "serial_tile": f"{default.BLOCK_V}x{default.num_warps}", "serial_tiles": tiles,
             "chunked_x_serial": round(chunked_ms / serial_ms, 3),
             # the two forms round differently (fp32); what they must agree to is the tests' (tests/kernel_tests)
             "max_state_difference": (serial_state - chunked_state).abs().max().item(), "state_scale": state_scale,
@@ -73,9 +88,11 @@ def measure(rows: int, sequences: int, args, device: torch.device) -> dict:
 
 def run(args) -> dict:
     device = torch.device(args.device)
+    if args.chunked_precision is not None:
+        chunked_module.DOT_PRECISION = args.chunked_precision
     result = {"device": device_name(device.type), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "heads": args.heads, "d_k": args.d_k, "d_v": args.d_v, "chunk": args.chunk, "repeats": args.repeats,
-              "shapes": []}
+              "chunked_precision": chunked_module.DOT_PRECISION, "shapes": []}
     if device.type == "cuda":
         import triton
 
@@ -83,8 +100,9 @@ def run(args) -> dict:
     for sequences in args.sequences:
         for rows in args.rows:
             figure = measure(rows * sequences, sequences, args, device)
-            log(f"{sequences} x {rows} rows: serial {figure['serial_ms']:.3f} ms, chunked {figure['chunked_ms']:.3f} ms "
-                f"({figure['chunked_x_serial']:.2f}x)")
+            tiles = ", ".join(f"{tile} {f['ms']:.3f} ms{'' if f['same_bits'] else ' OTHER BITS'}" for tile, f in figure["serial_tiles"].items())
+            log(f"{sequences} x {rows} rows: serial {figure['serial_ms']:.3f} ms ({figure['serial_tile']}), chunked "
+                f"{figure['chunked_ms']:.3f} ms ({figure['chunked_x_serial']:.2f}x)" + (f"; serial in other tiles: {tiles}" if tiles else ""))
             result["shapes"].append(figure)
     return result
 
@@ -100,9 +118,28 @@ def parse_args(argv):
     parser.add_argument("--d-v", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=CHUNK, help="the chunked form's sub-chunk rows")
     parser.add_argument("--repeats", type=int, default=5, help="timed walks per figure (median)")
+    parser.add_argument("--serial-tiles", type=_tiles, default=(), metavar="BLOCK_VxWARPS,...",
+                        help="on CUDA, also time the serial walk in these tiles (e.g. 8x1,16x2,32x4), each checked for the "
+                             "default tile's bits (recorded per shape as serial_tiles)")
+    parser.add_argument("--chunked-precision", choices=("ieee", "tf32x3"), default=None,
+                        help="the chunked form's products (kernels/delta_rule_chunked.py's DOT_PRECISION; None: its default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="", type=name_arg, help=NAME_HELP)
     return parser.parse_args(argv)
+
+
+def _tiles(text: str) -> tuple[tuple[int, int], ...]:
+    """'8x1,16x2' -> ((8, 1), (16, 2)): value columns a tile and its warps, each a power of two."""
+    tiles = []
+    for part in text.split(","):
+        try:
+            block_v, warps = (int(n) for n in part.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a tile is BLOCK_VxWARPS (e.g. 16x2), got {part!r}") from None
+        if block_v < 1 or warps < 1 or block_v & (block_v - 1) or warps & (warps - 1):
+            raise argparse.ArgumentTypeError(f"a tile's columns and warps are powers of two, got {part!r}")
+        tiles.append((block_v, warps))
+    return tuple(tiles)
 
 
 def main(argv: list[str] | None = None) -> int:

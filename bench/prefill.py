@@ -157,6 +157,9 @@ def run(args) -> dict:
     if args.chunked_precision is not None:
         delta_rule_chunked.DOT_PRECISION = args.chunked_precision
     result["chunked_precision"] = delta_rule_chunked.DOT_PRECISION
+    if args.conv_run_rows is not None:
+        linear_attention.PREFILL_CONV_RUN_ROWS = args.conv_run_rows
+    result["conv_run_rows"] = linear_attention.PREFILL_CONV_RUN_ROWS
     if args.tiled_attention is not None:
         attend.TILED_PREFILL = args.tiled_attention
     result["tiled_attention"] = attend.TILED_PREFILL
@@ -287,6 +290,10 @@ def parse_args(argv):
     parser.add_argument("--chunked-precision", choices=("ieee", "tf32x3"), default=None,
                         help="the chunked delta rule's products (kernels/delta_rule_chunked.py's DOT_PRECISION; None: its "
                              "default); recorded as chunked_precision")
+    parser.add_argument("--conv-run-rows", type=int, default=None,
+                        help="prefill's short conv in runs of about this many rows a program (verifier/model/layers/"
+                             "linear_attention.py's PREFILL_CONV_RUN_ROWS; 0: a step's few runs; None: its default); "
+                             "recorded as conv_run_rows")
     parser.add_argument("--tiled-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill's attention in tiles of rows, or a program per row (verifier/model/layers/attend.py's "
                              "TILED_PREFILL; None: its default); recorded as tiled_attention")

@@ -386,11 +386,16 @@ class Tables:
         rows = []
         for path in found.values():
             d = self.load(path)
+            precision = d.get("chunked_precision", "ieee")  # absent: a file from before the option
             for f in d["shapes"]:
-                rows.append(f"{d['heads']} heads, {d['d_k']} x {d['d_v']}, sub-chunks of {d['chunk']} | {d['device']}, {d['date']} | "
-                            f"{f['sequences']} x {f['rows'] // f['sequences']:,} | {f['serial_ms']:.3f} | {f['chunked_ms']:.3f} "
+                tiles = ", ".join(f"{tile} {t['ms']:.3f}{'' if t['same_bits'] else ' (OTHER BITS)'}"
+                                  for tile, t in f.get("serial_tiles", {}).items()) or "-"
+                rows.append(f"{d['heads']} heads, {d['d_k']} x {d['d_v']}, sub-chunks of {d['chunk']}, {precision} products | "
+                            f"{d['device']}, {d['date']} | "
+                            f"{f['sequences']} x {f['rows'] // f['sequences']:,} | {f['serial_ms']:.3f} | {tiles} | {f['chunked_ms']:.3f} "
                             f"({f['chunked_x_serial']:.2f}x) | {f['max_state_difference']:.1e} of {f['state_scale']:.2f}")
-        return table(["shape", "device, date", "prompts x rows", "serial walk, ms a layer", "chunked, ms a layer (x serial)",
+        return table(["shape", "device, date", "prompts x rows", "serial walk, ms a layer",
+                      "serial walk in other tiles (BLOCK_V x warps), ms", "chunked, ms a layer (x serial)",
                       "largest state difference (of the state's scale)"], rows, self.source(*found.values()))
 
     def prefill(self) -> str:
@@ -417,6 +422,8 @@ class Tables:
                 taken.append(f"{d['chunked_precision']} products")
             if d.get("expert_walk") not in (None, "scale-after"):  # absent: a file from before the option
                 taken.append(f"experts' {d['expert_walk']} walk")
+            if d.get("conv_run_rows"):  # absent or 0: a step's few runs
+                taken.append(f"conv runs of {d['conv_run_rows']} rows")
             return f", {', '.join(taken)}" if taken else ""
 
         def inside(d: dict) -> str:

@@ -46,6 +46,20 @@ def conv_runs(rows: int, sequences: int, channels: int) -> int:
     return max(1, min(CONV_MAX_RUNS, triton.cdiv(rows, max(1, sequences)), CONV_TARGET_PROGRAMS // programs))
 
 
+def prefill_runs(rows: int, sequences: int, run_rows: int) -> int:
+    """Runs a sequence of conv_rows' grid for a prefill of `rows` rows in `sequences` prompts, about
+    `run_rows` rows a run: a power of two (a few compiled grids), at most PREFILL_MAX_RUNS. A long
+    prompt walked in conv_runs' few runs is a walk of hundreds of rows a program; in runs of tens
+    of rows every program is short and the grid fills the GPU, each run reading W-1 rows more."""
+    if run_rows < 1:
+        raise ValueError(f"prefill_runs: run_rows must be at least 1, got {run_rows}")
+    per = triton.cdiv(rows, max(1, sequences))
+    return min(PREFILL_MAX_RUNS, triton.next_power_of_2(max(1, triton.cdiv(per, run_rows))))
+
+
+PREFILL_MAX_RUNS = 128
+
+
 def _conv_block_c(channels: int) -> int:
     return min(CONV_BLOCK_C, triton.next_power_of_2(channels))
 

@@ -131,3 +131,27 @@ def test_pieces_follow_the_alignment_and_the_chunks():
     assert opening.next_chunk(3 * PIECE_ALIGN) == (PIECE_ALIGN, CHUNK)
     opening.position = 2 * CHUNK
     assert opening.next_chunk(PIECE_ALIGN) == (2 * CHUNK, 2 * CHUNK + 7)  # the prompt's end
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "kimi_linear"])
+def test_a_prefills_conv_in_short_runs_gives_the_same_bits(load_target, model_device, monkeypatch, name):
+    """PREFILL_CONV_RUN_ROWS (prefill's short conv in runs of a few rows: which program computes a
+    row never changes its bits): a prompt's every logit row and its slot's state equal those of the
+    step's few runs, torch.equal; then the prompts-inside-steps test holds with it. The CPU
+    reference has no runs, so this runs with --model-device cuda."""
+    if model_device != "cuda":
+        pytest.skip("the conv's runs are the Triton kernel's (--model-device cuda)")
+    from verifier.model.layers import linear_attention
+
+    model = load_target(name)
+    prompt = PROMPTS[0]
+    pools, rows = [], []
+    for run_rows in (0, 8):
+        monkeypatch.setattr(linear_attention, "PREFILL_CONV_RUN_ROWS", run_rows)
+        pool = model.new_pool(1, SEQ_LEN)
+        rows.append(model.prefill(pool, pool.admit(), prompt, chunk=CHUNK, all_logits=True))
+        pools.append(pool)
+    assert torch.equal(rows[0], rows[1])
+    for a, b in zip(pools[0].layers, pools[1].layers, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values()) if isinstance(x, torch.Tensor))
+    test_prompts_inside_steps_equal_steps_and_opens_alone(load_target, name, "woa")

@@ -16,7 +16,8 @@ Tolerances (conv_rows vs conv_rows_ref, general inputs):
 import pytest
 import torch
 
-from hybrid_kernels.short_conv import CONV_MAX_RUNS, conv_rows, conv_rows_ref, conv_runs, next_window, next_window_ref
+from hybrid_kernels.short_conv import (CONV_MAX_RUNS, PREFILL_MAX_RUNS, conv_rows, conv_rows_ref, conv_runs, next_window,
+                                       next_window_ref, prefill_runs)
 from .conftest import ROW_COUNTS, assert_close, nan_like
 
 TOLERANCES = {torch.float32: (1e-6, 1e-12), torch.bfloat16: (2**-7, 1e-12)}  # (rtol, atol)
@@ -113,6 +114,29 @@ def test_conv_rows_runs_give_the_same_bits(dtype, width, device):
         assert torch.equal(got_window, want_window), f"{runs} runs: the windows"
     with pytest.raises(ValueError, match="runs must be at least 1"):
         conv_rows(window.clone(), inputs, weight, seq_slots, cu_rows, runs=0)
+
+
+@pytest.mark.parametrize("run_rows", [4, 16])
+def test_a_prefills_runs_give_the_same_bits(run_rows, device):
+    """A long prompt (and a short one beside it) walked in prefill_runs' runs of about run_rows rows:
+    every row and window torch.equal the one-run walk's."""
+    counts, slots = [70, 3], [1, 0]
+    window, inputs, weight = make(sum(counts), 37, 4, torch.bfloat16, device, seed=11)
+    seq_slots, cu_rows = ragged(counts, slots, device)
+    want_window = window.clone()
+    want = conv_rows(want_window, inputs, weight, seq_slots, cu_rows, runs=1)
+    runs = prefill_runs(sum(counts), len(counts), run_rows)
+    assert runs > 1
+    got_window = window.clone()
+    got = conv_rows(got_window, inputs, weight, seq_slots, cu_rows, nan_like(inputs), runs=runs)
+    assert torch.equal(got, want) and torch.equal(got_window, want_window)
+
+
+def test_prefill_runs_are_powers_of_two_up_to_a_cap():
+    assert prefill_runs(2048, 1, 32) == 64 and prefill_runs(2048, 2, 32) == 32 and prefill_runs(100, 1, 32) == 4
+    assert prefill_runs(8192 * 8, 1, 1) == PREFILL_MAX_RUNS and prefill_runs(5, 1, 32) == 1 and prefill_runs(0, 0, 8) == 1
+    with pytest.raises(ValueError, match="run_rows must be at least 1"):
+        prefill_runs(64, 1, 0)
 
 
 def test_conv_runs_by_batch_shape():

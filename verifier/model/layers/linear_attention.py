@@ -29,6 +29,11 @@ from ..state import RecurrentState
 # walk in the engine on an H100 (`python -m bench.prefill --chunked-delta-rule`; DESIGN.md section 6)
 CHUNKED_PREFILL = False
 
+# Prefill's short conv in runs of about this many rows a program (kernels/short_conv.py
+# prefill_runs); 0: conv_runs' few runs, as a step's (`python -m bench.prefill --conv-run-rows N`).
+# Which program computes a row never changes its bits.
+PREFILL_CONV_RUN_ROWS = 0
+
 # (conv outputs [n, conv_dim], *gate inputs [n, ...]) -> fp32 query, key [n, heads, d_k], value [n, heads, d_v],
 # decay [n, heads, 1 or d_k] = exp(g), beta [n, heads]
 Heads = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -44,7 +49,10 @@ def mix_sequences(batch: RowBatch, state: RecurrentState, conv_inputs: torch.Ten
     device = conv_inputs.device
     seq_slots, cu_rows = batch.seq_slots(device), batch.cu_rows(device)
     conv = pick(short_conv.conv_rows, short_conv.conv_rows_ref, conv_inputs)
-    runs = short_conv.conv_runs(conv_inputs.shape[0], walk_sequences(batch), conv_inputs.shape[1])
+    if rollback is None and PREFILL_CONV_RUN_ROWS:
+        runs = short_conv.prefill_runs(conv_inputs.shape[0], len(batch.slots), PREFILL_CONV_RUN_ROWS)
+    else:
+        runs = short_conv.conv_runs(conv_inputs.shape[0], walk_sequences(batch), conv_inputs.shape[1])
     mixed = conv(state.conv, conv_inputs, conv_weight, seq_slots, cu_rows, scratch_slot=state.scratch_slot, runs=runs)
     query, key, value, decay, beta = each_row(split_heads, mixed, *gate_inputs, row_invariant=row_invariant)
     snapshots = None if rollback is None else rollback.snapshot_buffer(*key.shape, value.shape[2], device)
