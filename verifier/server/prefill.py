@@ -80,15 +80,17 @@ class PromptTurns:
             self._turns = asyncio.get_running_loop().create_task(self._run())
         await waiting.done
 
-    def take(self) -> tuple[list[_Waiting], int | None]:
-        """The waiting opens a step takes in, off the line: the front whose next pieces fit
-        step_rows together (at least one), and the rows a piece may hold (Engine.piece_limit; None:
-        whole chunks). The caller runs them and hands them to `settle`."""
-        limit = self.engine.piece_limit(self.step_rows)
-        turn = take_turn(self._waiting, self.step_rows, key=lambda w: w.opening, limit=limit)
-        for waiting in turn:
-            self._waiting.remove(waiting)
-        return turn, limit
+    def take(self) -> list[_Waiting]:
+        """The waiting opens a step takes in, off the line: the front whose next pieces (of the
+        rows Engine.piece_limit allows) fit step_rows together, at least one. The caller runs them
+        and hands them to `settle`."""
+        return self._pop(self.step_rows, self.engine.piece_limit(self.step_rows))
+
+    def _pop(self, rows: int, limit: int | None = None) -> list[_Waiting]:
+        """take_turn's front of the line within `rows` (pieces of at most `limit` rows), off the line."""
+        turn = take_turn(self._waiting, rows, key=lambda w: w.opening, limit=limit)
+        del self._waiting[: len(turn)]
+        return turn
 
     def settle(self, turn: list[_Waiting], failure: BaseException | None = None) -> None:
         """After the job that ran `turn`: an open all in is done, one not yet goes to the back of
@@ -110,9 +112,7 @@ class PromptTurns:
     async def turn(self) -> None:
         """One turn of the waiting opens on the worker (its job's failure fails its opens and is
         not raised; a cancellation fails every open waiting and is)."""
-        turn = take_turn(self._waiting, self.rows, key=lambda w: w.opening)
-        for waiting in turn:
-            self._waiting.remove(waiting)
+        turn = self._pop(self.rows)
         try:
             await self.worker.run(self.engine.advance_openings, [w.opening for w in turn])
         except asyncio.CancelledError as exc:  # the server stops: every open still waiting fails, its slot released

@@ -491,7 +491,7 @@ class Scheduler:
         if not any(drafters):
             drafters = None
         # the waiting prompts' next pieces, taken into this step (DESIGN.md section 9, "Prompts inside a step")
-        turn = self.prompts.take()[0] if self.prompts is not None and self.prompts.waiting else []
+        turn = self.prompts.take() if self.prompts is not None and self.prompts.waiting else []
         started = time.perf_counter()
         self._running = live
         try:
