@@ -191,6 +191,55 @@ def test_steps_take_the_waiting_prompts_in(text_checkpoint, plain, monkeypatch):
     assert max(per_step) == 1, f"a step took more chunks than its budget holds: {events}"
 
 
+class FailsWithPrompts(SmallChunks):
+    """An engine whose first step that takes prompts in fails in its verify (a device fault): the
+    engine's own handling then aborts the openings (their slots released) and loses the sequences."""
+
+    failed = False
+
+    def _verify_accept_rollback(self, requests, sequences, step):
+        if step.prompts is not None and not FailsWithPrompts.failed:
+            FailsWithPrompts.failed = True
+            raise RuntimeError("the device fell over")
+        return super()._verify_accept_rollback(requests, sequences, step)
+
+
+def test_a_failed_step_with_prompts_fails_its_open_and_the_server_goes_on(text_checkpoint, plain):
+    """The step that took a prompt in fails: the open fails (not hangs), the stepping session's
+    step is answered INTERNAL, and the server serves the next open (the slots came back), whose
+    tokens are plain decoding's."""
+    FailsWithPrompts.failed = False
+    prompt = PROMPTS[1]
+    with LoopbackServer(text_checkpoint, engine_class=FailsWithPrompts, n_slots=2, max_seq_len=96, max_wait_ms=200,
+                        step_prompt_rows=CHUNK) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rpc.VerifierStub(channel)
+            runner = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=[9, 8, 7], max_new_tokens=80))
+            codes = []
+
+            def keep_stepping():
+                position = runner.position
+                while True:
+                    (result,) = stub.Verify(rpc.VerifyRequest(steps=[rpc.VerifyStep(session_id=runner.session_id,
+                                                                                   expected_position=position)])).results
+                    codes.append(result.status.code)
+                    if result.status.code != 0:
+                        return
+                    position = result.position
+
+            thread = threading.Thread(target=keep_stepping)
+            thread.start()
+            time.sleep(0.1)
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=1), timeout=60)
+            thread.join(timeout=30)
+            assert FailsWithPrompts.failed and failed.value.code() != grpc.StatusCode.OK
+            assert codes[-1] == grpc.StatusCode.INTERNAL.value[0]
+            stub.CloseSession(rpc.CloseSessionRequest(session_id=runner.session_id))
+            again = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=1), timeout=60)
+    assert again.first_token == plain(prompt, 1).tokens[0]
+
+
 def test_a_negative_step_prompt_budget_is_refused_by_name(text_checkpoint):
     from verifier.server.config import ServerConfig
 
