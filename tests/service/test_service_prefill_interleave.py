@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from verifier import rpc
 from verifier.engine import Engine, Opening
@@ -176,11 +177,15 @@ def test_steps_take_the_waiting_prompts_in(text_checkpoint, plain, monkeypatch):
             opened = stub.OpenSession(rpc.OpenSessionRequest(prompt_ids=prompt, max_new_tokens=1))
             stop.set()
             thread.join(timeout=30)
+        text = server.run_on_loop(lambda: generate_latest(server.server.metrics.registry).decode())
     assert opened.first_token == plain(prompt, 1).tokens[0]
     assert running == list(plain([9, 8, 7], len(running)).tokens)
     inside = [n for kind, n in events if kind == "step+chunk"]
     alone = [n for kind, n in events if kind == "chunk"]
     assert len(inside) + len(alone) == len(prompt) // CHUNK
+    # the metrics count where the prompts' rows ran (the stepping session's 3-token open: a turn, no batch running)
+    assert f'verifier_prompt_rows_total{{where="step"}} {CHUNK * len(inside)}.0' in text
+    assert f'verifier_prompt_rows_total{{where="turn"}} {3 + CHUNK * len(alone)}.0' in text
     assert len(inside) >= len(prompt) // CHUNK - 2, f"chunks inside steps: {len(inside)} ({events})"
     per_step = [0]  # chunks each step took in: its budget holds one
     for kind, _ in events:

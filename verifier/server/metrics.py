@@ -72,6 +72,10 @@ class Metrics:
         self.rows_per_batch = BatchHistogram("verifier_rows_per_batch", "verify rows per engine batch", ROW_BUCKETS, r)
         self.step_latency = BatchHistogram("verifier_step_latency_seconds", "a session step from arrival to result",
                                            LATENCY_BUCKETS_S, r)
+        self.prompt_rows = Counter("verifier_prompt_rows", "prompt rows prefilled, by where: inside a step (--step-prompt-rows) "
+                                   "or in a turn of their own", ["where"], registry=r)
+        for where in ("step", "turn"):
+            self.prompt_rows.labels(where)
         self.open_sessions = Gauge("verifier_open_sessions", "sessions holding a slot", registry=r)
         self.free_slots = Gauge("verifier_free_slots", "slots free for OpenSession", registry=r)
         for position in range(1, max_k + 1):  # every position shows, at zero, before its first draft
@@ -135,6 +139,11 @@ class Metrics:
                 self.drafted_at.labels(str(position)).inc(int(reached[position]))
             if ended[position]:
                 self.accepted_at.labels(str(position)).inc(int(ended[position]))
+
+    def record_prompt_rows(self, where: str, rows: int) -> None:
+        """Prompt rows a job prefilled: where is "step" (inside a step) or "turn" (a turn of their own)."""
+        if rows:
+            self.prompt_rows.labels(where).inc(rows)
 
     def record_error(self, code_name: str) -> None:
         self.errors.labels(code_name).inc()

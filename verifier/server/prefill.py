@@ -11,6 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ..engine import Engine, Opened, Opening
+from .metrics import Metrics
 from .worker import Worker
 
 
@@ -38,8 +39,9 @@ def take_turn(waiting: list, rows: int, key=lambda w: w, limit: int | None = Non
 
 @dataclass(eq=False)
 class _Waiting:
-    opening: Opening | Opened
+    opening: Opening
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    taken_at: int = 0  # the opening's position when a job took it (the rows it prefilled: metrics)
 
 
 class PromptTurns:
@@ -48,15 +50,15 @@ class PromptTurns:
     With step_rows, the scheduler's batches take the waiting opens in (`take`, `settle`) and a turn
     of their own runs only when the scheduler finds no batch to run (it calls `turn`)."""
 
-    def __init__(self, worker: Worker, engine: Engine, rows: int, step_rows: int = 0):
+    def __init__(self, worker: Worker, engine: Engine, rows: int, step_rows: int = 0, metrics: Metrics | None = None):
         """rows: the chunks' rows a job holds (at least one chunk whatever its size; ServerConfig.prefill_rows).
         step_rows: the rows of prompt pieces a batch's step takes in (ServerConfig.step_prompt_rows;
-        0: none, the turns run on their own)."""
+        0: none, the turns run on their own). metrics: where the prompt rows each job prefilled are counted."""
         if rows < 1:
             raise ValueError(f"a prefill turn needs at least one row, got {rows}")
         if step_rows < 0:
             raise ValueError(f"step_prompt_rows must be >= 0, got {step_rows}")
-        self.worker, self.engine, self.rows, self.step_rows = worker, engine, rows, step_rows
+        self.worker, self.engine, self.rows, self.step_rows, self.metrics = worker, engine, rows, step_rows, metrics
         self._waiting: list[_Waiting] = []
         self._turns: asyncio.Task | None = None
         self.on_waiting = None  # with step_rows: called (no argument) when an open starts waiting (the scheduler's wake-up)
@@ -90,11 +92,16 @@ class PromptTurns:
         """take_turn's front of the line within `rows` (pieces of at most `limit` rows), off the line."""
         turn = take_turn(self._waiting, rows, key=lambda w: w.opening, limit=limit)
         del self._waiting[: len(turn)]
+        for waiting in turn:
+            waiting.taken_at = waiting.opening.position
         return turn
 
-    def settle(self, turn: list[_Waiting], failure: BaseException | None = None) -> None:
-        """After the job that ran `turn`: an open all in is done, one not yet goes to the back of
-        the line; with `failure` (the job raised, its opens' slots released) every one fails."""
+    def settle(self, turn: list[_Waiting], failure: BaseException | None = None, where: str = "step") -> None:
+        """After the job that ran `turn` (`where`: "step", inside a step, or "turn", one of their
+        own): an open all in is done, one not yet goes to the back of the line; with `failure` (the
+        job raised, its opens' slots released) every one fails."""
+        if failure is None and self.metrics is not None:
+            self.metrics.record_prompt_rows(where, sum(w.opening.position - w.taken_at for w in turn))
         for waiting in turn:
             if failure is not None:
                 waiting.done.set_exception(failure)
@@ -119,9 +126,9 @@ class PromptTurns:
             self.cancel(turn, exc)
             raise
         except BaseException as exc:  # the job failed: every open in it fails (advance_openings released their slots)
-            self.settle(turn, exc)
+            self.settle(turn, exc, "turn")
             return
-        self.settle(turn)
+        self.settle(turn, where="turn")
 
     async def _run(self) -> None:
         while self._waiting:

@@ -106,7 +106,7 @@ class VerifierService:
         # the opens' prompts in turns on the worker, a turn the next chunks of those waiting up to
         # config.prefill_rows rows: between two batches of the running sessions at most one turn runs
         # (with config.step_prompt_rows, the batches take the waiting prompts into their steps)
-        self.prompts = PromptTurns(self.worker, engine, config.prefill_rows, config.step_prompt_rows)
+        self.prompts = PromptTurns(self.worker, engine, config.prefill_rows, config.step_prompt_rows, metrics)
         self.scheduler: Scheduler | None = None
         self.draining = False
         self.stopping = False  # begin_stop: streams end once answered; steps of a cut server get UNAVAILABLE
