@@ -20,7 +20,7 @@ import torch
 from bench.fp8_real_size import checkpoint_config, params, published_configs, write_checkpoint
 from bench.gpu import kernel_table
 from bench.machine import NAME_HELP, device_name, name_arg, write_results
-from hybrid_kernels import delta_rule_chunked
+from hybrid_kernels import delta_rule_chunked, gdn_heads
 from verifier.engine import Engine, StepRequest
 from verifier.model import load_model
 from verifier.model.config import ATTENTION
@@ -160,6 +160,9 @@ def run(args) -> dict:
     if args.conv_run_rows is not None:
         linear_attention.PREFILL_CONV_RUN_ROWS = args.conv_run_rows
     result["conv_run_rows"] = linear_attention.PREFILL_CONV_RUN_ROWS
+    if args.heads_rows is not None:
+        gdn_heads.HEADS_ROWS_PER_PROGRAM = args.heads_rows
+    result["heads_rows"] = gdn_heads.HEADS_ROWS_PER_PROGRAM
     if args.tiled_attention is not None:
         attend.TILED_PREFILL = args.tiled_attention
     result["tiled_attention"] = attend.TILED_PREFILL
@@ -294,6 +297,9 @@ def parse_args(argv):
                         help="prefill's short conv in runs of about this many rows a program (verifier/model/layers/"
                              "linear_attention.py's PREFILL_CONV_RUN_ROWS; 0: a step's few runs; None: its default); "
                              "recorded as conv_run_rows")
+    parser.add_argument("--heads-rows", type=int, default=None,
+                        help="rows a program of GDN's head split takes in launches of many rows (kernels/gdn_heads.py's "
+                             "HEADS_ROWS_PER_PROGRAM; None: its default); recorded as heads_rows")
     parser.add_argument("--tiled-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill's attention in tiles of rows, or a program per row (verifier/model/layers/attend.py's "
                              "TILED_PREFILL; None: its default); recorded as tiled_attention")

@@ -424,6 +424,8 @@ class Tables:
                 taken.append(f"experts' {d['expert_walk']} walk")
             if d.get("conv_run_rows"):  # absent or 0: a step's few runs
                 taken.append(f"conv runs of {d['conv_run_rows']} rows")
+            if d.get("heads_rows", 1) > 1:  # absent or 1: a program a row
+                taken.append(f"head split {d['heads_rows']} rows a program")
             return f", {', '.join(taken)}" if taken else ""
 
         def inside(d: dict) -> str:

@@ -26,20 +26,53 @@ def _l2norm_rsqrt(b_x, m_d, D: tl.constexpr):
     return normalise_block(b_x, tl.sum(b_x * b_x, axis=0), b_x, b_x, m_d, D, 0.0, L2_RSQRT, tl.float32, False)
 
 
+# Rows a program of a launch of many rows takes, one after the other, each with a one-row
+# program's code (so the same bits): a prefill's 2,048-row chunk is otherwise 2,048 x Hk one-warp
+# programs of a few loads and stores each. 1: a program a row, as every step's launch
+# (`python -m bench.prefill --heads-rows N`).
+HEADS_ROWS_PER_PROGRAM = 1
+HEADS_MANY_ROWS = 1024  # launches from this many rows take HEADS_ROWS_PER_PROGRAM rows a program
+
+
+def rows_per_program(rows: int) -> int:
+    """Rows a program of a launch over `rows` rows takes (HEADS_ROWS_PER_PROGRAM from HEADS_MANY_ROWS rows, else 1)."""
+    return HEADS_ROWS_PER_PROGRAM if rows >= HEADS_MANY_ROWS else 1
+
+
 # gate row and split strides are not specialised on (a one-row tensor may carry any), as in gdn_gates
-@triton.jit(do_not_specialize=["s_b_row", "s_a_row", "s_split"])
+@triton.jit(do_not_specialize=["s_b_row", "s_a_row", "s_split", "n_rows"])
 def _gdn_heads_kernel(
     mixed, q, k, v,
     q_scale,
     b, a, A_log, dt_bias, decay, beta, s_b_row, s_a_row, s_split,  # HAS_GATES only (else stand-ins)
+    n_rows,
     HK: tl.constexpr, R: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_GATES: tl.constexpr, GATE_SPLITS: tl.constexpr, GATE_DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
-    PDL: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     after_previous(PDL)  # first: kernels/dependent_launch.py
-    i_m = tl.program_id(0).to(tl.int64)  # the row
     i_g = tl.program_id(1)  # the key head
+    if ROWS == 1:  # a program a row
+        _split_row(mixed, q, k, v, q_scale, b, a, A_log, dt_bias, decay, beta, s_b_row, s_a_row, s_split,
+                   tl.program_id(0).to(tl.int64), i_g, HK, R, D_K, D_V, BLOCK_R, BLOCK_DK, BLOCK_DV,
+                   HAS_GATES, GATE_SPLITS, GATE_DTYPE, EMULATE_BF16_RTNE)
+    else:  # ROWS rows in turn, each as a one-row program computes it
+        i_first = tl.program_id(0).to(tl.int64) * ROWS
+        for i_r in range(ROWS):
+            if i_first + i_r < n_rows:
+                _split_row(mixed, q, k, v, q_scale, b, a, A_log, dt_bias, decay, beta, s_b_row, s_a_row, s_split,
+                           i_first + i_r, i_g, HK, R, D_K, D_V, BLOCK_R, BLOCK_DK, BLOCK_DV,
+                           HAS_GATES, GATE_SPLITS, GATE_DTYPE, EMULATE_BF16_RTNE)
+
+
+@triton.jit
+def _split_row(mixed, q, k, v, q_scale, b, a, A_log, dt_bias, decay, beta, s_b_row, s_a_row, s_split, i_m, i_g,
+               HK: tl.constexpr, R: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               HAS_GATES: tl.constexpr, GATE_SPLITS: tl.constexpr, GATE_DTYPE: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """Row i_m's split for key head i_g: its normalised q and k copied to the key head's value heads,
+    its values widened, and (HAS_GATES) its gates."""
     HV: tl.constexpr = HK * R
     o_r = tl.arange(0, BLOCK_R)
     o_dk = tl.arange(0, BLOCK_DK)
@@ -98,7 +131,7 @@ def _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out) -> None:
 def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int,
               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               gates: tuple[torch.Tensor | SplitSums, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
-              ) -> tuple[torch.Tensor, ...]:
+              rows: int | None = None) -> tuple[torch.Tensor, ...]:
     """-> (q, k [n, Hv, d_k], v [n, Hv, d_v]), fp32. out: an optional (q, k, v) triple of
     contiguous aligned buffers, filled and returned.
     gates: GatedDeltaNet's (b, a, A_log, dt_bias) as kernels/gdn_gates.py takes them: the same
@@ -107,8 +140,11 @@ def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v
     (18 a step of the 2B model). b may instead be the unfinished split-K sums of the GEMM whose
     columns are b | a (kernels/linear.py's SplitSums, [n, 2 Hv], no bias), with a None: each
     program finishes its own columns as the split's reduce would, the bits of the finished b and a,
-    one launch fewer."""
+    one launch fewer.
+    rows: rows a program takes (None: rows_per_program's); the same bits for any."""
     _check(mixed, n_k_heads, n_v_heads, d_k, d_v, out)
+    if rows is not None and rows < 1:
+        raise ValueError(f"gdn_heads: rows a program must be at least 1, got {rows}")
     n = mixed.shape[0]
     if out is None:
         empty = lambda d: torch.empty((n, n_v_heads, d), dtype=torch.float32, device=mixed.device)  # noqa: E731
@@ -133,14 +169,15 @@ def gdn_heads(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, d_k: int, d_v
     stand_in = out[0]
     gate_args = ((b, a, A_log.contiguous(), dt_bias.contiguous(), *gate_out, b.stride(0), a.stride(0), s_split) if gates is not None
                  else (stand_in,) * 6 + (0, 0, 0))
-    _gdn_heads_kernel[(n, n_k_heads)](
+    rows = rows_per_program(n) if rows is None else rows
+    _gdn_heads_kernel[(triton.cdiv(n, rows), n_k_heads)](
         contiguous_aligned(mixed), *out,
         d_k**0.5,  # passed as fp32: the reference divides by the python float cast to fp32
-        *gate_args,
+        *gate_args, n,
         HK=n_k_heads, R=r, D_K=d_k, D_V=d_v,
         BLOCK_R=block_r, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
         HAS_GATES=gates is not None, GATE_SPLITS=splits, GATE_DTYPE=TL_DTYPES[gate_dtype], EMULATE_BF16_RTNE=interpreting(),
-        num_warps=num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(mixed.device),
+        ROWS=rows, num_warps=num_warps, num_stages=1, enable_fp_fusion=False, **launch_options(mixed.device),
     )
     return (*out, *gate_out)
 

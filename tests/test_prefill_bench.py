@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench import prefill
-from hybrid_kernels import delta_rule_chunked, moe_grouped
+from hybrid_kernels import delta_rule_chunked, gdn_heads, moe_grouped
 from verifier.model.layers import attend, linear_attention, mlp
 
 
@@ -14,6 +14,7 @@ from verifier.model.layers import attend, linear_attention, mlp
 def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypatch, optional_forms):
     monkeypatch.setattr(linear_attention, "CHUNKED_PREFILL", False)  # what --chunked-delta-rule sets, restored after
     monkeypatch.setattr(linear_attention, "PREFILL_CONV_RUN_ROWS", 0)  # what --conv-run-rows sets
+    monkeypatch.setattr(gdn_heads, "HEADS_ROWS_PER_PROGRAM", 1)  # what --heads-rows sets
     monkeypatch.setattr(attend, "TILED_PREFILL", False)  # what --[no-]tiled-attention sets
     monkeypatch.setattr(mlp, "PREFILL_EXPERT_TILES", False)  # what --[no-]expert-tiles sets
     monkeypatch.setattr(moe_grouped, "SCALE_AFTER_ON", True)  # what --expert-walk sets
@@ -21,11 +22,12 @@ def test_the_prefill_bench_runs_and_its_cached_start_is_cold(tmp_path, monkeypat
     code = prefill.main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--prompt-tokens", "96", "--chunk", "16",
                          "--running", "3", "--arriving", "2", "--steps", "4", "--repeats", "2", "--cache-gb", "0.1"]
                         + (["--chunked-delta-rule", "--chunked-precision", "tf32x3", "--tiled-attention", "--expert-tiles",
-                            "--expert-walk", "dequantize", "--conv-run-rows", "16"] if optional_forms else []))
+                            "--expert-walk", "dequantize", "--conv-run-rows", "16", "--heads-rows", "4"] if optional_forms else []))
     (path,) = tmp_path.glob("prefill_*.json")
     result = json.loads(path.read_text())
     assert result["chunked_delta_rule"] == optional_forms and result["tiled_attention"] == optional_forms
     assert result["expert_tiles"] == optional_forms and result["conv_run_rows"] == (16 if optional_forms else 0)
+    assert result["heads_rows"] == (4 if optional_forms else 1)
     assert result["chunked_precision"] == ("tf32x3" if optional_forms else "ieee")
     assert result["expert_walk"] == ("dequantize" if optional_forms else "scale-after")
     assert code == 0 and result["cached_equals_cold"] and result["cached_tokens"] == 64  # 4 of the 16-token chunks

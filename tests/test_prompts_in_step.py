@@ -134,20 +134,24 @@ def test_pieces_follow_the_alignment_and_the_chunks():
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_text", "kimi_linear"])
-def test_a_prefills_conv_in_short_runs_gives_the_same_bits(load_target, model_device, monkeypatch, name):
-    """PREFILL_CONV_RUN_ROWS (prefill's short conv in runs of a few rows: which program computes a
-    row never changes its bits): a prompt's every logit row and its slot's state equal those of the
-    step's few runs, torch.equal; then the prompts-inside-steps test holds with it. The CPU
-    reference has no runs, so this runs with --model-device cuda."""
+def test_prefills_programs_of_many_rows_give_the_same_bits(load_target, model_device, monkeypatch, name):
+    """PREFILL_CONV_RUN_ROWS (prefill's short conv in runs of a few rows) and HEADS_ROWS_PER_PROGRAM
+    (GDN's head split, several rows a program): which program computes a row never changes its
+    bits, so a prompt's every logit row and its slot's state equal those of a step's programs,
+    torch.equal; then the prompts-inside-steps test holds with them. The CPU reference has no
+    programs, so this runs with --model-device cuda."""
     if model_device != "cuda":
-        pytest.skip("the conv's runs are the Triton kernel's (--model-device cuda)")
+        pytest.skip("the programs are the Triton kernels' (--model-device cuda)")
+    from hybrid_kernels import gdn_heads
     from verifier.model.layers import linear_attention
 
     model = load_target(name)
     prompt = PROMPTS[0]
     pools, rows = [], []
-    for run_rows in (0, 8):
+    monkeypatch.setattr(gdn_heads, "HEADS_MANY_ROWS", 1)  # this prompt's launches count as many rows
+    for run_rows, heads_rows in ((0, 1), (8, 4)):
         monkeypatch.setattr(linear_attention, "PREFILL_CONV_RUN_ROWS", run_rows)
+        monkeypatch.setattr(gdn_heads, "HEADS_ROWS_PER_PROGRAM", heads_rows)
         pool = model.new_pool(1, SEQ_LEN)
         rows.append(model.prefill(pool, pool.admit(), prompt, chunk=CHUNK, all_logits=True))
         pools.append(pool)

@@ -80,6 +80,28 @@ def test_row_invariance(device, dtype):
     assert all(torch.equal(p, f[-1:]) for p, f in zip(last, full)), "the last row alone differs"
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_rows_a_program_give_the_same_bits(device, rows):
+    """Programs that take `rows` rows in turn (a launch of many rows: rows_per_program) write every
+    row, with gates from split sums too, torch.equal a program a row's; rows under one is refused."""
+    from hybrid_kernels.linear import SplitSums
+
+    from .test_gdn_gates import make as make_gates
+
+    hv = ROW_SHAPE[1]
+    mixed = make(7, ROW_SHAPE, torch.bfloat16, device, seed=5)
+    _, _, A_log, dt_bias = make_gates(7, hv, torch.bfloat16, torch.float32, device)
+    sums = SplitSums((torch.randn(2, 7, 2 * hv, generator=torch.Generator().manual_seed(8)) * 2).to(device), None, torch.bfloat16)
+    want = gdn_heads.gdn_heads(mixed, *ROW_SHAPE, gates=(sums, None, A_log, dt_bias), rows=1)
+    out = tuple(nan_like(t) for t in want[:3])
+    got = gdn_heads.gdn_heads(mixed, *ROW_SHAPE, out=out, gates=(sums, None, A_log, dt_bias), rows=rows)
+    for name, g, w in zip(("q", "k", "v", "decay", "beta"), got, want):
+        assert torch.equal(g, w), f"{name}: {rows} rows a program differ from one"  # a NaN (a row unwritten) fails too
+    with pytest.raises(ValueError, match="rows a program must be at least 1"):
+        gdn_heads.gdn_heads(mixed, *ROW_SHAPE, rows=0)
+    assert gdn_heads.rows_per_program(gdn_heads.HEADS_MANY_ROWS - 1) == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_poisoned_out(device, dtype):
     """Every element of every row is written: out= buffers pre-filled with NaN keep none."""
