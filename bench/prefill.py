@@ -141,6 +141,12 @@ def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99))
 
 
+# Prefill's optional forms: (the flag's and the results file's key, the module, the constant it sets)
+FORMS = (("chunked_delta_rule", linear_attention, "CHUNKED_PREFILL"), ("chunked_precision", delta_rule_chunked, "DOT_PRECISION"),
+         ("conv_run_rows", linear_attention, "PREFILL_CONV_RUN_ROWS"), ("heads_rows", gdn_heads, "HEADS_ROWS_PER_PROGRAM"),
+         ("tiled_attention", attend, "TILED_PREFILL"), ("expert_tiles", mlp, "PREFILL_EXPERT_TILES"))
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -151,24 +157,10 @@ def run(args) -> dict:
               "scale": args.scale, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt_tokens,
               "running": args.running, "arriving": args.arriving, "prefill_chunk": args.chunk,
               "prefill_rows": args.prefill_rows, "step_prompt_rows": args.step_prompt_rows}
-    if args.chunked_delta_rule:
-        linear_attention.CHUNKED_PREFILL = True
-    result["chunked_delta_rule"] = linear_attention.CHUNKED_PREFILL
-    if args.chunked_precision is not None:
-        delta_rule_chunked.DOT_PRECISION = args.chunked_precision
-    result["chunked_precision"] = delta_rule_chunked.DOT_PRECISION
-    if args.conv_run_rows is not None:
-        linear_attention.PREFILL_CONV_RUN_ROWS = args.conv_run_rows
-    result["conv_run_rows"] = linear_attention.PREFILL_CONV_RUN_ROWS
-    if args.heads_rows is not None:
-        gdn_heads.HEADS_ROWS_PER_PROGRAM = args.heads_rows
-    result["heads_rows"] = gdn_heads.HEADS_ROWS_PER_PROGRAM
-    if args.tiled_attention is not None:
-        attend.TILED_PREFILL = args.tiled_attention
-    result["tiled_attention"] = attend.TILED_PREFILL
-    if args.expert_tiles is not None:
-        mlp.PREFILL_EXPERT_TILES = args.expert_tiles
-    result["expert_tiles"] = mlp.PREFILL_EXPERT_TILES
+    for key, module, name in FORMS:  # the forms the flags name; a flag left out keeps the code's default
+        if getattr(args, key) is not None:
+            setattr(module, name, getattr(args, key))
+        result[key] = getattr(module, name)
     from bench.kernel_candidates import apply_walk, current_walk
 
     if args.expert_walk is not None:
@@ -287,7 +279,7 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed with no prompt arriving")
     parser.add_argument("--repeats", type=int, default=3, help="cold opens timed (the first is a warm-up)")
     parser.add_argument("--cache-gb", type=float, default=8.0, help="the prefix cache's budget")
-    parser.add_argument("--chunked-delta-rule", action="store_true",
+    parser.add_argument("--chunked-delta-rule", action="store_true", default=None,
                         help="GDN's prefill in chunked form (verifier/model/layers/linear_attention.py's CHUNKED_PREFILL); "
                              "recorded as chunked_delta_rule")
     parser.add_argument("--chunked-precision", choices=("ieee", "tf32x3"), default=None,

@@ -203,6 +203,7 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
         assert record is not None, "prompts join a verify"
         assert not prefill_kernels_differ(), "a step runs the experts with decode's launches, which a prefill forward does not take"
         row_invariant = MixedRows(batch.n_rows, tuple(group.n_rows for group in prompts))
+        spans = row_invariant.spans
 
     def add_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(a, b, weight, eps, zero_centred)
@@ -224,8 +225,7 @@ def residual_stream(config: ModelConfig, blocks: list[Block], states: list, h: t
             mixed = mix(block, state, x, batch, positions, row_invariant, record, index, prefill)
         else:  # the step's rows, then each group's, each finished (a split-K output's reduce) and stacked
             parts = [mix(block, state, x[: batch.n_rows], batch, positions, True, record, index, False)]
-            for group, (begin, end) in zip(prompts, itertools.pairwise(itertools.accumulate(row_invariant.groups,
-                                                                                            initial=batch.n_rows))):
+            for group, (begin, end) in zip(prompts, spans):
                 parts.append(mix(block, state, x[begin:end], group, group.positions(x.device), False, None, index, True))
             mixed = torch.cat([part.finish() if isinstance(part, SplitSums) else part for part in parts])
         if parallel is not None:

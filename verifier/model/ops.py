@@ -33,6 +33,11 @@ class MixedRows:
     verify: int
     groups: tuple[int, ...]
 
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each group's rows [begin, end), in order after the verify's."""
+        return list(itertools.pairwise(itertools.accumulate(self.groups, initial=self.verify)))
+
 
 def each_row(fn, *tensors: torch.Tensor, row_invariant: bool | MixedRows):
     """fn(*tensors) over all rows at once, or (row_invariant, without the kernels) one row at a
@@ -44,7 +49,7 @@ def each_row(fn, *tensors: torch.Tensor, row_invariant: bool | MixedRows):
     if isinstance(row_invariant, MixedRows):
         verify = row_invariant.verify
         outs = [each_row(fn, *(t[:verify] for t in tensors), row_invariant=True)] if verify else []
-        for begin, end in itertools.pairwise(itertools.accumulate(row_invariant.groups, initial=verify)):
+        for begin, end in row_invariant.spans:
             outs.append(fn(*(t[begin:end].clone() for t in tensors)))
     else:
         outs = [fn(*(t[r : r + 1].clone() for t in tensors)) for r in range(tensors[0].shape[0])]

@@ -226,10 +226,10 @@ class Scheduler:
         while True:
             all_came = None  # whether the awaited sessions came within the window (None: no wait)
             if not self._queue:
-                prompts = self.prompts is not None and self.prompts.waiting
-                if self._ending and not prompts:
+                prompts_wait = self.prompts is not None and self.prompts.waiting
+                if self._ending and not prompts_wait:
                     return
-                if not prompts:
+                if not prompts_wait:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -627,6 +627,7 @@ def _step(engine: Engine, requests: list[StepRequest], drafters: list | None, op
     all: no session drafts on the server), which observes its OK step's outcome here, in order
     with its proposals. openings, piece: opens whose prompts go on in the step (Engine.step's)."""
     started = time.perf_counter()
+    # without openings, step(requests): a tensor-parallel rank's engine (whose opens run whole) takes no others
     results = engine.step(requests, openings, piece) if openings else engine.step(requests)
     on_thread = (started, time.perf_counter())
     if drafters is not None:
